@@ -1,0 +1,126 @@
+"""Model prices and the cost ledger.
+
+Money is Decimal throughout. Ledger columns carry ten decimal places: a cache read of one
+token on a $1/MTok model costs $0.0000001, and sums must match the API's usage exactly.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.db import models
+from django.db.models.functions import Now
+from django.utils import timezone
+
+MONEY = {"max_digits": 20, "decimal_places": 10}
+PRICE = {"max_digits": 12, "decimal_places": 6}
+
+
+class ModelPrice(models.Model):
+    """List price of one model, in USD per million tokens, from `effective_from` on."""
+
+    model = models.CharField(max_length=200)
+    effective_from = models.DateField(help_text="Calls made on or after this UTC day use this price.")
+    input_usd_per_mtok = models.DecimalField(**PRICE)
+    output_usd_per_mtok = models.DecimalField(**PRICE)
+    cache_write_5m_usd_per_mtok = models.DecimalField(**PRICE, help_text="Usually 1.25x input.")
+    cache_write_1h_usd_per_mtok = models.DecimalField(**PRICE, help_text="Usually 2x input.")
+    cache_read_usd_per_mtok = models.DecimalField(**PRICE, help_text="Usually 0.1x input.")
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        db_table = "model_prices"
+        ordering = ["model", "-effective_from"]
+        constraints = [
+            models.UniqueConstraint(fields=["model", "effective_from"], name="model_prices_one_per_day"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model} from {self.effective_from}"
+
+    @classmethod
+    def from_list_price(cls, model: str, effective_from, input_price: Decimal, output_price: Decimal) -> ModelPrice:
+        return cls(
+            model=model,
+            effective_from=effective_from,
+            input_usd_per_mtok=input_price,
+            output_usd_per_mtok=output_price,
+            cache_write_5m_usd_per_mtok=input_price * Decimal("1.25"),
+            cache_write_1h_usd_per_mtok=input_price * 2,
+            cache_read_usd_per_mtok=input_price * Decimal("0.1"),
+        )
+
+
+class CostKind(models.TextChoices):
+    MESSAGE = "message"
+    COMPACTION = "compaction"
+    COUNT_TOKENS = "count_tokens"
+    SESSION_HOURS = "session_hours"
+
+
+class CostEvent(models.Model):
+    """One row per priced event (usually one model call). Append-only.
+
+    References to agents, sessions and runs carry no database constraint: the ledger is
+    money already spent and outlives whatever it names.
+    """
+
+    kind = models.CharField(max_length=16, choices=CostKind.choices, default=CostKind.MESSAGE)
+    company = models.ForeignKey(
+        "sessions_app.Company", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
+    )
+    agent = models.ForeignKey("sessions_app.Agent", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+")
+    session = models.ForeignKey(
+        "sessions_app.AgentSession",
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        null=True,
+        blank=True,
+        related_name="+",
+    )
+    run = models.ForeignKey(
+        "sessions_app.HeartbeatRun",
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        null=True,
+        blank=True,
+        related_name="+",
+    )
+    model = models.TextField(blank=True, default="")
+    input_tokens = models.IntegerField(default=0)
+    output_tokens = models.IntegerField(default=0)
+    # Total cache writes, and their split by lifetime (priced differently).
+    cache_creation_input_tokens = models.IntegerField(default=0)
+    cache_creation_5m_input_tokens = models.IntegerField(default=0)
+    cache_creation_1h_input_tokens = models.IntegerField(default=0)
+    cache_read_input_tokens = models.IntegerField(default=0)
+    session_seconds = models.IntegerField(default=0)
+    cost_usd = models.DecimalField(**MONEY, default=Decimal(0))
+    unpriced = models.BooleanField(default=False, help_text="No price was known for this model when it was recorded.")
+    price = models.ForeignKey(ModelPrice, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # The API's message id: a retried write of the same call is refused, never billed twice.
+    message_id = models.CharField(max_length=255, null=True, blank=True)
+    raw_usage = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_default=Now())
+
+    class Meta:
+        db_table = "cost_events"
+        ordering = ["-created_at"]
+        indexes = [
+            # Daily spend of one agent (the seed's monitoring query, cost_report --agent).
+            models.Index(fields=["agent", "created_at"], name="cost_events_agent_day_idx"),
+            # Daily spend of a company (costs API, admin costs page, budgets).
+            models.Index(fields=["company", "created_at"], name="cost_events_company_day_idx"),
+            # Costs of one session (session page, session totals).
+            models.Index(fields=["session"], name="cost_events_session_idx"),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["message_id", "kind"],
+                condition=models.Q(message_id__isnull=False),
+                name="cost_events_one_per_message",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.model} ${self.cost_usd}"

@@ -1,0 +1,111 @@
+"""Strict readers for configuration from the environment.
+
+Each reader raises ImproperlyConfigured naming the variable, so a typo in a deployment
+stops start-up with one clear line instead of running with a silently wrong value.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+
+def env_str(name: str, default: str) -> str:
+    value = os.environ.get(name, "").strip()
+    return value or default
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{name} must be at most {maximum}, got {value}")
+    return value
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = env_str(name, default)
+    if value not in choices:
+        raise ImproperlyConfigured(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ImproperlyConfigured(f"{name} must be true or false, got {raw!r}")
+
+
+def env_database(name: str, default: str, *, base_dir: Path) -> dict:
+    import dj_database_url
+
+    url = env_str(name, default)
+    try:
+        config = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)
+    except (ValueError, KeyError) as exc:
+        raise ImproperlyConfigured(f"{name} is not a usable database URL ({exc})") from None
+    engine = config.get("ENGINE", "")
+    if not engine or not config.get("NAME"):
+        raise ImproperlyConfigured(f"{name} is not a usable database URL: {url!r}")
+    if engine.endswith("sqlite3"):
+        path = Path(config["NAME"])
+        if str(path) != ":memory:" and not path.is_absolute():
+            path = base_dir / path
+        config["NAME"] = str(path)
+        # Several processes (gunicorn workers, qcluster workers) share one SQLite file:
+        # WAL lets readers run beside the writer, the busy timeout waits for the lock
+        # instead of failing, and IMMEDIATE takes the write lock at BEGIN so two
+        # transactions never deadlock upgrading a read lock.
+        config["CONN_MAX_AGE"] = 0
+        config["CONN_HEALTH_CHECKS"] = False
+        config["OPTIONS"] = {
+            "timeout": 20,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=20000;",
+        }
+    elif "postgresql" in engine:
+        config["ENGINE"] = "django.db.backends.postgresql"
+    return config
+
+
+def secret_key(*, deployment_mode: str, home: Path) -> str:
+    """The secret key: from DJANGO_SECRET_KEY, or generated once into PAPERCLIP_HOME.
+
+    Only local_trusted mode may generate one; an authenticated deployment must say which
+    key it uses, so that several web processes on several hosts sign with the same key.
+    """
+    configured = os.environ.get("DJANGO_SECRET_KEY", "").strip()
+    if configured:
+        return configured
+    if deployment_mode == "authenticated":
+        raise ImproperlyConfigured("DJANGO_SECRET_KEY must be set when PAPERCLIP_DEPLOYMENT_MODE=authenticated")
+    key_file = home / "secret_key"
+    try:
+        return key_file.read_text().strip()
+    except FileNotFoundError:
+        pass
+    home.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(50)
+    # O_EXCL: when two processes start at once, one writes and the other reads its key.
+    try:
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return key_file.read_text().strip()
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key)
+    return key

@@ -1,0 +1,191 @@
+"""Settings for Paperclip Sessions, read from the environment (see README, Configuration)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+from paperclip.env import env_bool, env_choice, env_database, env_int, env_str, secret_key
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+PAPERCLIP_HOME = Path(env_str("PAPERCLIP_HOME", ".paperclip"))
+if not PAPERCLIP_HOME.is_absolute():
+    PAPERCLIP_HOME = BASE_DIR / PAPERCLIP_HOME
+PAPERCLIP_HOME.mkdir(parents=True, exist_ok=True)
+
+PAPERCLIP_PORT = env_int("PAPERCLIP_PORT", 3100, minimum=1, maximum=65535)
+PAPERCLIP_HOST = env_str("PAPERCLIP_HOST", "127.0.0.1")
+PAPERCLIP_DEPLOYMENT_MODE = env_choice("PAPERCLIP_DEPLOYMENT_MODE", "local_trusted", ("local_trusted", "authenticated"))
+
+DATABASES = {
+    "default": env_database("DATABASE_URL", f"sqlite:///{PAPERCLIP_HOME / 'paperclip.sqlite3'}", base_dir=BASE_DIR)
+}
+DATABASE_VENDOR = "sqlite" if DATABASES["default"]["ENGINE"].endswith("sqlite3") else "postgresql"
+if DATABASE_VENDOR == "sqlite":
+    DATABASES["default"]["TEST"] = {"NAME": str(PAPERCLIP_HOME / "test.sqlite3")}
+
+PAPERCLIP_SESSION_STORE = env_choice(
+    "PAPERCLIP_SESSION_STORE", "file" if DATABASE_VENDOR == "sqlite" else "database", ("file", "database")
+)
+PAPERCLIP_RETENTION_DAYS = env_int("PAPERCLIP_RETENTION_DAYS", 30, minimum=1)
+PAPERCLIP_RUN_TIMEOUT_SECONDS = env_int("PAPERCLIP_RUN_TIMEOUT_SECONDS", 600, minimum=1)
+PAPERCLIP_MAX_TASK_CHARS = env_int("PAPERCLIP_MAX_TASK_CHARS", 100_000, minimum=1)
+PAPERCLIP_SESSION_HOUR_USD = env_str("PAPERCLIP_SESSION_HOUR_USD", "0.08")
+PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
+
+SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
+DEBUG = env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = [
+    h.strip() for h in env_str("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]").split(",") if h.strip()
+]
+CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "django.contrib.humanize",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "django_q",
+    "sessions_app",
+    "costs_app",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "paperclip.urls"
+WSGI_APPLICATION = "paperclip.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = PAPERCLIP_HOME / "static"
+STATIC_ROOT.mkdir(exist_ok=True)
+# Without a collected manifest (tests, a fresh checkout) fall back to unhashed names.
+WHITENOISE_MANIFEST_STRICT = False
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Request bodies larger than this are refused with 413 before they reach a view.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("PAPERCLIP_MAX_BODY_BYTES", 1_048_576, minimum=1024)
+
+REST_FRAMEWORK = {
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "UNAUTHENTICATED_USER": None,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DATETIME_FORMAT": "iso-8601",
+    "COERCE_DECIMAL_TO_STRING": True,
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Paperclip Sessions API",
+    "DESCRIPTION": "Persistent sessions, heartbeats and costs for LLM agents.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
+
+REDIS_URL = env_str("REDIS_URL", "")
+
+# django-q2 keeps cluster statistics in the cache; it must be shared by every process so
+# that the web's health probe sees the qcluster's heartbeat.
+if REDIS_URL:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.db.DatabaseCache", "LOCATION": "paperclip_cache"}}
+Q_CLUSTER = {
+    "name": "paperclip",
+    "workers": env_int("PAPERCLIP_Q_WORKERS", 2, minimum=1),
+    # A heartbeat may wait on the model for the whole run timeout; the task timeout sits
+    # above it so the engine, not the cluster, decides when a run has failed. `retry`
+    # must exceed `timeout`, or a slow task is handed to a second worker while it runs.
+    "timeout": PAPERCLIP_RUN_TIMEOUT_SECONDS + 60,
+    "retry": PAPERCLIP_RUN_TIMEOUT_SECONDS + 120,
+    "max_attempts": 1,
+    # A restarted cluster must not replay every heartbeat it missed while it was down.
+    "catch_up": False,
+    "save_limit": 1000,
+    "ack_failures": True,
+    "label": "Task queue",
+}
+if REDIS_URL:
+    Q_CLUSTER["redis"] = REDIS_URL
+else:
+    Q_CLUSTER["orm"] = "default"
+    Q_CLUSTER["poll"] = 0.5
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("PAPERCLIP_LOG_LEVEL", "INFO")},
+    "loggers": {
+        # httpx logs every request line; the SDK's own logger can include headers at DEBUG.
+        "httpx": {"level": "WARNING"},
+        "httpx2": {"level": "WARNING"},
+        "anthropic": {"level": "WARNING"},
+    },
+}
+
+if PAPERCLIP_DEPLOYMENT_MODE == "authenticated":
+    SESSION_COOKIE_SECURE = env_bool("DJANGO_SECURE_COOKIES", True)
+    CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+    SECURE_CONTENT_TYPE_NOSNIFF = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+if PAPERCLIP_DEPLOYMENT_MODE == "local_trusted" and PAPERCLIP_HOST not in ("127.0.0.1", "localhost", "::1"):
+    raise ImproperlyConfigured(
+        f"PAPERCLIP_HOST={PAPERCLIP_HOST} is not a loopback address; local_trusted mode serves an open API "
+        "and binds loopback only. Use PAPERCLIP_DEPLOYMENT_MODE=authenticated to listen elsewhere."
+    )

@@ -1,0 +1,53 @@
+"""The adapter registry: one module per adapter type, looked up by `agents.adapter_type`."""
+
+from __future__ import annotations
+
+from sessions_app.adapters.base import (
+    COMMON_KEYS,
+    Adapter,
+    AdapterError,
+    AdapterReply,
+    AdapterRequest,
+    AgentConfigError,
+    validate_common,
+)
+from sessions_app.adapters.claude_code import ClaudeCodeAdapter
+from sessions_app.adapters.process import ProcessAdapter
+
+ADAPTERS: dict[str, Adapter] = {
+    ClaudeCodeAdapter.type_name: ClaudeCodeAdapter(),
+    ProcessAdapter.type_name: ProcessAdapter(),
+}
+
+__all__ = ["ADAPTERS", "AdapterError", "AdapterReply", "AdapterRequest", "AgentConfigError", "get_adapter"]
+
+
+def get_adapter(adapter_type: str) -> Adapter:
+    try:
+        return ADAPTERS[adapter_type]
+    except KeyError:
+        raise AgentConfigError({"adapter_type": f"unknown adapter type {adapter_type!r}"}) from None
+
+
+def validate_agent_config(adapter_type: str, config: object) -> dict:
+    """Check an agent's adapter configuration; return it with defaults filled in.
+
+    Raises AgentConfigError naming every offending field, so the API answers 400 with
+    all of them at once and the admin marks the field.
+    """
+    if adapter_type not in ADAPTERS:
+        raise AgentConfigError(
+            {"adapter_type": f"unknown adapter type {adapter_type!r}; expected one of {', '.join(sorted(ADAPTERS))}"}
+        )
+    if not isinstance(config, dict):
+        raise AgentConfigError({"adapter_config": "must be a JSON object"})
+    adapter = ADAPTERS[adapter_type]
+    errors: dict[str, str] = {}
+    clean = validate_common(config, errors)
+    clean.update(adapter.validate_config(config, errors))
+    allowed = COMMON_KEYS | adapter.config_keys
+    for key in sorted(set(config) - allowed):
+        errors[key] = f"unknown setting for adapter {adapter_type!r}"
+    if errors:
+        raise AgentConfigError({f"adapter_config.{key}": message for key, message in errors.items()})
+    return clean

@@ -1,0 +1,119 @@
+"""What every adapter shares: the request it receives, the reply it returns, config rules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypedDict
+
+from django.core.exceptions import ValidationError
+
+DEFAULT_SESSION_TTL_HOURS = 24
+MAX_SESSION_TTL_HOURS = 24 * 366
+
+
+class HistoryMessage(TypedDict, total=False):
+    role: str  # "user" or "assistant"
+    content: Any  # str, or a list of Messages API content blocks
+    at: str  # ISO 8601 time the turn was recorded
+    run_id: str
+    usage: dict
+
+
+class UsageRecord(TypedDict, total=False):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+    cache_creation: dict
+    iterations: list
+
+
+@dataclass
+class AdapterRequest:
+    model: str
+    system: str
+    messages: list[dict]
+    config: dict
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class AdapterReply:
+    text: str
+    content: Any  # what is stored as the assistant turn: the API's content blocks, or text
+    model: str
+    message_id: str = ""
+    stop_reason: str = ""
+    usage: dict | None = None  # the raw usage as the API returned it; None when it gave none
+
+
+class AdapterError(Exception):
+    """A model call that failed. `code` is stable and stored on the run for operators."""
+
+    def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+
+class Adapter(Protocol):
+    type_name: str
+
+    def validate_config(self, config: dict, errors: dict[str, str]) -> dict: ...
+
+    def call(self, request: AdapterRequest) -> AdapterReply: ...
+
+
+class AgentConfigError(ValidationError):
+    """Invalid agent configuration; `fields` maps `adapter_config.<key>` to what is wrong."""
+
+    def __init__(self, fields: dict[str, str]) -> None:
+        self.fields = fields
+        grouped: dict[str, list[str]] = {}
+        for name, message in fields.items():
+            top, _, key = name.partition(".")
+            grouped.setdefault(top, []).append(f"{key}: {message}" if key else message)
+        super().__init__(grouped)
+
+
+# The keys every adapter accepts; each adapter adds its own.
+COMMON_KEYS = {"session_mode", "session_ttl_hours", "heartbeat_interval_minutes"}
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_common(config: dict, errors: dict[str, str]) -> dict:
+    clean: dict[str, Any] = {}
+    mode = config.get("session_mode", "stateless")
+    if mode not in ("stateless", "persistent"):
+        errors["session_mode"] = f"must be 'stateless' or 'persistent', got {mode!r}"
+    clean["session_mode"] = mode
+    ttl = config.get("session_ttl_hours", DEFAULT_SESSION_TTL_HOURS)
+    if not is_number(ttl) or ttl <= 0:
+        errors["session_ttl_hours"] = f"must be a positive number of hours, got {ttl!r}"
+    elif ttl > MAX_SESSION_TTL_HOURS:
+        errors["session_ttl_hours"] = f"must be at most {MAX_SESSION_TTL_HOURS} hours, got {ttl!r}"
+    clean["session_ttl_hours"] = ttl
+    if "heartbeat_interval_minutes" in config:
+        interval = config["heartbeat_interval_minutes"]
+        if interval is not None and (not is_int(interval) or not 1 <= interval <= 60 * 24 * 31):
+            errors["heartbeat_interval_minutes"] = (
+                f"must be a whole number of minutes (1..44640) or null, got {interval!r}"
+            )
+        clean["heartbeat_interval_minutes"] = interval
+    return clean
+
+
+def validate_timeout(config: dict, errors: dict[str, str], clean: dict, *, default: float) -> None:
+    timeout = config.get("timeout_seconds", default)
+    if not is_number(timeout) or not 0 < timeout <= 3600:
+        errors["timeout_seconds"] = f"must be a number of seconds in (0, 3600], got {timeout!r}"
+    clean["timeout_seconds"] = timeout

@@ -1,0 +1,139 @@
+"""`claude-code`: the Messages API through the official `anthropic` SDK.
+
+The SDK reads ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL itself and retries 408/409/429/5xx
+with backoff (honouring retry-after); we only choose how many times and how long.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import anthropic
+
+from sessions_app.adapters.base import (
+    AdapterError,
+    AdapterReply,
+    AdapterRequest,
+    is_int,
+    is_number,
+    validate_timeout,
+)
+
+DEFAULT_MODEL = "claude-sonnet-4-5"
+DEFAULT_MAX_TOKENS = 4096
+DEFAULT_TIMEOUT_SECONDS = 600
+DEFAULT_MAX_RETRIES = 2
+
+
+@functools.lru_cache(maxsize=32)
+def _client(base_url: str, api_key: str, timeout: float, max_retries: int) -> anthropic.Anthropic:
+    # One client per configuration and process: it owns a connection pool, so reusing it
+    # saves a TLS handshake per heartbeat. The environment values are part of the key so a
+    # changed ANTHROPIC_BASE_URL or key takes effect without a restart.
+    return anthropic.Anthropic(
+        api_key=api_key or None, base_url=base_url or None, timeout=timeout, max_retries=max_retries
+    )
+
+
+def client_for(config: dict) -> anthropic.Anthropic:
+    try:
+        return _client(
+            os.environ.get("ANTHROPIC_BASE_URL", ""),
+            os.environ.get("ANTHROPIC_API_KEY", ""),
+            float(config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)),
+            int(config.get("max_retries", DEFAULT_MAX_RETRIES)),
+        )
+    except anthropic.AnthropicError as exc:
+        # Typically no API key configured. The message never contains the key itself.
+        raise AdapterError("adapter_not_configured", f"Anthropic client could not be created: {exc}") from None
+
+
+def error_from_sdk(exc: Exception) -> AdapterError:
+    """Map an SDK exception to a stable error code; messages never carry credentials."""
+    if isinstance(exc, anthropic.APITimeoutError):
+        return AdapterError("model_timeout", "The Messages API did not answer in time.", retryable=True)
+    if isinstance(exc, anthropic.APIConnectionError):
+        return AdapterError("model_unreachable", "Could not reach the Messages API.", retryable=True)
+    if isinstance(exc, anthropic.APIStatusError):
+        status = exc.status_code
+        code = {
+            400: "model_bad_request",
+            401: "model_auth_failed",
+            403: "model_forbidden",
+            404: "model_not_found",
+            413: "model_request_too_large",
+            429: "model_rate_limited",
+            529: "model_overloaded",
+        }.get(status, "model_server_error" if status >= 500 else "model_error")
+        detail = ""
+        body = exc.body if isinstance(exc.body, dict) else None
+        if body and isinstance(body.get("error"), dict):
+            detail = str(body["error"].get("message", ""))[:500]
+        message = f"Messages API answered {status}" + (f": {detail}" if detail else "")
+        return AdapterError(code, message, retryable=status == 429 or status >= 500)
+    if isinstance(exc, anthropic.APIResponseValidationError):
+        return AdapterError("model_malformed_response", "The Messages API answered with an unexpected body.")
+    return AdapterError("model_error", f"{exc.__class__.__name__}: {str(exc)[:500]}")
+
+
+class ClaudeCodeAdapter:
+    type_name = "claude-code"
+    config_keys = {"model", "max_tokens", "temperature", "timeout_seconds", "max_retries"}
+
+    def validate_config(self, config: dict, errors: dict[str, str]) -> dict:
+        clean: dict[str, Any] = {}
+        model = config.get("model", DEFAULT_MODEL)
+        if not isinstance(model, str) or not model.strip() or len(model) > 200:
+            errors["model"] = f"must be a model name such as 'claude-sonnet-4-5', got {model!r}"
+        clean["model"] = model
+        max_tokens = config.get("max_tokens", DEFAULT_MAX_TOKENS)
+        if not is_int(max_tokens) or not 1 <= max_tokens <= 128_000:
+            errors["max_tokens"] = f"must be a whole number in 1..128000, got {max_tokens!r}"
+        clean["max_tokens"] = max_tokens
+        if "temperature" in config:
+            temperature = config["temperature"]
+            if temperature is not None and (not is_number(temperature) or not 0 <= temperature <= 1):
+                errors["temperature"] = f"must be a number in 0..1 or null, got {temperature!r}"
+            clean["temperature"] = temperature
+        validate_timeout(config, errors, clean, default=DEFAULT_TIMEOUT_SECONDS)
+        retries = config.get("max_retries", DEFAULT_MAX_RETRIES)
+        if not is_int(retries) or not 0 <= retries <= 10:
+            errors["max_retries"] = f"must be a whole number in 0..10, got {retries!r}"
+        clean["max_retries"] = retries
+        return clean
+
+    def call(self, request: AdapterRequest) -> AdapterReply:
+        client = client_for(request.config)
+        extra_body: dict[str, Any] = {}
+        if request.config.get("temperature") is not None:
+            extra_body["temperature"] = request.config["temperature"]
+        kwargs: dict[str, Any] = {
+            "model": request.model,
+            "max_tokens": int(request.config.get("max_tokens", DEFAULT_MAX_TOKENS)),
+            "messages": request.messages,
+        }
+        if request.system:
+            kwargs["system"] = request.system
+        if extra_body:
+            kwargs["extra_body"] = extra_body
+        try:
+            message = client.messages.create(**kwargs)
+        except anthropic.AnthropicError as exc:
+            raise error_from_sdk(exc) from None
+        except ValueError as exc:  # a body that is not JSON at all
+            raise AdapterError(
+                "model_malformed_response", f"The Messages API answered with invalid JSON: {exc}"
+            ) from None
+        content = [block.model_dump(mode="json", exclude_none=True) for block in (message.content or [])]
+        text = "".join(block.get("text", "") for block in content if block.get("type") == "text")
+        usage = message.usage.model_dump(mode="json", exclude_none=True) if message.usage is not None else None
+        return AdapterReply(
+            text=text,
+            content=content,
+            model=message.model or request.model,
+            message_id=message.id or "",
+            stop_reason=message.stop_reason or "",
+            usage=usage,
+        )

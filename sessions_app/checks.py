@@ -1,0 +1,30 @@
+"""System checks for deployment configuration."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.checks import Error, Warning, register
+
+
+@register("paperclip", deploy=True)
+def check_deployment(app_configs, **kwargs):
+    errors = []
+    if settings.PAPERCLIP_DEPLOYMENT_MODE == "authenticated" and settings.DEBUG:
+        errors.append(Error("DJANGO_DEBUG must be off in authenticated mode.", id="paperclip.E001"))
+    if settings.DATABASE_VENDOR == "sqlite" and settings.REDIS_URL:
+        errors.append(
+            Warning(
+                "REDIS_URL is set with the SQLite database; sessions are local to this machine.",
+                id="paperclip.W002",
+            )
+        )
+    return errors
+
+
+@register("paperclip")
+def check_session_store(app_configs, **kwargs):
+    if settings.PAPERCLIP_SESSION_STORE == "file":
+        home = settings.PAPERCLIP_HOME
+        if not home.exists() or not home.is_dir():
+            return [Error(f"PAPERCLIP_HOME {home} is not a directory.", id="paperclip.E002")]
+    return []

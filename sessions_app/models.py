@@ -1,0 +1,288 @@
+"""Companies, agents, their sessions and heartbeat runs, and API keys.
+
+Table and column names are the public contract (`shared/CONTRACT.md`): SQL from the docs
+runs against them verbatim, so every model sets `db_table`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.utils import timezone
+
+SESSION_ID_PREFIX = "sess_"
+
+
+class Company(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=200)
+    created_at = models.DateTimeField(default=timezone.now, db_default=Now(), editable=False)
+
+    class Meta:
+        db_table = "companies"
+        verbose_name_plural = "companies"
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class AgentStatus(models.TextChoices):
+    ACTIVE = "active"
+    PAUSED = "paused"
+    # Deleted agents keep their row so that runs and the cost ledger still name them.
+    DELETED = "deleted"
+
+
+class SessionMode(models.TextChoices):
+    STATELESS = "stateless"
+    PERSISTENT = "persistent"
+
+
+class Agent(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="agents")
+    name = models.CharField(max_length=200)
+    system_prompt = models.TextField(blank=True, default="")
+    adapter_type = models.TextField(default="claude-code")
+    adapter_config = models.JSONField(default=dict, blank=True)
+    status = models.CharField(max_length=16, choices=AgentStatus.choices, default=AgentStatus.ACTIVE)
+    paused_reason = models.CharField(max_length=32, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now, db_default=Now(), editable=False)
+    updated_at = models.DateTimeField(auto_now=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "agents"
+        ordering = ["name"]
+        indexes = [
+            # The company's agent list (API and admin), which hides deleted agents.
+            models.Index(fields=["company", "status", "name"], name="agents_company_status_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def save(self, *args, **kwargs) -> None:
+        # Every path that saves an agent (API, admin, shell) goes through validation, so a
+        # bad configuration is refused when it is written, never discovered at heartbeat.
+        self.clean()
+        super().save(*args, **kwargs)
+
+    def clean(self) -> None:
+        from sessions_app.adapters import validate_agent_config
+
+        self.adapter_config = validate_agent_config(self.adapter_type, self.adapter_config)
+
+    @property
+    def session_mode(self) -> str:
+        return self.adapter_config.get("session_mode", SessionMode.STATELESS)
+
+    @property
+    def is_persistent(self) -> bool:
+        return self.session_mode == SessionMode.PERSISTENT
+
+    @property
+    def session_ttl(self) -> timedelta:
+        return timedelta(hours=float(self.adapter_config.get("session_ttl_hours", 24)))
+
+    @property
+    def model_name(self) -> str:
+        return str(self.adapter_config.get("model", ""))
+
+
+class SessionStatus(models.TextChoices):
+    ACTIVE = "active"
+    PAUSED = "paused"
+    EXPIRED = "expired"
+    ENDED = "ended"
+
+
+LIVE_SESSION_STATUSES = (SessionStatus.ACTIVE, SessionStatus.PAUSED)
+
+
+class HistoryStore(models.TextChoices):
+    DATABASE = "database"
+    FILE = "file"
+
+
+class AgentSession(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="sessions")
+    company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="sessions")
+    # Only the `database` store keeps turns here; the `file` store leaves it empty.
+    history = models.JSONField(default=list, db_default=models.Value([], output_field=models.JSONField()))
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+    last_used = models.DateTimeField(db_default=Now())
+    expires_at = models.DateTimeField(null=True, blank=True)
+    status = models.CharField(
+        max_length=16, choices=SessionStatus.choices, default=SessionStatus.ACTIVE, db_default=SessionStatus.ACTIVE
+    )
+    # Kept beside the history so that listing sessions never reads a history.
+    message_count = models.PositiveIntegerField(default=0, db_default=0)
+    # Where this session's turns live; a row inserted by raw SQL holds them in `history`.
+    store = models.CharField(
+        max_length=16, choices=HistoryStore.choices, default=HistoryStore.DATABASE, db_default=HistoryStore.DATABASE
+    )
+    adapter_type = models.TextField(blank=True, default="", db_default="")
+    model = models.TextField(blank=True, default="", db_default="")
+    last_input_tokens = models.PositiveIntegerField(null=True, blank=True)
+    total_input_tokens = models.BigIntegerField(default=0, db_default=0)
+    total_output_tokens = models.BigIntegerField(default=0, db_default=0)
+    total_cost_usd = models.DecimalField(max_digits=20, decimal_places=10, default=0, db_default=0)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    end_reason = models.CharField(max_length=32, blank=True, default="", db_default="")
+    predecessor = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="successors")
+
+    class Meta:
+        db_table = "agent_sessions"
+        ordering = ["-last_used"]
+        indexes = [
+            # Sessions list of one agent, newest use first (API, admin inline), and the
+            # heartbeat's lookup of the agent's live session.
+            models.Index(fields=["agent", "-last_used"], name="sessions_agent_last_used_idx"),
+            # The expiry task: live sessions whose expires_at has passed.
+            models.Index(
+                fields=["expires_at"],
+                name="sessions_live_expires_idx",
+                condition=Q(status__in=LIVE_SESSION_STATUSES),
+            ),
+        ]
+        constraints = [
+            # One live session per agent: two heartbeats racing to start a session cannot
+            # both succeed, whatever process they run in.
+            models.UniqueConstraint(
+                fields=["agent"],
+                condition=Q(status__in=LIVE_SESSION_STATUSES),
+                name="sessions_one_live_per_agent",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.public_id
+
+    @property
+    def public_id(self) -> str:
+        return SESSION_ID_PREFIX + self.id.hex
+
+    def is_live_at(self, now: datetime) -> bool:
+        if self.status not in LIVE_SESSION_STATUSES:
+            return False
+        return self.expires_at is None or self.expires_at > now
+
+
+def parse_session_id(value: str) -> uuid.UUID | None:
+    """A session id in either public form (`sess_<hex>`) or as a plain UUID; None if neither."""
+    text = str(value).strip()
+    if text.startswith(SESSION_ID_PREFIX):
+        text = text[len(SESSION_ID_PREFIX) :]
+        if len(text) != 32:
+            return None
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        return None
+
+
+class RunStatus(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+UNFINISHED_RUN_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING)
+
+
+class RunTrigger(models.TextChoices):
+    API = "api"
+    SCHEDULE = "schedule"
+    COMMAND = "command"
+    ADMIN = "admin"
+
+
+class HeartbeatRun(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="runs")
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="runs")
+    session = models.ForeignKey(AgentSession, null=True, blank=True, on_delete=models.SET_NULL, related_name="runs")
+    status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.QUEUED)
+    trigger = models.CharField(max_length=16, choices=RunTrigger.choices, default=RunTrigger.API)
+    task = models.TextField()
+    force_fresh = models.BooleanField(default=False)
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True)
+    output = models.TextField(blank=True, default="")
+    error_code = models.CharField(max_length=64, blank=True, default="")
+    error = models.TextField(blank=True, default="")
+    model = models.TextField(blank=True, default="")
+    message_id = models.CharField(max_length=255, blank=True, default="")
+    stop_reason = models.CharField(max_length=64, blank=True, default="")
+    input_tokens = models.PositiveIntegerField(null=True, blank=True)
+    output_tokens = models.PositiveIntegerField(null=True, blank=True)
+    cache_creation_input_tokens = models.PositiveIntegerField(null=True, blank=True)
+    cache_read_input_tokens = models.PositiveIntegerField(null=True, blank=True)
+    cost_usd = models.DecimalField(max_digits=20, decimal_places=10, null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_default=Now(), editable=False)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    # A run still `running` after this moment is presumed dead (killed worker) and reaped.
+    deadline_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "heartbeat_runs"
+        ordering = ["-created_at"]
+        indexes = [
+            # Runs list of one agent, newest first. Ordered by created_at rather than
+            # started_at because a queued run has not started yet and must still list.
+            models.Index(fields=["agent", "-created_at"], name="runs_agent_created_idx"),
+            # One-writer check and scheduled-tick skip: the agent's unfinished runs; also
+            # the reaper's scan. Partial, so it stays tiny however long the history.
+            models.Index(
+                fields=["agent", "status"],
+                name="runs_unfinished_idx",
+                condition=Q(status__in=UNFINISHED_RUN_STATUSES),
+            ),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["agent", "idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
+                name="runs_idempotency_key_per_agent",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.id} ({self.status})"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)
+
+
+class ApiKey(models.Model):
+    """A company-scoped API key. Only its SHA-256 is stored; the key is shown once."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=200, blank=True, default="")
+    prefix = models.CharField(max_length=16, editable=False)
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "api_keys"
+        ordering = ["-created_at"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.name or self.company_id})"
+
+    @property
+    def is_active(self) -> bool:
+        return self.revoked_at is None

@@ -1,0 +1,124 @@
+"""Operations that span models or leave the process (files, the task queue).
+
+The API, the admin (including its bulk actions, which bypass Model.delete()), the
+management commands and the scheduled tasks all call these, so each has one behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+from django.db import transaction
+from django.db.models import QuerySet
+
+from sessions_app.models import (
+    UNFINISHED_RUN_STATUSES,
+    Agent,
+    AgentSession,
+    AgentStatus,
+    HeartbeatRun,
+    HistoryStore,
+    RunStatus,
+    SessionStatus,
+)
+from sessions_app.schedules import agent_schedule_sync
+from sessions_app.stores import STORES, store_for
+
+logger = logging.getLogger(__name__)
+
+
+def _delete_history_files(rows: list[tuple]) -> None:
+    for session_id, agent_id, store in rows:
+        if store != HistoryStore.FILE:
+            continue
+        session = AgentSession(id=session_id, agent_id=agent_id, store=store)
+        try:
+            STORES[HistoryStore.FILE].delete(session)
+        except OSError:
+            # The row is already gone; an orphaned file is harmless to the service and
+            # is reported so an operator can remove it.
+            logger.exception("Could not delete the history file of session %s", session.public_id)
+
+
+def sessions_delete(*, sessions: QuerySet[AgentSession]) -> int:
+    """Delete sessions and their histories (rows, and files after the commit)."""
+    with transaction.atomic():
+        rows = list(sessions.values_list("id", "agent_id", "store"))
+        count, _ = AgentSession.objects.filter(id__in=[row[0] for row in rows]).delete()
+        transaction.on_commit(lambda: _delete_history_files(rows))
+    return count
+
+
+def session_delete(*, session: AgentSession) -> None:
+    sessions_delete(sessions=AgentSession.objects.filter(pk=session.pk))
+
+
+def session_expire(*, session: AgentSession, now: datetime) -> bool:
+    """Expire one live session now. False when it was no longer live (raced)."""
+    updated = AgentSession.objects.filter(
+        pk=session.pk, status__in=[SessionStatus.ACTIVE, SessionStatus.PAUSED]
+    ).update(status=SessionStatus.EXPIRED, expires_at=now, ended_at=now, end_reason="expired_by_operator")
+    return bool(updated)
+
+
+def session_clear_history(*, session: AgentSession) -> None:
+    """Empty a session's history but keep its row (and its place in the ledger)."""
+    with transaction.atomic():
+        locked = AgentSession.objects.select_for_update().get(pk=session.pk)
+        store = store_for(locked)
+        store.prepare(locked, [])
+        locked.message_count = 0
+        locked.last_input_tokens = None
+        locked.save(update_fields=["history", "message_count", "last_input_tokens"])
+        store.commit(locked)
+
+
+def agent_pause(*, agent: Agent, reason: str = "manual") -> None:
+    Agent.objects.filter(pk=agent.pk, status=AgentStatus.ACTIVE).update(status=AgentStatus.PAUSED, paused_reason=reason)
+    agent.refresh_from_db(fields=["status", "paused_reason"])
+    agent_schedule_sync(agent=agent)
+
+
+def agent_resume(*, agent: Agent) -> None:
+    Agent.objects.filter(pk=agent.pk, status=AgentStatus.PAUSED).update(status=AgentStatus.ACTIVE, paused_reason="")
+    agent.refresh_from_db(fields=["status", "paused_reason"])
+    agent_schedule_sync(agent=agent)
+
+
+def agent_delete(*, agent: Agent, now: datetime) -> None:
+    """Retire an agent: it disappears from the API, its sessions and their histories are
+    deleted, queued runs are failed, and its schedule is removed. The agent row, its runs
+    and its cost events stay: they are the record of what was done and spent."""
+    with transaction.atomic():
+        Agent.objects.filter(pk=agent.pk).update(status=AgentStatus.DELETED, deleted_at=now, paused_reason="")
+        HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).update(
+            status=RunStatus.FAILED, error_code="agent_deleted", error="The agent was deleted.", finished_at=now
+        )
+        sessions_delete(sessions=AgentSession.objects.filter(agent=agent))
+    agent.refresh_from_db(fields=["status", "deleted_at", "paused_reason"])
+    agent_schedule_sync(agent=agent)
+
+
+def agents_hard_delete(*, agents: QuerySet[Agent]) -> int:
+    """Remove agents entirely (admin): their sessions' files go too. The ledger stays."""
+    with transaction.atomic():
+        agent_ids = list(agents.values_list("id", flat=True))
+        sessions_delete(sessions=AgentSession.objects.filter(agent_id__in=agent_ids))
+        count, _ = Agent.objects.filter(id__in=agent_ids).delete()
+    for agent_id in agent_ids:
+        agent_schedule_sync(agent=Agent(id=agent_id, status=AgentStatus.DELETED))
+    return count
+
+
+__all__ = [
+    "UNFINISHED_RUN_STATUSES",
+    "agent_delete",
+    "agent_pause",
+    "agent_resume",
+    "agents_hard_delete",
+    "session_clear_history",
+    "session_delete",
+    "session_expire",
+    "sessions_delete",
+]

@@ -1,0 +1,74 @@
+"""The usual cast: a company, its stateless and persistent agents, and another company."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+
+from sessions_app.models import Agent, Company
+
+
+@pytest.fixture(autouse=True)
+def plain_static_files(settings):
+    # The hashed manifest exists only after collectstatic (done by the run command).
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    }
+
+
+@pytest.fixture(autouse=True)
+def paperclip_home(settings, tmp_path):
+    """Each test gets its own sandbox folder for history files."""
+    home = tmp_path / "paperclip-home"
+    home.mkdir()
+    settings.PAPERCLIP_HOME = home
+    return home
+
+
+@pytest.fixture
+def postgres_only():
+    if connection.vendor != "postgresql":
+        pytest.skip("needs PostgreSQL (run with DATABASE_URL=postgres://...)")
+
+
+@pytest.fixture
+def company(db):
+    return Company.objects.create(name="Acme")
+
+
+@pytest.fixture
+def other_company(db):
+    return Company.objects.create(name="Globex")
+
+
+@pytest.fixture
+def stateless_agent(company):
+    return Agent.objects.create(
+        company=company,
+        name="Stateless",
+        system_prompt="You are terse.",
+        adapter_type="claude-code",
+        adapter_config={"model": "claude-opus-4-5"},
+    )
+
+
+@pytest.fixture
+def persistent_agent(company):
+    return Agent.objects.create(
+        company=company,
+        name="Persistent",
+        system_prompt="You remember.",
+        adapter_type="claude-code",
+        adapter_config={"model": "claude-opus-4-5", "session_mode": "persistent", "session_ttl_hours": 24},
+    )
+
+
+@pytest.fixture
+def other_agent(other_company):
+    return Agent.objects.create(
+        company=other_company,
+        name="Foreign",
+        adapter_type="claude-code",
+        adapter_config={"model": "claude-haiku-4-5", "session_mode": "persistent"},
+    )

@@ -1,0 +1,49 @@
+"""A bad environment stops start-up with one clear line, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_check(tmp_path, **env):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
+    environment.update({"PAPERCLIP_HOME": str(tmp_path), **env})
+    return subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "mentions"),
+    [
+        ({"DATABASE_URL": "garbage"}, "DATABASE_URL"),
+        ({"DATABASE_URL": "nosuchdb://x/y"}, "DATABASE_URL"),
+        ({"PAPERCLIP_PORT": "eighty"}, "PAPERCLIP_PORT"),
+        ({"PAPERCLIP_DEPLOYMENT_MODE": "authenticated"}, "DJANGO_SECRET_KEY"),
+        ({"PAPERCLIP_DEPLOYMENT_MODE": "open"}, "PAPERCLIP_DEPLOYMENT_MODE"),
+        ({"PAPERCLIP_SESSION_STORE": "s3"}, "PAPERCLIP_SESSION_STORE"),
+        ({"PAPERCLIP_HOST": "0.0.0.0"}, "PAPERCLIP_HOST"),
+    ],
+)
+def test_bad_configuration_stops_with_one_clear_line(tmp_path, env, mentions):
+    result = run_check(tmp_path, **env)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("paperclip: configuration error:")
+    assert mentions in lines[0]
+
+
+def test_secret_key_is_generated_once_in_local_trusted_mode(tmp_path):
+    assert run_check(tmp_path).returncode == 0
+    key = (tmp_path / "secret_key").read_text()
+    assert run_check(tmp_path).returncode == 0
+    assert (tmp_path / "secret_key").read_text() == key
+    assert oct((tmp_path / "secret_key").stat().st_mode)[-3:] == "600"

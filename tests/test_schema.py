@@ -1,0 +1,111 @@
+"""The contract's tables answer the SQL in the docs verbatim (PostgreSQL)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+
+from costs_app.models import CostEvent, ModelPrice
+from sessions_app.models import AgentSession
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("postgres_only")]
+
+SEED_DAILY_COST_QUERY = """
+SELECT
+  date_trunc('day', ce.created_at) AS day,
+  SUM(ce.input_tokens)  AS total_input,
+  SUM(ce.output_tokens) AS total_output,
+  SUM(ce.cost_usd)      AS daily_cost
+FROM cost_events ce
+WHERE ce.agent_id = 'your-agent-id'
+GROUP BY day
+ORDER BY day DESC;
+"""
+
+
+def test_seed_daily_cost_query_runs_verbatim(persistent_agent, stateless_agent):
+    def event(agent, when, tokens_in, tokens_out, cost):
+        CostEvent.objects.create(
+            company=agent.company,
+            agent=agent,
+            model="claude-opus-4-5",
+            input_tokens=tokens_in,
+            output_tokens=tokens_out,
+            cost_usd=Decimal(cost),
+            created_at=when,
+        )
+
+    event(persistent_agent, datetime(2026, 11, 1, 9, tzinfo=UTC), 100, 10, "0.0010")
+    event(persistent_agent, datetime(2026, 11, 1, 23, tzinfo=UTC), 200, 20, "0.0020")
+    event(persistent_agent, datetime(2026, 11, 2, 1, tzinfo=UTC), 400, 40, "0.0040")
+    event(stateless_agent, datetime(2026, 11, 2, 1, tzinfo=UTC), 9999, 999, "9.9")
+
+    with connection.cursor() as cursor:
+        cursor.execute("SET TIME ZONE 'UTC'")
+        cursor.execute(SEED_DAILY_COST_QUERY.replace("your-agent-id", str(persistent_agent.id)))
+        rows = cursor.fetchall()
+
+    assert [(day.date().isoformat(), i, o, c) for day, i, o, c in rows] == [
+        ("2026-11-02", 400, 40, Decimal("0.0040")),
+        ("2026-11-01", 300, 30, Decimal("0.0030")),
+    ]
+
+
+def test_raw_insert_into_agent_sessions_uses_database_defaults(persistent_agent):
+    session_id = uuid.uuid4()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO agent_sessions (id, agent_id, company_id) VALUES (%s, %s, %s)",
+            [session_id, persistent_agent.id, persistent_agent.company_id],
+        )
+    session = AgentSession.objects.get(id=session_id)
+    assert session.history == []
+    assert session.created_at is not None and session.last_used is not None
+    assert session.status == "active"
+    assert session.message_count == 0
+    assert session.store == "database"
+
+
+def test_tutorial_create_table_columns_exist_with_their_types():
+    expected = {
+        "id": ("uuid", "NO"),
+        "agent_id": ("uuid", "NO"),
+        "company_id": ("uuid", "NO"),
+        "history": ("jsonb", "NO"),
+        "created_at": ("timestamp with time zone", None),
+        "last_used": ("timestamp with time zone", None),
+        "expires_at": ("timestamp with time zone", "YES"),
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT column_name, data_type, is_nullable, column_default FROM information_schema.columns "
+            "WHERE table_name = 'agent_sessions'"
+        )
+        columns = {name: (kind, nullable, default) for name, kind, nullable, default in cursor.fetchall()}
+        cursor.execute(
+            "SELECT ccu.table_name FROM information_schema.table_constraints tc "
+            "JOIN information_schema.key_column_usage kcu ON tc.constraint_name = kcu.constraint_name "
+            "JOIN information_schema.constraint_column_usage ccu ON tc.constraint_name = ccu.constraint_name "
+            "WHERE tc.table_name = 'agent_sessions' AND tc.constraint_type = 'FOREIGN KEY' "
+            "AND kcu.column_name = 'agent_id'"
+        )
+        agent_fk_targets = {row[0] for row in cursor.fetchall()}
+    for name, (kind, nullable) in expected.items():
+        assert columns[name][0] == kind, name
+        if nullable:
+            assert columns[name][1] == nullable, name
+    assert columns["history"][2].startswith("'[]'")
+    assert "agents" in agent_fk_targets
+
+
+def test_list_prices_are_seeded():
+    opus = ModelPrice.objects.get(model="claude-opus-4-5")
+    assert (opus.input_usd_per_mtok, opus.output_usd_per_mtok) == (Decimal(5), Decimal(25))
+    assert opus.cache_write_5m_usd_per_mtok == Decimal("6.25")
+    assert opus.cache_write_1h_usd_per_mtok == Decimal(10)
+    assert opus.cache_read_usd_per_mtok == Decimal("0.5")
+    assert ModelPrice.objects.get(model="claude-haiku-4-5").output_usd_per_mtok == Decimal(5)
