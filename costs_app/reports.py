@@ -1,0 +1,142 @@
+"""Cost rollups over the ledger, shared by the API, the admin costs page and cost_report.
+
+Days are UTC days: the ledger stores UTC and operators compare against the provider's
+invoices, which are UTC too. Every rollup is one aggregate query on an indexed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from uuid import UUID
+
+from django.db.models import Count, F, Sum
+from django.db.models.functions import Coalesce, TruncDate
+from django.utils import timezone
+
+from costs_app.models import CostEvent
+
+ZERO = Decimal(0)
+TOKEN_SUMS = {
+    "input_tokens": Coalesce(Sum("input_tokens"), 0),
+    "output_tokens": Coalesce(Sum("output_tokens"), 0),
+    "cache_creation_input_tokens": Coalesce(Sum("cache_creation_input_tokens"), 0),
+    "cache_read_input_tokens": Coalesce(Sum("cache_read_input_tokens"), 0),
+    "cost_usd": Coalesce(Sum("cost_usd"), ZERO),
+    "events": Count("id"),
+}
+
+
+def window_start(*, now: datetime, days: int) -> datetime:
+    """Midnight UTC of the first of the last `days` days (today included)."""
+    today = now.astimezone(tz=timezone.get_fixed_timezone(0)).date()
+    first = today - timedelta(days=days - 1)
+    return datetime(first.year, first.month, first.day, tzinfo=timezone.get_fixed_timezone(0))
+
+
+def events_for(*, company_id: UUID, agent_id: UUID | None = None, since: datetime | None = None):
+    events = CostEvent.objects.filter(company_id=company_id)
+    if agent_id is not None:
+        events = events.filter(agent_id=agent_id)
+    if since is not None:
+        events = events.filter(created_at__gte=since)
+    return events
+
+
+def daily_costs(*, company_id: UUID, now: datetime, days: int = 30, agent_id: UUID | None = None) -> list[dict]:
+    """Per UTC day, newest first: tokens and cost. Days without spend are omitted."""
+    since = window_start(now=now, days=days)
+    rows = (
+        events_for(company_id=company_id, agent_id=agent_id, since=since)
+        .annotate(day=TruncDate("created_at", tzinfo=timezone.get_fixed_timezone(0)))
+        .values("day")
+        .annotate(**TOKEN_SUMS)
+        .order_by("-day")
+    )
+    return list(rows)
+
+
+def daily_costs_by_agent(*, company_id: UUID | None, now: datetime, days: int = 30) -> list[dict]:
+    """Per UTC day and agent (for charts): day, agent_id, tokens, cost."""
+    since = window_start(now=now, days=days)
+    events = CostEvent.objects.filter(created_at__gte=since)
+    if company_id is not None:
+        events = events.filter(company_id=company_id)
+    return list(
+        events.annotate(day=TruncDate("created_at", tzinfo=timezone.get_fixed_timezone(0)))
+        .values("day", "agent_id")
+        .annotate(**TOKEN_SUMS)
+        .order_by("day", "agent_id")
+    )
+
+
+def month_to_date(*, company_id: UUID, now: datetime, agent_id: UUID | None = None) -> list[dict]:
+    """This UTC month so far, per agent and model."""
+    utc_now = now.astimezone(timezone.get_fixed_timezone(0))
+    month_start = utc_now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    return list(
+        events_for(company_id=company_id, agent_id=agent_id, since=month_start)
+        .values("agent_id", "model")
+        .annotate(**TOKEN_SUMS)
+        .order_by("agent_id", "model")
+    )
+
+
+@dataclass(frozen=True)
+class Growth:
+    """Least-squares slope of input tokens per run over an agent's recent runs."""
+
+    agent_id: UUID
+    runs: int
+    slope_tokens_per_run: float
+    first_input_tokens: int
+    last_input_tokens: int
+
+    @property
+    def is_growing(self) -> bool:
+        # A steady rise of more than 2% of the starting size per run, over enough runs to
+        # be a trend rather than noise, is what replayed history looks like.
+        if self.runs < 5:
+            return False
+        baseline = max(self.first_input_tokens, 1)
+        return self.slope_tokens_per_run > 0.02 * baseline and self.last_input_tokens > self.first_input_tokens
+
+
+def slope(values: list[int]) -> float:
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean_x = (n - 1) / 2
+    mean_y = sum(values) / n
+    numerator = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values))
+    denominator = sum((x - mean_x) ** 2 for x in range(n))
+    return numerator / denominator
+
+
+def input_growth(*, agent_id: UUID, last_runs: int = 30) -> Growth:
+    """Input tokens of the agent's last message calls, oldest first, and their slope.
+
+    Input here counts everything the model read: uncached, cache writes and cache reads,
+    since all three grow with replayed history.
+    """
+    recent = list(
+        CostEvent.objects.filter(agent_id=agent_id, kind="message")
+        .order_by("-created_at")
+        .annotate(total_in=F("input_tokens") + F("cache_creation_input_tokens") + F("cache_read_input_tokens"))
+        .values_list("total_in", flat=True)[:last_runs]
+    )
+    recent.reverse()
+    return Growth(
+        agent_id=agent_id,
+        runs=len(recent),
+        slope_tokens_per_run=slope(recent),
+        first_input_tokens=recent[0] if recent else 0,
+        last_input_tokens=recent[-1] if recent else 0,
+    )
+
+
+GROWTH_ADVICE = (
+    "Input tokens grow with every run: the session is accumulating history. "
+    "Set a lower session_ttl_hours or turn on context summarization (context_strategy)."
+)
