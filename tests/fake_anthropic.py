@@ -259,11 +259,15 @@ def serve_forever() -> None:
 
         fake._next_reply = delayed
     print(fake.base_url, flush=True)
-    signal.signal(signal.SIGTERM, lambda *args: fake.server.shutdown())
+
+    def stop(*args):
+        raise KeyboardInterrupt  # shutdown() from the serving thread itself would deadlock
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         fake.server.serve_forever()
     except KeyboardInterrupt:
-        pass
+        fake.server.server_close()
 
 
 if __name__ == "__main__":
