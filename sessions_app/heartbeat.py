@@ -564,6 +564,8 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
             created_at=now,
             last_used=now,
             expires_at=now + agent.session_ttl,
+            predecessor=plan.handoff.predecessor if plan.handoff else None,
+            manifest=plan.manifest,
         )
     # The history was read before the call; only the row's metadata is needed (and locked).
     session = AgentSession.objects.select_for_update().defer("history").filter(pk=plan.session.pk).first()
