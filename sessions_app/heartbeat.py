@@ -14,6 +14,8 @@ The API, the `heartbeat` command, the admin and the django-q2 tasks all come thr
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -69,6 +71,12 @@ from sessions_app.models import (
 from sessions_app.stores import HistoryUnavailable, configured_store_name, store_for
 
 logger = logging.getLogger(__name__)
+HOSTNAME = socket.gethostname()
+
+
+def worker_id() -> str:
+    # Read at claim time: cluster workers are forked after this module may be imported.
+    return f"{HOSTNAME}:{os.getpid()}"
 
 
 class HeartbeatRefused(Exception):
@@ -198,7 +206,7 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     try:
         with transaction.atomic():
             claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
-                status=RunStatus.RUNNING, started_at=now, deadline_at=deadline
+                status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id()
             )
     except IntegrityError:
         return run, False  # another run of this agent is running

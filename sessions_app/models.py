@@ -259,6 +259,8 @@ class HeartbeatRun(models.Model):
     # cannot all pass a limit that only one of them fits under.
     reserved_usd = models.DecimalField(max_digits=20, decimal_places=10, default=0)
     warning = models.TextField(blank=True, default="")
+    # host:pid of the process running it, so an operator can find (or a test can kill) it.
+    claimed_by = models.CharField(max_length=255, blank=True, default="")
 
     class Meta:
         db_table = "heartbeat_runs"
