@@ -183,6 +183,14 @@ if PAPERCLIP_DEPLOYMENT_MODE == "authenticated":
     CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
     SECURE_CONTENT_TYPE_NOSNIFF = True
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    # Served behind TLS in production: redirect plain HTTP (but not the load balancer's
+    # health probe) and tell browsers to stay on HTTPS.
+    SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", True)
+    SECURE_REDIRECT_EXEMPT = [r"^api/health$"]
+    SECURE_HSTS_SECONDS = env_int("DJANGO_HSTS_SECONDS", 31_536_000, minimum=0)
+    # The preload directive alone submits nothing: the domain owner must apply to the list.
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", True)
 
 if PAPERCLIP_DEPLOYMENT_MODE == "local_trusted" and PAPERCLIP_HOST not in ("127.0.0.1", "localhost", "::1"):
     raise ImproperlyConfigured(
