@@ -141,6 +141,7 @@ class SessionSerializer(serializers.ModelSerializer):
             "total_cost_usd",
             "ended_at",
             "end_reason",
+            "history_purged_at",
             "predecessor_id",
         ]
         read_only_fields = fields

@@ -22,7 +22,7 @@ from rest_framework.response import Response
 from sessions_app import heartbeat
 from sessions_app.api.authentication import HeartbeatRateThrottle, is_authenticated_mode
 from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
-from sessions_app.api.exceptions import Conflict, NotFound, ServiceUnavailable, TooManyRequests
+from sessions_app.api.exceptions import BadRequest, Conflict, NotFound, ServiceUnavailable, TooManyRequests
 from sessions_app.api.pagination import Keyset, parse_limit
 from sessions_app.models import (
     Agent,
@@ -156,7 +156,14 @@ class AgentDetailView(ApiView):
 
 # Heartbeats and runs
 
-REFUSALS = {"agent_paused": Conflict, "agent_deleted": NotFound, "budget_exceeded": TooManyRequests}
+REFUSALS = {
+    "invalid_task": BadRequest,
+    "task_too_long": BadRequest,
+    "agent_paused": Conflict,
+    "idempotency_key_reused": Conflict,
+    "agent_deleted": NotFound,
+    "budget_exceeded": TooManyRequests,
+}
 
 
 def seconds_until_next_utc_month(now: datetime) -> int:
