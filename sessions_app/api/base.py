@@ -13,7 +13,7 @@ from rest_framework.views import APIView
 from sessions_app.api.authentication import ApiKeyAuthentication, ApiKeyRequired, key_company_id
 from sessions_app.api.exceptions import BadRequest, NotFound
 from sessions_app.api.pagination import DEFAULT_LIMIT, MAX_LIMIT
-from sessions_app.api.parsers import check_text
+from sessions_app.api.parsers import StrictJSONParser, check_text
 from sessions_app.models import Agent, AgentStatus, Company
 from sessions_app.serializers import ErrorSerializer
 
@@ -59,6 +59,7 @@ class ApiView(APIView):
 
     authentication_classes = [ApiKeyAuthentication]
     permission_classes = [ApiKeyRequired]
+    parser_classes = [StrictJSONParser]
 
     def initial(self, request, *args, **kwargs):
         super().initial(request, *args, **kwargs)
