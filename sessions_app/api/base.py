@@ -112,11 +112,14 @@ class ApiView(APIView):
             if value is None:
                 day = parse_date(raw)
                 value = datetime.combine(day, time.min) if day else None
-        except ValueError:
+            # In UTC: PostgreSQL refuses offsets beyond +-15:59 that ISO 8601 allows (+23:05).
+            if value is not None:
+                value = make_aware(value, UTC) if is_naive(value) else value.astimezone(UTC)
+        except (ValueError, OverflowError):
             value = None
         if value is None:
             raise BadRequest(f"{name} must be an ISO 8601 date or time.", code="invalid_parameter", fields={name: raw})
-        return make_aware(value, UTC) if is_naive(value) else value
+        return value
 
     def query_uuid(self, name: str) -> UUID | None:
         raw = self.request.query_params.get(name)

@@ -11,6 +11,7 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from django.core.exceptions import ValidationError
 from django.db.models import Q, QuerySet
@@ -58,8 +59,11 @@ class Keyset:
             padded = cursor + "=" * (-len(cursor) % 4)
             value, pk = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
             value = model._meta.get_field(self.field).to_python(value)
+            if isinstance(value, datetime):
+                # PostgreSQL refuses offsets beyond +-15:59; the cursors we write are UTC anyway.
+                value = value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
             pk = model._meta.pk.to_python(pk)
-        except (ValueError, TypeError, UnicodeError, binascii.Error, ValidationError):
+        except (ValueError, TypeError, OverflowError, UnicodeError, binascii.Error, ValidationError):
             raise BadRequest("The cursor is not valid.", code="invalid_cursor", fields={"next": "invalid"}) from None
         if value is None or pk is None:
             raise BadRequest("The cursor is not valid.", code="invalid_cursor", fields={"next": "invalid"})

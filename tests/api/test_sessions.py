@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -180,3 +181,28 @@ def test_another_agents_session_is_404_through_this_agent(api, persistent_agent,
     assert_error(api.get(agent_url(persistent_agent, f"/sessions/{session.public_id}")), 404)
     assert_error(api.delete(agent_url(persistent_agent, f"/sessions/{session.public_id}")), 404)
     assert AgentSession.objects.filter(pk=session.pk).exists()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "7779-05-19T22:24:31+23:05",  # PostgreSQL refuses offsets beyond +-15:59
+        "9999-12-31T23:59:59-10:00",  # past the largest datetime once in UTC
+        "0001-01-01T00:00:00+10:00",
+    ],
+)
+def test_created_range_with_extreme_offsets_never_fails(api, persistent_agent, value):
+    response = api.get(agent_url(persistent_agent, "/sessions"), {"created_before": value})
+    assert response.status_code in (200, 400)
+    if response.status_code == 400:
+        assert_error(response, 400, "invalid_parameter")
+
+
+def test_cursor_with_an_extreme_offset_is_400_or_a_page(api, persistent_agent):
+    import base64
+    import json
+
+    make_session(persistent_agent)
+    cursor = base64.urlsafe_b64encode(json.dumps(["7779-05-19T22:24:31+23:05", str(uuid.uuid4())]).encode()).decode()
+    response = api.get(agent_url(persistent_agent, "/sessions"), {"next": cursor})
+    assert response.status_code in (200, 400)
