@@ -35,6 +35,7 @@ from sessions_app.models import (
 )
 from sessions_app.schedules import agent_schedule_sync
 from sessions_app.serializers import (
+    SESSION_LIST_COLUMNS,
     AgentListSerializer,
     AgentSerializer,
     CompanySerializer,
@@ -43,7 +44,7 @@ from sessions_app.serializers import (
     RunSerializer,
     SessionDetailSerializer,
     SessionListSerializer,
-    SessionSerializer,
+    session_list_item,
 )
 from sessions_app.services import agent_delete, agent_pause, agent_resume, session_delete
 from sessions_app.stores import HistoryUnavailable, store_for
@@ -276,7 +277,7 @@ class SessionListView(ApiView):
         agent = self.get_agent(company_id, agent_id)
         limit = parse_limit(request.query_params.get("limit"))
         # `history` may be megabytes a row: a list never reads it (message_count is a column).
-        sessions = AgentSession.objects.filter(agent=agent).defer("history")
+        sessions = AgentSession.objects.filter(agent=agent).values(*SESSION_LIST_COLUMNS)
         wanted = self.query_choice("status", SessionStatus.values)
         if wanted:
             sessions = sessions.filter(status=wanted)
@@ -287,7 +288,7 @@ class SessionListView(ApiView):
         if created_before:
             sessions = sessions.filter(created_at__lt=created_before)
         rows, cursor = SESSION_ORDER.page(sessions, limit=limit, cursor=request.query_params.get("next"))
-        return Response({"sessions": SessionSerializer(rows, many=True).data, "next": cursor})
+        return Response({"sessions": [session_list_item(row) for row in rows], "next": cursor})
 
 
 HISTORY_STATUSES = {"history_unreadable": status.HTTP_503_SERVICE_UNAVAILABLE}

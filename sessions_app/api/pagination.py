@@ -49,8 +49,9 @@ class Keyset:
         return (f"{sign}{self.field}", f"{sign}pk")
 
     def encode(self, row) -> str:
-        value = getattr(row, self.field)
-        payload = json.dumps([value.isoformat() if hasattr(value, "isoformat") else value, str(row.pk)])
+        """The cursor after `row`: a model instance, or a dict of values with its `id`."""
+        value, pk = (row[self.field], row["id"]) if isinstance(row, dict) else (getattr(row, self.field), row.pk)
+        payload = json.dumps([value.isoformat() if hasattr(value, "isoformat") else value, str(pk)])
         return base64.urlsafe_b64encode(payload.encode()).decode().rstrip("=")
 
     def after(self, queryset: QuerySet, cursor: str) -> QuerySet:

@@ -206,3 +206,24 @@ def test_cursor_with_an_extreme_offset_is_400_or_a_page(api, persistent_agent):
     cursor = base64.urlsafe_b64encode(json.dumps(["7779-05-19T22:24:31+23:05", str(uuid.uuid4())]).encode()).decode()
     response = api.get(agent_url(persistent_agent, "/sessions"), {"next": cursor})
     assert response.status_code in (200, 400)
+
+
+def test_fast_list_item_matches_the_session_serializer(persistent_agent):
+    from decimal import Decimal
+
+    from sessions_app.serializers import SESSION_LIST_COLUMNS, SessionSerializer, session_list_item
+
+    predecessor = make_session(persistent_agent, status="ended", ended_at=timezone.now(), end_reason="expired")
+    session = make_session(
+        persistent_agent,
+        predecessor=predecessor,
+        last_input_tokens=1234,
+        total_input_tokens=99999,
+        total_output_tokens=555,
+        total_cost_usd=Decimal("0.1234567891"),
+        model="claude-opus-4-5",
+        adapter_type="claude-code",
+    )
+    for one in (session, predecessor):
+        row = AgentSession.objects.filter(pk=one.pk).values(*SESSION_LIST_COLUMNS).get()
+        assert session_list_item(row) == SessionSerializer(AgentSession.objects.get(pk=one.pk)).data
