@@ -42,7 +42,7 @@ def api_key_create(*, company: Company, name: str = "") -> tuple[ApiKey, str]:
 def api_key_authenticate(*, plaintext: str, now: datetime) -> ApiKey | None:
     """The active key with this plaintext, or None. Touches last_used_at (coarsely)."""
     digest = api_key_hash(plaintext)
-    api_key = ApiKey.objects.filter(key_hash=digest).select_related("company").first()
+    api_key = ApiKey.objects.filter(key_hash=digest).first()
     # The lookup is by digest, so timing reveals nothing about the stored value; the
     # constant-time comparison guards against a database collation that is not exact.
     if api_key is None or not hmac.compare_digest(api_key.key_hash, digest):

@@ -274,10 +274,16 @@ class SessionListView(ApiView):
         description="The agent's sessions, most recently used first, without their history.",
     )
     def get(self, request, company_id: UUID, agent_id: UUID):
-        agent = self.get_agent(company_id, agent_id)
+        self.check_company_access(company_id)
         limit = parse_limit(request.query_params.get("limit"))
+        # One query for the page and the agent's scope (the join is on the agents' primary
+        # key); only an empty page needs a second look, to tell "no sessions" from a 404.
         # `history` may be megabytes a row: a list never reads it (message_count is a column).
-        sessions = AgentSession.objects.filter(agent=agent).values(*SESSION_LIST_COLUMNS)
+        sessions = (
+            AgentSession.objects.filter(agent_id=agent_id, agent__company_id=company_id)
+            .exclude(agent__status=AgentStatus.DELETED)
+            .values(*SESSION_LIST_COLUMNS)
+        )
         wanted = self.query_choice("status", SessionStatus.values)
         if wanted:
             sessions = sessions.filter(status=wanted)
@@ -288,6 +294,8 @@ class SessionListView(ApiView):
         if created_before:
             sessions = sessions.filter(created_at__lt=created_before)
         rows, cursor = SESSION_ORDER.page(sessions, limit=limit, cursor=request.query_params.get("next"))
+        if not rows:
+            self.get_agent(company_id, agent_id)
         return Response({"sessions": [session_list_item(row) for row in rows], "next": cursor})
 
 

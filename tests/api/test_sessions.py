@@ -227,3 +227,9 @@ def test_fast_list_item_matches_the_session_serializer(persistent_agent):
     for one in (session, predecessor):
         row = AgentSession.objects.filter(pk=one.pk).values(*SESSION_LIST_COLUMNS).get()
         assert session_list_item(row) == SessionSerializer(AgentSession.objects.get(pk=one.pk)).data
+
+
+def test_agent_without_sessions_lists_none(api, persistent_agent, django_assert_max_num_queries):
+    with django_assert_max_num_queries(2):
+        response = api.get(agent_url(persistent_agent, "/sessions"))
+    assert response.json() == {"sessions": [], "next": None}
