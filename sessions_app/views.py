@@ -7,6 +7,7 @@ the admin and the commands (`sessions_app.services`, `sessions_app.heartbeat`).
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
@@ -48,6 +49,8 @@ from sessions_app.serializers import (
 )
 from sessions_app.services import agent_delete, agent_pause, agent_resume, session_delete
 from sessions_app.stores import HistoryUnavailable, store_for
+
+logger = logging.getLogger(__name__)
 
 # Keyset orderings; each is served by an index named in the models.
 AGENT_ORDER = Keyset("name", descending=False)  # agents_company_status_idx
@@ -220,7 +223,14 @@ class HeartbeatView(ApiView):
             if data["wait"]:
                 run = heartbeat.heartbeat_wait(run_id=run.id, timeout_seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
             else:
-                heartbeat.heartbeat_dispatch(run=run)
+                try:
+                    heartbeat.heartbeat_dispatch(run=run)
+                except Exception as exc:  # the broker (Redis, or the database queue) is down
+                    logger.exception("Could not hand run %s to the task queue", run.id)
+                    raise ServiceUnavailable(
+                        f"The task queue is unavailable; run {run.id} is recorded but not started.",
+                        code="queue_unavailable",
+                    ) from exc
         answer = status.HTTP_200_OK if run.is_finished else status.HTTP_202_ACCEPTED
         headers = {"Location": run_url(run)} if answer == status.HTTP_202_ACCEPTED else None
         return Response(RunSerializer(run).data, status=answer, headers=headers)

@@ -30,10 +30,11 @@ ERROR_DESCRIPTIONS = {
 
 
 def error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
-    # 401 applies to every endpoint (authenticated mode), 404 to every company URL.
+    # 401 applies to every endpoint (authenticated mode), 404 to every company URL, 503 to
+    # anything that reads the database.
     return {
         status: OpenApiResponse(ErrorSerializer, description=ERROR_DESCRIPTIONS[status])
-        for status in sorted({401, 404, *statuses})
+        for status in sorted({401, 404, 503, *statuses})
     }
 
 

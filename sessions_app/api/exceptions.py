@@ -11,6 +11,7 @@ import logging
 
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, JsonResponse
 from django.views import defaults
 from rest_framework import exceptions, status
@@ -114,7 +115,11 @@ def api_exception_handler(exc: Exception, context: dict) -> Response | None:
     if isinstance(exc, DjangoValidationError):
         fields = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
         return _validation_response({key: " ".join(messages) for key, messages in fields.items()})
-    if isinstance(exc, RequestDataTooBig):
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        # The database is down or the connection dropped: a dependency, not a bug.
+        logger.warning("Database unavailable: %s", exc.__class__.__name__)
+        exc = ServiceUnavailable("The database is unavailable; try again shortly.", code="database_unavailable")
+    elif isinstance(exc, RequestDataTooBig):
         exc = PayloadTooLarge()
     elif isinstance(exc, Http404):
         exc = NotFound("Not found.")

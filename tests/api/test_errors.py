@@ -124,3 +124,26 @@ def test_request_data_too_big_outside_a_view_is_json_413(rf):
     response = json_bad_request(rf.post("/api/companies"), RequestDataTooBig("too big"))
     assert response.status_code == 413
     assert json.loads(response.content)["error"]["code"] == "payload_too_large"
+
+
+def test_database_errors_are_503(api, persistent_agent, monkeypatch):
+    from django.db import OperationalError
+
+    from sessions_app import views
+
+    def broken(*args, **kwargs):
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(views, "agent_delete", broken)
+    assert_error(api.delete(agent_url(persistent_agent)), 503, "database_unavailable")
+
+
+def test_heartbeat_when_the_task_queue_is_down_is_503(api, persistent_agent, monkeypatch):
+    from sessions_app import heartbeat
+
+    def broken(*, run):
+        raise ConnectionError("broker down")
+
+    monkeypatch.setattr(heartbeat, "heartbeat_dispatch", broken)
+    error = assert_error(api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"}), 503, "queue_unavailable")
+    assert "recorded" in error["message"]
