@@ -272,3 +272,26 @@ def serve_forever() -> None:
 
 if __name__ == "__main__":
     serve_forever()
+
+
+def canonical_content(content) -> list:
+    """Message content as a list of blocks without cache markers: a string and the marked
+    text block made from it compare equal, as the API treats them."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{k: v for k, v in block.items() if k != "cache_control"} for block in content]
+
+
+def plain_messages(body: dict) -> list[dict]:
+    return [{"role": m["role"], "content": canonical_content(m["content"])} for m in body["messages"]]
+
+
+def plain_system(body: dict) -> str:
+    system = body.get("system")
+    if isinstance(system, list):
+        return "".join(block.get("text", "") for block in system)
+    return system or ""
+
+
+def text_turn(role: str, text: str) -> dict:
+    return {"role": role, "content": [{"type": "text", "text": text}]}
