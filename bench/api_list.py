@@ -49,7 +49,7 @@ LIMIT = 50
 COLUMNS = (
     "id, agent_id, company_id, created_at, last_used, expires_at, status, message_count, store, adapter_type, "
     "model, last_input_tokens, total_input_tokens, total_output_tokens, total_cost_usd, ended_at, end_reason, "
-    "history_purged_at, predecessor_id"
+    "history_purged_at, turn_count, archived_message_count, compaction_count, predecessor_id"
 )
 FIRST_PAGE_SQL = f"SELECT {COLUMNS} FROM agent_sessions WHERE agent_id = %s ORDER BY last_used DESC, id DESC LIMIT %s"  # noqa: S608 (constant columns)
 NEXT_PAGE_SQL = (

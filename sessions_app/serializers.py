@@ -145,6 +145,9 @@ class SessionSerializer(serializers.ModelSerializer):
             "ended_at",
             "end_reason",
             "history_purged_at",
+            "turn_count",
+            "archived_message_count",
+            "compaction_count",
             "predecessor_id",
         ]
         read_only_fields = fields
@@ -178,6 +181,9 @@ SESSION_LIST_COLUMNS = (
     "ended_at",
     "end_reason",
     "history_purged_at",
+    "turn_count",
+    "archived_message_count",
+    "compaction_count",
     "predecessor_id",
 )
 MONEY_QUANTUM = Decimal(1).scaleb(-AgentSession._meta.get_field("total_cost_usd").decimal_places)
@@ -210,6 +216,9 @@ def session_list_item(row: dict) -> dict:
         "ended_at": iso_time(row["ended_at"]),
         "end_reason": row["end_reason"],
         "history_purged_at": iso_time(row["history_purged_at"]),
+        "turn_count": row["turn_count"],
+        "archived_message_count": row["archived_message_count"],
+        "compaction_count": row["compaction_count"],
         "predecessor_id": session_public_id(row["predecessor_id"]),
     }
 
@@ -232,9 +241,10 @@ class HistoryField(serializers.Field):
 
 class SessionDetailSerializer(SessionSerializer):
     history = HistoryField(read_only=True)
+    manifest = serializers.JSONField(read_only=True, help_text="Artifacts the agent reported, kept across compactions.")
 
     class Meta(SessionSerializer.Meta):
-        fields = [*SessionSerializer.Meta.fields, "history"]
+        fields = [*SessionSerializer.Meta.fields, "manifest", "history"]
         read_only_fields = fields
 
 
