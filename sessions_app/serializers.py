@@ -42,6 +42,7 @@ class StrictBooleanField(serializers.BooleanField):
         return data
 
 
+@extend_schema_field({"type": "object", "additionalProperties": True})
 class StrictDictField(serializers.JSONField):
     default_error_messages = {"invalid": "Must be a JSON object."}
 

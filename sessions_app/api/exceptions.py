@@ -87,7 +87,7 @@ def error_body(code: str, message: str, fields: dict | None = None) -> dict:
 
 
 def flatten_fields(detail, prefix: str = "") -> dict[str, str]:
-    """DRF's nested validation detail as {"field.sub": "first message"}."""
+    """DRF's nested validation detail as {"field.sub": "its messages, joined"}."""
     flat: dict[str, str] = {}
     if isinstance(detail, dict):
         for key, value in detail.items():
@@ -134,10 +134,8 @@ def api_exception_handler(exc: Exception, context: dict) -> Response | None:
         return None  # a bug: Django logs it and answers 500 (JSON, through handler500)
 
     detail = exc.detail if isinstance(exc, exceptions.APIException) else None
-    code = getattr(detail, "code", None) or getattr(exc, "default_code", "error")
-    for exc_class, better_code in DRF_CODES.items():
-        if type(exc) is exc_class:
-            code = better_code
+    # Exact classes only: our own subclasses (Conflict("...", code="agent_paused")) keep theirs.
+    code = DRF_CODES.get(type(exc)) or getattr(detail, "code", None) or getattr(exc, "default_code", "error")
     message = str(detail) if detail is not None else "Error."
     response.data = error_body(code, message, getattr(exc, "fields", None))
     retry_after = getattr(exc, "retry_after", None)
