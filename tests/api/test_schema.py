@@ -5,11 +5,20 @@ from __future__ import annotations
 import re
 
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
+from sessions_app.api_keys import api_key_create
+from sessions_app.models import Agent, Company
 from tests.api.conftest import make_run, make_session
 
 pytestmark = pytest.mark.django_db
@@ -75,19 +84,12 @@ MAX_EXAMPLES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 15}
 
 
 @pytest.mark.django_db(transaction=True)
-def test_schemathesis_finds_no_server_errors_and_no_schema_violations(live_server, fake_anthropic, settings):
-    import schemathesis
-    from schemathesis.checks import not_a_server_error
-    from schemathesis.specs.openapi.checks import (
-        content_type_conformance,
-        response_schema_conformance,
-        status_code_conformance,
-    )
-
-    from sessions_app.models import Agent, Company
-
+@pytest.mark.parametrize("mode", ["local_trusted", "authenticated"])
+def test_schemathesis_finds_no_server_errors_and_no_schema_violations(live_server, fake_anthropic, settings, mode):
     settings.PAPERCLIP_HEARTBEAT_RATE = "1000/min"
+    settings.PAPERCLIP_DEPLOYMENT_MODE = mode
     company = Company.objects.create(name="Fuzz")
+    headers = {"Authorization": f"Bearer {api_key_create(company=company)[1]}"} if mode == "authenticated" else {}
     agent = Agent.objects.create(
         company=company,
         name="Fuzzed",
@@ -106,14 +108,14 @@ def test_schemathesis_finds_no_server_errors_and_no_schema_violations(live_serve
     operations = [result.ok() for result in api_schema.get_all_operations()]
     assert len(operations) >= 15
 
-    plan = [(operation, mode) for operation in operations for mode in GenerationMode]
-    for operation, mode in plan:
+    plan = [(operation, generation) for operation in operations for generation in GenerationMode]
+    for operation, generation in plan:
         if operation.method.upper() == "DELETE" and operation.path.endswith("{agent_id}"):
             continue  # deleting the one agent would turn every later call into a 404
 
-        @given(case=operation.as_strategy(generation_mode=mode), use_known_ids=st.booleans())
+        @given(case=operation.as_strategy(generation_mode=generation), use_known_ids=st.booleans())
         @hypothesis_settings(
-            max_examples=MAX_EXAMPLES[mode],
+            max_examples=MAX_EXAMPLES[generation],
             deadline=None,
             derandomize=True,
             suppress_health_check=list(HealthCheck),
@@ -122,7 +124,7 @@ def test_schemathesis_finds_no_server_errors_and_no_schema_violations(live_serve
         def check(case, use_known_ids):
             if use_known_ids and case.path_parameters:
                 case.path_parameters = {**case.path_parameters, **{k: known[k] for k in case.path_parameters}}
-            response = case.call(base_url=live_server.url, timeout=30)
-            case.validate_response(response, checks=checks)
+            response = case.call(base_url=live_server.url, headers=headers, timeout=30)
+            case.validate_response(response, checks=checks, headers=headers)
 
         check()
