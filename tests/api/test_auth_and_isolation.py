@@ -199,3 +199,13 @@ def test_heartbeat_throttle_is_per_key(settings, authenticated, company, persist
     assert first.post(agent_url(persistent_agent, "/heartbeat"), {"task": "a"}).status_code == 202
     assert_error(first.post(agent_url(persistent_agent, "/heartbeat"), {"task": "b"}), 429)
     assert second.post(agent_url(persistent_agent, "/heartbeat"), {"task": "c"}).status_code == 202
+
+
+def test_bad_heartbeat_rate_stops_start_up_with_one_clear_line(tmp_path):
+    from tests.test_configuration import run_check
+
+    result = run_check(tmp_path, PAPERCLIP_HEARTBEAT_RATE="lots")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "paperclip: configuration error: PAPERCLIP_HEARTBEAT_RATE must look like 60/min, got 'lots'"
+    ]
