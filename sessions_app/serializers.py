@@ -271,6 +271,7 @@ class RunSerializer(serializers.ModelSerializer):
     usage = serializers.SerializerMethodField()
     error = serializers.SerializerMethodField()
     error_code = serializers.SerializerMethodField()
+    warning = serializers.SerializerMethodField(help_text="e.g. a budget close to its limit; null when none.")
     cost_usd = serializers.DecimalField(max_digits=20, decimal_places=10, allow_null=True)
 
     class Meta:
@@ -284,6 +285,7 @@ class RunSerializer(serializers.ModelSerializer):
             "cost_usd",
             "error",
             "error_code",
+            "warning",
             "started_at",
             "finished_at",
             "created_at",
@@ -315,6 +317,9 @@ class RunSerializer(serializers.ModelSerializer):
 
     def get_error_code(self, run: HeartbeatRun) -> str | None:
         return run.error_code or None
+
+    def get_warning(self, run: HeartbeatRun) -> str | None:
+        return run.warning or None
 
 
 class RunListSerializer(serializers.Serializer):

@@ -8,7 +8,7 @@ the admin and the commands (`sessions_app.services`, `sessions_app.heartbeat`).
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from uuid import UUID
 
 from django.conf import settings
@@ -20,6 +20,7 @@ from rest_framework import status
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 
+from costs_app.budgets import next_month
 from sessions_app import heartbeat
 from sessions_app.api.authentication import HeartbeatRateThrottle, is_authenticated_mode
 from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
@@ -171,10 +172,8 @@ REFUSALS = {
 
 
 def seconds_until_next_utc_month(now: datetime) -> int:
-    """Budgets are monthly (UTC): a refused heartbeat may try again when the month turns."""
-    utc = now.astimezone(UTC)
-    first = datetime(utc.year + utc.month // 12, utc.month % 12 + 1, 1, tzinfo=UTC)
-    return max(int((first - utc) / timedelta(seconds=1)), 1)
+    """An agent paused by its budget is released when the UTC month turns (budgets_release)."""
+    return max(int((next_month(now) - now) / timedelta(seconds=1)), 1)
 
 
 def refusal_error(exc: heartbeat.HeartbeatRefused, now: datetime) -> Exception:

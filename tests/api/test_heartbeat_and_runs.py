@@ -200,3 +200,12 @@ def test_run_of_another_agent_is_404(api, persistent_agent, stateless_agent):
     run = make_run(stateless_agent)
     assert_error(api.get(agent_url(persistent_agent, f"/runs/{run.id}")), 404)
     assert_error(api.get(agent_url(persistent_agent, "/runs/not-a-uuid")), 404)
+
+
+def test_heartbeat_of_an_agent_paused_by_its_budget_is_429_with_retry_after(api, persistent_agent):
+    persistent_agent.status = AgentStatus.PAUSED
+    persistent_agent.paused_reason = "budget"
+    persistent_agent.save()
+    response = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"})
+    assert_error(response, 429, "budget_exceeded")
+    assert 1 <= int(response["Retry-After"]) <= 31 * 24 * 3600
