@@ -40,3 +40,6 @@ class CostSummarySerializer(serializers.Serializer):
     agent_id = serializers.UUIDField(allow_null=True)
     rows = AgentModelCostSerializer(many=True, help_text="Month to date, per agent and model.")
     totals = TokenTotalsSerializer()
+    budgets = serializers.ListField(
+        child=serializers.DictField(), help_text="Use of each budget limit that applies (see the budget endpoints)."
+    )

@@ -9,6 +9,8 @@ from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.response import Response
 
+from costs_app.budget_views import use_rows
+from costs_app.budgets import budget_uses
 from costs_app.reports import ZERO, daily_costs, month_to_date, window_start
 from costs_app.serializers import CostSummarySerializer, DailyCostsSerializer
 from sessions_app.api.base import ApiView, error_responses
@@ -93,5 +95,13 @@ class CostSummaryView(CostsView):
             "agent_id": agent_id,
             "rows": rows,
             "totals": totals(rows),
+            # Budget use beside the spend: the company's limits, and the agent's when filtered.
+            "budgets": use_rows(
+                [
+                    u
+                    for u in budget_uses(company_id=company.id, agent_id=agent_id, now=now)
+                    if agent_id or u.scope == "company"
+                ]
+            ),
         }
         return Response(CostSummarySerializer(body).data)

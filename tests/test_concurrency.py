@@ -15,7 +15,7 @@ from sessions_app.stores import store_for
 from tests.fake_anthropic import Reply
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, serialized_rollback=True),
+    pytest.mark.django_db(transaction=True),
     pytest.mark.usefixtures("postgres_only"),
 ]
 

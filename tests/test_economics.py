@@ -148,7 +148,7 @@ def test_daily_run_cap(persistent_agent, fake_anthropic):
     assert HeartbeatRun.objects.order_by("-created_at").first().error_code == "budget_exceeded"
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_concurrent_heartbeats_near_the_limit_cannot_both_pass(postgres_only, company, fake_anthropic):
     agents = [
         Agent.objects.create(

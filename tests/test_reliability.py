@@ -147,7 +147,7 @@ def test_api_keys_never_reach_logs_history_or_runs(persistent_agent, fake_anthro
     assert FAKE_API_KEY in (headers.get("x-api-key") or headers.get("authorization", ""))
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_terminated_connection_mid_commit_writes_nothing(postgres_only, persistent_agent, fake_anthropic):
     beat(persistent_agent, "first")
     count, history, costs = snapshot(persistent_agent)
@@ -214,7 +214,7 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_sigkilled_cluster_workers_leave_no_run_running(
     postgres_only, settings, persistent_agent, fake_anthropic, tmp_path
 ):
