@@ -566,7 +566,10 @@ def _finish_succeeded(
                     turns = new_turns
                 if plan.handoff is not None:
                     _record_handoff(session, run=run, handoff=plan.handoff, at=now)
-                store.prepare(session, turns)
+                if turns is new_turns or plan.new_session:
+                    store.prepare(session, turns)
+                else:
+                    store.append(session, plan.history, new_turns)
                 session.message_count = len(turns)
                 session.next_seq += 2
                 session.turn_count += 1

@@ -18,11 +18,21 @@ import tempfile
 from pathlib import Path
 
 from django.conf import settings
+from django.db import connection, models
+from django.db.models import F, Func, Value
 
 from sessions_app.adapters.base import HistoryMessage
 from sessions_app.models import AgentSession, HistoryStore
 
 FILE_FORMAT_VERSION = 1
+
+
+class JSONAppend(Func):
+    """PostgreSQL `jsonb || jsonb`: the array with the new elements at its end."""
+
+    template = "(%(expressions)s)"
+    arg_joiner = " || "
+    output_field = models.JSONField()
 
 
 class HistoryUnavailable(Exception):
@@ -46,6 +56,15 @@ class DatabaseStore:
     def prepare(self, session: AgentSession, history: list[HistoryMessage]) -> None:
         """Stage a new history on the row; the caller saves the row in its transaction."""
         session.history = history
+
+    def append(self, session: AgentSession, history: list[HistoryMessage], new: list[HistoryMessage]) -> None:
+        """Stage `new` at the end of the history. On PostgreSQL only the new turns travel
+        (`history || new`): rewriting a long history from Python on every heartbeat would
+        make each turn cost as much as the whole session."""
+        if connection.vendor == "postgresql":
+            session.history = JSONAppend(F("history"), Value(new, output_field=models.JSONField()))
+        else:
+            session.history = history + new
 
     def commit(self, session: AgentSession) -> None:
         pass
@@ -95,6 +114,9 @@ class FileStore:
                 f"the database expects {session.message_count}.",
             )
         return messages
+
+    def append(self, session: AgentSession, history: list[HistoryMessage], new: list[HistoryMessage]) -> None:
+        self.prepare(session, history + new)
 
     def prepare(self, session: AgentSession, history: list[HistoryMessage]) -> None:
         """Write the new history to a temporary file beside the real one, flushed to disk."""
