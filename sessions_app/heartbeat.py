@@ -343,6 +343,51 @@ def fit_budget(
     )
 
 
+def compaction_record(
+    *,
+    session: AgentSession,
+    run: HeartbeatRun,
+    kind: str,
+    reply: AdapterReply,
+    summary: str,
+    archived: list,
+    messages: tuple[int, int],
+    tokens: tuple[int, int],
+    at: datetime,
+):
+    """The record of one compaction or handoff, and the cost event of the call that wrote
+    its summary (inside the caller's transaction). Returns the cost event, if any."""
+    event = None
+    if reply.usage is not None:
+        event = cost_event_record(
+            usage=reply.usage,
+            model=reply.model,
+            company_id=session.company_id,
+            agent_id=session.agent_id,
+            session_id=session.id,
+            run_id=run.id,
+            message_id=reply.message_id or None,
+            kind=CostKind.COMPACTION,
+            at=at,
+        )
+    SessionCompaction.objects.create(
+        session=session,
+        run=run,
+        kind=kind,
+        created_at=at,
+        archived_messages=archived,
+        messages_before=messages[0],
+        messages_after=messages[1],
+        tokens_before=tokens[0],
+        tokens_after=tokens[1],
+        summary=summary,
+        model=reply.model,
+        cost_usd=event.cost_usd if event else 0,
+        cost_event_id=event.id if event else None,
+    )
+    return event
+
+
 def compaction_commit(
     *,
     session: AgentSession,
@@ -364,33 +409,16 @@ def compaction_commit(
             locked = AgentSession.objects.select_for_update().defer("history").get(pk=session.pk)
             if locked.message_count != len(old_history) or locked.status not in LIVE_SESSION_STATUSES:
                 raise StepFailed("session_conflict", "The session changed while it was being compacted.")
-            event = None
-            if reply.usage is not None:
-                event = cost_event_record(
-                    usage=reply.usage,
-                    model=reply.model,
-                    company_id=locked.company_id,
-                    agent_id=locked.agent_id,
-                    session_id=locked.id,
-                    run_id=run.id,
-                    message_id=reply.message_id or None,
-                    kind=CostKind.COMPACTION,
-                    at=at,
-                )
-            SessionCompaction.objects.create(
+            event = compaction_record(
                 session=locked,
                 run=run,
                 kind=CompactionKind.SUMMARIZE,
-                created_at=at,
-                archived_messages=archived,
-                messages_before=len(old_history),
-                messages_after=len(new_history),
-                tokens_before=tokens_before,
-                tokens_after=tokens_after,
+                reply=reply,
                 summary=reply.text,
-                model=reply.model,
-                cost_usd=event.cost_usd if event else 0,
-                cost_event_id=event.id if event else None,
+                archived=archived,
+                messages=(len(old_history), len(new_history)),
+                tokens=(tokens_before, tokens_after),
+                at=at,
             )
             locked._staged_history_file = getattr(session, "_staged_history_file", None)
             locked.history = new_history
@@ -688,34 +716,16 @@ def _archive_server_compaction(
 
 
 def _record_handoff(session: AgentSession, *, run: HeartbeatRun, handoff: Handoff, at: datetime) -> None:
-    reply = handoff.reply
-    event = None
-    if reply.usage is not None:
-        event = cost_event_record(
-            usage=reply.usage,
-            model=reply.model,
-            company_id=session.company_id,
-            agent_id=session.agent_id,
-            session_id=session.id,
-            run_id=run.id,
-            message_id=reply.message_id or None,
-            kind=CostKind.COMPACTION,
-            at=at,
-        )
-    SessionCompaction.objects.create(
+    event = compaction_record(
         session=session,
         run=run,
         kind=CompactionKind.HANDOFF,
-        created_at=at,
-        archived_messages=[],
-        messages_before=handoff.predecessor.message_count,
-        messages_after=2,
-        tokens_before=handoff.predecessor.last_input_tokens or 0,
-        tokens_after=estimate_tokens(handoff.summary),
+        reply=handoff.reply,
         summary=handoff.summary,
-        model=reply.model,
-        cost_usd=event.cost_usd if event else 0,
-        cost_event_id=event.id if event else None,
+        archived=[],
+        messages=(handoff.predecessor.message_count, 2),
+        tokens=(handoff.predecessor.last_input_tokens or 0, estimate_tokens(handoff.summary)),
+        at=at,
     )
     if event is not None:
         session.total_cost_usd += event.cost_usd
