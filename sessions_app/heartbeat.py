@@ -33,26 +33,24 @@ from costs_app.budgets import (
     estimate_call_cost,
     has_budgets,
 )
-from costs_app.models import CostKind
 from costs_app.pricing import cost_event_record, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
+from sessions_app.compaction import (
+    Handoff,
+    StepFailed,
+    fit_budget,
+    handoff_record,
+    server_compaction_archive,
+    starts_with_compaction,
+    write_handoff,
+)
 from sessions_app.context import (
-    HANDOFF_SYSTEM,
-    MAX_COMPACTIONS_PER_HEARTBEAT,
-    SUMMARY_KINDS,
-    SUMMARY_SYSTEM,
-    ContextBudgetExceeded,
     ContextSettings,
-    build_request,
-    choose_split,
     context_settings,
     estimate_tokens,
     manifest_merge,
     reported_artifacts,
-    request_size,
     rotation_due,
-    summary_pair,
-    summary_request,
     user_turn_content,
 )
 from sessions_app.metering import session_hours_bill
@@ -61,11 +59,9 @@ from sessions_app.models import (
     Agent,
     AgentSession,
     AgentStatus,
-    CompactionKind,
     HeartbeatRun,
     RunStatus,
     RunTrigger,
-    SessionCompaction,
     SessionStatus,
 )
 from sessions_app.stores import HistoryUnavailable, configured_store_name, store_for
@@ -230,15 +226,6 @@ class Plan:
     handoff: Handoff | None = None
 
 
-@dataclass
-class Handoff:
-    """The note that opens a rotated session, and what writing it cost."""
-
-    summary: str
-    reply: AdapterReply
-    predecessor: AgentSession
-
-
 def plan_session(*, agent: Agent, run: HeartbeatRun, now: datetime, settings_: ContextSettings) -> Plan:
     if not agent.is_persistent:
         return Plan(session=None, history=[], retire=None, retire_reason="", new_session=False)
@@ -275,164 +262,6 @@ def plan_session(*, agent: Agent, run: HeartbeatRun, now: datetime, settings_: C
 def request_messages(history: list, task: str) -> list[dict]:
     """Prior turns as the Messages API expects them, then the task as the new user turn."""
     return [{"role": m["role"], "content": m["content"]} for m in history] + [{"role": "user", "content": task}]
-
-
-class StepFailed(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def write_handoff(*, agent: Agent, adapter, plan: Plan, settings_: ContextSettings, now: datetime) -> None:
-    """Rotation: summarise the ending session into the note that opens the next one."""
-    predecessor = plan.retire
-    old_history = store_for(predecessor).read(predecessor)
-    request = summary_request(agent=agent, settings=settings_, messages=old_history, system=HANDOFF_SYSTEM)
-    try:
-        reply = adapter.call(request)
-    except AdapterError as exc:
-        raise StepFailed(f"handoff_{exc.code}", f"Writing the handoff note failed: {exc.message}") from None
-    plan.handoff = Handoff(summary=reply.text, reply=reply, predecessor=predecessor)
-    plan.history = summary_pair(reply.text, kind="handoff", at=now)
-    plan.manifest = list(predecessor.manifest)
-
-
-def fit_budget(
-    *, agent: Agent, adapter, run: HeartbeatRun, plan: Plan, user_content, settings_: ContextSettings, now: datetime
-) -> AdapterRequest:
-    """The request for this heartbeat, compacting the session first if it would not fit."""
-    request = build_request(agent=agent, history=plan.history, user_content=user_content, settings=settings_)
-    if not agent.is_persistent or settings_.strategy != "summarize":
-        return request
-    keep = settings_.keep_recent_turns
-    for _ in range(MAX_COMPACTIONS_PER_HEARTBEAT + 1):
-        size = request_size(adapter, request, settings_.budget_tokens)
-        if size <= settings_.budget_tokens:
-            return request
-        split = choose_split(plan.history, keep) if plan.session is not None else None
-        if split is None:
-            break
-        summarise = summary_request(
-            agent=agent, settings=settings_, messages=plan.history[:split], system=SUMMARY_SYSTEM
-        )
-        try:
-            reply = adapter.call(summarise)
-        except AdapterError as exc:
-            raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
-        new_history = summary_pair(reply.text, kind="summary", at=now) + plan.history[split:]
-        after = build_request(agent=agent, history=new_history, user_content=user_content, settings=settings_)
-        plan.session = compaction_commit(
-            session=plan.session,
-            run=run,
-            old_history=plan.history,
-            new_history=new_history,
-            archived=plan.history[:split],
-            reply=reply,
-            tokens_before=size,
-            tokens_after=estimate_tokens({"system": after.system_blocks or after.system, "messages": after.messages}),
-            at=now,
-        )
-        plan.history = new_history
-        request = after
-        keep = max(1, keep // 2)
-    raise StepFailed(
-        ContextBudgetExceeded.code,
-        f"The request needs about {size} tokens, over the session's budget of {settings_.budget_tokens}, "
-        "and compaction cannot reduce it further. Shorten the task or raise context_budget_tokens.",
-    )
-
-
-def compaction_record(
-    *,
-    session: AgentSession,
-    run: HeartbeatRun,
-    kind: str,
-    reply: AdapterReply,
-    summary: str,
-    archived: list,
-    messages: tuple[int, int],
-    tokens: tuple[int, int],
-    at: datetime,
-):
-    """The record of one compaction or handoff, and the cost event of the call that wrote
-    its summary (inside the caller's transaction). Returns the cost event, if any."""
-    event = None
-    if reply.usage is not None:
-        event = cost_event_record(
-            usage=reply.usage,
-            model=reply.model,
-            company_id=session.company_id,
-            agent_id=session.agent_id,
-            session_id=session.id,
-            run_id=run.id,
-            message_id=reply.message_id or None,
-            kind=CostKind.COMPACTION,
-            at=at,
-        )
-    SessionCompaction.objects.create(
-        session=session,
-        run=run,
-        kind=kind,
-        created_at=at,
-        archived_messages=archived,
-        messages_before=messages[0],
-        messages_after=messages[1],
-        tokens_before=tokens[0],
-        tokens_after=tokens[1],
-        summary=summary,
-        model=reply.model,
-        cost_usd=event.cost_usd if event else 0,
-        cost_event_id=event.id if event else None,
-    )
-    return event
-
-
-def compaction_commit(
-    *,
-    session: AgentSession,
-    run: HeartbeatRun,
-    old_history: list,
-    new_history: list,
-    archived: list,
-    reply: AdapterReply,
-    tokens_before: int,
-    tokens_after: int,
-    at: datetime,
-) -> AgentSession:
-    """Swap in the compacted history, archive the replaced turns, record the compaction
-    and its cost: all in one transaction, so a failure leaves the session as it was."""
-    store = store_for(session)
-    store.prepare(session, new_history)
-    try:
-        with transaction.atomic():
-            locked = AgentSession.objects.select_for_update().defer("history").get(pk=session.pk)
-            if locked.message_count != len(old_history) or locked.status not in LIVE_SESSION_STATUSES:
-                raise StepFailed("session_conflict", "The session changed while it was being compacted.")
-            event = compaction_record(
-                session=locked,
-                run=run,
-                kind=CompactionKind.SUMMARIZE,
-                reply=reply,
-                summary=reply.text,
-                archived=archived,
-                messages=(len(old_history), len(new_history)),
-                tokens=(tokens_before, tokens_after),
-                at=at,
-            )
-            locked._staged_history_file = getattr(session, "_staged_history_file", None)
-            locked.history = new_history
-            locked.message_count = len(new_history)
-            locked.archived_message_count += sum(1 for m in archived if m.get("kind") not in SUMMARY_KINDS)
-            locked.compaction_count += 1
-            if event is not None:
-                locked.total_cost_usd += event.cost_usd
-            locked.save()
-            store.commit(locked)
-    except BaseException:
-        store.discard(session)
-        raise
-    return locked
 
 
 def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
@@ -590,10 +419,10 @@ def _finish_succeeded(
                 if starts_with_compaction(reply.content):
                     # Server-side compaction: the API ignores everything before the
                     # compaction block from now on, so those turns move to the archive.
-                    _archive_server_compaction(session, run=run, archived=plan.history, reply=reply, at=finished)
+                    server_compaction_archive(session, run=run, archived=plan.history, reply=reply, at=finished)
                     turns = new_turns
                 if plan.handoff is not None:
-                    _record_handoff(session, run=run, handoff=plan.handoff, at=now)
+                    handoff_record(session, run=run, handoff=plan.handoff, at=now)
                 if turns is new_turns or plan.new_session:
                     store.prepare(session, turns)
                 else:
@@ -686,49 +515,6 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
         # broken (for example a run reaped while still alive). Refuse rather than lose a turn.
         raise RunAbandoned("session_conflict", "The session changed while the model answered.")
     return session
-
-
-def starts_with_compaction(content) -> bool:
-    return isinstance(content, list) and bool(content) and content[0].get("type") == "compaction"
-
-
-def _archive_server_compaction(
-    session: AgentSession, *, run: HeartbeatRun, archived: list, reply: AdapterReply, at
-) -> None:
-    block = reply.content[0]
-    iterations = (reply.usage or {}).get("iterations") or []
-    before = sum(i.get("input_tokens", 0) for i in iterations if isinstance(i, dict) and i.get("type") == "compaction")
-    SessionCompaction.objects.create(
-        session=session,
-        run=run,
-        kind=CompactionKind.SERVER,
-        created_at=at,
-        archived_messages=archived,
-        messages_before=len(archived) + 2,
-        messages_after=2,
-        tokens_before=before,
-        tokens_after=(reply.usage or {}).get("input_tokens", 0),
-        summary=block.get("content") or "",
-        model=reply.model,
-    )
-    session.archived_message_count += sum(1 for m in archived if m.get("kind") not in SUMMARY_KINDS)
-    session.compaction_count += 1
-
-
-def _record_handoff(session: AgentSession, *, run: HeartbeatRun, handoff: Handoff, at: datetime) -> None:
-    event = compaction_record(
-        session=session,
-        run=run,
-        kind=CompactionKind.HANDOFF,
-        reply=handoff.reply,
-        summary=handoff.summary,
-        archived=[],
-        messages=(handoff.predecessor.message_count, 2),
-        tokens=(handoff.predecessor.last_input_tokens or 0, estimate_tokens(handoff.summary)),
-        at=at,
-    )
-    if event is not None:
-        session.total_cost_usd += event.cost_usd
 
 
 def _record_spend_only(run: HeartbeatRun, *, agent: Agent, reply: AdapterReply, finished: datetime) -> None:
