@@ -17,7 +17,7 @@ from django.utils.html import format_html, format_html_join
 from costs_app.charts import Series, limit_series, stacked_bar_chart
 from costs_app.models import CostEvent, ModelPrice
 from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
-from sessions_app.admin import CappedCountPaginator, ModelNameFilter, admin_link, session_public_id
+from sessions_app.admin import CappedCountPaginator, ModelNameFilter, admin_link, is_changelist, session_public_id
 from sessions_app.models import Agent, Company
 
 REPORT_DAYS = 30
@@ -109,13 +109,12 @@ class CostEventAdmin(admin.ModelAdmin):
     def get_queryset(self, request):
         # Names by subquery, not a join: the ledger outlives the agents it names (no FK
         # constraint), and an INNER JOIN would silently hide the rows of a deleted agent.
-        return (
-            super()
-            .get_queryset(request)
-            .annotate(
-                agent_label=Subquery(Agent.objects.filter(pk=OuterRef("agent_id")).values("name")[:1]),
-                company_label=Subquery(Company.objects.filter(pk=OuterRef("company_id")).values("name")[:1]),
-            )
+        queryset = super().get_queryset(request)
+        if is_changelist(request):
+            queryset = queryset.defer("raw_usage")
+        return queryset.annotate(
+            agent_label=Subquery(Agent.objects.filter(pk=OuterRef("agent_id")).values("name")[:1]),
+            company_label=Subquery(Company.objects.filter(pk=OuterRef("company_id")).values("name")[:1]),
         )
 
     def has_add_permission(self, request) -> bool:

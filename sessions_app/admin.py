@@ -73,7 +73,7 @@ class CappedCountPaginator(Paginator):
         queryset = self.object_list
         if not isinstance(queryset, QuerySet):
             return len(queryset)
-        capped = queryset.order_by()[: self.count_cap + 1].count()
+        capped = queryset.values("pk").order_by()[: self.count_cap + 1].count()
         if capped <= self.count_cap:
             return capped
         if connection.vendor == "postgresql" and not queryset.query.where:
@@ -99,6 +99,11 @@ def humane_expiry(expires_at: datetime | None, *, now: datetime) -> str:
 
 def session_public_id(session_id) -> str:
     return AgentSession(id=session_id).public_id if session_id else ""
+
+
+def is_changelist(request: HttpRequest) -> bool:
+    match = request.resolver_match
+    return bool(match and match.url_name and match.url_name.endswith("_changelist"))
 
 
 def admin_link(viewname: str, object_id, text: str) -> str:
@@ -395,7 +400,7 @@ class ModelNameFilter(admin.SimpleListFilter):
     def lookups(self, request, model_admin):
         from costs_app.models import ModelPrice
 
-        names = set(ModelPrice.objects.values_list("model", flat=True).distinct())
+        names = set(ModelPrice.objects.order_by().values_list("model", flat=True).distinct())
         names |= {
             name for name in Agent.objects.values_list("adapter_config__model", flat=True) if isinstance(name, str)
         }
@@ -682,12 +687,10 @@ class HeartbeatRunAdmin(admin.ModelAdmin):
     readonly_fields = fields
 
     def get_queryset(self, request):
-        return (
-            super()
-            .get_queryset(request)
-            .select_related("agent", "company")
-            .defer("agent__system_prompt", "agent__adapter_config")
-        )
+        queryset = super().get_queryset(request).select_related("agent", "company")
+        queryset = queryset.defer("agent__system_prompt", "agent__adapter_config")
+        # The list shows none of the long texts; the run's own page shows them all.
+        return queryset.defer("task", "output", "error") if is_changelist(request) else queryset
 
     def get_search_results(self, request, queryset, search_term):
         object_id = parse_session_id(search_term)
