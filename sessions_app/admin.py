@@ -18,6 +18,7 @@ from datetime import datetime
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
+from django.contrib.humanize.templatetags.humanize import naturaltime
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import connection, transaction
@@ -220,7 +221,7 @@ class RecentSessionsInline(ReadOnlyInline):
         "last_used",
         "expires",
         "last_input_tokens",
-        "total_cost_usd",
+        "total_cost",
     ]
 
     def get_queryset(self, request):
@@ -229,6 +230,10 @@ class RecentSessionsInline(ReadOnlyInline):
     @admin.display(description="expires")
     def expires(self, obj: AgentSession) -> str:
         return humane_expiry(obj.expires_at, now=timezone.now())
+
+    @admin.display(description="total cost (USD)")
+    def total_cost(self, obj: AgentSession) -> str:
+        return f"{obj.total_cost_usd:.4f}"
 
 
 class RecentRunsInline(ReadOnlyInline):
@@ -418,7 +423,7 @@ class AgentSessionAdmin(admin.ModelAdmin):
         "company",
         "status_now",
         "message_count",
-        "last_used",
+        "last_used_ago",
         "expires",
         "last_input_tokens",
         "total_cost",
@@ -436,7 +441,7 @@ class AgentSessionAdmin(admin.ModelAdmin):
         "session_id",
         "agent",
         "company",
-        "status",
+        "status_now",
         "store",
         "message_count",
         "created_at",
@@ -449,7 +454,7 @@ class AgentSessionAdmin(admin.ModelAdmin):
         "last_input_tokens",
         "total_input_tokens",
         "total_output_tokens",
-        "total_cost_usd",
+        "total_cost",
         "predecessor_link",
     ]
     readonly_fields = fields
@@ -491,6 +496,10 @@ class AgentSessionAdmin(admin.ModelAdmin):
     @admin.display(description="expires", ordering="expires_at")
     def expires(self, obj: AgentSession) -> str:
         return humane_expiry(obj.expires_at, now=timezone.now())
+
+    @admin.display(description="last used", ordering="last_used")
+    def last_used_ago(self, obj: AgentSession) -> str:
+        return format_html('<span title="{}">{}</span>', obj.last_used.isoformat(), naturaltime(obj.last_used))
 
     @admin.display(description="total cost (USD)", ordering="total_cost_usd")
     def total_cost(self, obj: AgentSession) -> str:
