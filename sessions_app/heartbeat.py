@@ -1,19 +1,80 @@
-"""One heartbeat, start to finish. (Interface; implementation lands in the next commit.)"""
+"""One heartbeat, start to finish.
+
+1. `heartbeat_enqueue` records a queued run (or returns the earlier run for a reused
+   idempotency key).
+2. `heartbeat_execute` claims it — one running run per agent, decided under a short lock
+   on the agent row, never in process memory — then resolves the session, builds the
+   request and calls the adapter outside any transaction.
+3. The user turn, the answer, the session's clocks, the cost event and the run's completion
+   commit together. A failed call changes no history.
+
+The API, the `heartbeat` command, the admin and the django-q2 tasks all come through here.
+"""
 
 from __future__ import annotations
 
-from datetime import datetime
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
-from sessions_app.models import Agent, HeartbeatRun, RunTrigger
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from costs_app.pricing import cost_event_record, token_counts
+from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
+from sessions_app.models import (
+    LIVE_SESSION_STATUSES,
+    Agent,
+    AgentSession,
+    AgentStatus,
+    HeartbeatRun,
+    RunStatus,
+    RunTrigger,
+    SessionStatus,
+)
+from sessions_app.stores import HistoryUnavailable, configured_store_name, store_for
+
+logger = logging.getLogger(__name__)
 
 
 class HeartbeatRefused(Exception):
-    """The heartbeat cannot even be queued. `code` maps to an API status."""
+    """The heartbeat cannot be queued. `code` maps to an API status."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class RunAbandoned(Exception):
+    """The run stopped being ours while the model answered (reaped, or session gone)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def validate_task(task: object) -> str:
+    if not isinstance(task, str) or not task.strip():
+        raise HeartbeatRefused("invalid_task", "task must be a non-empty string.")
+    if "\x00" in task:
+        raise HeartbeatRefused("invalid_task", "task must not contain NUL characters.")
+    if len(task) > settings.PAPERCLIP_MAX_TASK_CHARS:
+        raise HeartbeatRefused(
+            "task_too_long", f"task is {len(task)} characters; the limit is {settings.PAPERCLIP_MAX_TASK_CHARS}."
+        )
+    return task
+
+
+def refuse_unless_active(agent: Agent) -> None:
+    if agent.status == AgentStatus.DELETED:
+        raise HeartbeatRefused("agent_deleted", "The agent was deleted.")
+    if agent.status == AgentStatus.PAUSED:
+        reason = f" ({agent.paused_reason})" if agent.paused_reason else ""
+        raise HeartbeatRefused("agent_paused", f"The agent is paused{reason}; resume it first.")
 
 
 def heartbeat_enqueue(
@@ -25,16 +86,316 @@ def heartbeat_enqueue(
     force_fresh: bool = False,
     trigger: str = RunTrigger.API,
 ) -> tuple[HeartbeatRun, bool]:
-    """Create a queued run, or return the earlier run with the same idempotency key
-    (second value False). Raises HeartbeatRefused for a paused/deleted agent."""
-    raise NotImplementedError
+    """Create a queued run; with a used idempotency key, return the earlier run (False)."""
+    if idempotency_key:
+        earlier = HeartbeatRun.objects.filter(agent=agent, idempotency_key=idempotency_key).first()
+        if earlier is not None:
+            return _same_request(earlier, task), False
+    refuse_unless_active(agent)
+    validate_task(task)
+    try:
+        with transaction.atomic():
+            run = HeartbeatRun.objects.create(
+                company_id=agent.company_id,
+                agent=agent,
+                task=task,
+                idempotency_key=idempotency_key or None,
+                force_fresh=force_fresh,
+                trigger=trigger,
+                created_at=now,
+            )
+    except IntegrityError:
+        # Another request with the same key won the race; theirs is the run.
+        earlier = HeartbeatRun.objects.get(agent=agent, idempotency_key=idempotency_key)
+        return _same_request(earlier, task), False
+    return run, True
 
 
-def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
-    """Run a queued run to a terminal state (or leave it queued when the agent is busy)."""
-    raise NotImplementedError
+def _same_request(earlier: HeartbeatRun, task: str) -> HeartbeatRun:
+    if earlier.task != task:
+        raise HeartbeatRefused("idempotency_key_reused", "This idempotency key was already used for a different task.")
+    return earlier
 
 
 def heartbeat_dispatch(*, run: HeartbeatRun) -> None:
-    """Hand a queued run to the django-q2 cluster after the current transaction commits."""
-    raise NotImplementedError
+    """Hand a queued run to the django-q2 cluster once the current transaction commits."""
+    from django_q.tasks import async_task
+
+    run_id = str(run.id)
+    transaction.on_commit(lambda: async_task("sessions_app.tasks.execute_run", run_id, task_name=f"heartbeat {run_id}"))
+
+
+def dispatch_next_queued(*, agent_id) -> None:
+    """Wake the oldest queued run of an agent (after a run finished or was reaped)."""
+    nxt = (
+        HeartbeatRun.objects.filter(agent_id=agent_id, status=RunStatus.QUEUED)
+        .order_by("created_at")
+        .only("id")
+        .first()
+    )
+    if nxt is not None:
+        heartbeat_dispatch(run=nxt)
+
+
+def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
+    """Move a queued run to running unless another run of its agent is running.
+
+    The agent row lock serialises the check-then-claim across processes and hosts (on
+    SQLite, the IMMEDIATE transaction does the same). It is held for two small queries.
+    """
+    run = HeartbeatRun.objects.select_related("agent").get(id=run_id)
+    if run.status != RunStatus.QUEUED:
+        return run, False
+    with transaction.atomic():
+        agent = Agent.objects.select_for_update().get(id=run.agent_id)
+        if agent.status != AgentStatus.ACTIVE:
+            code = "agent_deleted" if agent.status == AgentStatus.DELETED else "agent_paused"
+            _finish_failed(run, code=code, message=f"The agent is {agent.status}.", now=now)
+            run.refresh_from_db()
+            return run, False
+        busy = HeartbeatRun.objects.filter(agent_id=agent.id, status=RunStatus.RUNNING).exists()
+        if busy:
+            return run, False
+        timeout = timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
+        claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
+            status=RunStatus.RUNNING, started_at=now, deadline_at=now + timeout
+        )
+    run.refresh_from_db()
+    run.agent = agent
+    return run, bool(claimed)
+
+
+@dataclass
+class Plan:
+    """What the model will see, and where the answer will be written."""
+
+    session: AgentSession | None  # the live session resumed, if any
+    history: list
+    retire: AgentSession | None  # a live session that must end before a new one starts
+    retire_reason: str
+    new_session: bool
+
+
+def plan_session(*, agent: Agent, run: HeartbeatRun, now: datetime) -> Plan:
+    if not agent.is_persistent:
+        return Plan(session=None, history=[], retire=None, retire_reason="", new_session=False)
+    live = AgentSession.objects.filter(agent=agent, status__in=LIVE_SESSION_STATUSES).first()
+    if live is None:
+        return Plan(session=None, history=[], retire=None, retire_reason="", new_session=True)
+    reason = ""
+    if not live.is_live_at(now):
+        reason = "expired"
+    elif run.force_fresh:
+        reason = "force_fresh"
+    elif live.model != agent.model_name or live.adapter_type != agent.adapter_type:
+        reason = "config_changed"
+    if reason:
+        return Plan(session=None, history=[], retire=live, retire_reason=reason, new_session=True)
+    history = store_for(live).read(live)
+    # Touch the session so the expiry task does not end it while the model answers.
+    AgentSession.objects.filter(pk=live.pk).update(last_used=now, expires_at=now + agent.session_ttl)
+    return Plan(session=live, history=history, retire=None, retire_reason="", new_session=False)
+
+
+def request_messages(history: list, task: str) -> list[dict]:
+    """Prior turns as the Messages API expects them, then the task as the new user turn."""
+    return [{"role": m["role"], "content": m["content"]} for m in history] + [{"role": "user", "content": task}]
+
+
+def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
+    """Run a queued run to a terminal state, or leave it queued while its agent is busy.
+
+    `now` is the heartbeat's logical time (expiry decisions, last_used); the finish time
+    adds the measured duration of the call to it.
+    """
+    now = now or timezone.now()
+    run, claimed = claim_run(run_id=run_id, now=now)
+    if not claimed:
+        return run
+    started = time.monotonic()
+    try:
+        _run_claimed(run, now=now, started=started)
+    except Exception:
+        # Never leave a run `running` behind an unexpected error (a bug, a dropped
+        # database connection): fail it with the class name and keep the traceback in logs.
+        logger.exception("Heartbeat run %s failed unexpectedly", run.id)
+        finished = now + timedelta(seconds=time.monotonic() - started)
+        _finish_failed(
+            run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=finished
+        )
+    dispatch_next_queued(agent_id=run.agent_id)
+    run.refresh_from_db()
+    return run
+
+
+def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> None:
+    agent = run.agent
+
+    def elapsed() -> datetime:
+        return now + timedelta(seconds=time.monotonic() - started)
+
+    try:
+        plan = plan_session(agent=agent, run=run, now=now)
+    except HistoryUnavailable as exc:
+        _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
+        return
+    if plan.session is not None:
+        HeartbeatRun.objects.filter(id=run.id).update(session=plan.session)
+    adapter = get_adapter(agent.adapter_type)
+    request = AdapterRequest(
+        model=agent.model_name,
+        system=agent.system_prompt,
+        messages=request_messages(plan.history, run.task),
+        config=agent.adapter_config,
+        metadata={"run_id": str(run.id), "agent_id": str(agent.id)},
+    )
+    try:
+        reply = adapter.call(request)
+    except AdapterError as exc:
+        _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
+        return
+    _finish_succeeded(run, agent=agent, plan=plan, reply=reply, now=now, finished=elapsed())
+
+
+def _finish_failed(run: HeartbeatRun, *, code: str, message: str, now: datetime) -> None:
+    HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING]).update(
+        status=RunStatus.FAILED, error_code=code, error=message[:5000], finished_at=now
+    )
+
+
+def _finish_succeeded(
+    run: HeartbeatRun, *, agent: Agent, plan: Plan, reply: AdapterReply, now: datetime, finished: datetime
+) -> None:
+    counts = token_counts(reply.usage) if reply.usage is not None else None
+    store = None
+    session = None
+    try:
+        with transaction.atomic():
+            session = _session_for_answer(agent=agent, run=run, plan=plan, now=now)
+            cost_event = None
+            if reply.usage is not None:
+                cost_event = cost_event_record(
+                    usage=reply.usage,
+                    model=reply.model or agent.model_name,
+                    company_id=agent.company_id,
+                    agent_id=agent.id,
+                    session_id=session.id if session else None,
+                    run_id=run.id,
+                    message_id=reply.message_id or None,
+                    at=finished,
+                )
+            cost = cost_event.cost_usd if cost_event is not None else None
+            if session is not None:
+                store = store_for(session)
+                turns = plan.history + [
+                    {"role": "user", "content": run.task, "at": now.isoformat(), "run_id": str(run.id)},
+                    {
+                        "role": "assistant",
+                        "content": reply.content,
+                        "at": finished.isoformat(),
+                        "run_id": str(run.id),
+                        "message_id": reply.message_id,
+                        "usage": counts.__dict__ if counts else None,
+                        "cost_usd": str(cost) if cost is not None else None,
+                    },
+                ]
+                store.prepare(session, turns)
+                session.message_count = len(turns)
+                session.last_used = finished
+                session.expires_at = finished + agent.session_ttl
+                if counts is not None:
+                    session.last_input_tokens = counts.total_input_tokens
+                    session.total_input_tokens += counts.total_input_tokens
+                    session.total_output_tokens += counts.output_tokens
+                if cost is not None:
+                    session.total_cost_usd += cost
+                session.save()
+            updated = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(
+                status=RunStatus.SUCCEEDED,
+                session=session,
+                output=reply.text,
+                model=reply.model,
+                message_id=reply.message_id,
+                stop_reason=reply.stop_reason,
+                input_tokens=counts.input_tokens if counts else None,
+                output_tokens=counts.output_tokens if counts else None,
+                cache_creation_input_tokens=counts.cache_creation_input_tokens if counts else None,
+                cache_read_input_tokens=counts.cache_read_input_tokens if counts else None,
+                cost_usd=cost,
+                finished_at=finished,
+            )
+            if not updated:
+                raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
+            if store is not None:
+                store.commit(session)
+    except (RunAbandoned, HistoryUnavailable) as exc:
+        if store is not None:
+            store.discard(session)
+        _record_spend_only(run, agent=agent, reply=reply, finished=finished)
+        _finish_failed(run, code=exc.code, message=exc.message, now=finished)
+    except Exception:
+        if store is not None:
+            store.discard(session)
+        raise
+
+
+def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: datetime) -> AgentSession | None:
+    """Inside the commit transaction: the session row the answer goes to, locked."""
+    if not agent.is_persistent:
+        return None
+    if plan.retire is not None:
+        end_status = SessionStatus.EXPIRED if plan.retire_reason == "expired" else SessionStatus.ENDED
+        AgentSession.objects.filter(pk=plan.retire.pk, status__in=LIVE_SESSION_STATUSES).update(
+            status=end_status, ended_at=now, end_reason=plan.retire_reason
+        )
+    if plan.new_session:
+        return AgentSession.objects.create(
+            agent=agent,
+            company_id=agent.company_id,
+            store=configured_store_name(),
+            model=agent.model_name,
+            adapter_type=agent.adapter_type,
+            created_at=now,
+            last_used=now,
+            expires_at=now + agent.session_ttl,
+        )
+    session = AgentSession.objects.select_for_update().filter(pk=plan.session.pk).first()
+    if session is None:
+        raise RunAbandoned("session_deleted", "The session was deleted while the model answered.")
+    if session.status not in LIVE_SESSION_STATUSES:
+        raise RunAbandoned("session_ended", f"The session was {session.status} while the model answered.")
+    if session.message_count != len(plan.history):
+        # Only one run per agent may be running, so this means the one-writer rule was
+        # broken (for example a run reaped while still alive). Refuse rather than lose a turn.
+        raise RunAbandoned("session_conflict", "The session changed while the model answered.")
+    return session
+
+
+def _record_spend_only(run: HeartbeatRun, *, agent: Agent, reply: AdapterReply, finished: datetime) -> None:
+    """The answer is discarded but the call was billed: the ledger still records it."""
+    if reply.usage is None:
+        return
+    cost_event_record(
+        usage=reply.usage,
+        model=reply.model or agent.model_name,
+        company_id=agent.company_id,
+        agent_id=agent.id,
+        run_id=run.id,
+        message_id=reply.message_id or None,
+        at=finished,
+    )
+
+
+def heartbeat_wait(*, run_id, timeout_seconds: float, poll_seconds: float = 0.1) -> HeartbeatRun:
+    """Execute a run here, waiting for the agent's current run to finish first.
+
+    Used by `"wait": true` requests and the `heartbeat` command. If another process claims
+    the run meanwhile (the cluster), this waits for it to finish instead.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        run = heartbeat_execute(run_id=run_id)
+        if run.is_finished or time.monotonic() >= deadline:
+            return run
+        time.sleep(poll_seconds)
+        poll_seconds = min(poll_seconds * 1.5, 1.0)

@@ -136,6 +136,8 @@ class AgentSession(models.Model):
     total_cost_usd = models.DecimalField(max_digits=20, decimal_places=10, default=0, db_default=0)
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.CharField(max_length=32, blank=True, default="", db_default="")
+    # Set when retention removed the turns of an ended session; its metadata stays.
+    history_purged_at = models.DateTimeField(null=True, blank=True)
     predecessor = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="successors")
 
     class Meta:
@@ -145,6 +147,12 @@ class AgentSession(models.Model):
             # Sessions list of one agent, newest use first (API, admin inline), and the
             # heartbeat's lookup of the agent's live session.
             models.Index(fields=["agent", "-last_used"], name="sessions_agent_last_used_idx"),
+            # Retention: ended sessions whose history is still kept, oldest end first.
+            models.Index(
+                fields=["ended_at"],
+                name="sessions_unpurged_ended_idx",
+                condition=Q(history_purged_at__isnull=True) & Q(status__in=["expired", "ended"]),
+            ),
             # The expiry task: live sessions whose expires_at has passed.
             models.Index(
                 fields=["expires_at"],

@@ -65,6 +65,8 @@ class FileStore:
 
     def read(self, session: AgentSession) -> list[HistoryMessage]:
         path = self.path_for(session)
+        if session.history_purged_at is not None:
+            return []
         if session.message_count == 0 and not path.exists():
             return []  # a new session whose first turn has not been written yet
         try:

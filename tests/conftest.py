@@ -6,6 +6,9 @@ import pytest
 from django.db import connection
 
 from sessions_app.models import Agent, Company
+from tests.fake_anthropic import FakeAnthropic
+
+FAKE_API_KEY = "sk-ant-test-0000-secret-never-logged"
 
 
 @pytest.fixture(autouse=True)
@@ -72,3 +75,13 @@ def other_agent(other_company):
         adapter_type="claude-code",
         adapter_config={"model": "claude-haiku-4-5", "session_mode": "persistent"},
     )
+
+
+@pytest.fixture
+def fake_anthropic(monkeypatch):
+    """A fake Messages API on 127.0.0.1 that the real SDK reaches through the environment."""
+    fake = FakeAnthropic().start()
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.base_url)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", FAKE_API_KEY)
+    yield fake
+    fake.stop()

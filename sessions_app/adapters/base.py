@@ -79,7 +79,7 @@ class AgentConfigError(ValidationError):
 
 
 # The keys every adapter accepts; each adapter adds its own.
-COMMON_KEYS = {"session_mode", "session_ttl_hours", "heartbeat_interval_minutes"}
+COMMON_KEYS = {"session_mode", "session_ttl_hours", "heartbeat_interval_minutes", "heartbeat_task"}
 
 
 def is_number(value: Any) -> bool:
@@ -109,6 +109,11 @@ def validate_common(config: dict, errors: dict[str, str]) -> dict:
                 f"must be a whole number of minutes (1..44640) or null, got {interval!r}"
             )
         clean["heartbeat_interval_minutes"] = interval
+    if "heartbeat_task" in config:
+        task = config["heartbeat_task"]
+        if task is not None and (not isinstance(task, str) or not task.strip() or "\x00" in task):
+            errors["heartbeat_task"] = "must be the text of the scheduled task, or null"
+        clean["heartbeat_task"] = task
     return clean
 
 

@@ -1,0 +1,134 @@
+"""Turning the usage the API reported into ledger rows priced in Decimal.
+
+Token classes are priced separately: uncached input, output, cache writes (5-minute and
+1-hour lifetimes differ) and cache reads. With server-side compaction the API reports the
+summarising pass only in `usage.iterations`, so those entries are added to the top-level
+counts (the `message` iteration mirrors the top level and is not added twice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+
+from costs_app.models import CostEvent, CostKind, ModelPrice
+
+MILLION = Decimal(1_000_000)
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+    cache_creation_5m_input_tokens: int = 0
+    cache_creation_1h_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+    def __add__(self, other: TokenCounts) -> TokenCounts:
+        return TokenCounts(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return (
+            self.input_tokens,
+            self.output_tokens,
+            self.cache_creation_input_tokens,
+            self.cache_creation_5m_input_tokens,
+            self.cache_creation_1h_input_tokens,
+            self.cache_read_input_tokens,
+        )
+
+    @property
+    def total_input_tokens(self) -> int:
+        """Everything the model read: what grows with replayed history."""
+        return self.input_tokens + self.cache_creation_input_tokens + self.cache_read_input_tokens
+
+
+def _count(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _counts_of(entry: dict) -> TokenCounts:
+    cache_total = _count(entry.get("cache_creation_input_tokens"))
+    split = entry.get("cache_creation") if isinstance(entry.get("cache_creation"), dict) else {}
+    five = _count(split.get("ephemeral_5m_input_tokens"))
+    hour = _count(split.get("ephemeral_1h_input_tokens"))
+    if not split:
+        five = cache_total  # no split reported: the default lifetime is five minutes
+    cache_total = max(cache_total, five + hour)
+    return TokenCounts(
+        input_tokens=_count(entry.get("input_tokens")),
+        output_tokens=_count(entry.get("output_tokens")),
+        cache_creation_input_tokens=cache_total,
+        cache_creation_5m_input_tokens=five,
+        cache_creation_1h_input_tokens=hour,
+        cache_read_input_tokens=_count(entry.get("cache_read_input_tokens")),
+    )
+
+
+def token_counts(usage: dict) -> TokenCounts:
+    counts = _counts_of(usage)
+    for iteration in usage.get("iterations") or []:
+        if isinstance(iteration, dict) and iteration.get("type") != "message":
+            counts = counts + _counts_of(iteration)
+    return counts
+
+
+def price_for(*, model: str, at: datetime) -> ModelPrice | None:
+    """The price in force for `model` on the UTC day of `at`."""
+    day = at.astimezone(UTC).date()
+    return ModelPrice.objects.filter(model=model, effective_from__lte=day).order_by("-effective_from").first()
+
+
+def cost_of(counts: TokenCounts, price: ModelPrice) -> Decimal:
+    total = (
+        counts.input_tokens * price.input_usd_per_mtok
+        + counts.output_tokens * price.output_usd_per_mtok
+        + counts.cache_creation_5m_input_tokens * price.cache_write_5m_usd_per_mtok
+        + counts.cache_creation_1h_input_tokens * price.cache_write_1h_usd_per_mtok
+        + counts.cache_read_input_tokens * price.cache_read_usd_per_mtok
+    )
+    return total / MILLION
+
+
+def cost_event_record(
+    *,
+    usage: dict,
+    model: str,
+    company_id,
+    agent_id,
+    at: datetime,
+    session_id=None,
+    run_id=None,
+    message_id: str | None = None,
+    kind: str = CostKind.MESSAGE,
+) -> CostEvent | None:
+    """Write one ledger row for a call's usage; returns the existing row when this
+    message was already recorded (a retried write never bills twice)."""
+    if message_id:
+        existing = CostEvent.objects.filter(message_id=message_id, kind=kind).first()
+        if existing is not None:
+            return existing
+    counts = token_counts(usage)
+    price = price_for(model=model, at=at)
+    return CostEvent.objects.create(
+        kind=kind,
+        company_id=company_id,
+        agent_id=agent_id,
+        session_id=session_id,
+        run_id=run_id,
+        model=model,
+        input_tokens=counts.input_tokens,
+        output_tokens=counts.output_tokens,
+        cache_creation_input_tokens=counts.cache_creation_input_tokens,
+        cache_creation_5m_input_tokens=counts.cache_creation_5m_input_tokens,
+        cache_creation_1h_input_tokens=counts.cache_creation_1h_input_tokens,
+        cache_read_input_tokens=counts.cache_read_input_tokens,
+        cost_usd=cost_of(counts, price) if price else Decimal(0),
+        unpriced=price is None,
+        price=price,
+        message_id=message_id or None,
+        raw_usage=usage,
+        created_at=at,
+    )

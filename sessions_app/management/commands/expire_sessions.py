@@ -1,0 +1,19 @@
+"""`manage.py expire_sessions`: end sessions past their TTL, reap stuck runs, purge old history."""
+
+from __future__ import annotations
+
+from django.core.management.base import BaseCommand
+from django.utils import timezone
+
+from sessions_app.expiry import maintenance_pass
+
+
+class Command(BaseCommand):
+    help = "Expire sessions past expires_at, fail runs stuck past their deadline, purge old histories."
+
+    def handle(self, *args, **options):
+        result = maintenance_pass(now=timezone.now())
+        self.stdout.write(
+            f"expired {result['expired']} session(s); reaped runs of {result['reaped_agents']} agent(s); "
+            f"purged {result['purged']} history(ies); re-dispatched {result['unstuck']} queue(s)"
+        )

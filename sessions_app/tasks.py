@@ -1,0 +1,35 @@
+"""django-q2 task entry points: thin, they take ids and call the domain functions."""
+
+from __future__ import annotations
+
+from django.utils import timezone
+
+from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute
+from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
+
+DEFAULT_SCHEDULED_TASK = "Heartbeat: review your assigned work and continue where you left off."
+
+
+def execute_run(run_id: str) -> str:
+    return heartbeat_execute(run_id=run_id).status
+
+
+def scheduled_heartbeat(agent_id: str) -> str:
+    agent = Agent.objects.filter(id=agent_id, status=AgentStatus.ACTIVE).first()
+    if agent is None:
+        return "skipped: agent not active"
+    # No pile-up: while a run waits, further ticks add nothing.
+    if HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).exists():
+        return "skipped: a run is already queued"
+    task = agent.adapter_config.get("heartbeat_task") or DEFAULT_SCHEDULED_TASK
+    try:
+        run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now(), trigger=RunTrigger.SCHEDULE)
+    except HeartbeatRefused as exc:
+        return f"skipped: {exc.code}"
+    return heartbeat_execute(run_id=run.id).status
+
+
+def maintenance() -> dict:
+    from sessions_app.expiry import maintenance_pass
+
+    return maintenance_pass(now=timezone.now())

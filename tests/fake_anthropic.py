@@ -1,0 +1,232 @@
+"""A small fake of the Anthropic Messages API, served over real HTTP on 127.0.0.1.
+
+The real `anthropic` SDK reaches it through ANTHROPIC_BASE_URL, so tests exercise the SDK's
+own request building, retries and response parsing. Every request is recorded. Scripted
+replies (`fake.push(...)`) are served first, in order; then the default reply, which
+answers each task and reports usage estimated from the request size.
+
+Scripted reply kinds:
+- Reply.error(status, message, retry_after_ms=None): an API error body;
+- Reply.delay(seconds): the default reply after a pause (timeouts);
+- Reply.malformed(): status 200 with a body that is not JSON;
+- Reply.reset(): headers, half a body, then the connection is dropped;
+- Reply.message(text=..., usage=..., content=..., message_id=...): a chosen answer;
+- Reply.no_usage(): an answer without a `usage` object.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+def estimate_tokens(payload: Any) -> int:
+    return max(1, len(json.dumps(payload, ensure_ascii=False)) // 4)
+
+
+def last_user_text(messages: list[dict]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            return " ".join(b.get("text", "") for b in content if isinstance(b, dict))
+    return ""
+
+
+@dataclass
+class Reply:
+    kind: str = "default"
+    status: int = 200
+    error_message: str = ""
+    retry_after_ms: int | None = None
+    seconds: float = 0.0
+    text: str | None = None
+    usage: dict | None = None
+    content: list | None = None
+    message_id: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def error(cls, status: int, message: str = "fake error", retry_after_ms: int | None = None) -> Reply:
+        return cls(kind="error", status=status, error_message=message, retry_after_ms=retry_after_ms)
+
+    @classmethod
+    def delay(cls, seconds: float) -> Reply:
+        return cls(kind="delay", seconds=seconds)
+
+    @classmethod
+    def malformed(cls) -> Reply:
+        return cls(kind="malformed")
+
+    @classmethod
+    def reset(cls) -> Reply:
+        return cls(kind="reset")
+
+    @classmethod
+    def no_usage(cls) -> Reply:
+        return cls(kind="no_usage")
+
+    @classmethod
+    def message(cls, text: str | None = None, **kwargs) -> Reply:
+        return cls(kind="message", text=text, **kwargs)
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+
+
+class FakeAnthropic:
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.scripted: list[Reply] = []
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> FakeAnthropic:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def push(self, *replies: Reply) -> None:
+        with self.lock:
+            self.scripted.extend(replies)
+
+    def reset_log(self) -> None:
+        with self.lock:
+            self.requests.clear()
+
+    @property
+    def message_requests(self) -> list[dict]:
+        with self.lock:
+            return [r["body"] for r in self.requests if r["path"] == "/v1/messages"]
+
+    def _next_reply(self) -> Reply:
+        with self.lock:
+            return self.scripted.pop(0) if self.scripted else Reply()
+
+    def default_usage(self, body: dict) -> dict:
+        return {
+            "input_tokens": estimate_tokens({"system": body.get("system"), "messages": body.get("messages")}),
+            "output_tokens": 12,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        }
+
+    def answer(self, body: dict, reply: Reply) -> dict:
+        number = next(self.ids)
+        text = (
+            reply.text
+            if reply.text is not None
+            else f"answer {number}: {last_user_text(body.get('messages', []))[:80]}"
+        )
+        message = {
+            "id": reply.message_id or f"msg_fake_{number:06d}",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model", "claude-test"),
+            "content": reply.content if reply.content is not None else [{"type": "text", "text": text}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": reply.usage if reply.usage is not None else self.default_usage(body),
+        }
+        if reply.kind == "no_usage":
+            message.pop("usage")
+        message.update(reply.extra)
+        return message
+
+    def _handler_class(self):
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format, *args):  # keep test output quiet
+                pass
+
+            def _send_json(self, status: int, payload: dict, headers: dict | None = None) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("request-id", f"req_fake_{time.monotonic_ns()}")
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length)
+                try:
+                    body = json.loads(raw or b"{}")
+                except ValueError:
+                    body = {"_unparsed": raw.decode(errors="replace")}
+                path = self.path.split("?")[0]
+                with fake.lock:
+                    fake.requests.append({"path": path, "headers": dict(self.headers), "body": body})
+                if path == "/v1/messages/count_tokens":
+                    self._send_json(200, {"input_tokens": fake.default_usage(body)["input_tokens"]})
+                    return
+                if path != "/v1/messages":
+                    self._send_json(404, {"type": "error", "error": {"type": "not_found_error", "message": path}})
+                    return
+                reply = fake._next_reply()
+                if reply.kind == "error":
+                    headers = {}
+                    if reply.retry_after_ms is not None:
+                        headers["retry-after-ms"] = str(reply.retry_after_ms)
+                    error_type = ERROR_TYPES.get(reply.status, "api_error")
+                    self._send_json(
+                        reply.status,
+                        {"type": "error", "error": {"type": error_type, "message": reply.error_message}},
+                        headers,
+                    )
+                    return
+                if reply.kind == "delay":
+                    time.sleep(reply.seconds)
+                if reply.kind == "malformed":
+                    data = b"<html>this is not json"
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                if reply.kind == "reset":
+                    data = json.dumps(fake.answer(body, Reply())).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
+                self._send_json(200, fake.answer(body, reply))
+
+        return Handler

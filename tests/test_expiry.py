@@ -1,0 +1,166 @@
+"""Expiry, the reaper, retention, schedules and the commands that drive them."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.utils import timezone
+from django_q.models import Schedule
+
+from sessions_app.expiry import histories_purge, maintenance_pass, runs_reap, sessions_expire
+from sessions_app.heartbeat import heartbeat_enqueue
+from sessions_app.models import AgentSession, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
+from sessions_app.schedules import agent_schedule_sync, schedule_name
+from sessions_app.services import agent_delete, agent_pause, agent_resume
+from sessions_app.stores import store_for
+from sessions_app.tasks import scheduled_heartbeat
+from tests.fake_anthropic import Reply
+
+
+def make_session(agent, *, last_used, ttl_hours=24, store=HistoryStore.DATABASE, messages=None):
+    session = AgentSession.objects.create(
+        agent=agent,
+        company=agent.company,
+        last_used=last_used,
+        expires_at=last_used + timedelta(hours=ttl_hours),
+        store=store,
+        model=agent.model_name,
+        adapter_type=agent.adapter_type,
+    )
+    if messages:
+        store_impl = store_for(session)
+        store_impl.prepare(session, messages)
+        store_impl.commit(session)
+        session.message_count = len(messages)
+        session.save()
+    return session
+
+
+def test_expire_sessions_ends_stale_sessions_and_keeps_fresh_ones(persistent_agent, other_agent):
+    now = timezone.now()
+    stale = make_session(persistent_agent, last_used=now - timedelta(hours=25))
+    fresh = make_session(other_agent, last_used=now - timedelta(hours=1))
+
+    assert sessions_expire(now=now) == 1
+
+    stale.refresh_from_db()
+    fresh.refresh_from_db()
+    assert stale.status == SessionStatus.EXPIRED and stale.ended_at == stale.expires_at
+    assert fresh.status == SessionStatus.ACTIVE
+    assert AgentSession.objects.filter(status=SessionStatus.ACTIVE).count() == 1
+
+
+def test_expire_sessions_command_reports_what_it_did(persistent_agent, capsys):
+    make_session(persistent_agent, last_used=timezone.now() - timedelta(days=2))
+    call_command("expire_sessions")
+    assert "expired 1 session(s)" in capsys.readouterr().out
+
+
+def test_reaper_fails_runs_stuck_past_their_deadline(persistent_agent):
+    now = timezone.now()
+    stuck = HeartbeatRun.objects.create(
+        company=persistent_agent.company,
+        agent=persistent_agent,
+        task="t",
+        status=RunStatus.RUNNING,
+        started_at=now - timedelta(minutes=11),
+        deadline_at=now - timedelta(minutes=1),
+    )
+    alive = HeartbeatRun.objects.create(
+        company=persistent_agent.company,
+        agent=persistent_agent,
+        task="t",
+        status=RunStatus.RUNNING,
+        started_at=now,
+        deadline_at=now + timedelta(minutes=10),
+    )
+    assert runs_reap(now=now) == [persistent_agent.id]
+    stuck.refresh_from_db()
+    alive.refresh_from_db()
+    assert (stuck.status, stuck.error_code) == (RunStatus.FAILED, "run_timeout")
+    assert stuck.finished_at == now
+    assert alive.status == RunStatus.RUNNING
+
+
+def test_retention_purges_history_of_long_ended_sessions_only(settings, persistent_agent, other_agent):
+    settings.PAPERCLIP_RETENTION_DAYS = 30
+    now = timezone.now()
+    old = make_session(
+        persistent_agent,
+        last_used=now - timedelta(days=40),
+        store=HistoryStore.FILE,
+        messages=[{"role": "user", "content": "x"}],
+    )
+    recent = make_session(
+        other_agent,
+        last_used=now - timedelta(days=3),
+        store=HistoryStore.FILE,
+        messages=[{"role": "user", "content": "y"}],
+    )
+    sessions_expire(now=now)
+    old_path, recent_path = store_for(old).path_for(old), store_for(recent).path_for(recent)
+
+    assert histories_purge(now=now) == 1
+
+    old.refresh_from_db()
+    assert old.history_purged_at == now and not old_path.exists()
+    assert store_for(old).read(old) == []
+    assert old.message_count == 1  # the record of what it was stays
+    assert recent_path.exists()
+
+
+def test_maintenance_pass_runs_everything(persistent_agent):
+    result = maintenance_pass(now=timezone.now())
+    assert set(result) == {"expired", "reaped_agents", "purged", "unstuck"}
+
+
+def test_maintenance_schedule_exists_after_migrate(db):
+    schedule = Schedule.objects.get(name="paperclip:maintenance")
+    assert schedule.func == "sessions_app.tasks.maintenance"
+    assert schedule.repeats == -1
+
+
+def test_agent_schedule_follows_the_agent(persistent_agent):
+    persistent_agent.adapter_config = {**persistent_agent.adapter_config, "heartbeat_interval_minutes": 15}
+    persistent_agent.save()
+    agent_schedule_sync(agent=persistent_agent)
+    agent_schedule_sync(agent=persistent_agent)  # idempotent
+    schedule = Schedule.objects.get(name=schedule_name(persistent_agent.id))
+    assert (schedule.minutes, schedule.func) == (15, "sessions_app.tasks.scheduled_heartbeat")
+
+    agent_pause(agent=persistent_agent)
+    assert not Schedule.objects.filter(name=schedule_name(persistent_agent.id)).exists()
+    agent_resume(agent=persistent_agent)
+    assert Schedule.objects.filter(name=schedule_name(persistent_agent.id)).count() == 1
+    agent_delete(agent=persistent_agent, now=timezone.now())
+    assert not Schedule.objects.filter(name=schedule_name(persistent_agent.id)).exists()
+
+
+def test_scheduled_tick_is_skipped_while_a_run_is_queued(persistent_agent, fake_anthropic):
+    heartbeat_enqueue(agent=persistent_agent, task="waiting", now=timezone.now())
+    assert scheduled_heartbeat(str(persistent_agent.id)) == "skipped: a run is already queued"
+    assert HeartbeatRun.objects.filter(agent=persistent_agent).count() == 1
+    assert fake_anthropic.message_requests == []
+
+
+def test_scheduled_tick_runs_a_heartbeat(persistent_agent, fake_anthropic):
+    assert scheduled_heartbeat(str(persistent_agent.id)) == RunStatus.SUCCEEDED
+    assert HeartbeatRun.objects.get().trigger == "schedule"
+
+
+def test_heartbeat_command_prints_output_and_usage(persistent_agent, fake_anthropic, capsys):
+    call_command("heartbeat", str(persistent_agent.id), "--task", "hello there")
+    out = capsys.readouterr().out
+    assert "answer 1: hello there" in out
+    assert "input" in out and "cost $" in out
+
+
+def test_heartbeat_command_errors_are_clear(persistent_agent, fake_anthropic):
+    with pytest.raises(CommandError, match="No agent"):
+        call_command("heartbeat", "not-a-uuid", "--task", "x")
+    fake_anthropic.push(Reply.error(400, "nope"))
+    with pytest.raises(CommandError, match="model_bad_request"):
+        call_command("heartbeat", str(persistent_agent.id), "--task", "x")

@@ -1,0 +1,354 @@
+"""Heartbeats through the real SDK against the fake Messages API."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from costs_app.models import CostEvent
+from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute
+from sessions_app.models import AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
+from sessions_app.services import agent_pause, session_delete
+from sessions_app.stores import store_for
+from tests.fake_anthropic import Reply
+
+
+def beat(agent, task, *, now=None, **kwargs):
+    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now or timezone.now(), **kwargs)
+    return heartbeat_execute(run_id=run.id, now=now)
+
+
+def test_stateless_request_carries_system_prompt_and_one_user_message(stateless_agent, fake_anthropic):
+    run = beat(stateless_agent, "What is 2+2?")
+    beat(stateless_agent, "And 3+3?")
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    first, second = fake_anthropic.message_requests
+    assert first["system"] == "You are terse."
+    assert first["model"] == "claude-opus-4-5"
+    assert first["messages"] == [{"role": "user", "content": "What is 2+2?"}]
+    assert second["messages"] == [{"role": "user", "content": "And 3+3?"}]
+    assert run.session_id is None
+    assert not AgentSession.objects.exists()
+    assert run.output.startswith("answer 1")
+
+
+def test_persistent_request_k_carries_2k_minus_1_alternating_messages_verbatim(persistent_agent, fake_anthropic):
+    for k in range(1, 6):
+        run = beat(persistent_agent, f"task {k}")
+        assert run.status == RunStatus.SUCCEEDED, run.error
+
+    requests = fake_anthropic.message_requests
+    for k, body in enumerate(requests, start=1):
+        messages = body["messages"]
+        assert len(messages) == 2 * k - 1
+        assert [m["role"] for m in messages] == ["user", "assistant"] * (k - 1) + ["user"]
+        assert messages[-1]["content"] == f"task {k}"
+        if k > 1:
+            # Every earlier request's messages come back verbatim, then its answer.
+            previous = requests[k - 2]["messages"]
+            assert messages[: len(previous)] == previous
+            assert messages[len(previous)]["content"] == [{"type": "text", "text": f"answer {k - 1}: task {k - 1}"}]
+    session = AgentSession.objects.get()
+    assert session.message_count == 10
+    assert run.session_id == session.id
+
+
+def test_session_unused_past_its_ttl_is_not_resumed(persistent_agent, fake_anthropic):
+    start = timezone.now()
+    first = beat(persistent_agent, "remember 42", now=start)
+    later = start + timedelta(hours=24, minutes=1)
+
+    second = beat(persistent_agent, "what did I say?", now=later)
+
+    assert second.status == RunStatus.SUCCEEDED
+    assert second.session_id != first.session_id
+    assert fake_anthropic.message_requests[-1]["messages"] == [{"role": "user", "content": "what did I say?"}]
+    old = AgentSession.objects.get(id=first.session_id)
+    assert old.status == SessionStatus.EXPIRED
+    assert old.end_reason == "expired"
+
+
+def test_expiry_slides_forward_with_every_use(persistent_agent, fake_anthropic):
+    start = timezone.now()
+    beat(persistent_agent, "one", now=start)
+    beat(persistent_agent, "two", now=start + timedelta(hours=20))
+    third = beat(persistent_agent, "three", now=start + timedelta(hours=40))
+
+    session = AgentSession.objects.get(id=third.session_id)
+    assert AgentSession.objects.count() == 1
+    assert session.message_count == 6
+    assert session.expires_at == session.last_used + timedelta(hours=24)
+    assert session.last_used >= start + timedelta(hours=40)
+
+
+def test_force_fresh_and_model_change_start_new_sessions(persistent_agent, fake_anthropic):
+    first = beat(persistent_agent, "one")
+    fresh = beat(persistent_agent, "two", force_fresh=True)
+    assert fresh.session_id != first.session_id
+    assert AgentSession.objects.get(id=first.session_id).end_reason == "force_fresh"
+
+    persistent_agent.adapter_config = {**persistent_agent.adapter_config, "model": "claude-haiku-4-5"}
+    persistent_agent.save()
+    changed = beat(persistent_agent, "three")
+    assert changed.session_id not in (first.session_id, fresh.session_id)
+    assert fake_anthropic.message_requests[-1]["messages"] == [{"role": "user", "content": "three"}]
+    assert AgentSession.objects.filter(status=SessionStatus.ACTIVE).count() == 1
+
+
+def test_deleted_session_is_never_resumed(persistent_agent, fake_anthropic, django_capture_on_commit_callbacks):
+    first = beat(persistent_agent, "one")
+    with django_capture_on_commit_callbacks(execute=True):
+        session_delete(session=AgentSession.objects.get(id=first.session_id))
+    second = beat(persistent_agent, "two")
+    assert second.session_id != first.session_id
+    assert fake_anthropic.message_requests[-1]["messages"] == [{"role": "user", "content": "two"}]
+
+
+@pytest.mark.parametrize("store", ["file", "database"])
+def test_history_round_trips_through_each_store(settings, persistent_agent, fake_anthropic, store):
+    settings.PAPERCLIP_SESSION_STORE = store
+    beat(persistent_agent, "one")
+    run = beat(persistent_agent, "two")
+    session = AgentSession.objects.get(id=run.session_id)
+    assert session.store == store
+    history = store_for(session).read(session)
+    assert [m["content"] for m in history if m["role"] == "user"] == ["one", "two"]
+    if store == "file":
+        path = store_for(session).path_for(session)
+        assert path == settings.PAPERCLIP_HOME / "sessions" / str(persistent_agent.id) / f"{session.public_id}.json"
+        assert json.loads(path.read_text())["messages"] == history
+        assert session.history == []
+    else:
+        assert session.history == history
+
+
+def test_crash_between_write_and_rename_leaves_the_old_file_whole(settings, persistent_agent, fake_anthropic):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    run = beat(persistent_agent, "one")
+    session = AgentSession.objects.get(id=run.session_id)
+    store = store_for(session)
+    before = store.path_for(session).read_bytes()
+
+    store.prepare(session, [{"role": "user", "content": "half-written"}])  # temp file written
+    # ...the process dies here: no rename.
+
+    assert store.path_for(session).read_bytes() == before
+    assert [m["content"] for m in store.read(session)][0] == "one"
+
+
+def test_corrupt_history_file_fails_the_heartbeat_clearly_without_calling_the_model(
+    settings, persistent_agent, fake_anthropic
+):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    run = beat(persistent_agent, "one")
+    session = AgentSession.objects.get(id=run.session_id)
+    store_for(session).path_for(session).write_text("{not json")
+    fake_anthropic.reset_log()
+
+    failed = beat(persistent_agent, "two")
+
+    assert failed.status == RunStatus.FAILED
+    assert failed.error_code == "history_corrupt"
+    assert session.public_id in failed.error
+    assert fake_anthropic.message_requests == []
+
+
+def test_missing_history_file_is_an_error_not_an_empty_history(settings, persistent_agent, fake_anthropic):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    run = beat(persistent_agent, "one")
+    session = AgentSession.objects.get(id=run.session_id)
+    store_for(session).path_for(session).unlink()
+
+    failed = beat(persistent_agent, "two")
+
+    assert (failed.status, failed.error_code) == (RunStatus.FAILED, "history_missing")
+    assert len(fake_anthropic.message_requests) == 1
+
+
+def test_same_idempotency_key_returns_the_same_run_and_calls_the_model_once(persistent_agent, fake_anthropic):
+    first = beat(persistent_agent, "once", idempotency_key="k-1")
+    again, created = heartbeat_enqueue(agent=persistent_agent, task="once", now=timezone.now(), idempotency_key="k-1")
+    assert not created
+    assert again.id == first.id
+    assert heartbeat_execute(run_id=again.id).status == RunStatus.SUCCEEDED
+    assert len(fake_anthropic.message_requests) == 1
+    with pytest.raises(HeartbeatRefused) as refused:
+        heartbeat_enqueue(agent=persistent_agent, task="other", now=timezone.now(), idempotency_key="k-1")
+    assert refused.value.code == "idempotency_key_reused"
+
+
+def test_rate_limit_is_retried_by_the_sdk_then_succeeds(persistent_agent, fake_anthropic):
+    fake_anthropic.push(Reply.error(429, "slow down", retry_after_ms=10), Reply.error(529, "overloaded", 10))
+    run = beat(persistent_agent, "hello")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert len(fake_anthropic.message_requests) == 3
+    assert CostEvent.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    ("replies", "code"),
+    [
+        ([Reply.error(400, "bad request")], "model_bad_request"),
+        ([Reply.error(500, "boom", 1)] * 3, "model_server_error"),
+        ([Reply.error(529, "overloaded", 1)] * 3, "model_overloaded"),
+        ([Reply.malformed()], "model_malformed_response"),
+    ],
+)
+def test_permanent_failure_leaves_history_and_ledger_untouched(persistent_agent, fake_anthropic, replies, code):
+    ok = beat(persistent_agent, "first")
+    session = AgentSession.objects.get(id=ok.session_id)
+    history_before = store_for(session).read(session)
+    fake_anthropic.push(*replies)
+
+    failed = beat(persistent_agent, "second")
+
+    assert failed.status == RunStatus.FAILED
+    assert failed.error_code == code
+    assert failed.finished_at is not None
+    session.refresh_from_db()
+    assert store_for(session).read(session) == history_before
+    assert session.message_count == 2
+    assert CostEvent.objects.count() == 1
+    # ...and the next heartbeat resumes from the intact history.
+    assert beat(persistent_agent, "third").status == RunStatus.SUCCEEDED
+    assert len(fake_anthropic.message_requests[-1]["messages"]) == 3
+
+
+def test_cost_rows_match_the_usage_to_the_micro_dollar(persistent_agent, fake_anthropic):
+    usage = {
+        "input_tokens": 1234,
+        "output_tokens": 567,
+        "cache_creation_input_tokens": 3000,
+        "cache_creation": {"ephemeral_5m_input_tokens": 2000, "ephemeral_1h_input_tokens": 1000},
+        "cache_read_input_tokens": 45678,
+    }
+    fake_anthropic.push(Reply.message("priced", usage=usage, message_id="msg_priced"))
+
+    run = beat(persistent_agent, "price me")
+
+    event = CostEvent.objects.get()
+    # claude-opus-4-5: $5 in, $25 out, $6.25 5-minute write, $10 1-hour write, $0.50 read per MTok.
+    expected = (
+        Decimal(1234) * 5 + Decimal(567) * 25 + Decimal(2000) * Decimal("6.25") + Decimal(1000) * 10
+    ) / 1_000_000 + Decimal(45678) * Decimal("0.5") / 1_000_000
+    assert event.cost_usd == expected
+    assert (event.input_tokens, event.output_tokens) == (1234, 567)
+    assert (event.cache_creation_5m_input_tokens, event.cache_creation_1h_input_tokens) == (2000, 1000)
+    assert event.cache_read_input_tokens == 45678
+    assert event.message_id == "msg_priced"
+    assert event.raw_usage == usage
+    assert (event.session_id, event.run_id) == (run.session_id, run.id)
+    assert run.cost_usd == expected
+    assert run.cache_read_input_tokens == 45678
+    assert AgentSession.objects.get().total_cost_usd == expected
+
+
+def test_iterations_beyond_the_top_level_are_billed(stateless_agent, fake_anthropic):
+    usage = {
+        "input_tokens": 23000,
+        "output_tokens": 1000,
+        "iterations": [
+            {"type": "compaction", "input_tokens": 180000, "output_tokens": 3500},
+            {"type": "message", "input_tokens": 23000, "output_tokens": 1000},
+        ],
+    }
+    fake_anthropic.push(Reply.message("compacted", usage=usage))
+    beat(stateless_agent, "long")
+    event = CostEvent.objects.get()
+    assert (event.input_tokens, event.output_tokens) == (203000, 4500)
+    assert event.cost_usd == (Decimal(203000) * 5 + Decimal(4500) * 25) / 1_000_000
+
+
+def test_a_call_without_usage_writes_no_cost_row(stateless_agent, fake_anthropic):
+    fake_anthropic.push(Reply.no_usage())
+    run = beat(stateless_agent, "free?")
+    assert run.status == RunStatus.SUCCEEDED
+    assert not CostEvent.objects.exists()
+
+
+def test_unknown_model_is_recorded_unpriced_not_refused(company, fake_anthropic):
+    from sessions_app.models import Agent
+
+    agent = Agent.objects.create(company=company, name="new", adapter_config={"model": "claude-future-9"})
+    run = beat(agent, "hi")
+    assert run.status == RunStatus.SUCCEEDED
+    event = CostEvent.objects.get()
+    assert event.unpriced and event.cost_usd == 0 and event.input_tokens > 0
+
+
+def test_paused_and_deleted_agents_are_refused_without_a_model_call(persistent_agent, fake_anthropic):
+    agent_pause(agent=persistent_agent)
+    with pytest.raises(HeartbeatRefused) as refused:
+        heartbeat_enqueue(agent=persistent_agent, task="x", now=timezone.now())
+    assert refused.value.code == "agent_paused"
+
+    persistent_agent.status = AgentStatus.ACTIVE
+    persistent_agent.save()
+    run, _ = heartbeat_enqueue(agent=persistent_agent, task="queued before pause", now=timezone.now())
+    agent_pause(agent=persistent_agent)
+    failed = heartbeat_execute(run_id=run.id)
+    assert (failed.status, failed.error_code) == (RunStatus.FAILED, "agent_paused")
+    assert fake_anthropic.message_requests == []
+
+
+def test_a_second_run_waits_while_the_agent_is_busy(persistent_agent, fake_anthropic):
+    now = timezone.now()
+    first, _ = heartbeat_enqueue(agent=persistent_agent, task="first", now=now)
+    second, _ = heartbeat_enqueue(agent=persistent_agent, task="second", now=now)
+    HeartbeatRun.objects.filter(id=first.id).update(status=RunStatus.RUNNING, started_at=now)
+
+    assert heartbeat_execute(run_id=second.id).status == RunStatus.QUEUED
+    assert fake_anthropic.message_requests == []
+
+    HeartbeatRun.objects.filter(id=first.id).update(status=RunStatus.FAILED)
+    assert heartbeat_execute(run_id=second.id).status == RunStatus.SUCCEEDED
+
+
+def test_process_adapter_runs_a_command_with_the_request_on_stdin(company, tmp_path):
+    from sessions_app.models import Agent
+
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import json, sys\n"
+        "request = json.load(sys.stdin)\n"
+        "last = request['messages'][-1]['content']\n"
+        "print(json.dumps({'text': f'echo {len(request[\"messages\"])}: ' + last,\n"
+        "                  'usage': {'input_tokens': 10, 'output_tokens': 2}, 'message_id': 'proc-1'}))\n"
+    )
+    agent = Agent.objects.create(
+        company=company,
+        name="cli",
+        adapter_type="process",
+        adapter_config={"command": ["python3", str(script)], "model": "claude-haiku-4-5", "session_mode": "persistent"},
+    )
+    beat(agent, "ping")
+    run = beat(agent, "pong")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.output == "echo 3: pong"
+    assert CostEvent.objects.filter(agent_id=agent.id).count() == 1  # second call reused message_id: deduplicated
+
+
+def test_process_adapter_kills_its_process_group_on_timeout(company, tmp_path):
+    from sessions_app.models import Agent
+
+    marker = tmp_path / "child-alive"
+    script = tmp_path / "slow.sh"
+    script.write_text(f"#!/bin/sh\n(sleep 3; touch {marker}) &\nsleep 30\n")
+    script.chmod(0o755)
+    agent = Agent.objects.create(
+        company=company,
+        name="slow",
+        adapter_type="process",
+        adapter_config={"command": [str(script)], "timeout_seconds": 0.5},
+    )
+    run = beat(agent, "hang")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_timeout")
+    import time
+
+    time.sleep(3.5)
+    assert not marker.exists()
