@@ -449,6 +449,7 @@ class AgentSessionAdmin(admin.ModelAdmin):
         "expires",
         "ended_at",
         "end_reason",
+        "history_purged_at",
         "adapter_type",
         "model",
         "last_input_tokens",

@@ -161,3 +161,21 @@ def test_retire_action_keeps_runs(admin_client, persistent_agent):
     assert persistent_agent.status == AgentStatus.DELETED
     assert HeartbeatRun.objects.filter(pk=run.pk).exists()
     assert not AgentSession.objects.filter(agent=persistent_agent).exists()
+
+
+def test_run_a_heartbeat_now_really_runs_it(
+    admin_client, persistent_agent, fake_anthropic, monkeypatch, django_capture_on_commit_callbacks
+):
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", True)  # the cluster's work, inline
+    url = reverse("admin:sessions_app_agent_heartbeat", args=[persistent_agent.pk])
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(url, {"task": "Say hello to the operator."})
+    run = HeartbeatRun.objects.get(agent=persistent_agent)
+    assert run.trigger == RunTrigger.ADMIN
+    assert run.status == "succeeded", run.error
+    session = AgentSession.objects.get(agent=persistent_agent)
+    page = admin_client.get(reverse("admin:sessions_app_agentsession_change", args=[session.pk])).content.decode()
+    assert "Say hello to the operator." in page
+    assert run.output[:40] in page
