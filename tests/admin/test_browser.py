@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from django.conf import settings
+from django.db import connections
 from django.urls import Resolver404, resolve
 from django.utils import timezone
 
@@ -71,6 +72,15 @@ def api_sessions_path(session: AgentSession) -> str | None:
 def test_operator_reads_and_deletes_a_session_and_sees_costs(
     live_server, browser_page, django_user_model, persistent_agent, stateless_agent
 ):
+    try:
+        operator_journey(live_server, browser_page, django_user_model, persistent_agent, stateless_agent)
+    finally:
+        # Under Playwright's greenlets the test body gets its own database connection
+        # (connections are per context); close it, or PostgreSQL cannot drop the test database.
+        connections.close_all()
+
+
+def operator_journey(live_server, page, django_user_model, persistent_agent, stateless_agent) -> None:
     django_user_model.objects.create_superuser("operator", "op@example.com", "correct horse battery")
     now = timezone.now()
     history = conversation(4, text="Quarterly plan")
@@ -89,7 +99,6 @@ def test_operator_reads_and_deletes_a_session_and_sees_costs(
             CostEvent.objects.filter(pk=event.pk).update(created_at=now - timedelta(days=9 - day))
     history_path = STORES[session.store].path_for(session) if session.store == "file" else None
 
-    page = browser_page
     dialogs = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
 
