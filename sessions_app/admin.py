@@ -30,6 +30,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
+from django.utils.text import capfirst
 from django.utils.timesince import timesince, timeuntil
 
 from costs_app.models import CostEvent
@@ -117,6 +118,34 @@ def changelist_url(model, **filters) -> str:
     return f"{url}?{query}" if query else url
 
 
+def deletion_summary(model_admin: admin.ModelAdmin, objs, request: HttpRequest, related: list[QuerySet]):
+    """The delete confirmation's (to_delete, model_count, perms_needed, protected), by counts.
+
+    Django's default lists every cascaded row, loading each one: for an agent that means
+    every session with its history. One COUNT per related table says as much.
+    """
+    objs = list(objs)
+    opts = model_admin.model._meta
+    counts = {opts.verbose_name_plural: len(objs)}
+    lines = []
+    perms_needed = set()
+    for queryset in related:
+        related_opts = queryset.model._meta
+        count = queryset.count()
+        if not count:
+            continue
+        counts[related_opts.verbose_name_plural] = count
+        lines.append(f"{count} {related_opts.verbose_name if count == 1 else related_opts.verbose_name_plural}")
+        related_admin = model_admin.admin_site._registry.get(queryset.model)
+        if related_admin is not None and not related_admin.has_delete_permission(request):
+            perms_needed.add(related_opts.verbose_name)
+    to_delete = []
+    for obj in objs:
+        to_delete.append(f"{capfirst(opts.verbose_name)}: {obj}")
+    to_delete.append(lines)
+    return to_delete, counts, perms_needed, []
+
+
 class ReadOnlyInline(admin.TabularInline):
     """The newest rows of a related list, for reading; the full list is one link away."""
 
@@ -164,6 +193,30 @@ class CompanyAdmin(admin.ModelAdmin):
     @admin.display(description="agents", ordering="agent_total")
     def agent_count(self, obj: Company) -> int:
         return obj.agent_total
+
+    def get_deleted_objects(self, objs, request):
+        ids = [obj.pk for obj in objs]
+        return deletion_summary(
+            self,
+            objs,
+            request,
+            [
+                Agent.objects.filter(company_id__in=ids),
+                AgentSession.objects.filter(company_id__in=ids),
+                HeartbeatRun.objects.filter(company_id__in=ids),
+                ApiKey.objects.filter(company_id__in=ids),
+            ],
+        )
+
+    def delete_model(self, request, obj):
+        self.delete_queryset(request, Company.objects.filter(pk=obj.pk))
+
+    def delete_queryset(self, request, queryset):
+        # Through the agents' delete, so their sessions' history files go too (a plain
+        # cascade would leave them on disk). The cost ledger stays, as for agents.
+        with transaction.atomic():
+            services.agents_hard_delete(agents=Agent.objects.filter(company__in=queryset))
+            queryset.delete()
 
 
 # ---------------------------------------------------------------------------------------
@@ -303,6 +356,15 @@ class AgentAdmin(admin.ModelAdmin):
         super().save_model(request, obj, form, change)
         # A changed heartbeat_interval_minutes moves the django-q2 schedule with it.
         agent_schedule_sync(agent=obj)
+
+    def get_deleted_objects(self, objs, request):
+        ids = [obj.pk for obj in objs]
+        return deletion_summary(
+            self,
+            objs,
+            request,
+            [AgentSession.objects.filter(agent_id__in=ids), HeartbeatRun.objects.filter(agent_id__in=ids)],
+        )
 
     def delete_model(self, request, obj):
         services.agents_hard_delete(agents=Agent.objects.filter(pk=obj.pk))

@@ -179,3 +179,35 @@ def test_run_a_heartbeat_now_really_runs_it(
     page = admin_client.get(reverse("admin:sessions_app_agentsession_change", args=[session.pk])).content.decode()
     assert "Say hello to the operator." in page
     assert run.output[:40] in page
+
+
+def test_delete_confirmation_counts_instead_of_listing_every_session(admin_client, persistent_agent):
+    for _ in range(3):
+        make_session(persistent_agent, history=conversation(2), store=HistoryStore.DATABASE)
+    make_run(persistent_agent)
+    page = admin_client.get(reverse("admin:sessions_app_agent_delete", args=[persistent_agent.pk])).content.decode()
+    assert "3 agent sessions" in page and "1 heartbeat run" in page
+    assert "sess_" not in page
+
+
+def test_deleting_a_company_removes_its_agents_history_files(
+    admin_client, company, persistent_agent, other_agent, django_capture_on_commit_callbacks
+):
+    from costs_app.models import CostEvent
+    from sessions_app.models import Company
+    from tests.admin.conftest import make_cost
+
+    session = make_session(persistent_agent, history=conversation(2))
+    kept = make_session(other_agent, history=conversation(2))
+    make_cost(persistent_agent, session=session)
+    path = STORES[HistoryStore.FILE].path_for(session)
+    data = {"action": "delete_selected", "_selected_action": [str(company.pk)]}
+    confirm = admin_client.post(reverse("admin:sessions_app_company_changelist"), data).content.decode()
+    assert "1 agent session" in confirm
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(reverse("admin:sessions_app_company_changelist"), {**data, "post": "yes"})
+    assert not Company.objects.filter(pk=company.pk).exists()
+    assert not Agent.objects.filter(pk=persistent_agent.pk).exists()
+    assert not path.exists()
+    assert STORES[HistoryStore.FILE].path_for(kept).exists()
+    assert CostEvent.objects.filter(agent_id=persistent_agent.pk).count() == 1  # the ledger stays
