@@ -75,6 +75,8 @@ class CappedCountPaginator(Paginator):
         queryset = self.object_list
         if not isinstance(queryset, QuerySet):
             return len(queryset)
+        if queryset.query.is_sliced:
+            return queryset.count()
         capped = queryset.values("pk").order_by()[: self.count_cap + 1].count()
         if capped <= self.count_cap:
             return capped
