@@ -30,6 +30,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
+from django.utils.http import urlencode
 from django.utils.text import capfirst
 from django.utils.timesince import timesince, timeuntil
 
@@ -116,8 +117,7 @@ def admin_link(viewname: str, object_id, text: str) -> str:
 
 def changelist_url(model, **filters) -> str:
     url = reverse(f"admin:{model._meta.app_label}_{model._meta.model_name}_changelist")
-    query = "&".join(f"{key}={value}" for key, value in filters.items())
-    return f"{url}?{query}" if query else url
+    return f"{url}?{urlencode(filters)}" if filters else url
 
 
 def deletion_summary(model_admin: admin.ModelAdmin, objs, request: HttpRequest, related: list[QuerySet]):

@@ -263,3 +263,10 @@ def test_expire_and_clear_buttons_on_the_session_page(admin_client, persistent_a
     admin_client.post(reverse("admin:sessions_app_agentsession_clear_history", args=[session.pk]))
     session.refresh_from_db()
     assert (session.status, session.message_count) == (SessionStatus.EXPIRED, 0)
+
+
+def test_purged_history_is_said_not_shown_as_empty(admin_client, persistent_agent):
+    session = make_session(persistent_agent, history=conversation(2), store=HistoryStore.DATABASE)
+    AgentSession.objects.filter(pk=session.pk).update(history=[], history_purged_at=timezone.now())
+    page = admin_client.get(change_url(session)).content.decode()
+    assert "removed by retention" in page
