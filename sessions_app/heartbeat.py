@@ -93,17 +93,20 @@ def heartbeat_enqueue(
             return _same_request(earlier, task), False
     refuse_unless_active(agent)
     validate_task(task)
+    fields = {
+        "company_id": agent.company_id,
+        "agent": agent,
+        "task": task,
+        "idempotency_key": idempotency_key or None,
+        "force_fresh": force_fresh,
+        "trigger": trigger,
+        "created_at": now,
+    }
+    if not idempotency_key:
+        return HeartbeatRun.objects.create(**fields), True
     try:
         with transaction.atomic():
-            run = HeartbeatRun.objects.create(
-                company_id=agent.company_id,
-                agent=agent,
-                task=task,
-                idempotency_key=idempotency_key or None,
-                force_fresh=force_fresh,
-                trigger=trigger,
-                created_at=now,
-            )
+            run = HeartbeatRun.objects.create(**fields)
     except IntegrityError:
         # Another request with the same key won the race; theirs is the run.
         earlier = HeartbeatRun.objects.get(agent=agent, idempotency_key=idempotency_key)
@@ -140,29 +143,32 @@ def dispatch_next_queued(*, agent_id) -> None:
 def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     """Move a queued run to running unless another run of its agent is running.
 
-    The agent row lock serialises the check-then-claim across processes and hosts (on
-    SQLite, the IMMEDIATE transaction does the same). It is held for two small queries.
+    The database decides: a partial unique index allows one `running` row per agent, so
+    of two processes claiming at once (any host, any worker) exactly one update succeeds;
+    the other gets an IntegrityError and leaves its run queued.
     """
     run = HeartbeatRun.objects.select_related("agent").get(id=run_id)
     if run.status != RunStatus.QUEUED:
         return run, False
-    with transaction.atomic():
-        agent = Agent.objects.select_for_update().get(id=run.agent_id)
-        if agent.status != AgentStatus.ACTIVE:
-            code = "agent_deleted" if agent.status == AgentStatus.DELETED else "agent_paused"
-            _finish_failed(run, code=code, message=f"The agent is {agent.status}.", now=now)
-            run.refresh_from_db()
-            return run, False
-        busy = HeartbeatRun.objects.filter(agent_id=agent.id, status=RunStatus.RUNNING).exists()
-        if busy:
-            return run, False
-        timeout = timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
-        claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
-            status=RunStatus.RUNNING, started_at=now, deadline_at=now + timeout
-        )
-    run.refresh_from_db()
-    run.agent = agent
-    return run, bool(claimed)
+    agent = run.agent
+    if agent.status != AgentStatus.ACTIVE:
+        code = "agent_deleted" if agent.status == AgentStatus.DELETED else "agent_paused"
+        _finish_failed(run, code=code, message=f"The agent is {agent.status}.", now=now)
+        run.refresh_from_db()
+        return run, False
+    deadline = now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
+    try:
+        with transaction.atomic():
+            claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
+                status=RunStatus.RUNNING, started_at=now, deadline_at=deadline
+            )
+    except IntegrityError:
+        return run, False  # another run of this agent is running
+    if not claimed:
+        run.refresh_from_db()
+        return run, False
+    run.status, run.started_at, run.deadline_at = RunStatus.RUNNING, now, deadline
+    return run, True
 
 
 @dataclass
@@ -359,7 +365,8 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
             last_used=now,
             expires_at=now + agent.session_ttl,
         )
-    session = AgentSession.objects.select_for_update().filter(pk=plan.session.pk).first()
+    # The history was read before the call; only the row's metadata is needed (and locked).
+    session = AgentSession.objects.select_for_update().defer("history").filter(pk=plan.session.pk).first()
     if session is None:
         raise RunAbandoned("session_deleted", "The session was deleted while the model answered.")
     if session.status not in LIVE_SESSION_STATUSES:

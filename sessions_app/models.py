@@ -256,6 +256,13 @@ class HeartbeatRun(models.Model):
             ),
         ]
         constraints = [
+            # One writer per agent: at most one running run, enforced by the database so
+            # that any number of web and worker processes on any hosts are safe.
+            models.UniqueConstraint(
+                fields=["agent"],
+                condition=Q(status="running"),
+                name="runs_one_running_per_agent",
+            ),
             models.UniqueConstraint(
                 fields=["agent", "idempotency_key"],
                 condition=Q(idempotency_key__isnull=False),

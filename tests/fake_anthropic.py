@@ -21,6 +21,7 @@ import json
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -94,6 +95,8 @@ class FakeAnthropic:
         self.scripted: list[Reply] = []
         self.lock = threading.Lock()
         self.ids = itertools.count(1)
+        # Message ids are unique across fake instances, as the real API's are.
+        self.id_prefix = uuid.uuid4().hex[:12]
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -144,7 +147,7 @@ class FakeAnthropic:
             else f"answer {number}: {last_user_text(body.get('messages', []))[:80]}"
         )
         message = {
-            "id": reply.message_id or f"msg_fake_{number:06d}",
+            "id": reply.message_id or f"msg_{self.id_prefix}_{number:06d}",
             "type": "message",
             "role": "assistant",
             "model": body.get("model", "claude-test"),
@@ -163,6 +166,9 @@ class FakeAnthropic:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # Headers and body go out as separate writes; without this, Nagle and delayed
+            # ACKs add 40 ms to every answer.
+            disable_nagle_algorithm = True
 
             def log_message(self, format, *args):  # keep test output quiet
                 pass
@@ -230,3 +236,39 @@ class FakeAnthropic:
                 self._send_json(200, fake.answer(body, reply))
 
         return Handler
+
+
+def serve_forever() -> None:
+    """`python -m tests.fake_anthropic`: run the fake alone (benchmarks, live servers).
+
+    Prints its base URL on the first line. FAKE_LATENCY_MS delays every default answer.
+    """
+    import os
+    import signal
+
+    latency = float(os.environ.get("FAKE_LATENCY_MS", "0")) / 1000
+    fake = FakeAnthropic()
+    if latency:
+        original = fake._next_reply
+
+        def delayed() -> Reply:
+            reply = original()
+            if reply.kind == "default":
+                return Reply.delay(latency)
+            return reply
+
+        fake._next_reply = delayed
+    print(fake.base_url, flush=True)
+
+    def stop(*args):
+        raise KeyboardInterrupt  # shutdown() from the serving thread itself would deadlock
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        fake.server.serve_forever()
+    except KeyboardInterrupt:
+        fake.server.server_close()
+
+
+if __name__ == "__main__":
+    serve_forever()

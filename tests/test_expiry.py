@@ -59,7 +59,7 @@ def test_expire_sessions_command_reports_what_it_did(persistent_agent, capsys):
     assert "expired 1 session(s)" in capsys.readouterr().out
 
 
-def test_reaper_fails_runs_stuck_past_their_deadline(persistent_agent):
+def test_reaper_fails_runs_stuck_past_their_deadline(persistent_agent, stateless_agent):
     now = timezone.now()
     stuck = HeartbeatRun.objects.create(
         company=persistent_agent.company,
@@ -70,8 +70,8 @@ def test_reaper_fails_runs_stuck_past_their_deadline(persistent_agent):
         deadline_at=now - timedelta(minutes=1),
     )
     alive = HeartbeatRun.objects.create(
-        company=persistent_agent.company,
-        agent=persistent_agent,
+        company=stateless_agent.company,
+        agent=stateless_agent,
         task="t",
         status=RunStatus.RUNNING,
         started_at=now,
