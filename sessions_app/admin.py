@@ -794,11 +794,11 @@ class HeartbeatRunAdmin(admin.ModelAdmin):
 # API keys
 
 
-def api_key_create(*, company: Company, name: str = "") -> tuple[ApiKey, str]:
+def _local_api_key_create(*, company: Company, name: str = "") -> tuple[ApiKey, str]:
     """Create a company API key; return it with the plaintext, which is never stored.
 
-    TODO(merge): the API branch provides `api_key_create` with this signature; import it
-    from there and delete this local copy so that keys have one format.
+    Stand-in until the API branch's `sessions_app.api_keys.api_key_create` (same signature)
+    is merged; it is used automatically once importable. TODO(merge): delete this copy.
     """
     plaintext = "pc_" + secrets.token_urlsafe(32)
     key = ApiKey.objects.create(
@@ -808,6 +808,12 @@ def api_key_create(*, company: Company, name: str = "") -> tuple[ApiKey, str]:
         key_hash=hashlib.sha256(plaintext.encode()).hexdigest(),
     )
     return key, plaintext
+
+
+try:
+    from sessions_app.api_keys import api_key_create
+except ImportError:  # the API is not merged yet
+    api_key_create = _local_api_key_create
 
 
 class ApiKeyAddForm(forms.ModelForm):
