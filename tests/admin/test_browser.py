@@ -130,6 +130,11 @@ def operator_journey(live_server, page, django_user_model, persistent_agent, sta
     assert not dialogs  # the script never ran
     shot(page, "04-session")
 
+    api_path = api_sessions_path(session)
+    if api_path is not None:
+        listed = page.request.get(f"{live_server.url}{api_path}").json()["sessions"]
+        assert session.public_id in [s["id"] for s in listed]
+
     # Delete it from the admin.
     page.click("a.deletelink")
     page.click("input[type=submit]")  # "Yes, I'm sure"
@@ -143,7 +148,6 @@ def operator_journey(live_server, page, django_user_model, persistent_agent, sta
     assert not AgentSession.objects.filter(pk=session.pk).exists()
     if history_path is not None:
         assert not history_path.exists()
-    api_path = api_sessions_path(session)
     if api_path is not None:
         response = page.request.get(f"{live_server.url}{api_path}")
         assert response.status == 200
