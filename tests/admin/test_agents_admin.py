@@ -211,3 +211,15 @@ def test_deleting_a_company_removes_its_agents_history_files(
     assert not path.exists()
     assert STORES[HistoryStore.FILE].path_for(kept).exists()
     assert CostEvent.objects.filter(agent_id=persistent_agent.pk).count() == 1  # the ledger stays
+
+
+def test_saving_an_interval_schedules_the_agent(admin_client, persistent_agent):
+    from django_q.models import Schedule
+
+    from sessions_app.schedules import schedule_name
+
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+    config = '{"model": "claude-opus-4-5", "session_mode": "persistent", "heartbeat_interval_minutes": 15}'
+    response = admin_client.post(url, agent_form(persistent_agent.company, name="Persistent", adapter_config=config))
+    assert response.status_code == 302
+    assert Schedule.objects.get(name=schedule_name(persistent_agent.pk)).minutes == 15

@@ -67,3 +67,15 @@ def test_capped_paginator_counts_at_most_the_cap(persistent_agent, monkeypatch):
     assert len(paginator.page(2).object_list) == 1
     assert CappedCountPaginator(AgentSession.objects.filter(agent=persistent_agent)[:2], 2).count == 2
     assert CappedCountPaginator(list(range(4)), 2).count == 4
+
+
+def test_capped_paginator_uses_the_planner_estimate_on_postgresql(postgres_only, persistent_agent, monkeypatch):
+    from django.db import connection
+
+    for _ in range(5):
+        make_session(persistent_agent, history=[], store=HistoryStore.DATABASE)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE agent_sessions")
+    monkeypatch.setattr(CappedCountPaginator, "count_cap", 2)
+    assert CappedCountPaginator(AgentSession.objects.all(), 2).count == 5  # unfiltered: the estimate
+    assert CappedCountPaginator(AgentSession.objects.filter(agent=persistent_agent), 2).count == 2  # filtered: the cap
