@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import timedelta
+from datetime import UTC, timedelta
 from decimal import Decimal
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Max, OuterRef, Subquery
+from django.template.defaultfilters import pluralize
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 
 from costs_app.charts import Series, limit_series, stacked_bar_chart
 from costs_app.models import CostEvent, ModelPrice
@@ -63,14 +65,15 @@ class ModelPriceAdmin(admin.ModelAdmin):
                         "Unpriced models in use (their calls are recorded with cost 0): {}",
                         format_html_join(
                             ", ",
-                            '<a href="{}?model={}">{}</a> ({} calls, last {})',
+                            '<a href="{}?{}">{}</a> ({} call{}, last {} UTC)',
                             (
                                 (
                                     add_url,
-                                    row["model"],
+                                    urlencode({"model": row["model"]}),
                                     row["model"] or "(no model name)",
                                     row["events"],
-                                    row["last_seen"],
+                                    pluralize(row["events"]),
+                                    row["last_seen"].astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
                                 )
                                 for row in missing
                             ),

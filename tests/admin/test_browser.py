@@ -161,3 +161,15 @@ def operator_journey(live_server, page, django_user_model, persistent_agent, sta
     assert page.locator("#agents-table tbody tr").count() == 2
     assert re.search(r"Persistent.*input tokens per run grow", page.locator("ul.messagelist").inner_text())
     shot(page, "06-costs")
+
+    # Model prices warn about a model used without a price.
+    make_cost(stateless_agent, model="claude-mystery-1", unpriced=True, cost_usd=Decimal(0))
+    page.goto(f"{live_server.url}/admin/costs_app/modelprice/")
+    assert "claude-mystery-1" in page.locator("ul.messagelist li.warning").inner_text()
+    shot(page, "07-model-prices")
+
+    # The heartbeat form of an agent (not submitted: no task cluster runs here).
+    page.goto(f"{live_server.url}/admin/sessions_app/agent/{persistent_agent.pk}/change/")
+    page.click("a:text-is('Run a heartbeat now')")
+    page.wait_for_selector("textarea[name=task]")
+    shot(page, "08-heartbeat-form")
