@@ -53,6 +53,8 @@ from sessions_app.stores import HistoryUnavailable, store_for
 from sessions_app.transcript import transcript
 
 RECENT_INLINE_ROWS = 10
+# The raw JSON toggle shows at most this much; the export has the whole history.
+RAW_HISTORY_MAX_CHARS = 500_000
 DEFAULT_HEARTBEAT_TASK = "Heartbeat started by an operator from the admin."
 
 
@@ -610,11 +612,13 @@ class AgentSessionAdmin(admin.ModelAdmin):
             .annotate(cost=Sum("cost_usd"))
             .order_by()
         }
+        raw = json.dumps(history, indent=2, ensure_ascii=False, default=str) if not history_error else ""
         return {
             "session": session,
             "turns": transcript(history, run_costs=run_costs),
             "history_error": history_error,
-            "raw_history": json.dumps(history, indent=2, ensure_ascii=False, default=str) if not history_error else "",
+            "raw_history": raw[:RAW_HISTORY_MAX_CHARS],
+            "raw_history_truncated": len(raw) > RAW_HISTORY_MAX_CHARS,
             "runs_url": changelist_url(HeartbeatRun, session=session.pk),
             "costs_url": changelist_url(CostEvent, session=session.pk),
             "agent_url": reverse("admin:sessions_app_agent_change", args=[session.agent_id]),

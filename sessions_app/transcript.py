@@ -68,6 +68,18 @@ def content_parts(content: Any) -> list[Part]:
             parts.append(Part("thinking", str(block.get("thinking", "")), label="thinking"))
         elif block_type == "tool_use":
             parts.append(Part("tool_use", _as_json(block.get("input")), label=f"tool call: {block.get('name', '?')}"))
+        elif block_type in ("image", "document"):
+            # Base64 payloads are unreadable and can be megabytes: say what it is instead.
+            source = block.get("source") if isinstance(block.get("source"), dict) else {}
+            size = len(str(source.get("data", ""))) if source.get("data") else 0
+            detail = ", ".join(str(x) for x in (source.get("media_type"), source.get("url")) if x)
+            parts.append(
+                Part(
+                    block_type,
+                    f"[{block_type}{': ' + detail if detail else ''}{f', {size} base64 characters' if size else ''}]",
+                    label=block_type,
+                )
+            )
         elif block_type == "tool_result":
             inner = block.get("content")
             text = (

@@ -270,3 +270,20 @@ def test_purged_history_is_said_not_shown_as_empty(admin_client, persistent_agen
     AgentSession.objects.filter(pk=session.pk).update(history=[], history_purged_at=timezone.now())
     page = admin_client.get(change_url(session)).content.decode()
     assert "removed by retention" in page
+
+
+def test_images_are_described_not_dumped(admin_client, persistent_agent):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "A" * 5000}}
+    session = make_session(
+        persistent_agent, history=[{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
+    )
+    page = admin_client.get(change_url(session)).content.decode()
+    assert "[image: image/png, 5000 base64 characters]" in page
+    conversation_html = page.split('id="conversation"')[1].split("Raw history JSON")[0]
+    assert "AAAAAAAAAA" not in conversation_html
+
+
+def test_bad_filter_values_are_not_a_500(admin_client):
+    for name in ("sessions_app_agentsession", "sessions_app_heartbeatrun", "costs_app_costevent"):
+        response = admin_client.get(reverse(f"admin:{name}_changelist"), {"session": "not-a-uuid"})
+        assert response.status_code in (200, 302), name
