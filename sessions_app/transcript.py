@@ -73,13 +73,10 @@ def content_parts(content: Any) -> list[Part]:
             source = block.get("source") if isinstance(block.get("source"), dict) else {}
             size = len(str(source.get("data", ""))) if source.get("data") else 0
             detail = ", ".join(str(x) for x in (source.get("media_type"), source.get("url")) if x)
-            parts.append(
-                Part(
-                    block_type,
-                    f"[{block_type}{': ' + detail if detail else ''}{f', {size} base64 characters' if size else ''}]",
-                    label=block_type,
-                )
-            )
+            description = block_type + (f": {detail}" if detail else "")
+            if size:
+                description += f", {size} base64 characters"
+            parts.append(Part(block_type, f"[{description}]", label=block_type))
         elif block_type == "tool_result":
             inner = block.get("content")
             text = (
