@@ -223,3 +223,24 @@ def test_saving_an_interval_schedules_the_agent(admin_client, persistent_agent):
     response = admin_client.post(url, agent_form(persistent_agent.company, name="Persistent", adapter_config=config))
     assert response.status_code == 302
     assert Schedule.objects.get(name=schedule_name(persistent_agent.pk)).minutes == 15
+
+
+def test_agent_page_query_count_does_not_grow_with_sessions_and_runs(admin_client, persistent_agent):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert admin_client.get(url).status_code == 200
+        return len(captured)
+
+    make_session(persistent_agent, history=conversation(2), store=HistoryStore.DATABASE)
+    make_run(persistent_agent)
+    queries()  # warm the per-process caches (content types)
+    few = queries()
+    for _ in range(12):
+        make_session(persistent_agent, history=conversation(2), store=HistoryStore.DATABASE)
+        make_run(persistent_agent)
+    assert queries() == few

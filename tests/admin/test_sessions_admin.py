@@ -85,6 +85,7 @@ def test_session_changelist_query_count_does_not_grow_with_rows(
     agents = [persistent_agent, stateless_agent]
     agents += [Agent.objects.create(company=company, name=f"a{i}", adapter_config={}) for i in range(3)]
     sessions_for(agents, 3)
+    count_queries(admin_client, reverse(CHANGELIST))  # warm the per-process caches
     small = count_queries(admin_client, reverse(CHANGELIST))
     sessions_for(agents, 40)
     with django_assert_max_num_queries(small):
@@ -116,6 +117,7 @@ def test_runs_and_ledger_changelists_query_count_does_not_grow(
     add(2)
     runs_url = reverse("admin:sessions_app_heartbeatrun_changelist")
     costs_url = reverse("admin:costs_app_costevent_changelist")
+    count_queries(admin_client, runs_url)  # warm the per-process caches
     runs_small = count_queries(admin_client, runs_url)
     costs_small = count_queries(admin_client, costs_url)
     add(40)
@@ -287,3 +289,16 @@ def test_bad_filter_values_are_not_a_500(admin_client):
     for name in ("sessions_app_agentsession", "sessions_app_heartbeatrun", "costs_app_costevent"):
         response = admin_client.get(reverse(f"admin:{name}_changelist"), {"session": "not-a-uuid"})
         assert response.status_code in (200, 302), name
+
+
+def test_session_page_query_count_does_not_grow_with_turns(admin_client, persistent_agent):
+    run = make_run(persistent_agent)
+
+    def queries(turns: int) -> int:
+        session = make_session(persistent_agent, history=conversation(turns, run_id=str(run.pk)))
+        with CaptureQueriesContext(connection) as captured:
+            assert admin_client.get(change_url(session)).status_code == 200
+        return len(captured)
+
+    queries(1)  # warm the per-process caches (content types)
+    assert queries(2) == queries(60)
