@@ -15,23 +15,45 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from costs_app.models import CostKind
 from costs_app.pricing import cost_event_record, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
+from sessions_app.context import (
+    HANDOFF_SYSTEM,
+    MAX_COMPACTIONS_PER_HEARTBEAT,
+    SUMMARY_KINDS,
+    SUMMARY_SYSTEM,
+    ContextBudgetExceeded,
+    ContextSettings,
+    build_request,
+    choose_split,
+    context_settings,
+    estimate_tokens,
+    manifest_merge,
+    reported_artifacts,
+    request_size,
+    rotation_due,
+    summary_pair,
+    summary_request,
+    user_turn_content,
+)
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     Agent,
     AgentSession,
     AgentStatus,
+    CompactionKind,
     HeartbeatRun,
     RunStatus,
     RunTrigger,
+    SessionCompaction,
     SessionStatus,
 )
 from sessions_app.stores import HistoryUnavailable, configured_store_name, store_for
@@ -180,9 +202,20 @@ class Plan:
     retire: AgentSession | None  # a live session that must end before a new one starts
     retire_reason: str
     new_session: bool
+    manifest: list = field(default_factory=list)
+    handoff: Handoff | None = None
 
 
-def plan_session(*, agent: Agent, run: HeartbeatRun, now: datetime) -> Plan:
+@dataclass
+class Handoff:
+    """The note that opens a rotated session, and what writing it cost."""
+
+    summary: str
+    reply: AdapterReply
+    predecessor: AgentSession
+
+
+def plan_session(*, agent: Agent, run: HeartbeatRun, now: datetime, settings_: ContextSettings) -> Plan:
     if not agent.is_persistent:
         return Plan(session=None, history=[], retire=None, retire_reason="", new_session=False)
     live = AgentSession.objects.filter(agent=agent, status__in=LIVE_SESSION_STATUSES).first()
@@ -195,17 +228,151 @@ def plan_session(*, agent: Agent, run: HeartbeatRun, now: datetime) -> Plan:
         reason = "force_fresh"
     elif live.model != agent.model_name or live.adapter_type != agent.adapter_type:
         reason = "config_changed"
+    elif rotation_due(live, settings_, now):
+        reason = "rotated"
     if reason:
         return Plan(session=None, history=[], retire=live, retire_reason=reason, new_session=True)
     history = store_for(live).read(live)
     # Touch the session so the expiry task does not end it while the model answers.
     AgentSession.objects.filter(pk=live.pk).update(last_used=now, expires_at=now + agent.session_ttl)
-    return Plan(session=live, history=history, retire=None, retire_reason="", new_session=False)
+    return Plan(
+        session=live, history=history, retire=None, retire_reason="", new_session=False, manifest=list(live.manifest)
+    )
 
 
 def request_messages(history: list, task: str) -> list[dict]:
     """Prior turns as the Messages API expects them, then the task as the new user turn."""
     return [{"role": m["role"], "content": m["content"]} for m in history] + [{"role": "user", "content": task}]
+
+
+class StepFailed(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def write_handoff(*, agent: Agent, adapter, plan: Plan, settings_: ContextSettings, now: datetime) -> None:
+    """Rotation: summarise the ending session into the note that opens the next one."""
+    predecessor = plan.retire
+    old_history = store_for(predecessor).read(predecessor)
+    request = summary_request(agent=agent, settings=settings_, messages=old_history, system=HANDOFF_SYSTEM)
+    try:
+        reply = adapter.call(request)
+    except AdapterError as exc:
+        raise StepFailed(f"handoff_{exc.code}", f"Writing the handoff note failed: {exc.message}") from None
+    plan.handoff = Handoff(summary=reply.text, reply=reply, predecessor=predecessor)
+    plan.history = summary_pair(reply.text, kind="handoff", at=now)
+    plan.manifest = list(predecessor.manifest)
+
+
+def fit_budget(
+    *, agent: Agent, adapter, run: HeartbeatRun, plan: Plan, user_content, settings_: ContextSettings, now: datetime
+) -> AdapterRequest:
+    """The request for this heartbeat, compacting the session first if it would not fit."""
+    request = build_request(agent=agent, history=plan.history, user_content=user_content, settings=settings_)
+    if not agent.is_persistent or settings_.strategy != "summarize":
+        return request
+    keep = settings_.keep_recent_turns
+    for _ in range(MAX_COMPACTIONS_PER_HEARTBEAT + 1):
+        size = request_size(adapter, request, settings_.budget_tokens)
+        if size <= settings_.budget_tokens:
+            return request
+        split = choose_split(plan.history, keep) if plan.session is not None else None
+        if split is None:
+            break
+        summarise = summary_request(
+            agent=agent, settings=settings_, messages=plan.history[:split], system=SUMMARY_SYSTEM
+        )
+        try:
+            reply = adapter.call(summarise)
+        except AdapterError as exc:
+            raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
+        new_history = summary_pair(reply.text, kind="summary", at=now) + plan.history[split:]
+        after = build_request(agent=agent, history=new_history, user_content=user_content, settings=settings_)
+        plan.session = compaction_commit(
+            session=plan.session,
+            run=run,
+            old_history=plan.history,
+            new_history=new_history,
+            archived=plan.history[:split],
+            reply=reply,
+            tokens_before=size,
+            tokens_after=estimate_tokens({"system": after.system_blocks or after.system, "messages": after.messages}),
+            at=now,
+        )
+        plan.history = new_history
+        request = after
+        keep = max(1, keep // 2)
+    raise StepFailed(
+        ContextBudgetExceeded.code,
+        f"The request needs about {size} tokens, over the session's budget of {settings_.budget_tokens}, "
+        "and compaction cannot reduce it further. Shorten the task or raise context_budget_tokens.",
+    )
+
+
+def compaction_commit(
+    *,
+    session: AgentSession,
+    run: HeartbeatRun,
+    old_history: list,
+    new_history: list,
+    archived: list,
+    reply: AdapterReply,
+    tokens_before: int,
+    tokens_after: int,
+    at: datetime,
+) -> AgentSession:
+    """Swap in the compacted history, archive the replaced turns, record the compaction
+    and its cost: all in one transaction, so a failure leaves the session as it was."""
+    store = store_for(session)
+    store.prepare(session, new_history)
+    try:
+        with transaction.atomic():
+            locked = AgentSession.objects.select_for_update().defer("history").get(pk=session.pk)
+            if locked.message_count != len(old_history) or locked.status not in LIVE_SESSION_STATUSES:
+                raise StepFailed("session_conflict", "The session changed while it was being compacted.")
+            event = None
+            if reply.usage is not None:
+                event = cost_event_record(
+                    usage=reply.usage,
+                    model=reply.model,
+                    company_id=locked.company_id,
+                    agent_id=locked.agent_id,
+                    session_id=locked.id,
+                    run_id=run.id,
+                    message_id=reply.message_id or None,
+                    kind=CostKind.COMPACTION,
+                    at=at,
+                )
+            SessionCompaction.objects.create(
+                session=locked,
+                run=run,
+                kind=CompactionKind.SUMMARIZE,
+                created_at=at,
+                archived_messages=archived,
+                messages_before=len(old_history),
+                messages_after=len(new_history),
+                tokens_before=tokens_before,
+                tokens_after=tokens_after,
+                summary=reply.text,
+                model=reply.model,
+                cost_usd=event.cost_usd if event else 0,
+                cost_event_id=event.id if event else None,
+            )
+            locked._staged_history_file = getattr(session, "_staged_history_file", None)
+            locked.history = new_history
+            locked.message_count = len(new_history)
+            locked.archived_message_count += sum(1 for m in archived if m.get("kind") not in SUMMARY_KINDS)
+            locked.compaction_count += 1
+            if event is not None:
+                locked.total_cost_usd += event.cost_usd
+            locked.save()
+            store.commit(locked)
+    except BaseException:
+        store.discard(session)
+        raise
+    return locked
 
 
 def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
@@ -236,31 +403,34 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
 
 def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> None:
     agent = run.agent
+    settings_ = context_settings(agent)
 
     def elapsed() -> datetime:
         return now + timedelta(seconds=time.monotonic() - started)
 
+    adapter = get_adapter(agent.adapter_type)
     try:
-        plan = plan_session(agent=agent, run=run, now=now)
+        plan = plan_session(agent=agent, run=run, now=now, settings_=settings_)
+        if plan.session is not None:
+            HeartbeatRun.objects.filter(id=run.id).update(session=plan.session)
+        if plan.retire_reason == "rotated":
+            write_handoff(agent=agent, adapter=adapter, plan=plan, settings_=settings_, now=now)
+        user_content = user_turn_content(run.task, plan.manifest)
+        request = fit_budget(
+            agent=agent, adapter=adapter, run=run, plan=plan, user_content=user_content, settings_=settings_, now=now
+        )
+        request.metadata = {"run_id": str(run.id), "agent_id": str(agent.id)}
+        reply = adapter.call(request)
     except HistoryUnavailable as exc:
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
         return
-    if plan.session is not None:
-        HeartbeatRun.objects.filter(id=run.id).update(session=plan.session)
-    adapter = get_adapter(agent.adapter_type)
-    request = AdapterRequest(
-        model=agent.model_name,
-        system=agent.system_prompt,
-        messages=request_messages(plan.history, run.task),
-        config=agent.adapter_config,
-        metadata={"run_id": str(run.id), "agent_id": str(agent.id)},
-    )
-    try:
-        reply = adapter.call(request)
+    except StepFailed as exc:
+        _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
+        return
     except AdapterError as exc:
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
         return
-    _finish_succeeded(run, agent=agent, plan=plan, reply=reply, now=now, finished=elapsed())
+    _finish_succeeded(run, agent=agent, plan=plan, reply=reply, user_content=user_content, now=now, finished=elapsed())
 
 
 def _finish_failed(run: HeartbeatRun, *, code: str, message: str, now: datetime) -> None:
@@ -270,7 +440,14 @@ def _finish_failed(run: HeartbeatRun, *, code: str, message: str, now: datetime)
 
 
 def _finish_succeeded(
-    run: HeartbeatRun, *, agent: Agent, plan: Plan, reply: AdapterReply, now: datetime, finished: datetime
+    run: HeartbeatRun,
+    *,
+    agent: Agent,
+    plan: Plan,
+    reply: AdapterReply,
+    user_content,
+    now: datetime,
+    finished: datetime,
 ) -> None:
     counts = token_counts(reply.usage) if reply.usage is not None else None
     store = None
@@ -293,20 +470,40 @@ def _finish_succeeded(
             cost = cost_event.cost_usd if cost_event is not None else None
             if session is not None:
                 store = store_for(session)
-                turns = plan.history + [
-                    {"role": "user", "content": run.task, "at": now.isoformat(), "run_id": str(run.id)},
+                new_turns = [
+                    {
+                        "role": "user",
+                        "content": user_content,
+                        "at": now.isoformat(),
+                        "run_id": str(run.id),
+                        "seq": session.next_seq,
+                    },
                     {
                         "role": "assistant",
                         "content": reply.content,
                         "at": finished.isoformat(),
                         "run_id": str(run.id),
+                        "seq": session.next_seq + 1,
                         "message_id": reply.message_id,
                         "usage": counts.__dict__ if counts else None,
                         "cost_usd": str(cost) if cost is not None else None,
                     },
                 ]
+                turns = plan.history + new_turns
+                if starts_with_compaction(reply.content):
+                    # Server-side compaction: the API ignores everything before the
+                    # compaction block from now on, so those turns move to the archive.
+                    _archive_server_compaction(session, run=run, archived=plan.history, reply=reply, at=finished)
+                    turns = new_turns
+                if plan.handoff is not None:
+                    _record_handoff(session, run=run, handoff=plan.handoff, at=now)
                 store.prepare(session, turns)
                 session.message_count = len(turns)
+                session.next_seq += 2
+                session.turn_count += 1
+                session.manifest = manifest_merge(
+                    plan.manifest, reported_artifacts(reply.text, reply.artifacts), at=finished
+                )
                 session.last_used = finished
                 session.expires_at = finished + agent.session_ttl
                 if counts is not None:
@@ -351,9 +548,12 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
         return None
     if plan.retire is not None:
         end_status = SessionStatus.EXPIRED if plan.retire_reason == "expired" else SessionStatus.ENDED
-        AgentSession.objects.filter(pk=plan.retire.pk, status__in=LIVE_SESSION_STATUSES).update(
-            status=end_status, ended_at=now, end_reason=plan.retire_reason
+        ended_at = min(now, plan.retire.expires_at) if plan.retire_reason == "expired" else now
+        retired = AgentSession.objects.filter(pk=plan.retire.pk, status__in=LIVE_SESSION_STATUSES).update(
+            status=end_status, ended_at=ended_at, end_reason=plan.retire_reason
         )
+        if not retired and plan.handoff is not None:
+            raise RunAbandoned("session_conflict", "The session being rotated ended while the handoff was written.")
     if plan.new_session:
         return AgentSession.objects.create(
             agent=agent,
@@ -364,6 +564,8 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
             created_at=now,
             last_used=now,
             expires_at=now + agent.session_ttl,
+            predecessor=plan.handoff.predecessor if plan.handoff else None,
+            manifest=plan.manifest,
         )
     # The history was read before the call; only the row's metadata is needed (and locked).
     session = AgentSession.objects.select_for_update().defer("history").filter(pk=plan.session.pk).first()
@@ -376,6 +578,67 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
         # broken (for example a run reaped while still alive). Refuse rather than lose a turn.
         raise RunAbandoned("session_conflict", "The session changed while the model answered.")
     return session
+
+
+def starts_with_compaction(content) -> bool:
+    return isinstance(content, list) and bool(content) and content[0].get("type") == "compaction"
+
+
+def _archive_server_compaction(
+    session: AgentSession, *, run: HeartbeatRun, archived: list, reply: AdapterReply, at
+) -> None:
+    block = reply.content[0]
+    iterations = (reply.usage or {}).get("iterations") or []
+    before = sum(i.get("input_tokens", 0) for i in iterations if isinstance(i, dict) and i.get("type") == "compaction")
+    SessionCompaction.objects.create(
+        session=session,
+        run=run,
+        kind=CompactionKind.SERVER,
+        created_at=at,
+        archived_messages=archived,
+        messages_before=len(archived) + 2,
+        messages_after=2,
+        tokens_before=before,
+        tokens_after=(reply.usage or {}).get("input_tokens", 0),
+        summary=block.get("content") or "",
+        model=reply.model,
+    )
+    session.archived_message_count += sum(1 for m in archived if m.get("kind") not in SUMMARY_KINDS)
+    session.compaction_count += 1
+
+
+def _record_handoff(session: AgentSession, *, run: HeartbeatRun, handoff: Handoff, at: datetime) -> None:
+    reply = handoff.reply
+    event = None
+    if reply.usage is not None:
+        event = cost_event_record(
+            usage=reply.usage,
+            model=reply.model,
+            company_id=session.company_id,
+            agent_id=session.agent_id,
+            session_id=session.id,
+            run_id=run.id,
+            message_id=reply.message_id or None,
+            kind=CostKind.COMPACTION,
+            at=at,
+        )
+    SessionCompaction.objects.create(
+        session=session,
+        run=run,
+        kind=CompactionKind.HANDOFF,
+        created_at=at,
+        archived_messages=[],
+        messages_before=handoff.predecessor.message_count,
+        messages_after=2,
+        tokens_before=handoff.predecessor.last_input_tokens or 0,
+        tokens_after=estimate_tokens(handoff.summary),
+        summary=handoff.summary,
+        model=reply.model,
+        cost_usd=event.cost_usd if event else 0,
+        cost_event_id=event.id if event else None,
+    )
+    if event is not None:
+        session.total_cost_usd += event.cost_usd
 
 
 def _record_spend_only(run: HeartbeatRun, *, agent: Agent, reply: AdapterReply, finished: datetime) -> None:

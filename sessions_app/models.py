@@ -138,6 +138,14 @@ class AgentSession(models.Model):
     end_reason = models.CharField(max_length=32, blank=True, default="", db_default="")
     # Set when retention removed the turns of an ended session; its metadata stays.
     history_purged_at = models.DateTimeField(null=True, blank=True)
+    # Context management: turns moved to the archive by compaction, the sequence number
+    # the next message gets (archive + active history = every message, in order), the
+    # heartbeats answered, and the artifacts the agent reported (seed 003's manifest).
+    archived_message_count = models.PositiveIntegerField(default=0, db_default=0)
+    next_seq = models.PositiveIntegerField(default=0, db_default=0)
+    turn_count = models.PositiveIntegerField(default=0, db_default=0)
+    compaction_count = models.PositiveIntegerField(default=0, db_default=0)
+    manifest = models.JSONField(default=list, blank=True, db_default=models.Value([], output_field=models.JSONField()))
     predecessor = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="successors")
 
     class Meta:
@@ -301,3 +309,43 @@ class ApiKey(models.Model):
     @property
     def is_active(self) -> bool:
         return self.revoked_at is None
+
+
+class CompactionKind(models.TextChoices):
+    SUMMARIZE = "summarize"
+    SERVER = "server"
+    HANDOFF = "handoff"
+
+
+class SessionCompaction(models.Model):
+    """One compaction of a session: the turns it replaced, kept verbatim, and its summary.
+
+    The archive of a session is the union of its compactions' `archived_messages`; with
+    the active history it accounts for every message ever sent, in order (`seq`).
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    session = models.ForeignKey(AgentSession, on_delete=models.CASCADE, related_name="compactions")
+    run = models.ForeignKey(HeartbeatRun, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    kind = models.CharField(max_length=16, choices=CompactionKind.choices)
+    created_at = models.DateTimeField(default=timezone.now)
+    archived_messages = models.JSONField(default=list)
+    messages_before = models.PositiveIntegerField(default=0)
+    messages_after = models.PositiveIntegerField(default=0)
+    tokens_before = models.PositiveIntegerField(default=0)
+    tokens_after = models.PositiveIntegerField(default=0)
+    summary = models.TextField(blank=True, default="")
+    model = models.TextField(blank=True, default="")
+    cost_usd = models.DecimalField(max_digits=20, decimal_places=10, default=0)
+    cost_event_id = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        db_table = "session_compactions"
+        ordering = ["created_at"]
+        indexes = [
+            # A session's archive and compaction records, in order (API, admin page).
+            models.Index(fields=["session", "created_at"], name="compactions_session_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} of {self.session_id} at {self.created_at:%Y-%m-%d %H:%M}"

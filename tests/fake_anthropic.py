@@ -16,6 +16,7 @@ Scripted reply kinds:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import socket
@@ -28,7 +29,33 @@ from typing import Any
 
 
 def estimate_tokens(payload: Any) -> int:
-    return max(1, len(json.dumps(payload, ensure_ascii=False)) // 4)
+    """The fake's tokenizer: four characters of JSON per token (the engine estimates alike)."""
+    return len(json.dumps(payload, ensure_ascii=False)) // 4 + 1
+
+
+def strip_markers(value):
+    if isinstance(value, list):
+        return [strip_markers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: strip_markers(v) for k, v in value.items() if k != "cache_control"}
+    return value
+
+
+def has_marker(value) -> bool:
+    if isinstance(value, list):
+        return any(has_marker(v) for v in value)
+    if isinstance(value, dict):
+        return "cache_control" in value or any(has_marker(v) for v in value.values())
+    return False
+
+
+def effective_messages(messages: list[dict]) -> list[dict]:
+    """What the API reads: everything before the last compaction block is ignored."""
+    for index in range(len(messages) - 1, -1, -1):
+        content = messages[index].get("content")
+        if isinstance(content, list) and content and content[0].get("type") == "compaction":
+            return messages[index:]
+    return messages
 
 
 def last_user_text(messages: list[dict]) -> str:
@@ -97,6 +124,9 @@ class FakeAnthropic:
         self.ids = itertools.count(1)
         # Message ids are unique across fake instances, as the real API's are.
         self.id_prefix = uuid.uuid4().hex[:12]
+        # Prompt cache: hashes of request prefixes written at cache_control breakpoints.
+        self.cache: set[str] = set()
+        self.answer_padding = ""
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -132,12 +162,60 @@ class FakeAnthropic:
             return self.scripted.pop(0) if self.scripted else Reply()
 
     def default_usage(self, body: dict) -> dict:
+        """Usage as the API would report it, with prompt caching simulated: the longest
+        prefix written earlier at a breakpoint is read from the cache, and the prefix up to
+        this request's last breakpoint is written."""
+        system = body.get("system")
+        messages = effective_messages(body.get("messages", []))
+        segments = ([system] if system else []) + messages
+        sizes = [estimate_tokens(strip_markers(segment)) for segment in segments]
+        total = estimate_tokens({"system": system, "messages": messages})
+        breakpoints = [i for i, segment in enumerate(segments) if has_marker(segment)]
+        read = written = 0
+        if breakpoints:
+            digest = hashlib.sha256()
+            prefixes = []
+            for segment in segments:
+                digest.update(json.dumps(strip_markers(segment), sort_keys=True).encode())
+                prefixes.append(digest.copy().hexdigest())
+            last = breakpoints[-1]
+            with self.lock:
+                hit = max((i for i in range(last + 1) if prefixes[i] in self.cache), default=-1)
+                for i in breakpoints:
+                    self.cache.add(prefixes[i])
+            read = sum(sizes[: hit + 1])
+            written = sum(sizes[hit + 1 : last + 1])
+        uncached = max(total - read - written, 1)
         return {
-            "input_tokens": estimate_tokens({"system": body.get("system"), "messages": body.get("messages")}),
+            "input_tokens": uncached,
             "output_tokens": 12,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
+            "cache_creation_input_tokens": written,
+            "cache_creation": {"ephemeral_5m_input_tokens": written, "ephemeral_1h_input_tokens": 0},
+            "cache_read_input_tokens": read,
         }
+
+    def server_compaction(self, body: dict) -> tuple[list, dict] | None:
+        """The `compact_20260112` edit: past the trigger, summarise and answer after it."""
+        edits = (body.get("context_management") or {}).get("edits") or []
+        edit = next((e for e in edits if e.get("type") == "compact_20260112"), None)
+        if edit is None:
+            return None
+        trigger = ((edit.get("trigger") or {}).get("value")) or 150_000
+        messages = effective_messages(body.get("messages", []))
+        before = estimate_tokens({"system": body.get("system"), "messages": messages})
+        if before < trigger:
+            return None
+        block = {"type": "compaction", "content": f"Summary of {len(messages)} earlier messages."}
+        after = estimate_tokens({"system": body.get("system"), "messages": [block, messages[-1]]})
+        usage = {
+            "input_tokens": after,
+            "output_tokens": 12,
+            "iterations": [
+                {"type": "compaction", "input_tokens": before, "output_tokens": 100},
+                {"type": "message", "input_tokens": after, "output_tokens": 12},
+            ],
+        }
+        return [block], usage
 
     def answer(self, body: dict, reply: Reply) -> dict:
         number = next(self.ids)
@@ -146,6 +224,9 @@ class FakeAnthropic:
             if reply.text is not None
             else f"answer {number}: {last_user_text(body.get('messages', []))[:80]}"
         )
+        if reply.text is None and self.answer_padding:
+            text += " " + self.answer_padding
+        compaction = self.server_compaction(body) if reply.kind == "default" else None
         message = {
             "id": reply.message_id or f"msg_{self.id_prefix}_{number:06d}",
             "type": "message",
@@ -156,6 +237,10 @@ class FakeAnthropic:
             "stop_sequence": None,
             "usage": reply.usage if reply.usage is not None else self.default_usage(body),
         }
+        if compaction is not None:
+            blocks, usage = compaction
+            message["content"] = blocks + message["content"]
+            message["usage"] = usage
         if reply.kind == "no_usage":
             message.pop("usage")
         message.update(reply.extra)
@@ -195,7 +280,8 @@ class FakeAnthropic:
                 with fake.lock:
                     fake.requests.append({"path": path, "headers": dict(self.headers), "body": body})
                 if path == "/v1/messages/count_tokens":
-                    self._send_json(200, {"input_tokens": fake.default_usage(body)["input_tokens"]})
+                    size = estimate_tokens({"system": body.get("system"), "messages": body.get("messages")})
+                    self._send_json(200, {"input_tokens": size})
                     return
                 if path != "/v1/messages":
                     self._send_json(404, {"type": "error", "error": {"type": "not_found_error", "message": path}})
@@ -272,3 +358,26 @@ def serve_forever() -> None:
 
 if __name__ == "__main__":
     serve_forever()
+
+
+def canonical_content(content) -> list:
+    """Message content as a list of blocks without cache markers: a string and the marked
+    text block made from it compare equal, as the API treats them."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{k: v for k, v in block.items() if k != "cache_control"} for block in content]
+
+
+def plain_messages(body: dict) -> list[dict]:
+    return [{"role": m["role"], "content": canonical_content(m["content"])} for m in body["messages"]]
+
+
+def plain_system(body: dict) -> str:
+    system = body.get("system")
+    if isinstance(system, list):
+        return "".join(block.get("text", "") for block in system)
+    return system or ""
+
+
+def text_turn(role: str, text: str) -> dict:
+    return {"role": role, "content": [{"type": "text", "text": text}]}

@@ -14,7 +14,7 @@ from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbea
 from sessions_app.models import AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.services import agent_pause, session_delete
 from sessions_app.stores import store_for
-from tests.fake_anthropic import Reply
+from tests.fake_anthropic import Reply, plain_messages, plain_system, text_turn
 
 
 def beat(agent, task, *, now=None, **kwargs):
@@ -28,10 +28,12 @@ def test_stateless_request_carries_system_prompt_and_one_user_message(stateless_
 
     assert run.status == RunStatus.SUCCEEDED, run.error
     first, second = fake_anthropic.message_requests
-    assert first["system"] == "You are terse."
+    assert plain_system(first) == "You are terse."
     assert first["model"] == "claude-opus-4-5"
     assert first["messages"] == [{"role": "user", "content": "What is 2+2?"}]
     assert second["messages"] == [{"role": "user", "content": "And 3+3?"}]
+    # The system prompt is the cacheable prefix of a stateless agent.
+    assert first["system"][0]["cache_control"] == {"type": "ephemeral"}
     assert run.session_id is None
     assert not AgentSession.objects.exists()
     assert run.output.startswith("answer 1")
@@ -44,15 +46,15 @@ def test_persistent_request_k_carries_2k_minus_1_alternating_messages_verbatim(p
 
     requests = fake_anthropic.message_requests
     for k, body in enumerate(requests, start=1):
-        messages = body["messages"]
+        messages = plain_messages(body)
         assert len(messages) == 2 * k - 1
         assert [m["role"] for m in messages] == ["user", "assistant"] * (k - 1) + ["user"]
-        assert messages[-1]["content"] == f"task {k}"
+        assert messages[-1] == text_turn("user", f"task {k}")
         if k > 1:
             # Every earlier request's messages come back verbatim, then its answer.
-            previous = requests[k - 2]["messages"]
+            previous = plain_messages(requests[k - 2])
             assert messages[: len(previous)] == previous
-            assert messages[len(previous)]["content"] == [{"type": "text", "text": f"answer {k - 1}: task {k - 1}"}]
+            assert messages[len(previous)] == text_turn("assistant", f"answer {k - 1}: task {k - 1}")
     session = AgentSession.objects.get()
     assert session.message_count == 10
     assert run.session_id == session.id
@@ -67,7 +69,7 @@ def test_session_unused_past_its_ttl_is_not_resumed(persistent_agent, fake_anthr
 
     assert second.status == RunStatus.SUCCEEDED
     assert second.session_id != first.session_id
-    assert fake_anthropic.message_requests[-1]["messages"] == [{"role": "user", "content": "what did I say?"}]
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "what did I say?")]
     old = AgentSession.objects.get(id=first.session_id)
     assert old.status == SessionStatus.EXPIRED
     assert old.end_reason == "expired"
@@ -96,7 +98,7 @@ def test_force_fresh_and_model_change_start_new_sessions(persistent_agent, fake_
     persistent_agent.save()
     changed = beat(persistent_agent, "three")
     assert changed.session_id not in (first.session_id, fresh.session_id)
-    assert fake_anthropic.message_requests[-1]["messages"] == [{"role": "user", "content": "three"}]
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "three")]
     assert AgentSession.objects.filter(status=SessionStatus.ACTIVE).count() == 1
 
 
@@ -106,7 +108,7 @@ def test_deleted_session_is_never_resumed(persistent_agent, fake_anthropic, djan
         session_delete(session=AgentSession.objects.get(id=first.session_id))
     second = beat(persistent_agent, "two")
     assert second.session_id != first.session_id
-    assert fake_anthropic.message_requests[-1]["messages"] == [{"role": "user", "content": "two"}]
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "two")]
 
 
 @pytest.mark.parametrize("store", ["file", "database"])

@@ -36,6 +36,8 @@ class AdapterRequest:
     messages: list[dict]
     config: dict
     metadata: dict = field(default_factory=dict)
+    system_blocks: list | None = None  # the system prompt as content blocks (cache markers)
+    max_tokens: int | None = None  # overrides the agent's max_tokens (summaries)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class AdapterReply:
     message_id: str = ""
     stop_reason: str = ""
     usage: dict | None = None  # the raw usage as the API returned it; None when it gave none
+    artifacts: list = field(default_factory=list)  # artifacts the agent reported creating
 
 
 class AdapterError(Exception):
@@ -79,7 +82,21 @@ class AgentConfigError(ValidationError):
 
 
 # The keys every adapter accepts; each adapter adds its own.
-COMMON_KEYS = {"session_mode", "session_ttl_hours", "heartbeat_interval_minutes", "heartbeat_task"}
+COMMON_KEYS = {
+    "session_mode",
+    "session_ttl_hours",
+    "heartbeat_interval_minutes",
+    "heartbeat_task",
+    # Context management (sessions_app/context.py)
+    "context_strategy",
+    "context_budget_tokens",
+    "summary_model",
+    "keep_recent_turns",
+    "rotate_after_turns",
+    "rotate_after_input_tokens",
+    "rotate_after_hours",
+}
+CONTEXT_STRATEGIES = ("none", "summarize", "server")
 
 
 def is_number(value: Any) -> bool:
@@ -109,6 +126,7 @@ def validate_common(config: dict, errors: dict[str, str]) -> dict:
                 f"must be a whole number of minutes (1..44640) or null, got {interval!r}"
             )
         clean["heartbeat_interval_minutes"] = interval
+    validate_context(config, errors, clean)
     if "heartbeat_task" in config:
         task = config["heartbeat_task"]
         if task is not None and (not isinstance(task, str) or not task.strip() or "\x00" in task):
@@ -122,3 +140,34 @@ def validate_timeout(config: dict, errors: dict[str, str], clean: dict, *, defau
     if not is_number(timeout) or not 0 < timeout <= 3600:
         errors["timeout_seconds"] = f"must be a number of seconds in (0, 3600], got {timeout!r}"
     clean["timeout_seconds"] = timeout
+
+
+def _optional_int(config: dict, key: str, errors: dict[str, str], clean: dict, *, low: int, high: int) -> None:
+    if key not in config:
+        return
+    value = config[key]
+    if value is not None and (not is_int(value) or not low <= value <= high):
+        errors[key] = f"must be a whole number in {low}..{high} or null, got {value!r}"
+    clean[key] = value
+
+
+def validate_context(config: dict, errors: dict[str, str], clean: dict) -> None:
+    if "context_strategy" in config:
+        strategy = config["context_strategy"]
+        if strategy not in CONTEXT_STRATEGIES:
+            errors["context_strategy"] = f"must be one of {', '.join(CONTEXT_STRATEGIES)}, got {strategy!r}"
+        clean["context_strategy"] = strategy
+    _optional_int(config, "context_budget_tokens", errors, clean, low=1000, high=2_000_000)
+    _optional_int(config, "keep_recent_turns", errors, clean, low=1, high=1000)
+    _optional_int(config, "rotate_after_turns", errors, clean, low=1, high=1_000_000)
+    _optional_int(config, "rotate_after_input_tokens", errors, clean, low=1000, high=2_000_000)
+    if "rotate_after_hours" in config:
+        hours = config["rotate_after_hours"]
+        if hours is not None and (not is_number(hours) or hours <= 0):
+            errors["rotate_after_hours"] = f"must be a positive number of hours or null, got {hours!r}"
+        clean["rotate_after_hours"] = hours
+    if "summary_model" in config:
+        model = config["summary_model"]
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            errors["summary_model"] = f"must be a model name or null, got {model!r}"
+        clean["summary_model"] = model

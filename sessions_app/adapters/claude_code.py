@@ -78,9 +78,28 @@ def error_from_sdk(exc: Exception) -> AdapterError:
     return AdapterError("model_error", f"{exc.__class__.__name__}: {str(exc)[:500]}")
 
 
+COMPACTION_BETA = "compact-2026-01-12"
+
+
+def compaction_edit(config: dict) -> dict:
+    edit: dict[str, Any] = {"type": "compact_20260112"}
+    if config.get("compaction_trigger_tokens"):
+        edit["trigger"] = {"type": "input_tokens", "value": int(config["compaction_trigger_tokens"])}
+    return edit
+
+
 class ClaudeCodeAdapter:
     type_name = "claude-code"
-    config_keys = {"model", "max_tokens", "temperature", "timeout_seconds", "max_retries"}
+    config_keys = {
+        "model",
+        "max_tokens",
+        "temperature",
+        "timeout_seconds",
+        "max_retries",
+        "prompt_caching",
+        "cache_ttl",
+        "compaction_trigger_tokens",
+    }
 
     def validate_config(self, config: dict, errors: dict[str, str]) -> dict:
         clean: dict[str, Any] = {}
@@ -102,6 +121,19 @@ class ClaudeCodeAdapter:
         if not is_int(retries) or not 0 <= retries <= 10:
             errors["max_retries"] = f"must be a whole number in 0..10, got {retries!r}"
         clean["max_retries"] = retries
+        caching = config.get("prompt_caching", True)
+        if not isinstance(caching, bool):
+            errors["prompt_caching"] = f"must be true or false, got {caching!r}"
+        clean["prompt_caching"] = caching
+        cache_ttl = config.get("cache_ttl", "5m")
+        if cache_ttl not in ("5m", "1h"):
+            errors["cache_ttl"] = f"must be '5m' or '1h', got {cache_ttl!r}"
+        clean["cache_ttl"] = cache_ttl
+        if "compaction_trigger_tokens" in config:
+            trigger = config["compaction_trigger_tokens"]
+            if trigger is not None and (not is_int(trigger) or not 50_000 <= trigger <= 2_000_000):
+                errors["compaction_trigger_tokens"] = f"must be a whole number of at least 50000, got {trigger!r}"
+            clean["compaction_trigger_tokens"] = trigger
         return clean
 
     def call(self, request: AdapterRequest) -> AdapterReply:
@@ -114,12 +146,21 @@ class ClaudeCodeAdapter:
             "max_tokens": int(request.config.get("max_tokens", DEFAULT_MAX_TOKENS)),
             "messages": request.messages,
         }
-        if request.system:
-            kwargs["system"] = request.system
+        if request.system_blocks or request.system:
+            kwargs["system"] = request.system_blocks or request.system
+        if request.max_tokens:
+            kwargs["max_tokens"] = request.max_tokens
         if extra_body:
             kwargs["extra_body"] = extra_body
         try:
-            message = client.messages.create(**kwargs)
+            if request.config.get("context_strategy") == "server":
+                message = client.beta.messages.create(
+                    **kwargs,
+                    betas=[COMPACTION_BETA],
+                    context_management={"edits": [compaction_edit(request.config)]},
+                )
+            else:
+                message = client.messages.create(**kwargs)
         except anthropic.AnthropicError as exc:
             raise error_from_sdk(exc) from None
         except ValueError as exc:  # a body that is not JSON at all
@@ -137,3 +178,14 @@ class ClaudeCodeAdapter:
             stop_reason=message.stop_reason or "",
             usage=usage,
         )
+
+    def count_tokens(self, request: AdapterRequest) -> int:
+        """Exact input size of a request, from the API's free count_tokens endpoint."""
+        client = client_for(request.config)
+        kwargs: dict[str, Any] = {"model": request.model, "messages": request.messages}
+        if request.system_blocks or request.system:
+            kwargs["system"] = request.system_blocks or request.system
+        try:
+            return client.messages.count_tokens(**kwargs).input_tokens
+        except anthropic.AnthropicError as exc:
+            raise error_from_sdk(exc) from None

@@ -39,6 +39,8 @@ class ProcessAdapter:
                 errors["cwd"] = f"must be a directory path, got {cwd!r}"
             clean["cwd"] = cwd
         validate_timeout(config, errors, clean, default=DEFAULT_TIMEOUT_SECONDS)
+        if config.get("context_strategy") == "server":
+            errors["context_strategy"] = "'server' compaction needs the claude-code adapter"
         return clean
 
     def call(self, request: AdapterRequest) -> AdapterReply:
@@ -85,6 +87,9 @@ class ProcessAdapter:
         usage = answer.get("usage")
         if usage is not None and not isinstance(usage, dict):
             raise AdapterError("process_malformed_response", "`usage` must be an object.")
+        artifacts = answer.get("artifacts") or []
+        if not isinstance(artifacts, list):
+            raise AdapterError("process_malformed_response", "`artifacts` must be a list.")
         return AdapterReply(
             text=answer["text"],
             content=answer["text"],
@@ -92,6 +97,7 @@ class ProcessAdapter:
             message_id=str(answer.get("message_id") or ""),
             stop_reason=str(answer.get("stop_reason") or "end_turn"),
             usage=usage,
+            artifacts=artifacts,
         )
 
 

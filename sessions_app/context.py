@@ -1,0 +1,272 @@
+"""Context management: keep a persistent session inside its token budget, cheaply.
+
+- Accounting: the request's size is estimated from its text, and measured with the API's
+  free `count_tokens` endpoint when the estimate comes near the budget.
+- `summarize` (default for persistent agents): when the next request would pass
+  `context_budget_tokens`, the oldest turns are summarised by the model into one summary
+  turn; recent turns stay verbatim and a tool call is never split from its result. The
+  replaced turns move, verbatim, to `session_compactions` (nothing is lost).
+- `server`: Anthropic's compaction edit; the returned compaction block is kept verbatim.
+- Rotation: past per-agent thresholds the session ends and a new one starts with a
+  handoff note (summary, open threads, the artifact manifest), linked to its predecessor.
+- Prompt caching: `cache_control` on the system prompt and on the last replayed turn, so
+  each heartbeat pays cache-read prices for what it already sent.
+- Manifest: artifacts the agent reports (`ARTIFACT {"name": ..., "kind": ..., "checksum": ...}`
+  lines, or a process adapter's `artifacts`) are kept on the session and sent each time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sessions_app.adapters import AdapterError, AdapterRequest
+from sessions_app.models import Agent, AgentSession
+
+DEFAULT_CONTEXT_WINDOW = 200_000
+CONTEXT_WINDOWS = {
+    "claude-opus-4-5": 200_000,
+    "claude-opus-4-6": 200_000,
+    "claude-sonnet-4-5": 200_000,
+    "claude-sonnet-4-6": 200_000,
+    "claude-haiku-4-5": 200_000,
+}
+DEFAULT_KEEP_RECENT_TURNS = 4
+SUMMARY_MAX_TOKENS = 2048
+MAX_COMPACTIONS_PER_HEARTBEAT = 3
+# Measure exactly (count_tokens) once the estimate passes this share of the budget.
+MEASURE_ABOVE = 0.8
+SUMMARY_KINDS = ("summary", "handoff")
+
+SUMMARY_SYSTEM = (
+    "You compress the earlier part of a long-running agent's conversation so that the agent "
+    "can continue without it. Keep every fact, decision, name, number, file and artifact, "
+    "every open question and unfinished task, and what the user asked for. Drop pleasantries "
+    "and repetition. Write plain prose and short lists; no preamble."
+)
+HANDOFF_SYSTEM = (
+    "This agent session is being rotated: a fresh session will continue the work. Write the "
+    "handoff note for it: 1) a summary of the state of the work, 2) open threads and next "
+    "steps, 3) decisions and constraints to respect. Be complete but brief; no preamble."
+)
+ARTIFACT_LINE = re.compile(r"^\s*ARTIFACT\s+(\{.*\})\s*$", re.MULTILINE)
+
+
+class ContextBudgetExceeded(Exception):
+    code = "context_budget_exceeded"
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    strategy: str
+    budget_tokens: int
+    summary_model: str
+    keep_recent_turns: int
+    caching: bool
+    cache_ttl: str
+    rotate_after_turns: int | None
+    rotate_after_input_tokens: int | None
+    rotate_after_hours: float | None
+
+
+def context_settings(agent: Agent) -> ContextSettings:
+    config = agent.adapter_config
+    window = CONTEXT_WINDOWS.get(agent.model_name, DEFAULT_CONTEXT_WINDOW)
+    default_strategy = "summarize" if agent.is_persistent else "none"
+    return ContextSettings(
+        strategy=config.get("context_strategy") or default_strategy,
+        budget_tokens=int(config.get("context_budget_tokens") or window // 2),
+        summary_model=config.get("summary_model") or agent.model_name,
+        keep_recent_turns=int(config.get("keep_recent_turns") or DEFAULT_KEEP_RECENT_TURNS),
+        caching=agent.adapter_type == "claude-code" and bool(config.get("prompt_caching", True)),
+        cache_ttl=config.get("cache_ttl") or "5m",
+        rotate_after_turns=config.get("rotate_after_turns"),
+        rotate_after_input_tokens=config.get("rotate_after_input_tokens"),
+        rotate_after_hours=config.get("rotate_after_hours"),
+    )
+
+
+def estimate_tokens(payload: object) -> int:
+    """About four characters of JSON per token: cheap, and errs on the large side for prose."""
+    return len(json.dumps(payload, ensure_ascii=False)) // 4 + 1
+
+
+def request_size(adapter, request: AdapterRequest, budget: int) -> int:
+    estimate = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
+    if estimate < MEASURE_ABOVE * budget or not hasattr(adapter, "count_tokens"):
+        return estimate
+    try:
+        return adapter.count_tokens(request)
+    except AdapterError:
+        return estimate  # counting is advisory; the estimate is conservative
+
+
+# --- building the request -------------------------------------------------------------
+
+
+def cache_marker(settings: ContextSettings) -> dict:
+    marker = {"type": "ephemeral"}
+    if settings.cache_ttl == "1h":
+        marker["ttl"] = "1h"
+    return marker
+
+
+def as_blocks(content) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [dict(block) for block in content]
+
+
+def manifest_text(manifest: list) -> str:
+    lines = [
+        f"- {a['name']} ({a.get('kind', 'file')}){' ' + a['checksum'] if a.get('checksum') else ''}" for a in manifest
+    ]
+    return (
+        "Sandbox manifest: artifacts this session has created so far. Check it before creating "
+        "anything again.\n" + "\n".join(lines)
+    )
+
+
+def user_turn_content(task: str, manifest: list):
+    if not manifest:
+        return task
+    return [{"type": "text", "text": manifest_text(manifest)}, {"type": "text", "text": task}]
+
+
+def build_request(
+    *, agent: Agent, history: list, user_content, settings: ContextSettings, model: str | None = None
+) -> AdapterRequest:
+    messages = [{"role": m["role"], "content": m["content"]} for m in history]
+    system_blocks = None
+    if settings.caching:
+        marker = cache_marker(settings)
+        if agent.system_prompt:
+            system_blocks = [{"type": "text", "text": agent.system_prompt, "cache_control": marker}]
+        if messages:
+            # The replayed history is the stable prefix: mark its end so the next
+            # heartbeat reads it from the cache instead of paying full input price.
+            last = messages[-1]
+            blocks = as_blocks(last["content"])
+            blocks[-1] = {**blocks[-1], "cache_control": marker}
+            messages[-1] = {"role": last["role"], "content": blocks}
+    messages.append({"role": "user", "content": user_content})
+    return AdapterRequest(
+        model=model or agent.model_name,
+        system=agent.system_prompt,
+        system_blocks=system_blocks,
+        messages=messages,
+        config={**agent.adapter_config, "context_strategy": settings.strategy},
+    )
+
+
+# --- summarize ---------------------------------------------------------------------------
+
+
+def is_tool_result_turn(message: dict) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(isinstance(b, dict) and b.get("type") == "tool_result" for b in content)
+
+
+def choose_split(history: list, keep_recent_turns: int) -> int | None:
+    """Index where the verbatim tail starts; everything before it is summarised.
+
+    The tail starts at a user turn that is not a tool result, so a tool call and its
+    result stay together. None when there is nothing worth summarising.
+    """
+    split = len(history) - 2 * keep_recent_turns
+    while split > 0 and (history[split]["role"] != "user" or is_tool_result_turn(history[split])):
+        split -= 1
+    if split <= 0:
+        return None
+    if all(m.get("kind") in SUMMARY_KINDS for m in history[:split]):
+        return None  # only an earlier summary would be replaced: no progress
+    return split
+
+
+def transcript(messages: list) -> str:
+    lines = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            text = content
+        else:
+            parts = []
+            for block in content:
+                if block.get("type") == "text":
+                    parts.append(block["text"])
+                elif block.get("type") == "compaction":
+                    parts.append(block.get("content") or "")
+                else:
+                    parts.append(json.dumps(block, ensure_ascii=False))
+            text = "\n".join(parts)
+        label = "Summary of earlier conversation" if message.get("kind") in SUMMARY_KINDS else message["role"]
+        lines.append(f"[{label}]\n{text}")
+    return "\n\n".join(lines)
+
+
+def summary_request(*, agent: Agent, settings: ContextSettings, messages: list, system: str) -> AdapterRequest:
+    return AdapterRequest(
+        model=settings.summary_model,
+        system=system,
+        messages=[{"role": "user", "content": transcript(messages)}],
+        config={**agent.adapter_config, "context_strategy": "none"},
+        max_tokens=SUMMARY_MAX_TOKENS,
+    )
+
+
+def summary_pair(summary: str, *, kind: str, at: datetime) -> list[dict]:
+    heading = (
+        "[Summary of the earlier conversation, written when this session was compacted]"
+        if kind == "summary"
+        else "[Handoff note from the previous session of this agent]"
+    )
+    return [
+        {"role": "user", "content": f"{heading}\n\n{summary}", "kind": kind, "at": at.isoformat()},
+        {"role": "assistant", "content": "Understood. I will continue from here.", "kind": kind, "at": at.isoformat()},
+    ]
+
+
+# --- rotation and manifest --------------------------------------------------------------
+
+
+def rotation_due(session: AgentSession, settings: ContextSettings, now: datetime) -> bool:
+    if settings.rotate_after_turns and session.turn_count >= settings.rotate_after_turns:
+        return True
+    if (
+        settings.rotate_after_input_tokens
+        and session.last_input_tokens
+        and session.last_input_tokens >= settings.rotate_after_input_tokens
+    ):
+        return True
+    if settings.rotate_after_hours and session.created_at <= now - timedelta(hours=settings.rotate_after_hours):
+        return True
+    return False
+
+
+def reported_artifacts(text: str, structured: list) -> list[dict]:
+    found = list(structured)
+    for match in ARTIFACT_LINE.finditer(text or ""):
+        try:
+            found.append(json.loads(match.group(1)))
+        except ValueError:
+            continue
+    clean = []
+    for item in found:
+        if isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"].strip():
+            clean.append(
+                {
+                    "name": item["name"].strip()[:500],
+                    "kind": str(item.get("kind") or "file")[:100],
+                    "checksum": str(item.get("checksum") or "")[:200],
+                }
+            )
+    return clean
+
+
+def manifest_merge(manifest: list, artifacts: list[dict], *, at: datetime) -> list:
+    by_name = {a["name"]: a for a in manifest}
+    for artifact in artifacts:
+        by_name[artifact["name"]] = {**artifact, "at": at.isoformat()}
+    return list(by_name.values())
