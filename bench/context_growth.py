@@ -58,7 +58,8 @@ def main() -> None:
     os.environ["ANTHROPIC_API_KEY"] = "sk-ant-bench"
     company = Company.objects.create(name=f"bench {timezone.now():%H%M%S}")
     tasks = [
-        f"Heartbeat {i}: check the release queue, merge change {i} if its checks pass, and report." for i in range(HEARTBEATS)
+        f"Heartbeat {i}: check the release queue, merge change {i} if its checks pass, and report."
+        for i in range(HEARTBEATS)
     ]
     configurations = {
         "persistent, none": {"session_mode": "persistent", "context_strategy": "none", "prompt_caching": False},
@@ -90,7 +91,9 @@ def main() -> None:
             assert run.status == "succeeded", (label, run.error_code, run.error)
         runs = HeartbeatRun.objects.filter(agent=agent).order_by("created_at")
         series[label] = [r.input_tokens + r.cache_creation_input_tokens + r.cache_read_input_tokens for r in runs]
-        totals[label] = CostEvent.objects.filter(agent_id=agent.id).aggregate(total=Sum("cost_usd"))["total"] or Decimal(0)
+        totals[label] = CostEvent.objects.filter(agent_id=agent.id).aggregate(total=Sum("cost_usd"))[
+            "total"
+        ] or Decimal(0)
     fake.stop()
 
     baseline = totals["stateless"]

@@ -46,6 +46,7 @@ from sessions_app.models import (
     Company,
     HeartbeatRun,
     RunTrigger,
+    SessionCompaction,
     parse_session_id,
 )
 from sessions_app.schedules import agent_schedule_sync
@@ -207,6 +208,7 @@ class CompanyAdmin(admin.ModelAdmin):
             [
                 Agent.objects.filter(company_id__in=ids),
                 AgentSession.objects.filter(company_id__in=ids),
+                SessionCompaction.objects.filter(session__company_id__in=ids),
                 HeartbeatRun.objects.filter(company_id__in=ids),
                 ApiKey.objects.filter(company_id__in=ids),
             ],
@@ -367,7 +369,11 @@ class AgentAdmin(admin.ModelAdmin):
             self,
             objs,
             request,
-            [AgentSession.objects.filter(agent_id__in=ids), HeartbeatRun.objects.filter(agent_id__in=ids)],
+            [
+                AgentSession.objects.filter(agent_id__in=ids),
+                SessionCompaction.objects.filter(session__agent_id__in=ids),
+                HeartbeatRun.objects.filter(agent_id__in=ids),
+            ],
         )
 
     def delete_model(self, request, obj):
@@ -503,28 +509,68 @@ class AgentSessionAdmin(admin.ModelAdmin):
     show_facets = admin.ShowFacets.NEVER
     paginator = CappedCountPaginator
     actions = ["expire_now", "clear_history"]
-    fields = [
+    fieldsets = [
+        (
+            None,
+            {
+                "fields": [
+                    ("session_id", "status_now"),
+                    ("agent", "company"),
+                    ("message_count", "expires"),
+                    ("created_at", "last_used"),
+                ]
+            },
+        ),
+        (
+            "Usage",
+            {
+                "fields": [
+                    ("adapter_type", "model"),
+                    ("last_input_tokens", "total_cost"),
+                    ("total_input_tokens", "total_output_tokens"),
+                ]
+            },
+        ),
+        (
+            "Lifecycle and storage",
+            {
+                "classes": ["collapse"],
+                "fields": ["store", "ended_at", "end_reason", "history_purged_at", "predecessor_link"],
+            },
+        ),
+        (
+            "Context management",
+            {
+                "classes": ["collapse"],
+                "fields": ["turn_count", "compaction_count", "archived_message_count", "manifest_json"],
+            },
+        ),
+    ]
+    readonly_fields = [
         "session_id",
+        "status_now",
         "agent",
         "company",
-        "status_now",
-        "store",
         "message_count",
+        "expires",
         "created_at",
         "last_used",
-        "expires",
-        "ended_at",
-        "end_reason",
-        "history_purged_at",
         "adapter_type",
         "model",
         "last_input_tokens",
+        "total_cost",
         "total_input_tokens",
         "total_output_tokens",
-        "total_cost",
+        "store",
+        "ended_at",
+        "end_reason",
+        "history_purged_at",
         "predecessor_link",
+        "turn_count",
+        "compaction_count",
+        "archived_message_count",
+        "manifest_json",
     ]
-    readonly_fields = fields
     change_form_template = "admin/sessions_app/agentsession/change_form.html"
 
     def get_queryset(self, request):
@@ -572,6 +618,12 @@ class AgentSessionAdmin(admin.ModelAdmin):
     def total_cost(self, obj: AgentSession) -> str:
         return f"{obj.total_cost_usd:.4f}"
 
+    @admin.display(description="artifact manifest")
+    def manifest_json(self, obj: AgentSession) -> str:
+        if not obj.manifest:
+            return "-"
+        return format_html("<pre>{}</pre>", json.dumps(obj.manifest, indent=2, ensure_ascii=False, default=str))
+
     @admin.display(description="predecessor")
     def predecessor_link(self, obj: AgentSession) -> str:
         if not obj.predecessor_id:
@@ -613,7 +665,14 @@ class AgentSessionAdmin(admin.ModelAdmin):
             .order_by()
         }
         raw = json.dumps(history, indent=2, ensure_ascii=False, default=str) if not history_error else ""
+        # Compacted turns were moved, verbatim, to the session's compactions: shown apart,
+        # marked as archived, in the order they happened (one query).
+        compactions = [
+            {"record": compaction, "turns": transcript(compaction.archived_messages or [], run_costs=run_costs)}
+            for compaction in SessionCompaction.objects.filter(session_id=session.pk).order_by("created_at")
+        ]
         return {
+            "compactions": compactions,
             "session": session,
             "turns": transcript(history, run_costs=run_costs),
             "history_error": history_error,
@@ -686,6 +745,10 @@ class AgentSessionAdmin(admin.ModelAdmin):
         services.session_clear_history(session=session)
         self.message_user(request, f"History of session {session.public_id} cleared.", messages.SUCCESS)
         return HttpResponseRedirect(reverse("admin:sessions_app_agentsession_change", args=[session.pk]))
+
+    def get_deleted_objects(self, objs, request):
+        ids = [obj.pk for obj in objs]
+        return deletion_summary(self, objs, request, [SessionCompaction.objects.filter(session_id__in=ids)])
 
     def delete_model(self, request, obj):
         services.session_delete(session=obj)

@@ -37,6 +37,7 @@ class Turn:
     kind: str
     run_id: str
     parts: list[Part] = field(default_factory=list)
+    seq: int | None = None
     usage: dict[str, int] = field(default_factory=dict)
     cost_usd: Decimal | None = None
 
@@ -64,6 +65,8 @@ def content_parts(content: Any) -> list[Part]:
         block_type = str(block.get("type", ""))
         if block_type == "text":
             parts.append(Part("text", str(block.get("text", ""))))
+        elif block_type == "compaction":
+            parts.append(Part("compaction", str(block.get("content") or ""), label="compaction (summary by the API)"))
         elif block_type == "thinking":
             parts.append(Part("thinking", str(block.get("thinking", "")), label="thinking"))
         elif block_type == "tool_use":
@@ -136,6 +139,7 @@ def transcript(history: list[HistoryMessage], *, run_costs: dict[str, Decimal] |
                 parts=content_parts(message.get("content")),
                 usage=_usage(message),
                 cost_usd=cost,
+                seq=message["seq"] if isinstance(message.get("seq"), int) else None,
             )
         )
     return turns

@@ -19,7 +19,7 @@ from django.urls import Resolver404, resolve
 from django.utils import timezone
 
 from costs_app.models import CostEvent
-from sessions_app.models import AgentSession, SessionStatus
+from sessions_app.models import AgentSession, SessionCompaction, SessionStatus
 from sessions_app.stores import STORES
 from tests.admin.conftest import conversation, make_cost, make_run, make_session
 
@@ -87,6 +87,18 @@ def operator_journey(live_server, page, django_user_model, persistent_agent, sta
     history[0]["content"] = "Draft the quarterly plan. <script>alert('x')</script>"
     session = make_session(persistent_agent, history=history, status=SessionStatus.ACTIVE)
     run = make_run(persistent_agent, session=session)
+    SessionCompaction.objects.create(
+        session=session,
+        run=run,
+        kind="summarize",
+        archived_messages=conversation(2, text="Kick-off"),
+        messages_before=6,
+        messages_after=4,
+        tokens_before=52_000,
+        tokens_after=9_000,
+        summary="Kick-off: the team agreed on three goals.",
+        cost_usd=Decimal("0.004"),
+    )
     for day in range(10):
         for agent, tokens in ((persistent_agent, 1000 + 400 * day), (stateless_agent, 600)):
             event = make_cost(
@@ -127,6 +139,8 @@ def operator_journey(live_server, page, django_user_model, persistent_agent, sta
     text = conversation_box.inner_text()
     assert "Draft the quarterly plan. <script>alert('x')</script>" in text
     assert "Quarterly plan 1: the answer." in text
+    page.click("#compactions summary")
+    assert "Kick-off 1: the answer." in page.locator("#compactions").inner_text()
     assert not dialogs  # the script never ran
     shot(page, "04-session")
 

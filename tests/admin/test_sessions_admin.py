@@ -302,3 +302,44 @@ def test_session_page_query_count_does_not_grow_with_turns(admin_client, persist
 
     queries(1)  # warm the per-process caches (content types)
     assert queries(2) == queries(60)
+
+
+def test_compacted_turns_are_shown_archived_and_escaped(
+    admin_client, persistent_agent, django_capture_on_commit_callbacks
+):
+    from sessions_app.models import SessionCompaction
+
+    summary_pair = [
+        {"role": "user", "content": "Summary of earlier conversation: the plan.", "kind": "summary", "seq": 4},
+        {"role": "assistant", "content": "Understood. I will continue from here.", "kind": "summary", "seq": 5},
+    ]
+    session = make_session(persistent_agent, history=summary_pair + conversation(2))
+    archived = [
+        {"role": "user", "content": "<script>alert('archived')</script> first question", "seq": 0},
+        {"role": "assistant", "content": [{"type": "text", "text": "first answer"}], "seq": 1},
+    ]
+    SessionCompaction.objects.create(
+        session=session,
+        kind="summarize",
+        archived_messages=archived,
+        messages_before=6,
+        messages_after=4,
+        tokens_before=90_000,
+        tokens_after=12_000,
+        summary="The plan, in short.",
+        cost_usd="0.02",
+    )
+    page = admin_client.get(change_url(session)).content.decode()
+    assert "Compactions (1)" in page
+    assert "2 archived turns" in page and "first answer" in page
+    assert 'pc-kind pc-archived">archived<' in page
+    assert "90000 → 12000 tokens" in page
+    assert "The plan, in short." in page
+    assert "seq 4" in page and 'class="pc-kind">summary<' in page
+    assert "<script>alert('archived')</script>" not in page
+    assert "&lt;script&gt;alert(&#x27;archived&#x27;)&lt;/script&gt;" in page
+    confirm = admin_client.get(reverse("admin:sessions_app_agentsession_delete", args=[session.pk])).content.decode()
+    assert "1 session compaction" in confirm
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(reverse("admin:sessions_app_agentsession_delete", args=[session.pk]), {"post": "yes"})
+    assert not SessionCompaction.objects.exists()
