@@ -124,3 +124,30 @@ class CostEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.model} ${self.cost_usd}"
+
+
+class Budget(models.Model):
+    """Spending limits of a company (agent empty) or of one agent. Months are UTC."""
+
+    company = models.ForeignKey("sessions_app.Company", on_delete=models.CASCADE, related_name="budgets")
+    agent = models.ForeignKey(
+        "sessions_app.Agent", null=True, blank=True, on_delete=models.CASCADE, related_name="budgets"
+    )
+    monthly_limit_usd = models.DecimalField(**PRICE, null=True, blank=True)
+    lifetime_limit_usd = models.DecimalField(**PRICE, null=True, blank=True)
+    daily_limit_usd = models.DecimalField(**PRICE, null=True, blank=True)
+    daily_run_limit = models.PositiveIntegerField(null=True, blank=True)
+    warn_percent = models.PositiveSmallIntegerField(default=80, help_text="Soft warning at this share of a limit.")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "budgets"
+        constraints = [
+            models.UniqueConstraint(fields=["company", "agent"], name="budgets_one_per_agent"),
+            models.UniqueConstraint(
+                fields=["company"], condition=models.Q(agent__isnull=True), name="budgets_one_per_company"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"budget of {self.agent or self.company}"

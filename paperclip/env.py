@@ -33,6 +33,19 @@ def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int
     return value
 
 
+def env_decimal(name: str, default: str):
+    from decimal import Decimal, InvalidOperation
+
+    raw = env_str(name, default)
+    try:
+        value = Decimal(raw)
+    except InvalidOperation:
+        raise ImproperlyConfigured(f"{name} must be a decimal number, got {raw!r}") from None
+    if not value.is_finite() or value < 0:
+        raise ImproperlyConfigured(f"{name} must be zero or a positive number, got {raw!r}")
+    return value
+
+
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     value = env_str(name, default)
     if value not in choices:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from paperclip.env import env_bool, env_choice, env_database, env_int, env_str, secret_key
+from paperclip.env import env_bool, env_choice, env_database, env_decimal, env_int, env_str, secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ PAPERCLIP_SESSION_STORE = env_choice(
 PAPERCLIP_RETENTION_DAYS = env_int("PAPERCLIP_RETENTION_DAYS", 30, minimum=1)
 PAPERCLIP_RUN_TIMEOUT_SECONDS = env_int("PAPERCLIP_RUN_TIMEOUT_SECONDS", 600, minimum=1)
 PAPERCLIP_MAX_TASK_CHARS = env_int("PAPERCLIP_MAX_TASK_CHARS", 100_000, minimum=1)
-PAPERCLIP_SESSION_HOUR_USD = env_str("PAPERCLIP_SESSION_HOUR_USD", "0.08")
+PAPERCLIP_SESSION_HOUR_USD = env_decimal("PAPERCLIP_SESSION_HOUR_USD", "0.08")
 PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)

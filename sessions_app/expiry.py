@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db.models import F
 
+from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     AgentSession,
@@ -21,14 +22,36 @@ from sessions_app.models import (
 from sessions_app.stores import STORES
 
 PURGE_BATCH = 500
+BATCH = 5000
 
 
 def sessions_expire(*, now: datetime) -> int:
-    """End live sessions unused past their TTL. A heartbeat touches its session's
-    expires_at before calling the model, so a session in use is not expired under it."""
-    return AgentSession.objects.filter(status__in=LIVE_SESSION_STATUSES, expires_at__lte=now).update(
+    """End live sessions unused past their TTL, and bill their active time. A heartbeat
+    touches its session's expires_at before calling the model, so a session in use is
+    not expired under it."""
+    stale = AgentSession.objects.filter(status__in=LIVE_SESSION_STATUSES, expires_at__lte=now)
+    ids = list(stale.values_list("id", flat=True)[:BATCH])
+    expired = AgentSession.objects.filter(id__in=ids, status__in=LIVE_SESSION_STATUSES, expires_at__lte=now).update(
         status=SessionStatus.EXPIRED, ended_at=F("expires_at"), end_reason="ttl"
     )
+    session_hours_bill(session_ids=ids, now=now)
+    return expired
+
+
+def sessions_pause_idle(*, now: datetime) -> int:
+    """Pause active sessions idle past their pause_at, billing their active time.
+
+    A running heartbeat holds its session's pause_at beyond the run's deadline, and its
+    commit sets the session active again, so a pause racing a heartbeat loses nothing.
+    """
+    busy = HeartbeatRun.objects.filter(status=RunStatus.RUNNING, session__isnull=False).values("session_id")
+    idle = AgentSession.objects.filter(status=SessionStatus.ACTIVE, pause_at__lte=now).exclude(id__in=busy)
+    ids = list(idle.values_list("id", flat=True)[:BATCH])
+    paused = AgentSession.objects.filter(id__in=ids, status=SessionStatus.ACTIVE, pause_at__lte=now).update(
+        status=SessionStatus.PAUSED, paused_at=now
+    )
+    session_hours_bill(session_ids=ids, now=now)
+    return paused
 
 
 def runs_reap(*, now: datetime) -> list:
@@ -84,9 +107,29 @@ def queues_unstick(*, agent_ids=None) -> int:
     return len(agents)
 
 
+def budget_pauses_release(*, now: datetime) -> int:
+    """A new month (or a raised budget) lets agents paused by budget run again."""
+    from costs_app.budgets import budgets_release
+    from sessions_app.models import Agent, AgentStatus
+
+    companies = Agent.objects.filter(status=AgentStatus.PAUSED, paused_reason="budget").values_list(
+        "company_id", flat=True
+    )
+    return sum(budgets_release(company_id=company_id, now=now) for company_id in set(companies))
+
+
 def maintenance_pass(*, now: datetime) -> dict:
+    paused = sessions_pause_idle(now=now)
     expired = sessions_expire(now=now)
     reaped_agents = runs_reap(now=now)
     purged = histories_purge(now=now)
     unstuck = queues_unstick()
-    return {"expired": expired, "reaped_agents": len(reaped_agents), "purged": purged, "unstuck": unstuck}
+    released = budget_pauses_release(now=now)
+    return {
+        "paused": paused,
+        "expired": expired,
+        "reaped_agents": len(reaped_agents),
+        "purged": purged,
+        "unstuck": unstuck,
+        "budget_resumed": released,
+    }

@@ -14,14 +14,25 @@ The API, the `heartbeat` command, the admin and the django-q2 tasks all come thr
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from decimal import Decimal
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from costs_app.budgets import (
+    BudgetExceeded,
+    budget_headroom,
+    budget_reserve,
+    budgets_enforce,
+    estimate_call_cost,
+    has_budgets,
+)
 from costs_app.models import CostKind
 from costs_app.pricing import cost_event_record, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
@@ -44,6 +55,7 @@ from sessions_app.context import (
     summary_request,
     user_turn_content,
 )
+from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     Agent,
@@ -59,6 +71,12 @@ from sessions_app.models import (
 from sessions_app.stores import HistoryUnavailable, configured_store_name, store_for
 
 logger = logging.getLogger(__name__)
+HOSTNAME = socket.gethostname()
+
+
+def worker_id() -> str:
+    # Read at claim time: cluster workers are forked after this module may be imported.
+    return f"{HOSTNAME}:{os.getpid()}"
 
 
 class HeartbeatRefused(Exception):
@@ -94,6 +112,10 @@ def validate_task(task: object) -> str:
 def refuse_unless_active(agent: Agent) -> None:
     if agent.status == AgentStatus.DELETED:
         raise HeartbeatRefused("agent_deleted", "The agent was deleted.")
+    if agent.status == AgentStatus.PAUSED and agent.paused_reason == "budget":
+        raise HeartbeatRefused(
+            "budget_exceeded", "The agent is paused: its budget is spent. Raise the budget to resume."
+        )
     if agent.status == AgentStatus.PAUSED:
         reason = f" ({agent.paused_reason})" if agent.paused_reason else ""
         raise HeartbeatRefused("agent_paused", f"The agent is paused{reason}; resume it first.")
@@ -175,6 +197,8 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     agent = run.agent
     if agent.status != AgentStatus.ACTIVE:
         code = "agent_deleted" if agent.status == AgentStatus.DELETED else "agent_paused"
+        if agent.paused_reason == "budget":
+            code = "budget_exceeded"
         _finish_failed(run, code=code, message=f"The agent is {agent.status}.", now=now)
         run.refresh_from_db()
         return run, False
@@ -182,7 +206,7 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     try:
         with transaction.atomic():
             claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
-                status=RunStatus.RUNNING, started_at=now, deadline_at=deadline
+                status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id()
             )
     except IntegrityError:
         return run, False  # another run of this agent is running
@@ -233,8 +257,16 @@ def plan_session(*, agent: Agent, run: HeartbeatRun, now: datetime, settings_: C
     if reason:
         return Plan(session=None, history=[], retire=live, retire_reason=reason, new_session=True)
     history = store_for(live).read(live)
-    # Touch the session so the expiry task does not end it while the model answers.
-    AgentSession.objects.filter(pk=live.pk).update(last_used=now, expires_at=now + agent.session_ttl)
+    # Touch the session so neither the expiry nor the idle-pause task ends it while the
+    # model answers; a paused session resumes here.
+    hold = now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
+    AgentSession.objects.filter(pk=live.pk).update(
+        last_used=now,
+        expires_at=max(now + agent.session_ttl, live.expires_at or now),
+        status=SessionStatus.ACTIVE,
+        paused_at=None,
+        pause_at=hold + idle_pause(agent),
+    )
     return Plan(
         session=live, history=history, retire=None, retire_reason="", new_session=False, manifest=list(live.manifest)
     )
@@ -420,6 +452,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> None:
             agent=agent, adapter=adapter, run=run, plan=plan, user_content=user_content, settings_=settings_, now=now
         )
         request.metadata = {"run_id": str(run.id), "agent_id": str(agent.id)}
+        reserve_budget(run=run, agent=agent, adapter=adapter, request=request, now=now)
         reply = adapter.call(request)
     except HistoryUnavailable as exc:
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
@@ -427,15 +460,51 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> None:
     except StepFailed as exc:
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
         return
+    except BudgetExceeded as exc:
+        _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
+        budgets_enforce(agent=agent, now=now)
+        return
     except AdapterError as exc:
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
         return
     _finish_succeeded(run, agent=agent, plan=plan, reply=reply, user_content=user_content, now=now, finished=elapsed())
+    if has_budgets(company_id=agent.company_id, agent_id=agent.id):
+        budgets_enforce(agent=agent, now=now)
+
+
+def idle_pause(agent: Agent) -> timedelta:
+    minutes = agent.adapter_config.get("idle_pause_minutes") or settings.PAPERCLIP_IDLE_PAUSE_MINUTES
+    return timedelta(minutes=minutes)
+
+
+def reserve_budget(*, run: HeartbeatRun, agent: Agent, adapter, request: AdapterRequest, now: datetime) -> None:
+    """Refuse before the call when it could cross a hard limit; hold its estimate otherwise.
+
+    The size comes from a character estimate; only when that lands near the money left is
+    it measured with count_tokens, so a call far over (or far under) a limit costs no
+    extra request.
+    """
+    if not has_budgets(company_id=agent.company_id, agent_id=agent.id):
+        return
+    max_output = request.max_tokens or int(agent.adapter_config.get("max_tokens") or 4096)
+    size = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
+    estimate = estimate_call_cost(model=request.model, input_tokens=size, max_output_tokens=max_output, at=now)
+    headroom = budget_headroom(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
+    near = headroom is not None and headroom / 2 <= estimate <= headroom * Decimal("1.5")
+    if near and hasattr(adapter, "count_tokens"):
+        try:
+            size = adapter.count_tokens(request)
+            estimate = estimate_call_cost(model=request.model, input_tokens=size, max_output_tokens=max_output, at=now)
+        except AdapterError:
+            pass  # the character estimate is conservative enough to decide on
+    warning = budget_reserve(run=run, agent=agent, estimate=estimate, now=now)
+    if warning:
+        HeartbeatRun.objects.filter(id=run.id).update(warning=warning[:2000])
 
 
 def _finish_failed(run: HeartbeatRun, *, code: str, message: str, now: datetime) -> None:
     HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING]).update(
-        status=RunStatus.FAILED, error_code=code, error=message[:5000], finished_at=now
+        status=RunStatus.FAILED, error_code=code, error=message[:5000], finished_at=now, reserved_usd=0
     )
 
 
@@ -506,6 +575,12 @@ def _finish_succeeded(
                 )
                 session.last_used = finished
                 session.expires_at = finished + agent.session_ttl
+                session.status = SessionStatus.ACTIVE
+                session.paused_at = None
+                session.pause_at = finished + idle_pause(agent)
+                active = max((finished - now).total_seconds(), 0.0)
+                session.active_seconds += active
+                session.unbilled_active_seconds += active
                 if counts is not None:
                     session.last_input_tokens = counts.total_input_tokens
                     session.total_input_tokens += counts.total_input_tokens
@@ -526,6 +601,7 @@ def _finish_succeeded(
                 cache_read_input_tokens=counts.cache_read_input_tokens if counts else None,
                 cost_usd=cost,
                 finished_at=finished,
+                reserved_usd=0,
             )
             if not updated:
                 raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
@@ -554,6 +630,7 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
         )
         if not retired and plan.handoff is not None:
             raise RunAbandoned("session_conflict", "The session being rotated ended while the handoff was written.")
+        session_hours_bill(session_ids=[plan.retire.pk], now=now)
     if plan.new_session:
         return AgentSession.objects.create(
             agent=agent,

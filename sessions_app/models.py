@@ -146,6 +146,12 @@ class AgentSession(models.Model):
     turn_count = models.PositiveIntegerField(default=0, db_default=0)
     compaction_count = models.PositiveIntegerField(default=0, db_default=0)
     manifest = models.JSONField(default=list, blank=True, db_default=models.Value([], output_field=models.JSONField()))
+    # Economics (seed 003): an idle session is paused at `pause_at`; only seconds with a
+    # run in progress count as active, billed as session hours at pause, expiry or end.
+    pause_at = models.DateTimeField(null=True, blank=True)
+    paused_at = models.DateTimeField(null=True, blank=True)
+    active_seconds = models.FloatField(default=0, db_default=0)
+    unbilled_active_seconds = models.FloatField(default=0, db_default=0)
     predecessor = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="successors")
 
     class Meta:
@@ -161,6 +167,8 @@ class AgentSession(models.Model):
                 name="sessions_unpurged_ended_idx",
                 condition=Q(history_purged_at__isnull=True) & Q(status__in=["expired", "ended"]),
             ),
+            # The idle-pause task: active sessions whose pause_at has passed.
+            models.Index(fields=["pause_at"], name="sessions_active_pause_idx", condition=Q(status="active")),
             # The expiry task: live sessions whose expires_at has passed.
             models.Index(
                 fields=["expires_at"],
@@ -247,6 +255,12 @@ class HeartbeatRun(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     # A run still `running` after this moment is presumed dead (killed worker) and reaped.
     deadline_at = models.DateTimeField(null=True, blank=True)
+    # Spend held against budgets while the call is in flight, so that concurrent runs
+    # cannot all pass a limit that only one of them fits under.
+    reserved_usd = models.DecimalField(max_digits=20, decimal_places=10, default=0)
+    warning = models.TextField(blank=True, default="")
+    # host:pid of the process running it, so an operator can find (or a test can kill) it.
+    claimed_by = models.CharField(max_length=255, blank=True, default="")
 
     class Meta:
         db_table = "heartbeat_runs"

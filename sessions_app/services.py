@@ -11,7 +11,9 @@ from datetime import datetime
 
 from django.db import transaction
 from django.db.models import QuerySet
+from django.utils import timezone
 
+from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     UNFINISHED_RUN_STATUSES,
     Agent,
@@ -45,6 +47,8 @@ def sessions_delete(*, sessions: QuerySet[AgentSession]) -> int:
     """Delete sessions and their histories (rows, and files after the commit)."""
     with transaction.atomic():
         rows = list(sessions.values_list("id", "agent_id", "store"))
+        # Active time already spent is billed before the session goes.
+        session_hours_bill(session_ids=[row[0] for row in rows], now=timezone.now())
         count, _ = AgentSession.objects.filter(id__in=[row[0] for row in rows]).delete()
         transaction.on_commit(lambda: _delete_history_files(rows))
     return count

@@ -87,6 +87,7 @@ COMMON_KEYS = {
     "session_ttl_hours",
     "heartbeat_interval_minutes",
     "heartbeat_task",
+    "idle_pause_minutes",
     # Context management (sessions_app/context.py)
     "context_strategy",
     "context_budget_tokens",
@@ -127,6 +128,7 @@ def validate_common(config: dict, errors: dict[str, str]) -> dict:
             )
         clean["heartbeat_interval_minutes"] = interval
     validate_context(config, errors, clean)
+    _optional_int(config, "idle_pause_minutes", errors, clean, low=1, high=60 * 24 * 366)
     if "heartbeat_task" in config:
         task = config["heartbeat_task"]
         if task is not None and (not isinstance(task, str) or not task.strip() or "\x00" in task):

@@ -1,0 +1,183 @@
+"""Idle pause and resume, session-hour metering, and budgets that stop spend beforehand."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from costs_app.budgets import budgets_release
+from costs_app.models import Budget, CostEvent, CostKind
+from sessions_app.expiry import maintenance_pass, sessions_pause_idle
+from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute, heartbeat_wait
+from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
+from tests.fake_anthropic import Reply
+
+
+def beat(agent, task, *, now=None):
+    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now or timezone.now())
+    return heartbeat_execute(run_id=run.id, now=now)
+
+
+def test_idle_session_pauses_and_resumes_on_its_next_heartbeat(persistent_agent, fake_anthropic):
+    start = timezone.now()
+    first = beat(persistent_agent, "one", now=start)
+    session = AgentSession.objects.get(id=first.session_id)
+    assert session.pause_at == session.last_used + timedelta(minutes=30)
+
+    assert sessions_pause_idle(now=start + timedelta(minutes=29)) == 0
+    assert sessions_pause_idle(now=start + timedelta(minutes=31)) == 1
+    session.refresh_from_db()
+    assert (session.status, session.paused_at) == (SessionStatus.PAUSED, start + timedelta(minutes=31))
+
+    second = beat(persistent_agent, "two", now=start + timedelta(hours=2))
+
+    assert second.session_id == session.id
+    session.refresh_from_db()
+    assert session.status == SessionStatus.ACTIVE and session.paused_at is None
+    assert session.message_count == 4
+
+
+def test_a_paused_session_past_its_ttl_expires_instead(persistent_agent, fake_anthropic):
+    start = timezone.now()
+    first = beat(persistent_agent, "one", now=start)
+    maintenance_pass(now=start + timedelta(hours=1))
+    maintenance_pass(now=start + timedelta(hours=25))
+    assert AgentSession.objects.get(id=first.session_id).status == SessionStatus.EXPIRED
+    assert beat(persistent_agent, "two", now=start + timedelta(hours=26)).session_id != first.session_id
+
+
+def test_metering_bills_only_active_seconds(settings, company, tmp_path):
+    settings.PAPERCLIP_SESSION_HOUR_USD = Decimal("0.08")
+    script = tmp_path / "slow_agent.py"
+    script.write_text(
+        "import json, sys, time\njson.load(sys.stdin)\ntime.sleep(0.6)\n"
+        "print(json.dumps({'text': 'done', 'usage': {'input_tokens': 1, 'output_tokens': 1}}))\n"
+    )
+    agent = Agent.objects.create(
+        company=company,
+        name="metered",
+        adapter_type="process",
+        adapter_config={"command": ["python3", str(script)], "session_mode": "persistent"},
+    )
+    start = timezone.now()
+    beat(agent, "one", now=start)
+    beat(agent, "two", now=start + timedelta(hours=3))  # three idle hours in between
+    session = AgentSession.objects.get(agent=agent)
+    assert 1.2 <= session.active_seconds < 10
+
+    sessions_pause_idle(now=start + timedelta(hours=4))
+
+    event = CostEvent.objects.get(kind=CostKind.SESSION_HOURS)
+    assert event.session_seconds == round(session.active_seconds)
+    assert event.cost_usd == (Decimal(str(session.active_seconds)) / 3600 * Decimal("0.08")).quantize(
+        Decimal("0.0000000001")
+    )
+    session.refresh_from_db()
+    assert session.unbilled_active_seconds == 0
+    sessions_pause_idle(now=start + timedelta(hours=5))
+    assert CostEvent.objects.filter(kind=CostKind.SESSION_HOURS).count() == 1  # billed once
+
+
+def test_zero_rate_turns_metering_off(settings, persistent_agent, fake_anthropic):
+    settings.PAPERCLIP_SESSION_HOUR_USD = Decimal(0)
+    start = timezone.now()
+    beat(persistent_agent, "one", now=start)
+    sessions_pause_idle(now=start + timedelta(hours=1))
+    assert not CostEvent.objects.filter(kind=CostKind.SESSION_HOURS).exists()
+
+
+def test_a_call_that_would_cross_the_hard_limit_is_refused_before_any_request(persistent_agent, fake_anthropic):
+    # claude-opus-4-5 with max_tokens 4096 can cost up to $0.10 in output alone.
+    Budget.objects.create(company=persistent_agent.company, agent=persistent_agent, monthly_limit_usd=Decimal("0.05"))
+
+    run = beat(persistent_agent, "expensive")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded")
+    assert "monthly" in run.error
+    assert fake_anthropic.requests == []
+    assert not CostEvent.objects.exists()
+
+
+def test_soft_warning_appears_near_the_limit(persistent_agent, fake_anthropic):
+    Budget.objects.create(company=persistent_agent.company, monthly_limit_usd=Decimal("1.00"), warn_percent=80)
+    CostEvent.objects.create(
+        company=persistent_agent.company, agent=persistent_agent, model="claude-opus-4-5", cost_usd=Decimal("0.80")
+    )
+    run = beat(persistent_agent, "fine")
+    assert run.status == RunStatus.SUCCEEDED
+    assert run.warning.startswith("Budget warning: company monthly limit")
+
+
+def test_hard_limit_pauses_the_agent_and_raising_the_budget_resumes_it(persistent_agent, fake_anthropic):
+    budget = Budget.objects.create(
+        company=persistent_agent.company, agent=persistent_agent, lifetime_limit_usd=Decimal("0.11")
+    )
+    CostEvent.objects.create(
+        company=persistent_agent.company, agent=persistent_agent, model="claude-opus-4-5", cost_usd=Decimal("0.10")
+    )
+    refused = beat(persistent_agent, "over")
+    assert refused.error_code == "budget_exceeded"
+    CostEvent.objects.create(
+        company=persistent_agent.company, agent=persistent_agent, model="claude-opus-4-5", cost_usd=Decimal("0.02")
+    )
+    beat_after = heartbeat_enqueue  # the next enqueue sees the pause
+    refused_again = beat(persistent_agent, "over again")
+    assert refused_again.error_code == "budget_exceeded"
+    persistent_agent.refresh_from_db()
+    assert (persistent_agent.status, persistent_agent.paused_reason) == (AgentStatus.PAUSED, "budget")
+    with pytest.raises(HeartbeatRefused) as caught:
+        beat_after(agent=persistent_agent, task="x", now=timezone.now())
+    assert caught.value.code == "budget_exceeded"
+
+    budget.lifetime_limit_usd = Decimal("10")
+    budget.save()
+    assert budgets_release(company_id=persistent_agent.company_id, now=timezone.now()) == 1
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.status == AgentStatus.ACTIVE
+    assert beat(persistent_agent, "back").status == RunStatus.SUCCEEDED
+
+
+def test_daily_run_cap(persistent_agent, fake_anthropic):
+    Budget.objects.create(company=persistent_agent.company, agent=persistent_agent, daily_run_limit=2)
+    assert [beat(persistent_agent, f"t{i}").status for i in range(3)] == ["succeeded", "succeeded", "failed"]
+    assert HeartbeatRun.objects.order_by("-created_at").first().error_code == "budget_exceeded"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_heartbeats_near_the_limit_cannot_both_pass(postgres_only, company, fake_anthropic):
+    agents = [
+        Agent.objects.create(
+            company=company, name=f"a{i}", adapter_config={"model": "claude-haiku-4-5", "max_tokens": 1000}
+        )
+        for i in range(4)
+    ]
+    # Each call can cost up to ~$0.005 (1000 output tokens at $5/MTok): room for one only.
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("0.008"))
+    # Answers take long enough that all four reservations happen while one call is in flight.
+    fake_anthropic.push(*[Reply.delay(2) for _ in range(4)])
+    barrier = threading.Barrier(len(agents))
+    results = []
+
+    def fire(agent):
+        try:
+            run, _ = heartbeat_enqueue(agent=agent, task="go", now=timezone.now())
+            barrier.wait()
+            results.append(heartbeat_wait(run_id=run.id, timeout_seconds=30))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=fire, args=(agent,)) for agent in agents]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+    statuses = sorted(run.status for run in results)
+    assert statuses == ["failed", "failed", "failed", "succeeded"]
+    assert {run.error_code for run in results if run.status == "failed"} == {"budget_exceeded"}
+    assert len(fake_anthropic.message_requests) == 1
