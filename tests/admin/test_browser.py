@@ -32,7 +32,9 @@ ARTIFACTS = Path(settings.BASE_DIR) / "test-artifacts"
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.django_db(transaction=True),
+    # serialized_rollback: start from the migrated data (the seeded model prices) even when
+    # an earlier transactional test's flush removed it.
+    pytest.mark.django_db(transaction=True, serialized_rollback=True),
     pytest.mark.skipif(not shutil.which(CHROMIUM), reason=f"{CHROMIUM} is missing (apt-get install -y chromium)"),
 ]
 
