@@ -16,8 +16,9 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
+from costs_app.budgets import budget_uses
 from costs_app.charts import Series, limit_series, stacked_bar_chart
-from costs_app.models import CostEvent, ModelPrice
+from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
 from sessions_app.admin import CappedCountPaginator, ModelNameFilter, admin_link, is_changelist, session_public_id
 from sessions_app.models import Agent, Company
@@ -82,6 +83,50 @@ class ModelPriceAdmin(admin.ModelAdmin):
                     messages.WARNING,
                 )
         return super().changelist_view(request, extra_context)
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin):
+    """Limits checked before every model call (costs_app.budgets)."""
+
+    list_display = [
+        "__str__",
+        "company",
+        "agent",
+        "daily_limit_usd",
+        "monthly_limit_usd",
+        "lifetime_limit_usd",
+        "daily_run_limit",
+        "warn_percent",
+        "updated_at",
+    ]
+    list_filter = ["company"]
+    list_select_related = ["company", "agent"]
+    search_fields = ["company__name", "agent__name"]
+    readonly_fields = ["current_use", "updated_at"]
+
+    @admin.display(description="current use")
+    def current_use(self, obj: Budget) -> str:
+        if obj.pk is None:
+            return "-"
+        scope = "agent" if obj.agent_id else "company"
+        uses = [
+            use
+            for use in budget_uses(company_id=obj.company_id, agent_id=obj.agent_id, now=timezone.now())
+            if use.scope == scope
+        ]
+        if not uses:
+            return "no limits set"
+        return format_html_join(
+            "",
+            '<div class="{}">{}</div>',
+            (("errornote" if use.exceeded else "", use.describe()) for use in uses),
+        )
+
+    def formfield_for_foreignkey(self, db_field, request, **kwargs):
+        if db_field.name == "agent":
+            kwargs["queryset"] = Agent.objects.select_related("company").only("id", "name", "company__name")
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
 
 @admin.register(CostEvent)

@@ -535,7 +535,14 @@ class AgentSessionAdmin(admin.ModelAdmin):
             "Lifecycle and storage",
             {
                 "classes": ["collapse"],
-                "fields": ["store", "ended_at", "end_reason", "history_purged_at", "predecessor_link"],
+                "fields": [
+                    "store",
+                    ("paused_at", "pause_at"),
+                    "active_seconds",
+                    ("ended_at", "end_reason"),
+                    "history_purged_at",
+                    "predecessor_link",
+                ],
             },
         ),
         (
@@ -566,6 +573,9 @@ class AgentSessionAdmin(admin.ModelAdmin):
         "end_reason",
         "history_purged_at",
         "predecessor_link",
+        "paused_at",
+        "pause_at",
+        "active_seconds",
         "turn_count",
         "compaction_count",
         "archived_message_count",
@@ -820,10 +830,13 @@ class HeartbeatRunAdmin(admin.ModelAdmin):
         "cache_creation_input_tokens",
         "cache_read_input_tokens",
         "cost_usd",
+        "reserved_usd",
+        "warning",
         "created_at",
         "started_at",
         "finished_at",
         "deadline_at",
+        "claimed_by",
     ]
     readonly_fields = fields
 
@@ -831,7 +844,7 @@ class HeartbeatRunAdmin(admin.ModelAdmin):
         queryset = super().get_queryset(request).select_related("agent", "company")
         queryset = queryset.defer("agent__system_prompt", "agent__adapter_config")
         # The list shows none of the long texts; the run's own page shows them all.
-        return queryset.defer("task", "output", "error") if is_changelist(request) else queryset
+        return queryset.defer("task", "output", "error", "warning") if is_changelist(request) else queryset
 
     def get_search_results(self, request, queryset, search_term):
         object_id = parse_session_id(search_term)

@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from costs_app.models import CostEvent
+from costs_app.models import Budget, CostEvent
 from sessions_app.models import AgentSession, ApiKey, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
 from sessions_app.stores import store_for
 
@@ -93,6 +93,8 @@ def full_house(db, company, persistent_agent, stateless_agent, other_agent):
     make_cost(persistent_agent, session=session, run=run)
     make_cost(other_agent, session=db_session, model="claude-unknown-9", unpriced=True, cost_usd=Decimal(0))
     key = ApiKey.objects.create(company=company, name="ci", prefix="pc_abcde", key_hash="0" * 64)
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("100"))
+    Budget.objects.create(company=company, agent=persistent_agent, daily_limit_usd=Decimal("5"), daily_run_limit=50)
     Group.objects.create(name="operators")
     Schedule.objects.create(name="heartbeat:demo", func="sessions_app.tasks.scheduled_heartbeat", minutes=5)
     now = timezone.now()

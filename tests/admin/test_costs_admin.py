@@ -123,3 +123,12 @@ def test_costs_page_queries_are_bounded(admin_client, company, django_assert_max
     with django_assert_max_num_queries(GROWTH_MAX_AGENTS + 10):
         response = admin_client.get(reverse(REPORT))
     assert len(response.context["agents_table"]) == len(agents)
+
+
+def test_budget_page_shows_current_use(admin_client, company, persistent_agent):
+    from costs_app.models import Budget
+
+    budget = Budget.objects.create(company=company, agent=persistent_agent, daily_limit_usd=Decimal("1"))
+    make_cost(persistent_agent, cost_usd=Decimal("0.25"))
+    page = admin_client.get(reverse("admin:costs_app_budget_change", args=[budget.pk])).content.decode()
+    assert "agent daily limit: 0.250000 of 1.000000 USD used (25%)" in page
