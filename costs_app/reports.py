@@ -136,6 +136,31 @@ def input_growth(*, agent_id: UUID, last_runs: int = 30) -> Growth:
     )
 
 
+def daily_input_growth(*, agent_id: UUID, now: datetime, days: int = 14) -> dict:
+    """Slope of the agent's average input tokens per call, per UTC day, over `days` days."""
+    since = window_start(now=now, days=days)
+    rows = list(
+        CostEvent.objects.filter(agent_id=agent_id, kind="message", created_at__gte=since)
+        .annotate(day=TruncDate("created_at", tzinfo=timezone.get_fixed_timezone(0)))
+        .values("day")
+        .annotate(
+            total_in=Coalesce(
+                Sum(F("input_tokens") + F("cache_creation_input_tokens") + F("cache_read_input_tokens")), 0
+            ),
+            calls=Count("id"),
+        )
+        .order_by("day")
+    )
+    per_call = [row["total_in"] // max(row["calls"], 1) for row in rows]
+    return {
+        "days": [
+            {"day": row["day"].isoformat(), "input_tokens_per_call": value}
+            for row, value in zip(rows, per_call, strict=True)
+        ],
+        "slope_tokens_per_day": slope(per_call),
+    }
+
+
 GROWTH_ADVICE = (
     "Input tokens grow with every run: the session is accumulating history. "
     "Set a lower session_ttl_hours or turn on context summarization (context_strategy)."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -34,6 +35,10 @@ PAPERCLIP_RUN_TIMEOUT_SECONDS = env_int("PAPERCLIP_RUN_TIMEOUT_SECONDS", 600, mi
 PAPERCLIP_MAX_TASK_CHARS = env_int("PAPERCLIP_MAX_TASK_CHARS", 100_000, minimum=1)
 PAPERCLIP_SESSION_HOUR_USD = env_decimal("PAPERCLIP_SESSION_HOUR_USD", "0.08")
 PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
+# Heartbeat API calls per key (or per client address in local_trusted mode): "N/s|min|hour|day".
+PAPERCLIP_HEARTBEAT_RATE = env_str("PAPERCLIP_HEARTBEAT_RATE", "60/min")
+if not re.fullmatch(r"[1-9][0-9]*/(s|sec|second|m|min|minute|h|hour|d|day)", PAPERCLIP_HEARTBEAT_RATE):
+    raise ImproperlyConfigured(f"PAPERCLIP_HEARTBEAT_RATE must look like 60/min, got {PAPERCLIP_HEARTBEAT_RATE!r}")
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
 DEBUG = env_bool("DJANGO_DEBUG", False)
@@ -123,6 +128,8 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DATETIME_FORMAT": "iso-8601",
     "COERCE_DECIMAL_TO_STRING": True,
+    # One error shape for the whole API: {"error": {"code", "message", "fields"?}}.
+    "EXCEPTION_HANDLER": "sessions_app.api.exceptions.api_exception_handler",
 }
 
 SPECTACULAR_SETTINGS = {
@@ -133,6 +140,12 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "RunStatusEnum": "sessions_app.models.RunStatus",
+        "SessionStatusEnum": "sessions_app.models.SessionStatus",
+        "AgentStatusEnum": ["active", "paused"],
+    },
 }
 
 REDIS_URL = env_str("REDIS_URL", "")
@@ -183,6 +196,14 @@ if PAPERCLIP_DEPLOYMENT_MODE == "authenticated":
     CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
     SECURE_CONTENT_TYPE_NOSNIFF = True
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    # Served behind TLS in production: redirect plain HTTP (but not the load balancer's
+    # health probe) and tell browsers to stay on HTTPS.
+    SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", True)
+    SECURE_REDIRECT_EXEMPT = [r"^api/health$"]
+    SECURE_HSTS_SECONDS = env_int("DJANGO_HSTS_SECONDS", 31_536_000, minimum=0)
+    # The preload directive alone submits nothing: the domain owner must apply to the list.
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", True)
 
 if PAPERCLIP_DEPLOYMENT_MODE == "local_trusted" and PAPERCLIP_HOST not in ("127.0.0.1", "localhost", "::1"):
     raise ImproperlyConfigured(

@@ -8,3 +8,9 @@ urlpatterns = [
     path("api/", include("sessions_app.urls")),
     path("admin/", admin.site.urls),
 ]
+
+# JSON errors for /api/ paths (Django's pages elsewhere): unknown URLs, ids that are not
+# UUIDs, bodies over the limit caught outside a view, and crashes.
+handler400 = "sessions_app.api.exceptions.json_bad_request"
+handler404 = "sessions_app.api.exceptions.json_not_found"
+handler500 = "sessions_app.api.exceptions.json_server_error"

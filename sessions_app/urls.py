@@ -1,5 +1,33 @@
-from django.urls import path  # noqa: F401
+"""The REST API under /api/ (`shared/CONTRACT.md`). Ids in paths that are not UUIDs match
+nothing and answer the JSON 404 of `paperclip.urls.handler404`."""
+
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from costs_app.budget_views import AgentBudgetView, CompanyBudgetView
+from sessions_app import views
+from sessions_app.context_views import AgentGrowthView, SessionArchiveView
 
 app_name = "api"
 
-urlpatterns: list = []
+company = "companies/<uuid:company_id>"
+agent = f"{company}/agents/<uuid:agent_id>"
+
+urlpatterns = [
+    path("schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="api:schema"), name="docs"),
+    path("companies", views.CompanyCreateView.as_view(), name="company-create"),
+    path(company, views.CompanyDetailView.as_view(), name="company-detail"),
+    path(f"{company}/agents", views.AgentListView.as_view(), name="agent-list"),
+    path(agent, views.AgentDetailView.as_view(), name="agent-detail"),
+    path(f"{agent}/heartbeat", views.HeartbeatView.as_view(), name="agent-heartbeat"),
+    path(f"{agent}/runs", views.RunListView.as_view(), name="run-list"),
+    path(f"{agent}/runs/<uuid:run_id>", views.RunDetailView.as_view(), name="run-detail"),
+    path(f"{agent}/sessions", views.SessionListView.as_view(), name="session-list"),
+    path(f"{agent}/sessions/<str:session_id>", views.SessionDetailView.as_view(), name="session-detail"),
+    path(f"{agent}/sessions/<str:session_id>/archive", SessionArchiveView.as_view(), name="session-archive"),
+    path(f"{agent}/growth", AgentGrowthView.as_view(), name="agent-growth"),
+    path(f"{agent}/budget", AgentBudgetView.as_view(), name="agent-budget"),
+    path(f"{company}/budget", CompanyBudgetView.as_view(), name="company-budget"),
+    path(f"{company}/costs/", include("costs_app.urls")),
+]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from importlib import import_module
+
 import pytest
 from django.db import connection
 
@@ -27,6 +29,20 @@ def paperclip_home(settings, tmp_path):
     home.mkdir()
     settings.PAPERCLIP_HOME = home
     return home
+
+
+@pytest.fixture(autouse=True)
+def seeded_list_prices(request):
+    """A transactional test ends by emptying every table, rows of data migrations included;
+    put the seeded list prices back before each one, so that none depends on running first."""
+    marker = request.node.get_closest_marker("django_db")
+    transactional = marker is not None and bool(marker.kwargs.get("transaction") or marker.args[:1] == (True,))
+    if not (transactional or "live_server" in request.fixturenames):
+        return
+    request.getfixturevalue("transactional_db")
+    from django.apps import apps
+
+    import_module("costs_app.migrations.0002_seed_list_prices").seed_prices(apps, None)
 
 
 @pytest.fixture

@@ -14,7 +14,10 @@ from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
 from sessions_app.stores import store_for
 from tests.fake_anthropic import Reply
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("postgres_only")]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("postgres_only"),
+]
 
 
 def test_concurrent_heartbeats_lose_no_turn_and_never_interleave(persistent_agent, fake_anthropic):

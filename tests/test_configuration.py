@@ -47,3 +47,25 @@ def test_secret_key_is_generated_once_in_local_trusted_mode(tmp_path):
     assert run_check(tmp_path).returncode == 0
     assert (tmp_path / "secret_key").read_text() == key
     assert oct((tmp_path / "secret_key").stat().st_mode)[-3:] == "600"
+
+
+def test_deploy_checks_are_clean_with_production_settings(tmp_path):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
+    environment.update(
+        {
+            "PAPERCLIP_HOME": str(tmp_path),
+            "PAPERCLIP_DEPLOYMENT_MODE": "authenticated",
+            "DJANGO_SECRET_KEY": "x" * 20 + "-production-secret-key-with-enough-entropy-0123456789",
+            "DJANGO_ALLOWED_HOSTS": "paperclip.example.com",
+        }
+    )
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no issues" in result.stdout

@@ -1,0 +1,145 @@
+"""Budget endpoints: read and set a company's or an agent's limits, with their use."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+from django.db import transaction
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.response import Response
+
+from costs_app.budgets import budget_uses, budgets_release
+from costs_app.models import Budget
+from sessions_app.api.base import ApiView, error_responses
+
+LIMIT = {"max_digits": 12, "decimal_places": 6, "min_value": 0, "allow_null": True, "required": False}
+
+
+class BudgetUseSerializer(serializers.Serializer):
+    scope = serializers.ChoiceField(choices=["agent", "company"])
+    period = serializers.ChoiceField(choices=["day", "month", "lifetime", "day_runs"])
+    limit = serializers.DecimalField(max_digits=30, decimal_places=10)
+    spent = serializers.DecimalField(max_digits=30, decimal_places=10)
+    reserved = serializers.DecimalField(max_digits=30, decimal_places=10, help_text="Held by calls in flight.")
+    percent = serializers.FloatField()
+    warning = serializers.BooleanField(help_text="At or past the soft warning percentage.")
+    exceeded = serializers.BooleanField(help_text="At or past the hard limit.")
+
+
+class BudgetSerializer(serializers.ModelSerializer):
+    monthly_limit_usd = serializers.DecimalField(**LIMIT, help_text="UTC calendar month; null = none.")
+    lifetime_limit_usd = serializers.DecimalField(**LIMIT)
+    daily_limit_usd = serializers.DecimalField(**LIMIT, help_text="UTC day.")
+    daily_run_limit = serializers.IntegerField(min_value=0, allow_null=True, required=False)
+    warn_percent = serializers.IntegerField(min_value=1, max_value=100, required=False)
+
+    class Meta:
+        model = Budget
+        fields = [
+            "monthly_limit_usd",
+            "lifetime_limit_usd",
+            "daily_limit_usd",
+            "daily_run_limit",
+            "warn_percent",
+            "updated_at",
+        ]
+        read_only_fields = ["updated_at"]
+
+
+class BudgetResponseSerializer(serializers.Serializer):
+    budget = BudgetSerializer(allow_null=True)
+    use = BudgetUseSerializer(many=True)
+
+
+def use_rows(uses) -> list[dict]:
+    return [
+        {
+            "scope": u.scope,
+            "period": u.period,
+            "limit": u.limit,
+            "spent": u.spent,
+            "reserved": u.reserved,
+            "percent": round(u.percent, 2),
+            "warning": u.warning,
+            "exceeded": u.exceeded,
+        }
+        for u in uses
+    ]
+
+
+class BudgetView(ApiView):
+    """Shared by the company budget (`agent_id` absent) and an agent's budget."""
+
+    def scope(self, company_id: UUID, agent_id: UUID | None):
+        if agent_id is None:
+            return self.get_company(company_id), None
+        agent = self.get_agent(company_id, agent_id)
+        return agent.company, agent
+
+    def answer(self, company, agent, budget):
+        uses = budget_uses(company_id=company.id, agent_id=agent.id if agent else None, now=timezone.now())
+        if agent is None:
+            uses = [u for u in uses if u.scope == "company"]
+        body = {"budget": BudgetSerializer(budget).data if budget else None, "use": use_rows(uses)}
+        return Response(BudgetResponseSerializer(body).data)
+
+    @extend_schema(responses={200: BudgetResponseSerializer, **error_responses()})
+    def get(self, request, company_id: UUID, agent_id: UUID | None = None):
+        company, agent = self.scope(company_id, agent_id)
+        budget = Budget.objects.filter(company=company, agent=agent).first()
+        return self.answer(company, agent, budget)
+
+    @extend_schema(
+        request=BudgetSerializer,
+        responses={200: BudgetResponseSerializer, **error_responses(400)},
+        description="Set limits (fields left out keep their value; null removes a limit). Raising a "
+        "limit resumes agents that the budget had paused.",
+    )
+    def put(self, request, company_id: UUID, agent_id: UUID | None = None):
+        company, agent = self.scope(company_id, agent_id)
+        with transaction.atomic():
+            budget = Budget.objects.select_for_update().filter(company=company, agent=agent).first()
+            serializer = BudgetSerializer(budget, data=request.data, partial=True)
+            serializer.is_valid(raise_exception=True)
+            budget = serializer.save(company=company, agent=agent)
+        budgets_release(company_id=company.id, now=timezone.now())
+        return self.answer(company, agent, budget)
+
+    @extend_schema(responses={204: None, **error_responses()}, description="Remove every limit of this scope.")
+    def delete(self, request, company_id: UUID, agent_id: UUID | None = None):
+        company, agent = self.scope(company_id, agent_id)
+        Budget.objects.filter(company=company, agent=agent).delete()
+        budgets_release(company_id=company.id, now=timezone.now())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class CompanyBudgetView(BudgetView):
+    @extend_schema(operation_id="company_budget_retrieve", responses={200: BudgetResponseSerializer})
+    def get(self, request, company_id: UUID):
+        return super().get(request, company_id)
+
+    @extend_schema(
+        operation_id="company_budget_set", request=BudgetSerializer, responses={200: BudgetResponseSerializer}
+    )
+    def put(self, request, company_id: UUID):
+        return super().put(request, company_id)
+
+    @extend_schema(operation_id="company_budget_delete", responses={204: None})
+    def delete(self, request, company_id: UUID):
+        return super().delete(request, company_id)
+
+
+class AgentBudgetView(BudgetView):
+    @extend_schema(operation_id="agent_budget_retrieve", responses={200: BudgetResponseSerializer})
+    def get(self, request, company_id: UUID, agent_id: UUID):
+        return super().get(request, company_id, agent_id)
+
+    @extend_schema(operation_id="agent_budget_set", request=BudgetSerializer, responses={200: BudgetResponseSerializer})
+    def put(self, request, company_id: UUID, agent_id: UUID):
+        return super().put(request, company_id, agent_id)
+
+    @extend_schema(operation_id="agent_budget_delete", responses={204: None})
+    def delete(self, request, company_id: UUID, agent_id: UUID):
+        return super().delete(request, company_id, agent_id)

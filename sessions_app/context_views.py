@@ -1,0 +1,121 @@
+"""Context-management endpoints: a session's archive of compacted turns, an agent's growth."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers
+from rest_framework.response import Response
+
+from costs_app.reports import GROWTH_ADVICE, daily_input_growth, input_growth
+from sessions_app.api.base import ApiView, error_responses
+from sessions_app.api.exceptions import NotFound
+from sessions_app.models import AgentSession, SessionCompaction, parse_session_id
+
+MAX_COMPACTIONS = 100
+
+
+class CompactionSummarySerializer(serializers.ModelSerializer):
+    class Meta:
+        model = SessionCompaction
+        fields = [
+            "id",
+            "kind",
+            "created_at",
+            "run",
+            "messages_before",
+            "messages_after",
+            "tokens_before",
+            "tokens_after",
+            "summary",
+            "model",
+            "cost_usd",
+        ]
+
+
+class CompactionSerializer(CompactionSummarySerializer):
+    archived_messages = serializers.JSONField(help_text="The replaced turns, verbatim (only with ?messages=true).")
+
+    class Meta(CompactionSummarySerializer.Meta):
+        fields = [*CompactionSummarySerializer.Meta.fields, "archived_messages"]
+
+
+class ArchiveSerializer(serializers.Serializer):
+    session_id = serializers.CharField()
+    archived_message_count = serializers.IntegerField()
+    compaction_count = serializers.IntegerField()
+    predecessor_id = serializers.CharField(allow_null=True)
+    compactions = CompactionSerializer(many=True)
+
+
+class SessionArchiveView(ApiView):
+    @extend_schema(
+        operation_id="session_archive",
+        parameters=[
+            OpenApiParameter("messages", bool, required=False, description="Include the archived turns verbatim."),
+            OpenApiParameter("limit", int, required=False, description=f"1..{MAX_COMPACTIONS}, default 20."),
+        ],
+        responses={200: ArchiveSerializer, **error_responses(400)},
+        description="The compactions of a session, oldest first: what each replaced, its summary and cost. "
+        "With the active history, the archived turns account for every message ever sent (`seq`).",
+    )
+    def get(self, request, company_id: UUID, agent_id: UUID, session_id: str):
+        agent = self.get_agent(company_id, agent_id)
+        parsed = parse_session_id(session_id)
+        session = AgentSession.objects.filter(pk=parsed, agent=agent).defer("history").first() if parsed else None
+        if session is None:
+            raise NotFound("No such session.")
+        limit = self.query_int("limit", default=20, minimum=1, maximum=MAX_COMPACTIONS)
+        with_messages = self.request.query_params.get("messages") in ("1", "true", "yes")
+        compactions = session.compactions.order_by("created_at")
+        if not with_messages:
+            compactions = compactions.defer("archived_messages")
+        serializer = CompactionSerializer if with_messages else CompactionSummarySerializer
+        rows = [serializer(compaction).data for compaction in compactions[:limit]]
+        body = {
+            "session_id": session.public_id,
+            "archived_message_count": session.archived_message_count,
+            "compaction_count": session.compaction_count,
+            "predecessor_id": session.predecessor.public_id if session.predecessor_id else None,
+            "compactions": rows,
+        }
+        return Response(body)
+
+
+class GrowthSerializer(serializers.Serializer):
+    agent_id = serializers.UUIDField()
+    runs = serializers.IntegerField(help_text="Recent model calls considered.")
+    slope_tokens_per_run = serializers.FloatField()
+    first_input_tokens = serializers.IntegerField()
+    last_input_tokens = serializers.IntegerField()
+    growing = serializers.BooleanField()
+    advice = serializers.CharField(allow_blank=True)
+    slope_tokens_per_day = serializers.FloatField()
+    daily = serializers.ListField(child=serializers.DictField())
+
+
+class AgentGrowthView(ApiView):
+    @extend_schema(
+        operation_id="agent_growth",
+        responses={200: GrowthSerializer, **error_responses()},
+        description="Whether the agent's input tokens per call grow steadily (replayed history accumulating): "
+        "the least-squares slope over its last 30 calls and per UTC day over 14 days.",
+    )
+    def get(self, request, company_id: UUID, agent_id: UUID):
+        agent = self.get_agent(company_id, agent_id)
+        growth = input_growth(agent_id=agent.id)
+        daily = daily_input_growth(agent_id=agent.id, now=timezone.now())
+        body = {
+            "agent_id": agent.id,
+            "runs": growth.runs,
+            "slope_tokens_per_run": round(growth.slope_tokens_per_run, 2),
+            "first_input_tokens": growth.first_input_tokens,
+            "last_input_tokens": growth.last_input_tokens,
+            "growing": growth.is_growing,
+            "advice": GROWTH_ADVICE if growth.is_growing else "",
+            "slope_tokens_per_day": round(daily["slope_tokens_per_day"], 2),
+            "daily": daily["days"],
+        }
+        return Response(GrowthSerializer(body).data)

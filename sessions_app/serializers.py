@@ -1,0 +1,391 @@
+"""Request and response shapes of the API (`shared/CONTRACT.md`, REST API).
+
+Input fields are strict: a number is not a string, "yes" is not a boolean, and an unknown
+key is an error (a typo such as `"wiat": true` must not silently queue a run).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+
+from django.conf import settings
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from sessions_app.models import (
+    SESSION_ID_PREFIX,
+    Agent,
+    AgentSession,
+    AgentStatus,
+    Company,
+    HeartbeatRun,
+    RunStatus,
+)
+
+
+class StrictCharField(serializers.CharField):
+    default_error_messages = {"invalid": "Must be a string."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    default_error_messages = {"invalid": "Must be true or false."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid")
+        return data
+
+
+@extend_schema_field({"type": "object", "additionalProperties": True})
+class StrictDictField(serializers.JSONField):
+    default_error_messages = {"invalid": "Must be a JSON object."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, dict):
+            self.fail("invalid")
+        return data
+
+
+class NoUnknownFieldsMixin:
+    def to_internal_value(self, data):
+        if not isinstance(data, dict):
+            raise serializers.ValidationError({"non_field_errors": ["The body must be a JSON object."]})
+        writable = {name for name, field in self.fields.items() if not field.read_only}
+        unknown = sorted(set(data) - writable)
+        if unknown:
+            raise serializers.ValidationError({name: ["Unknown field."] for name in unknown})
+        return super().to_internal_value(data)
+
+
+def session_public_id(session_id) -> str | None:
+    return SESSION_ID_PREFIX + session_id.hex if session_id else None
+
+
+# Companies
+
+
+class CompanySerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
+    name = StrictCharField(max_length=200, allow_blank=False, trim_whitespace=True)
+
+    class Meta:
+        model = Company
+        fields = ["id", "name", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+
+# Agents
+
+
+class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
+    company_id = serializers.UUIDField(read_only=True)
+    name = StrictCharField(max_length=200, allow_blank=False)
+    system_prompt = StrictCharField(allow_blank=True, required=False, trim_whitespace=False)
+    adapter_type = StrictCharField(required=False, max_length=64)
+    adapter_config = StrictDictField(
+        required=False,
+        help_text="Adapter settings, e.g. {'model': 'claude-opus-4-5', 'session_mode': 'persistent', "
+        "'session_ttl_hours': 24}. Validated when saved; a bad value is a 400 naming `adapter_config.<key>`. "
+        "PATCH replaces the whole object.",
+    )
+    status = serializers.ChoiceField(
+        choices=[AgentStatus.ACTIVE, AgentStatus.PAUSED],
+        required=False,
+        help_text="`paused` stops scheduled and API heartbeats (409) until set back to `active`.",
+    )
+
+    class Meta:
+        model = Agent
+        fields = [
+            "id",
+            "company_id",
+            "name",
+            "system_prompt",
+            "adapter_type",
+            "adapter_config",
+            "status",
+            "paused_reason",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = ["id", "company_id", "paused_reason", "created_at", "updated_at"]
+
+
+# Sessions
+
+
+class SessionSerializer(serializers.ModelSerializer):
+    """A session without its history: every column read here is on the row itself."""
+
+    id = serializers.SerializerMethodField(help_text="`sess_` + 32 hex digits.")
+    agent_id = serializers.UUIDField(read_only=True)
+    predecessor_id = serializers.SerializerMethodField()
+
+    class Meta:
+        model = AgentSession
+        fields = [
+            "id",
+            "agent_id",
+            "status",
+            "message_count",
+            "created_at",
+            "last_used",
+            "expires_at",
+            "store",
+            "adapter_type",
+            "model",
+            "last_input_tokens",
+            "total_input_tokens",
+            "total_output_tokens",
+            "total_cost_usd",
+            "ended_at",
+            "end_reason",
+            "history_purged_at",
+            "turn_count",
+            "archived_message_count",
+            "compaction_count",
+            "predecessor_id",
+        ]
+        read_only_fields = fields
+
+    def get_id(self, session: AgentSession) -> str:
+        return session.public_id
+
+    def get_predecessor_id(self, session: AgentSession) -> str | None:
+        return session_public_id(session.predecessor_id)
+
+
+# The sessions list serves up to 200 rows a page from tables of many thousands; DRF's
+# per-field machinery costs ~0.4 ms a row, more than the query. So the list reads plain
+# values (never `history`) and builds the same JSON as SessionSerializer by hand; a test
+# holds the two to identical output.
+SESSION_LIST_COLUMNS = (
+    "id",
+    "agent_id",
+    "status",
+    "message_count",
+    "created_at",
+    "last_used",
+    "expires_at",
+    "store",
+    "adapter_type",
+    "model",
+    "last_input_tokens",
+    "total_input_tokens",
+    "total_output_tokens",
+    "total_cost_usd",
+    "ended_at",
+    "end_reason",
+    "history_purged_at",
+    "turn_count",
+    "archived_message_count",
+    "compaction_count",
+    "predecessor_id",
+)
+MONEY_QUANTUM = Decimal(1).scaleb(-AgentSession._meta.get_field("total_cost_usd").decimal_places)
+
+
+def iso_time(value: datetime | None) -> str | None:
+    """As DRF's DateTimeField renders it: ISO 8601 in UTC, with a Z."""
+    if value is None:
+        return None
+    text = value.astimezone(UTC).isoformat()
+    return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+
+def session_list_item(row: dict) -> dict:
+    return {
+        "id": SESSION_ID_PREFIX + row["id"].hex,
+        "agent_id": str(row["agent_id"]),
+        "status": row["status"],
+        "message_count": row["message_count"],
+        "created_at": iso_time(row["created_at"]),
+        "last_used": iso_time(row["last_used"]),
+        "expires_at": iso_time(row["expires_at"]),
+        "store": row["store"],
+        "adapter_type": row["adapter_type"],
+        "model": row["model"],
+        "last_input_tokens": row["last_input_tokens"],
+        "total_input_tokens": row["total_input_tokens"],
+        "total_output_tokens": row["total_output_tokens"],
+        "total_cost_usd": f"{Decimal(row['total_cost_usd']).quantize(MONEY_QUANTUM):f}",
+        "ended_at": iso_time(row["ended_at"]),
+        "end_reason": row["end_reason"],
+        "history_purged_at": iso_time(row["history_purged_at"]),
+        "turn_count": row["turn_count"],
+        "archived_message_count": row["archived_message_count"],
+        "compaction_count": row["compaction_count"],
+        "predecessor_id": session_public_id(row["predecessor_id"]),
+    }
+
+
+class HistoryMessageSerializer(serializers.Serializer):
+    role = serializers.CharField(help_text="`user` or `assistant`.")
+    content = serializers.JSONField(help_text="Text, or a list of Messages API content blocks.")
+    at = serializers.CharField(required=False, help_text="When the turn was recorded (ISO 8601).")
+    run_id = serializers.CharField(required=False)
+    usage = serializers.DictField(required=False)
+
+
+@extend_schema_field(HistoryMessageSerializer(many=True))
+class HistoryField(serializers.Field):
+    """The turns exactly as stored (read through the session's store by the view)."""
+
+    def to_representation(self, value):
+        return value
+
+
+class SessionDetailSerializer(SessionSerializer):
+    history = HistoryField(read_only=True)
+    manifest = serializers.JSONField(read_only=True, help_text="Artifacts the agent reported, kept across compactions.")
+
+    class Meta(SessionSerializer.Meta):
+        fields = [*SessionSerializer.Meta.fields, "manifest", "history"]
+        read_only_fields = fields
+
+
+class SessionListSerializer(serializers.Serializer):
+    sessions = SessionSerializer(many=True)
+    next = serializers.CharField(allow_null=True, help_text="Cursor of the next page; null on the last page.")
+
+
+# Heartbeat runs
+
+
+class UsageSerializer(serializers.Serializer):
+    input_tokens = serializers.IntegerField(allow_null=True)
+    output_tokens = serializers.IntegerField(allow_null=True)
+    cache_creation_input_tokens = serializers.IntegerField(allow_null=True)
+    cache_read_input_tokens = serializers.IntegerField(allow_null=True)
+
+
+class RunSerializer(serializers.ModelSerializer):
+    status = serializers.ChoiceField(choices=RunStatus.choices)
+    session_id = serializers.SerializerMethodField(help_text="`sess_` + 32 hex digits; null for stateless runs.")
+    agent_id = serializers.UUIDField()
+    usage = serializers.SerializerMethodField()
+    error = serializers.SerializerMethodField()
+    error_code = serializers.SerializerMethodField()
+    warning = serializers.SerializerMethodField(help_text="e.g. a budget close to its limit; null when none.")
+    cost_usd = serializers.DecimalField(max_digits=20, decimal_places=10, allow_null=True)
+
+    class Meta:
+        model = HeartbeatRun
+        fields = [
+            "id",
+            "status",
+            "session_id",
+            "output",
+            "usage",
+            "cost_usd",
+            "error",
+            "error_code",
+            "warning",
+            "started_at",
+            "finished_at",
+            "created_at",
+            "agent_id",
+            "task",
+            "trigger",
+            "force_fresh",
+            "idempotency_key",
+            "model",
+            "message_id",
+            "stop_reason",
+        ]
+        read_only_fields = fields
+
+    def get_session_id(self, run: HeartbeatRun) -> str | None:
+        return session_public_id(run.session_id)
+
+    @extend_schema_field(UsageSerializer)
+    def get_usage(self, run: HeartbeatRun) -> dict:
+        return {
+            "input_tokens": run.input_tokens,
+            "output_tokens": run.output_tokens,
+            "cache_creation_input_tokens": run.cache_creation_input_tokens,
+            "cache_read_input_tokens": run.cache_read_input_tokens,
+        }
+
+    def get_error(self, run: HeartbeatRun) -> str | None:
+        return run.error or None
+
+    def get_error_code(self, run: HeartbeatRun) -> str | None:
+        return run.error_code or None
+
+    def get_warning(self, run: HeartbeatRun) -> str | None:
+        return run.warning or None
+
+
+class RunListSerializer(serializers.Serializer):
+    runs = RunSerializer(many=True)
+    next = serializers.CharField(allow_null=True, help_text="Cursor of the next page; null on the last page.")
+
+
+class AgentListSerializer(serializers.Serializer):
+    agents = AgentSerializer(many=True)
+    next = serializers.CharField(allow_null=True, help_text="Cursor of the next page; null on the last page.")
+
+
+class HeartbeatRequestSerializer(NoUnknownFieldsMixin, serializers.Serializer):
+    task = StrictCharField(
+        allow_blank=False,
+        trim_whitespace=False,
+        help_text="What the agent should do now. At most PAPERCLIP_MAX_TASK_CHARS characters.",
+    )
+    idempotency_key = StrictCharField(
+        required=False,
+        allow_null=True,
+        max_length=255,
+        help_text="Repeating a key returns the run it started, which never runs twice.",
+    )
+    force_fresh = StrictBooleanField(
+        required=False, default=False, help_text="Start a new session instead of resuming."
+    )
+    wait = StrictBooleanField(
+        required=False,
+        default=False,
+        help_text="true: run now and answer 200 with the finished run; false: 202 with the queued run.",
+    )
+
+    def validate_task(self, task: str) -> str:
+        limit = settings.PAPERCLIP_MAX_TASK_CHARS
+        if len(task) > limit:
+            raise serializers.ValidationError(f"At most {limit} characters (got {len(task)}).")
+        if not task.strip():
+            raise serializers.ValidationError("Must not be blank.")
+        return task
+
+
+# Errors (documentation of the one shape every error takes)
+
+
+class ErrorDetailSerializer(serializers.Serializer):
+    code = serializers.CharField(help_text="Stable, machine-readable: `invalid`, `not_found`, `agent_paused`...")
+    message = serializers.CharField()
+    fields = serializers.DictField(
+        child=serializers.CharField(), required=False, help_text="What is wrong with each offending field."
+    )
+
+
+class ErrorSerializer(serializers.Serializer):
+    error = ErrorDetailSerializer()
+
+
+__all__ = [
+    "AgentListSerializer",
+    "AgentSerializer",
+    "CompanySerializer",
+    "ErrorSerializer",
+    "HeartbeatRequestSerializer",
+    "RunListSerializer",
+    "RunSerializer",
+    "SessionDetailSerializer",
+    "SessionListSerializer",
+    "SessionSerializer",
+]

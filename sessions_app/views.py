@@ -1,0 +1,356 @@
+"""The REST API: companies, agents, heartbeats, runs and sessions.
+
+Thin views: they scope every lookup to the company in the URL (and to the key's company in
+`authenticated` mode), validate input with the serializers, and call the same functions as
+the admin and the commands (`sessions_app.services`, `sessions_app.heartbeat`).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from uuid import UUID
+
+from django.conf import settings
+from django.db import transaction
+from django.urls import reverse
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import status
+from rest_framework.exceptions import PermissionDenied
+from rest_framework.response import Response
+
+from costs_app.budgets import next_month
+from sessions_app import heartbeat
+from sessions_app.api.authentication import HeartbeatRateThrottle, is_authenticated_mode
+from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
+from sessions_app.api.exceptions import BadRequest, Conflict, NotFound, ServiceUnavailable, TooManyRequests
+from sessions_app.api.pagination import Keyset, parse_limit
+from sessions_app.models import (
+    Agent,
+    AgentSession,
+    AgentStatus,
+    HeartbeatRun,
+    RunStatus,
+    SessionStatus,
+    parse_session_id,
+)
+from sessions_app.schedules import agent_schedule_sync
+from sessions_app.serializers import (
+    SESSION_LIST_COLUMNS,
+    AgentListSerializer,
+    AgentSerializer,
+    CompanySerializer,
+    HeartbeatRequestSerializer,
+    RunListSerializer,
+    RunSerializer,
+    SessionDetailSerializer,
+    SessionListSerializer,
+    session_list_item,
+)
+from sessions_app.services import agent_delete, agent_pause, agent_resume, session_delete
+from sessions_app.stores import HistoryUnavailable, store_for
+
+logger = logging.getLogger(__name__)
+
+# Keyset orderings; each is served by an index named in the models.
+AGENT_ORDER = Keyset("name", descending=False)  # agents_company_status_idx
+SESSION_ORDER = Keyset("last_used", descending=True)  # sessions_agent_last_used_idx
+RUN_ORDER = Keyset("created_at", descending=True)  # runs_agent_created_idx
+
+
+# Companies
+
+
+class CompanyCreateView(ApiView):
+    @extend_schema(
+        operation_id="company_create",
+        request=CompanySerializer,
+        responses={201: CompanySerializer, **error_responses(400, 403, 413)},
+        description="Create a company. In `authenticated` mode keys are company-scoped, so companies are "
+        "created by an operator (admin) instead: 403.",
+    )
+    def post(self, request):
+        if is_authenticated_mode():
+            raise PermissionDenied("API keys are company-scoped; create companies in the admin.")
+        serializer = CompanySerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        company = serializer.save()
+        return Response(CompanySerializer(company).data, status=status.HTTP_201_CREATED)
+
+
+class CompanyDetailView(ApiView):
+    @extend_schema(operation_id="company_retrieve", responses={200: CompanySerializer, **error_responses()})
+    def get(self, request, company_id: UUID):
+        return Response(CompanySerializer(self.get_company(company_id)).data)
+
+
+# Agents
+
+
+def agent_apply_status(*, agent: Agent, wanted: str | None) -> None:
+    if wanted == AgentStatus.PAUSED and agent.status == AgentStatus.ACTIVE:
+        agent_pause(agent=agent, reason="api")
+    elif wanted == AgentStatus.ACTIVE and agent.status == AgentStatus.PAUSED:
+        agent_resume(agent=agent)
+
+
+class AgentListView(ApiView):
+    @extend_schema(
+        operation_id="agents_list",
+        parameters=[
+            *PAGE_PARAMETERS,
+            OpenApiParameter("status", str, enum=["active", "paused"], required=False),
+        ],
+        responses={200: AgentListSerializer, **error_responses(400)},
+        description="The company's agents by name (deleted agents are not listed).",
+    )
+    def get(self, request, company_id: UUID):
+        company = self.get_company(company_id)
+        limit = parse_limit(request.query_params.get("limit"))
+        wanted = self.query_choice("status", [AgentStatus.ACTIVE, AgentStatus.PAUSED])
+        agents = Agent.objects.filter(company=company).exclude(status=AgentStatus.DELETED)
+        if wanted:
+            agents = agents.filter(status=wanted)
+        rows, cursor = AGENT_ORDER.page(agents, limit=limit, cursor=request.query_params.get("next"))
+        return Response({"agents": AgentSerializer(rows, many=True).data, "next": cursor})
+
+    @extend_schema(
+        operation_id="agent_create",
+        request=AgentSerializer,
+        responses={201: AgentSerializer, **error_responses(400, 413)},
+    )
+    def post(self, request, company_id: UUID):
+        company = self.get_company(company_id)
+        serializer = AgentSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        wanted = serializer.validated_data.pop("status", None)
+        with transaction.atomic():
+            agent = serializer.save(company=company)
+            agent_schedule_sync(agent=agent)
+            agent_apply_status(agent=agent, wanted=wanted)
+        return Response(AgentSerializer(agent).data, status=status.HTTP_201_CREATED)
+
+
+class AgentDetailView(ApiView):
+    @extend_schema(operation_id="agent_retrieve", responses={200: AgentSerializer, **error_responses()})
+    def get(self, request, company_id: UUID, agent_id: UUID):
+        return Response(AgentSerializer(self.get_agent(company_id, agent_id)).data)
+
+    @extend_schema(
+        operation_id="agent_update",
+        request=AgentSerializer(partial=True),
+        responses={200: AgentSerializer, **error_responses(400, 413)},
+    )
+    def patch(self, request, company_id: UUID, agent_id: UUID):
+        agent = self.get_agent(company_id, agent_id)
+        serializer = AgentSerializer(agent, data=request.data, partial=True)
+        serializer.is_valid(raise_exception=True)
+        wanted = serializer.validated_data.pop("status", None)
+        with transaction.atomic():
+            agent = serializer.save()
+            agent_schedule_sync(agent=agent)
+            agent_apply_status(agent=agent, wanted=wanted)
+        return Response(AgentSerializer(agent).data)
+
+    @extend_schema(operation_id="agent_delete", responses={204: None, **error_responses()})
+    def delete(self, request, company_id: UUID, agent_id: UUID):
+        agent_delete(agent=self.get_agent(company_id, agent_id), now=timezone.now())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# Heartbeats and runs
+
+REFUSALS = {
+    "invalid_task": BadRequest,
+    "task_too_long": BadRequest,
+    "agent_paused": Conflict,
+    "idempotency_key_reused": Conflict,
+    "agent_deleted": NotFound,
+    "budget_exceeded": TooManyRequests,
+}
+
+
+def seconds_until_next_utc_month(now: datetime) -> int:
+    """An agent paused by its budget is released when the UTC month turns (budgets_release)."""
+    return max(int((next_month(now) - now) / timedelta(seconds=1)), 1)
+
+
+def refusal_error(exc: heartbeat.HeartbeatRefused, now: datetime) -> Exception:
+    error_class = REFUSALS.get(exc.code, Conflict)
+    if error_class is TooManyRequests:
+        retry_after = getattr(exc, "retry_after", None) or seconds_until_next_utc_month(now)
+        return TooManyRequests(exc.message, code=exc.code, retry_after=retry_after)
+    return error_class(exc.message, code=exc.code)
+
+
+def run_url(run: HeartbeatRun) -> str:
+    return reverse("api:run-detail", args=[run.company_id, run.agent_id, run.id])
+
+
+class HeartbeatView(ApiView):
+    throttle_classes = [HeartbeatRateThrottle]
+
+    @extend_schema(
+        operation_id="agent_heartbeat",
+        request=HeartbeatRequestSerializer,
+        responses={
+            200: OpenApiResponse(RunSerializer, description="`wait` true: the finished run (see its status)."),
+            202: OpenApiResponse(RunSerializer, description="The queued run (or an unfinished earlier run)."),
+            **error_responses(400, 409, 413, 429, 503),
+        },
+        description="Wake the agent with a task. Repeating an `idempotency_key` returns the run it started "
+        "(200 when finished, 202 when not) and never runs it again.",
+    )
+    def post(self, request, company_id: UUID, agent_id: UUID):
+        agent = self.get_agent(company_id, agent_id)
+        serializer = HeartbeatRequestSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        now = timezone.now()
+        try:
+            run, created = heartbeat.heartbeat_enqueue(
+                agent=agent,
+                task=data["task"],
+                now=now,
+                idempotency_key=data.get("idempotency_key"),
+                force_fresh=data["force_fresh"],
+            )
+        except heartbeat.HeartbeatRefused as exc:
+            raise refusal_error(exc, now) from None
+        if created:
+            if data["wait"]:
+                run = heartbeat.heartbeat_wait(run_id=run.id, timeout_seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
+            else:
+                try:
+                    heartbeat.heartbeat_dispatch(run=run)
+                except Exception as exc:  # the broker (Redis, or the database queue) is down
+                    logger.exception("Could not hand run %s to the task queue", run.id)
+                    raise ServiceUnavailable(
+                        f"The task queue is unavailable; run {run.id} is recorded but not started.",
+                        code="queue_unavailable",
+                    ) from exc
+        answer = status.HTTP_200_OK if run.is_finished else status.HTTP_202_ACCEPTED
+        headers = {"Location": run_url(run)} if answer == status.HTTP_202_ACCEPTED else None
+        return Response(RunSerializer(run).data, status=answer, headers=headers)
+
+
+class RunListView(ApiView):
+    @extend_schema(
+        operation_id="runs_list",
+        parameters=[*PAGE_PARAMETERS, OpenApiParameter("status", str, enum=RunStatus.values, required=False)],
+        responses={200: RunListSerializer, **error_responses(400)},
+        description="The agent's heartbeat runs, newest first.",
+    )
+    def get(self, request, company_id: UUID, agent_id: UUID):
+        agent = self.get_agent(company_id, agent_id)
+        limit = parse_limit(request.query_params.get("limit"))
+        wanted = self.query_choice("status", RunStatus.values)
+        runs = HeartbeatRun.objects.filter(agent=agent)
+        if wanted:
+            runs = runs.filter(status=wanted)
+        rows, cursor = RUN_ORDER.page(runs, limit=limit, cursor=request.query_params.get("next"))
+        return Response({"runs": RunSerializer(rows, many=True).data, "next": cursor})
+
+
+class RunDetailView(ApiView):
+    @extend_schema(operation_id="run_retrieve", responses={200: RunSerializer, **error_responses()})
+    def get(self, request, company_id: UUID, agent_id: UUID, run_id: UUID):
+        agent = self.get_agent(company_id, agent_id)
+        run = HeartbeatRun.objects.filter(pk=run_id, agent=agent).first()
+        if run is None:
+            raise NotFound("No such run.")
+        return Response(RunSerializer(run).data)
+
+
+# Sessions
+
+SESSION_ID_PARAMETER = OpenApiParameter(
+    "session_id", str, OpenApiParameter.PATH, description="`sess_` + 32 hex digits, or the plain UUID."
+)
+
+
+class SessionListView(ApiView):
+    @extend_schema(
+        operation_id="sessions_list",
+        parameters=[
+            *PAGE_PARAMETERS,
+            OpenApiParameter("status", str, enum=SessionStatus.values, required=False),
+            OpenApiParameter("created_after", datetime, required=False, description="ISO 8601; inclusive."),
+            OpenApiParameter("created_before", datetime, required=False, description="ISO 8601; exclusive."),
+        ],
+        responses={200: SessionListSerializer, **error_responses(400)},
+        description="The agent's sessions, most recently used first, without their history.",
+    )
+    def get(self, request, company_id: UUID, agent_id: UUID):
+        self.check_company_access(company_id)
+        limit = parse_limit(request.query_params.get("limit"))
+        # One query for the page and the agent's scope (the join is on the agents' primary
+        # key); only an empty page needs a second look, to tell "no sessions" from a 404.
+        # `history` may be megabytes a row: a list never reads it (message_count is a column).
+        sessions = (
+            AgentSession.objects.filter(agent_id=agent_id, agent__company_id=company_id)
+            .exclude(agent__status=AgentStatus.DELETED)
+            .values(*SESSION_LIST_COLUMNS)
+        )
+        wanted = self.query_choice("status", SessionStatus.values)
+        if wanted:
+            sessions = sessions.filter(status=wanted)
+        created_after = self.query_datetime("created_after")
+        if created_after:
+            sessions = sessions.filter(created_at__gte=created_after)
+        created_before = self.query_datetime("created_before")
+        if created_before:
+            sessions = sessions.filter(created_at__lt=created_before)
+        rows, cursor = SESSION_ORDER.page(sessions, limit=limit, cursor=request.query_params.get("next"))
+        if not rows:
+            self.get_agent(company_id, agent_id)
+        return Response({"sessions": [session_list_item(row) for row in rows], "next": cursor})
+
+
+HISTORY_STATUSES = {"history_unreadable": status.HTTP_503_SERVICE_UNAVAILABLE}
+
+
+class SessionDetailView(ApiView):
+    def get_session(self, company_id: UUID, agent_id: UUID, session_id: str, *, with_history: bool) -> AgentSession:
+        agent = self.get_agent(company_id, agent_id)
+        parsed = parse_session_id(session_id)
+        if parsed is None:
+            raise NotFound("No such session.")
+        sessions = AgentSession.objects.filter(pk=parsed, agent=agent)
+        if not with_history:
+            sessions = sessions.defer("history")
+        session = sessions.first()
+        if session is None:
+            raise NotFound("No such session.")
+        return session
+
+    @extend_schema(
+        operation_id="session_retrieve",
+        parameters=[SESSION_ID_PARAMETER],
+        responses={200: SessionDetailSerializer, **error_responses(409, 503)},
+        description="One session with its history. A history file that is missing or corrupt is a 409 "
+        "naming the problem (`history_missing`, `history_corrupt`, `history_mismatch`); an unreadable one "
+        "a 503 (`history_unreadable`).",
+    )
+    def get(self, request, company_id: UUID, agent_id: UUID, session_id: str):
+        session = self.get_session(company_id, agent_id, session_id, with_history=True)
+        try:
+            history = store_for(session).read(session)
+        except HistoryUnavailable as exc:
+            if HISTORY_STATUSES.get(exc.code) == status.HTTP_503_SERVICE_UNAVAILABLE:
+                raise ServiceUnavailable(exc.message, code=exc.code) from None
+            raise Conflict(exc.message, code=exc.code) from None
+        # Shown, never saved: for the file store the column itself stays empty.
+        session.history = history
+        return Response(SessionDetailSerializer(session).data)
+
+    @extend_schema(
+        operation_id="session_delete",
+        parameters=[SESSION_ID_PARAMETER],
+        responses={204: None, **error_responses()},
+        description="Delete the session and its history (row and file). The next heartbeat starts fresh.",
+    )
+    def delete(self, request, company_id: UUID, agent_id: UUID, session_id: str):
+        session_delete(session=self.get_session(company_id, agent_id, session_id, with_history=False))
+        return Response(status=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,100 @@
+"""Budgets, the compaction archive and the growth signal through the API."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.utils import timezone
+
+from costs_app.models import Budget, CostEvent
+from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.models import Agent, AgentSession, AgentStatus
+from sessions_app.services import agent_pause
+
+
+def beat(agent, task):
+    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
+    return heartbeat_execute(run_id=run.id)
+
+
+def test_company_budget_is_read_set_and_reported_with_its_use(client, company, persistent_agent):
+    url = f"/api/companies/{company.id}/budget"
+    assert client.get(url).json() == {"budget": None, "use": []}
+    CostEvent.objects.create(company=company, agent=persistent_agent, model="m", cost_usd=Decimal("2.5"))
+
+    response = client.put(url, {"monthly_limit_usd": "10", "warn_percent": 20}, content_type="application/json")
+
+    assert response.status_code == 200, response.json()
+    body = response.json()
+    assert body["budget"]["monthly_limit_usd"] == "10.000000"
+    (use,) = body["use"]
+    assert (use["scope"], use["period"], use["spent"], use["warning"], use["exceeded"]) == (
+        "company",
+        "month",
+        "2.5000000000",
+        True,
+        False,
+    )
+    summary = client.get(f"/api/companies/{company.id}/costs/summary").json()
+    assert summary["budgets"][0]["period"] == "month"
+
+
+def test_budget_validation_names_the_field(client, company):
+    response = client.put(
+        f"/api/companies/{company.id}/budget", {"monthly_limit_usd": "-1"}, content_type="application/json"
+    )
+    assert response.status_code == 400
+    assert "monthly_limit_usd" in response.json()["error"]["fields"]
+
+
+def test_raising_an_agent_budget_resumes_the_agent(client, company, persistent_agent):
+    Budget.objects.create(company=company, agent=persistent_agent, lifetime_limit_usd=Decimal("1"))
+    CostEvent.objects.create(company=company, agent=persistent_agent, model="m", cost_usd=Decimal("1"))
+    agent_pause(agent=persistent_agent, reason="budget")
+    url = f"/api/companies/{company.id}/agents/{persistent_agent.id}/budget"
+    assert client.get(url).json()["use"][0]["exceeded"] is True
+
+    assert client.put(url, {"lifetime_limit_usd": "5"}, content_type="application/json").status_code == 200
+
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.status == AgentStatus.ACTIVE
+    assert client.delete(url).status_code == 204
+    assert not Budget.objects.filter(agent=persistent_agent).exists()
+
+
+def test_budgets_of_another_company_are_404(client, company, other_company, other_agent):
+    assert client.get(f"/api/companies/{company.id}/agents/{other_agent.id}/budget").status_code == 404
+
+
+def test_session_archive_lists_compactions_and_their_turns(client, company, fake_anthropic):
+    agent = Agent.objects.create(
+        company=company,
+        name="compacting",
+        adapter_config={"session_mode": "persistent", "context_budget_tokens": 1000, "keep_recent_turns": 1},
+    )
+    for i in range(8):
+        beat(agent, f"step {i} " + "x" * 500)
+    session = AgentSession.objects.get(agent=agent)
+    assert session.compaction_count > 0
+    url = f"/api/companies/{company.id}/agents/{agent.id}/sessions/{session.public_id}/archive"
+
+    summary = client.get(url).json()
+    full = client.get(url + "?messages=true").json()
+
+    assert summary["compaction_count"] == session.compaction_count == len(summary["compactions"])
+    assert "archived_messages" not in summary["compactions"][0]
+    assert full["compactions"][0]["archived_messages"][0]["seq"] == 0
+    assert summary["compactions"][0]["tokens_before"] > summary["compactions"][0]["tokens_after"]
+
+
+def test_growth_endpoint_flags_accumulating_history(client, company, fake_anthropic):
+    agent = Agent.objects.create(
+        company=company,
+        name="growing",
+        adapter_config={"session_mode": "persistent", "context_strategy": "none", "prompt_caching": False},
+    )
+    for i in range(8):
+        beat(agent, f"step {i} " + "detail " * 40)
+    body = client.get(f"/api/companies/{company.id}/agents/{agent.id}/growth").json()
+    assert body["growing"] is True and body["slope_tokens_per_run"] > 0
+    assert "session_ttl_hours" in body["advice"]

@@ -1,0 +1,169 @@
+from __future__ import annotations
+
+import pytest
+from django_q.models import Schedule
+
+from sessions_app.models import Agent, AgentStatus, Company
+from tests.api.conftest import agent_url, assert_error, make_run, make_session
+
+pytestmark = pytest.mark.django_db
+
+AGENT_BODY = {
+    "name": "Researcher",
+    "system_prompt": "You are a careful researcher.",
+    "adapter_type": "claude-code",
+    "adapter_config": {"model": "claude-opus-4-5", "session_mode": "persistent", "session_ttl_hours": 24},
+}
+
+
+def test_create_company_answers_201_with_the_company(api):
+    response = api.post("/api/companies", {"name": "Acme"})
+    assert response.status_code == 201
+    body = response.json()
+    assert body["name"] == "Acme"
+    assert Company.objects.get(pk=body["id"]).name == "Acme"
+    assert set(body) == {"id", "name", "created_at"}
+
+
+def test_get_company(api, company):
+    response = api.get(f"/api/companies/{company.id}")
+    assert response.status_code == 200
+    assert response.json()["id"] == str(company.id)
+
+
+def test_company_without_name_is_400_naming_the_field(api):
+    error = assert_error(api.post("/api/companies", {}), 400, "invalid")
+    assert "name" in error["fields"]
+
+
+def test_unknown_company_is_404(api):
+    assert_error(api.get("/api/companies/00000000-0000-4000-8000-000000000000"), 404, "not_found")
+
+
+def test_create_agent_answers_201_with_defaults_filled_in(api, company):
+    response = api.post(f"/api/companies/{company.id}/agents", AGENT_BODY)
+    assert response.status_code == 201, response.json()
+    body = response.json()
+    assert body["company_id"] == str(company.id)
+    assert body["status"] == "active"
+    assert body["adapter_config"]["session_mode"] == "persistent"
+    assert body["adapter_config"]["session_ttl_hours"] == 24
+    assert Agent.objects.get(pk=body["id"]).company_id == company.id
+
+
+def test_create_agent_with_an_interval_creates_its_schedule(api, company):
+    body = {**AGENT_BODY, "adapter_config": {**AGENT_BODY["adapter_config"], "heartbeat_interval_minutes": 15}}
+    response = api.post(f"/api/companies/{company.id}/agents", body)
+    assert response.status_code == 201
+    assert Schedule.objects.filter(name=f"heartbeat:{response.json()['id']}", minutes=15).exists()
+
+
+def test_invalid_adapter_config_is_400_naming_the_field(api, company):
+    body = {**AGENT_BODY, "adapter_config": {"session_mode": "persistent", "session_ttl_hours": -1}}
+    error = assert_error(api.post(f"/api/companies/{company.id}/agents", body), 400, "invalid")
+    assert "adapter_config.session_ttl_hours" in error["fields"]
+    assert not Agent.objects.exists()
+
+
+def test_unknown_adapter_type_is_400_naming_the_field(api, company):
+    error = assert_error(api.post(f"/api/companies/{company.id}/agents", {**AGENT_BODY, "adapter_type": "x"}), 400)
+    assert "adapter_type" in error["fields"]
+
+
+def test_adapter_config_must_be_an_object(api, company):
+    error = assert_error(api.post(f"/api/companies/{company.id}/agents", {**AGENT_BODY, "adapter_config": []}), 400)
+    assert "adapter_config" in error["fields"]
+
+
+def test_agent_name_of_the_wrong_type_is_400(api, company):
+    error = assert_error(api.post(f"/api/companies/{company.id}/agents", {**AGENT_BODY, "name": 12}), 400)
+    assert "name" in error["fields"]
+
+
+def test_unknown_agent_field_is_400(api, company):
+    error = assert_error(api.post(f"/api/companies/{company.id}/agents", {**AGENT_BODY, "colour": "red"}), 400)
+    assert "colour" in error["fields"]
+
+
+def test_list_agents_hides_deleted_agents_and_other_companies(api, stateless_agent, persistent_agent, other_agent):
+    Agent.objects.filter(pk=stateless_agent.pk).update(status=AgentStatus.DELETED)
+    response = api.get(f"/api/companies/{persistent_agent.company_id}/agents")
+    assert response.status_code == 200
+    body = response.json()
+    assert [a["id"] for a in body["agents"]] == [str(persistent_agent.id)]
+    assert body["next"] is None
+
+
+def test_list_agents_pages_with_a_cursor(api, company):
+    for index in range(5):
+        Agent.objects.create(company=company, name=f"agent {index}")
+    first = api.get(f"/api/companies/{company.id}/agents", {"limit": 2}).json()
+    second = api.get(f"/api/companies/{company.id}/agents", {"limit": 2, "next": first["next"]}).json()
+    third = api.get(f"/api/companies/{company.id}/agents", {"limit": 2, "next": second["next"]}).json()
+    names = [a["name"] for page in (first, second, third) for a in page["agents"]]
+    assert names == [f"agent {i}" for i in range(5)]
+    assert third["next"] is None
+
+
+def test_agent_list_queries_do_not_grow_with_agents(api, company, django_assert_max_num_queries):
+    for index in range(30):
+        Agent.objects.create(company=company, name=f"agent {index}")
+    with django_assert_max_num_queries(2):
+        response = api.get(f"/api/companies/{company.id}/agents", {"limit": 200})
+    assert len(response.json()["agents"]) == 30
+
+
+def test_get_agent(api, persistent_agent):
+    response = api.get(agent_url(persistent_agent))
+    assert response.status_code == 200
+    assert response.json()["name"] == "Persistent"
+
+
+def test_patch_agent_changes_fields_and_syncs_its_schedule(api, persistent_agent):
+    config = {**persistent_agent.adapter_config, "heartbeat_interval_minutes": 5}
+    response = api.patch(agent_url(persistent_agent), {"name": "Renamed", "adapter_config": config})
+    assert response.status_code == 200, response.json()
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.name == "Renamed"
+    assert Schedule.objects.filter(name=f"heartbeat:{persistent_agent.id}", minutes=5).exists()
+
+
+def test_patch_agent_with_bad_config_is_400_and_changes_nothing(api, persistent_agent):
+    response = api.patch(agent_url(persistent_agent), {"adapter_config": {"session_ttl_hours": "soon"}})
+    error = assert_error(response, 400, "invalid")
+    assert "adapter_config.session_ttl_hours" in error["fields"]
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.adapter_config["session_ttl_hours"] == 24
+
+
+def test_patch_status_pauses_and_resumes_the_agent(api, persistent_agent):
+    assert api.patch(agent_url(persistent_agent), {"status": "paused"}).json()["status"] == "paused"
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.status == AgentStatus.PAUSED
+    assert api.patch(agent_url(persistent_agent), {"status": "active"}).json()["status"] == "active"
+
+
+def test_patch_status_cannot_delete(api, persistent_agent):
+    assert_error(api.patch(agent_url(persistent_agent), {"status": "deleted"}), 400)
+
+
+def test_delete_agent_is_204_then_404_and_keeps_its_runs(api, persistent_agent):
+    make_session(persistent_agent)
+    run = make_run(persistent_agent)
+    response = api.delete(agent_url(persistent_agent))
+    assert response.status_code == 204
+    assert_error(api.get(agent_url(persistent_agent)), 404)
+    assert_error(api.delete(agent_url(persistent_agent)), 404)
+    assert_error(api.get(agent_url(persistent_agent, "/sessions")), 404)
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.status == AgentStatus.DELETED
+    assert not persistent_agent.sessions.exists()
+    run.refresh_from_db()
+
+
+def test_put_is_405(api, persistent_agent):
+    assert_error(api.put(agent_url(persistent_agent), {"name": "x"}), 405, "method_not_allowed")
+
+
+def test_get_on_the_companies_collection_is_405(api):
+    assert_error(api.get("/api/companies"), 405)

@@ -1,0 +1,211 @@
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.utils import timezone
+from django_q.models import OrmQ
+
+from costs_app.models import CostEvent
+from sessions_app import heartbeat
+from sessions_app.models import AgentStatus, HeartbeatRun, RunStatus
+from sessions_app.views import refusal_error, seconds_until_next_utc_month
+from tests.api.conftest import agent_url, assert_error, make_run
+from tests.fake_anthropic import Reply
+
+pytestmark = pytest.mark.django_db
+
+RUN_KEYS = {"id", "status", "session_id", "output", "usage", "cost_usd", "error", "started_at", "finished_at"}
+USAGE_KEYS = {"input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"}
+
+
+def test_heartbeat_with_wait_answers_200_with_the_finished_run(api, persistent_agent, fake_anthropic):
+    fake_anthropic.push(Reply.message("Done.", usage={"input_tokens": 30, "output_tokens": 4}))
+    response = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "Summarise yesterday", "wait": True})
+    assert response.status_code == 200, response.json()
+    run = response.json()
+    assert RUN_KEYS <= set(run)
+    assert set(run["usage"]) >= USAGE_KEYS
+    assert run["status"] == "succeeded"
+    assert run["output"] == "Done."
+    assert run["usage"]["input_tokens"] == 30 and run["usage"]["output_tokens"] == 4
+    assert re.fullmatch(r"sess_[0-9a-f]{32}", run["session_id"])
+    assert isinstance(run["cost_usd"], str)
+    assert run["error"] is None
+    assert run["started_at"] and run["finished_at"]
+    assert CostEvent.objects.filter(run_id=run["id"]).count() == 1
+    sent = fake_anthropic.message_requests
+    assert sent[-1]["messages"][-1]["content"] == "Summarise yesterday"
+
+
+def test_stateless_heartbeat_has_no_session(api, stateless_agent, fake_anthropic):
+    run = api.post(agent_url(stateless_agent, "/heartbeat"), {"task": "hi", "wait": True}).json()
+    assert run["status"] == "succeeded"
+    assert run["session_id"] is None
+
+
+def test_heartbeat_whose_model_call_fails_is_200_with_a_failed_run(api, stateless_agent, fake_anthropic):
+    fake_anthropic.push(*[Reply.error(400, "bad request")] * 3)
+    response = api.post(agent_url(stateless_agent, "/heartbeat"), {"task": "hi", "wait": True})
+    assert response.status_code == 200
+    run = response.json()
+    assert run["status"] == "failed"
+    assert run["error"] and run["error_code"]
+
+
+def test_heartbeat_without_wait_answers_202_and_queues_the_run(
+    api, persistent_agent, fake_anthropic, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks(execute=True):
+        response = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "later"})
+    assert response.status_code == 202
+    run = response.json()
+    assert run["status"] == "queued"
+    assert run["finished_at"] is None
+    assert response["Location"].endswith(f"/runs/{run['id']}")
+    assert OrmQ.objects.count() == 1
+    assert fake_anthropic.message_requests == []
+
+
+def test_same_idempotency_key_returns_the_same_run_and_calls_the_model_once(api, persistent_agent, fake_anthropic):
+    body = {"task": "once", "idempotency_key": "k-1", "wait": True}
+    first = api.post(agent_url(persistent_agent, "/heartbeat"), body)
+    second = api.post(agent_url(persistent_agent, "/heartbeat"), body)
+    assert first.status_code == second.status_code == 200
+    assert first.json()["id"] == second.json()["id"]
+    assert len(fake_anthropic.message_requests) == 1
+    assert HeartbeatRun.objects.count() == 1
+
+
+def test_same_idempotency_key_of_an_unfinished_run_is_202_and_not_started(
+    api, persistent_agent, fake_anthropic, django_capture_on_commit_callbacks
+):
+    api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "once", "idempotency_key": "k-2"})
+    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+        again = api.post(
+            agent_url(persistent_agent, "/heartbeat"), {"task": "once", "idempotency_key": "k-2", "wait": True}
+        )
+    assert again.status_code == 202
+    assert again.json()["status"] == "queued"
+    assert callbacks == []
+    assert fake_anthropic.message_requests == []
+
+
+def test_idempotency_key_reused_for_another_task_is_409(api, persistent_agent, fake_anthropic):
+    api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "one", "idempotency_key": "k-3"})
+    assert_error(
+        api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "two", "idempotency_key": "k-3"}),
+        409,
+        "idempotency_key_reused",
+    )
+
+
+def test_heartbeat_of_a_paused_agent_is_409(api, persistent_agent):
+    persistent_agent.status = AgentStatus.PAUSED
+    persistent_agent.save()
+    assert_error(api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"}), 409, "agent_paused")
+
+
+def test_heartbeat_of_a_deleted_agent_is_404(api, persistent_agent):
+    persistent_agent.status = AgentStatus.DELETED
+    persistent_agent.save()
+    assert_error(api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"}), 404)
+
+
+def test_task_over_the_limit_is_400(api, persistent_agent, settings):
+    settings.PAPERCLIP_MAX_TASK_CHARS = 10
+    error = assert_error(api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "x" * 11}), 400, "invalid")
+    assert "task" in error["fields"]
+    assert not HeartbeatRun.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({}, "task"),
+        ({"task": ""}, "task"),
+        ({"task": "   "}, "task"),
+        ({"task": 42}, "task"),
+        ({"task": ["a"]}, "task"),
+        ({"task": "hi", "wait": "yes"}, "wait"),
+        ({"task": "hi", "wait": 1}, "wait"),
+        ({"task": "hi", "force_fresh": "false"}, "force_fresh"),
+        ({"task": "hi", "idempotency_key": 7}, "idempotency_key"),
+        ({"task": "hi", "idempotency_key": "k" * 256}, "idempotency_key"),
+        ({"task": "hi", "wiat": True}, "wiat"),
+    ],
+)
+def test_heartbeat_body_of_wrong_types_is_400_naming_the_field(api, persistent_agent, body, field):
+    error = assert_error(api.post(agent_url(persistent_agent, "/heartbeat"), body), 400, "invalid")
+    assert field in error["fields"]
+
+
+def test_heartbeat_body_that_is_not_an_object_is_400(api, persistent_agent):
+    assert_error(api.post(agent_url(persistent_agent, "/heartbeat"), ["task"]), 400)
+
+
+def test_heartbeats_are_rate_limited_with_retry_after(api, persistent_agent, settings, fake_anthropic):
+    settings.PAPERCLIP_HEARTBEAT_RATE = "2/min"
+    for _ in range(2):
+        assert api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"}).status_code == 202
+    response = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"})
+    assert_error(response, 429, "rate_limited")
+    assert 1 <= int(response["Retry-After"]) <= 60
+
+
+def test_budget_refusal_is_429_with_retry_after_until_the_month_turns():
+    now = datetime(2026, 11, 30, 23, 0, tzinfo=UTC)
+    error = refusal_error(heartbeat.HeartbeatRefused("budget_exceeded", "Monthly budget spent."), now)
+    assert error.status_code == 429
+    assert error.retry_after == 3600 == seconds_until_next_utc_month(now)
+    assert seconds_until_next_utc_month(datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC)) == 1
+
+
+def test_runs_list_is_newest_first_with_a_cursor(api, persistent_agent):
+    now = timezone.now()
+    runs = [make_run(persistent_agent, created_at=now - timedelta(minutes=i)) for i in range(5)]
+    first = api.get(agent_url(persistent_agent, "/runs"), {"limit": 3}).json()
+    second = api.get(agent_url(persistent_agent, "/runs"), {"limit": 3, "next": first["next"]}).json()
+    assert [r["id"] for r in first["runs"] + second["runs"]] == [str(r.id) for r in runs]
+    assert second["next"] is None
+
+
+def test_runs_list_filters_by_status(api, persistent_agent):
+    make_run(persistent_agent, status=RunStatus.SUCCEEDED)
+    failed = make_run(persistent_agent, status=RunStatus.FAILED, error="boom", error_code="x")
+    body = api.get(agent_url(persistent_agent, "/runs"), {"status": "failed"}).json()
+    assert [r["id"] for r in body["runs"]] == [str(failed.id)]
+    assert body["runs"][0]["error"] == "boom"
+    assert_error(api.get(agent_url(persistent_agent, "/runs"), {"status": "nope"}), 400)
+
+
+def test_runs_list_queries_do_not_grow_with_runs(api, persistent_agent, django_assert_max_num_queries):
+    for _ in range(40):
+        make_run(persistent_agent)
+    with django_assert_max_num_queries(2):
+        response = api.get(agent_url(persistent_agent, "/runs"), {"limit": 200})
+    assert len(response.json()["runs"]) == 40
+
+
+def test_run_detail(api, persistent_agent):
+    run = make_run(persistent_agent, output="hello", input_tokens=5)
+    body = api.get(agent_url(persistent_agent, f"/runs/{run.id}")).json()
+    assert body["id"] == str(run.id)
+    assert body["output"] == "hello"
+    assert body["usage"]["input_tokens"] == 5
+
+
+def test_run_of_another_agent_is_404(api, persistent_agent, stateless_agent):
+    run = make_run(stateless_agent)
+    assert_error(api.get(agent_url(persistent_agent, f"/runs/{run.id}")), 404)
+    assert_error(api.get(agent_url(persistent_agent, "/runs/not-a-uuid")), 404)
+
+
+def test_heartbeat_of_an_agent_paused_by_its_budget_is_429_with_retry_after(api, persistent_agent):
+    persistent_agent.status = AgentStatus.PAUSED
+    persistent_agent.paused_reason = "budget"
+    persistent_agent.save()
+    response = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"})
+    assert_error(response, 429, "budget_exceeded")
+    assert 1 <= int(response["Retry-After"]) <= 31 * 24 * 3600

@@ -1,0 +1,276 @@
+"""Faults, crashes and secrets: nothing is lost, nothing half-written, nothing leaked."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from costs_app.models import CostEvent
+from sessions_app.expiry import runs_reap
+from sessions_app.heartbeat import heartbeat_dispatch, heartbeat_enqueue, heartbeat_execute
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus
+from sessions_app.stores import store_for
+from tests.conftest import FAKE_API_KEY
+from tests.fake_anthropic import Reply
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def beat(agent, task, *, now=None):
+    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now or timezone.now())
+    return heartbeat_execute(run_id=run.id, now=now)
+
+
+def snapshot(agent):
+    session = AgentSession.objects.get(agent=agent)
+    return session.message_count, store_for(session).read(session), CostEvent.objects.count()
+
+
+@pytest.mark.parametrize(
+    ("replies", "config", "status", "code", "calls"),
+    [
+        ([Reply.error(429, "slow down", retry_after_ms=20)], {}, RunStatus.SUCCEEDED, "", 2),
+        ([Reply.error(529, "overloaded", 1)] * 2, {}, RunStatus.SUCCEEDED, "", 3),
+        ([Reply.error(529, "overloaded", 1)] * 3, {}, RunStatus.FAILED, "model_overloaded", 3),
+        ([Reply.error(500, "boom", 1)] * 3, {}, RunStatus.FAILED, "model_server_error", 3),
+        ([Reply.delay(3)], {"timeout_seconds": 0.5, "max_retries": 0}, RunStatus.FAILED, "model_timeout", 1),
+        ([Reply.reset()], {"max_retries": 0}, RunStatus.FAILED, "model_unreachable", 1),
+        ([Reply.malformed()], {}, RunStatus.FAILED, "model_malformed_response", 1),
+        ([Reply.error(401, "invalid x-api-key")], {}, RunStatus.FAILED, "model_auth_failed", 1),
+    ],
+    ids=["429-retry-after", "529-burst-recovers", "529-burst-fails", "500", "timeout", "reset", "malformed", "401"],
+)
+def test_api_faults_end_every_run_clearly_and_change_nothing_on_failure(
+    persistent_agent, fake_anthropic, replies, config, status, code, calls
+):
+    beat(persistent_agent, "first")
+    persistent_agent.adapter_config = {**persistent_agent.adapter_config, **config}
+    persistent_agent.save()
+    count, history, costs = snapshot(persistent_agent)
+    fake_anthropic.reset_log()
+    fake_anthropic.push(*replies)
+
+    run = beat(persistent_agent, "second")
+
+    assert (run.status, run.error_code) == (status, code), run.error
+    assert run.finished_at is not None
+    assert len(fake_anthropic.message_requests) == calls
+    if status == RunStatus.FAILED:
+        assert snapshot(persistent_agent) == (count, history, costs)
+        assert run.error and FAKE_API_KEY not in run.error
+    else:
+        assert snapshot(persistent_agent)[0] == count + 2
+        assert CostEvent.objects.count() == costs + 1
+
+
+def test_file_store_faults_fail_only_their_own_session(settings, company, fake_anthropic):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    agents = [
+        Agent.objects.create(company=company, name=f"a{i}", adapter_config={"session_mode": "persistent"})
+        for i in range(4)
+    ]
+    for agent in agents:
+        beat(agent, "hello")
+    corrupt, missing, readonly, healthy = (AgentSession.objects.get(agent=a) for a in agents)
+    store_for(corrupt).path_for(corrupt).write_text('{"messages": [truncated')
+    store_for(missing).path_for(missing).unlink()
+    folder = store_for(readonly).path_for(readonly).parent
+    folder.chmod(0o500)
+    try:
+        results = [beat(agent, "again") for agent in agents]
+    finally:
+        folder.chmod(0o700)
+
+    codes = [(r.status, r.error_code) for r in results]
+    assert codes[0] == (RunStatus.FAILED, "history_corrupt")
+    assert codes[1] == (RunStatus.FAILED, "history_missing")
+    if os.geteuid() != 0:  # root ignores directory permissions
+        assert codes[2] == (RunStatus.FAILED, "history_unwritable")
+        readonly.refresh_from_db()
+        assert readonly.message_count == 2
+    assert codes[3] == (RunStatus.SUCCEEDED, "")
+    healthy.refresh_from_db()
+    assert healthy.message_count == 4
+
+
+def test_unwritable_history_leaves_the_old_file_and_row(settings, company, fake_anthropic, monkeypatch):
+    """What root cannot be made to fail by permissions, a full disk does: ENOSPC on write."""
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    agent = Agent.objects.create(company=company, name="full", adapter_config={"session_mode": "persistent"})
+    beat(agent, "hello")
+    session = AgentSession.objects.get(agent=agent)
+    before = store_for(session).path_for(session).read_bytes()
+    costs = CostEvent.objects.count()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("sessions_app.stores.tempfile.mkstemp", disk_full)
+    run = beat(agent, "again")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "history_unwritable")
+    assert store_for(session).path_for(session).read_bytes() == before
+    session.refresh_from_db()
+    assert session.message_count == 2
+    assert CostEvent.objects.count() == costs + 1  # the call was made and billed: the ledger says so
+
+
+def test_api_keys_never_reach_logs_history_or_runs(persistent_agent, fake_anthropic, caplog):
+    caplog.set_level(logging.DEBUG)
+    for name in ("anthropic", "httpx", "httpx2", "httpcore", "sessions_app", "django"):
+        logging.getLogger(name).setLevel(logging.DEBUG)
+    fake_anthropic.push(Reply.error(401, "invalid x-api-key"))
+    beat(persistent_agent, "fails")
+    beat(persistent_agent, "works")
+
+    assert FAKE_API_KEY not in caplog.text
+    stored = " ".join(
+        str(row)
+        for row in list(HeartbeatRun.objects.values())
+        + list(AgentSession.objects.values())
+        + list(CostEvent.objects.values())
+    )
+    assert FAKE_API_KEY not in stored
+    # ...while the SDK did send it, to the fake.
+    headers = {k.lower(): v for k, v in fake_anthropic.requests[-1]["headers"].items()}
+    assert FAKE_API_KEY in (headers.get("x-api-key") or headers.get("authorization", ""))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_terminated_connection_mid_commit_writes_nothing(postgres_only, persistent_agent, fake_anthropic):
+    beat(persistent_agent, "first")
+    count, history, costs = snapshot(persistent_agent)
+    with connection.cursor() as cursor:
+        # Hold the commit transaction open: the ledger insert sleeps, so it can be killed.
+        cursor.execute(
+            "CREATE FUNCTION slow_ledger() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$ "
+            "LANGUAGE plpgsql; CREATE TRIGGER slow_ledger BEFORE INSERT ON cost_events "
+            "FOR EACH ROW EXECUTE FUNCTION slow_ledger();"
+        )
+    outcome = {}
+
+    def run_heartbeat():
+        try:
+            outcome["run"] = beat(persistent_agent, "second")
+        except Exception as exc:  # the connection dies under it
+            outcome["error"] = exc
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run_heartbeat)
+    thread.start()
+    try:
+        victim = None
+        deadline = time.monotonic() + 15
+        while victim is None and time.monotonic() < deadline:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE query LIKE %s AND state = 'active' AND pid <> pg_backend_pid()",
+                    ['%INSERT INTO "cost_events"%'],
+                )
+                row = cursor.fetchone()
+            victim = row[0] if row else None
+            time.sleep(0.05)
+        assert victim, "the commit transaction was never seen"
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [victim])
+        thread.join(timeout=30)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER IF EXISTS slow_ledger ON cost_events; DROP FUNCTION IF EXISTS slow_ledger();")
+
+    assert snapshot(persistent_agent) == (count, history, costs)
+    stuck = HeartbeatRun.objects.get(task="second")
+    assert stuck.status in (RunStatus.RUNNING, RunStatus.FAILED)
+    runs_reap(now=timezone.now() + timedelta(hours=1))
+    assert HeartbeatRun.objects.get(task="second").status == RunStatus.FAILED
+    assert beat(persistent_agent, "third").status == RunStatus.SUCCEEDED
+    assert snapshot(persistent_agent)[0] == count + 2
+
+
+def database_url() -> str:
+    db = connection.settings_dict
+    return f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sigkilled_cluster_workers_leave_no_run_running(
+    postgres_only, settings, persistent_agent, fake_anthropic, tmp_path
+):
+    kills = int(os.environ.get("RELIABILITY_KILLS", "20"))
+    fake_anthropic.push(*[Reply.delay(1.5) for _ in range(kills)])
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "PAPERCLIP_HOME": str(tmp_path),
+        # Queued tasks are signed: the cluster must share this process's key.
+        "DJANGO_SECRET_KEY": settings.SECRET_KEY,
+        "PAPERCLIP_RUN_TIMEOUT_SECONDS": "5",
+        "PAPERCLIP_Q_WORKERS": "2",
+    }
+    env.pop("REDIS_URL", None)
+    cluster = subprocess.Popen(
+        [sys.executable, "manage.py", "qcluster"],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=(tmp_path / "qcluster.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        for _ in range(kills):
+            run, _ = heartbeat_enqueue(agent=persistent_agent, task="doomed", now=timezone.now())
+            heartbeat_dispatch(run=run)
+            running = wait_for(
+                lambda run=run: (
+                    HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).exclude(claimed_by="").first()
+                ),
+                60,
+                "a worker to claim the run",
+            )
+            os.kill(int(running.claimed_by.rsplit(":", 1)[1]), signal.SIGKILL)
+            # The reaper, one run timeout later, fails what the dead worker left behind.
+            runs_reap(now=timezone.now() + timedelta(seconds=6))
+        assert not HeartbeatRun.objects.filter(status=RunStatus.RUNNING).exists()
+        assert set(HeartbeatRun.objects.values_list("error_code", flat=True)) == {"run_timeout"}
+
+        run, _ = heartbeat_enqueue(agent=persistent_agent, task="survivor", now=timezone.now())
+        heartbeat_dispatch(run=run)
+        done = wait_for(
+            lambda: HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.SUCCEEDED, RunStatus.FAILED]).first(),
+            60,
+            "the survivor run",
+        )
+        assert done.status == RunStatus.SUCCEEDED, done.error
+        session = AgentSession.objects.get(agent=persistent_agent)
+        history = store_for(session).read(session)
+        assert [m["content"] for m in history if m["role"] == "user"] == ["survivor"]
+        assert CostEvent.objects.count() == 1
+    finally:
+        os.killpg(cluster.pid, signal.SIGTERM)
+        try:
+            cluster.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(cluster.pid, signal.SIGKILL)
+            cluster.wait()
