@@ -14,6 +14,10 @@ from costs_app.budgets import budget_uses, budgets_release
 from costs_app.models import Budget
 from sessions_app.api.base import ApiView, error_responses
 
+SET_DESCRIPTION = (
+    "Set limits (fields left out keep their value; null removes a limit). Raising a limit resumes "
+    "agents that the budget had paused."
+)
 LIMIT = {"max_digits": 12, "decimal_places": 6, "min_value": 0, "allow_null": True, "required": False}
 
 
@@ -85,18 +89,11 @@ class BudgetView(ApiView):
         body = {"budget": BudgetSerializer(budget).data if budget else None, "use": use_rows(uses)}
         return Response(BudgetResponseSerializer(body).data)
 
-    @extend_schema(responses={200: BudgetResponseSerializer, **error_responses()})
     def get(self, request, company_id: UUID, agent_id: UUID | None = None):
         company, agent = self.scope(company_id, agent_id)
         budget = Budget.objects.filter(company=company, agent=agent).first()
         return self.answer(company, agent, budget)
 
-    @extend_schema(
-        request=BudgetSerializer,
-        responses={200: BudgetResponseSerializer, **error_responses(400)},
-        description="Set limits (fields left out keep their value; null removes a limit). Raising a "
-        "limit resumes agents that the budget had paused.",
-    )
     def put(self, request, company_id: UUID, agent_id: UUID | None = None):
         company, agent = self.scope(company_id, agent_id)
         with transaction.atomic():
@@ -107,7 +104,6 @@ class BudgetView(ApiView):
         budgets_release(company_id=company.id, now=timezone.now())
         return self.answer(company, agent, budget)
 
-    @extend_schema(responses={204: None, **error_responses()}, description="Remove every limit of this scope.")
     def delete(self, request, company_id: UUID, agent_id: UUID | None = None):
         company, agent = self.scope(company_id, agent_id)
         Budget.objects.filter(company=company, agent=agent).delete()
@@ -116,30 +112,40 @@ class BudgetView(ApiView):
 
 
 class CompanyBudgetView(BudgetView):
-    @extend_schema(operation_id="company_budget_retrieve", responses={200: BudgetResponseSerializer})
+    @extend_schema(
+        operation_id="company_budget_retrieve", responses={200: BudgetResponseSerializer, **error_responses()}
+    )
     def get(self, request, company_id: UUID):
         return super().get(request, company_id)
 
     @extend_schema(
-        operation_id="company_budget_set", request=BudgetSerializer, responses={200: BudgetResponseSerializer}
+        operation_id="company_budget_set",
+        request=BudgetSerializer,
+        responses={200: BudgetResponseSerializer, **error_responses(400)},
+        description=SET_DESCRIPTION,
     )
     def put(self, request, company_id: UUID):
         return super().put(request, company_id)
 
-    @extend_schema(operation_id="company_budget_delete", responses={204: None})
+    @extend_schema(operation_id="company_budget_delete", responses={204: None, **error_responses()})
     def delete(self, request, company_id: UUID):
         return super().delete(request, company_id)
 
 
 class AgentBudgetView(BudgetView):
-    @extend_schema(operation_id="agent_budget_retrieve", responses={200: BudgetResponseSerializer})
+    @extend_schema(operation_id="agent_budget_retrieve", responses={200: BudgetResponseSerializer, **error_responses()})
     def get(self, request, company_id: UUID, agent_id: UUID):
         return super().get(request, company_id, agent_id)
 
-    @extend_schema(operation_id="agent_budget_set", request=BudgetSerializer, responses={200: BudgetResponseSerializer})
+    @extend_schema(
+        operation_id="agent_budget_set",
+        request=BudgetSerializer,
+        responses={200: BudgetResponseSerializer, **error_responses(400)},
+        description=SET_DESCRIPTION,
+    )
     def put(self, request, company_id: UUID, agent_id: UUID):
         return super().put(request, company_id, agent_id)
 
-    @extend_schema(operation_id="agent_budget_delete", responses={204: None})
+    @extend_schema(operation_id="agent_budget_delete", responses={204: None, **error_responses()})
     def delete(self, request, company_id: UUID, agent_id: UUID):
         return super().delete(request, company_id, agent_id)

@@ -452,7 +452,9 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> None:
             agent=agent, adapter=adapter, run=run, plan=plan, user_content=user_content, settings_=settings_, now=now
         )
         request.metadata = {"run_id": str(run.id), "agent_id": str(agent.id)}
-        reserve_budget(run=run, agent=agent, adapter=adapter, request=request, now=now)
+        budgeted = has_budgets(company_id=agent.company_id, agent_id=agent.id)
+        if budgeted:
+            reserve_budget(run=run, agent=agent, adapter=adapter, request=request, now=now)
         reply = adapter.call(request)
     except HistoryUnavailable as exc:
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
@@ -468,7 +470,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> None:
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
         return
     _finish_succeeded(run, agent=agent, plan=plan, reply=reply, user_content=user_content, now=now, finished=elapsed())
-    if has_budgets(company_id=agent.company_id, agent_id=agent.id):
+    if budgeted:
         budgets_enforce(agent=agent, now=now)
 
 
@@ -484,8 +486,6 @@ def reserve_budget(*, run: HeartbeatRun, agent: Agent, adapter, request: Adapter
     it measured with count_tokens, so a call far over (or far under) a limit costs no
     extra request.
     """
-    if not has_budgets(company_id=agent.company_id, agent_id=agent.id):
-        return
     max_output = request.max_tokens or int(agent.adapter_config.get("max_tokens") or 4096)
     size = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
     estimate = estimate_call_cost(model=request.model, input_tokens=size, max_output_tokens=max_output, at=now)

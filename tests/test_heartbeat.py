@@ -354,3 +354,12 @@ def test_process_adapter_kills_its_process_group_on_timeout(company, tmp_path):
 
     time.sleep(3.5)
     assert not marker.exists()
+
+
+def test_missing_credentials_fail_the_run_clearly(stateless_agent, fake_anthropic, monkeypatch):
+    monkeypatch.delenv("ANTHROPIC_API_KEY")
+    monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+    run = beat(stateless_agent, "hello")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "adapter_not_configured")
+    assert "ANTHROPIC_API_KEY" in run.error
+    assert fake_anthropic.message_requests == []

@@ -78,6 +78,16 @@ def error_from_sdk(exc: Exception) -> AdapterError:
     return AdapterError("model_error", f"{exc.__class__.__name__}: {str(exc)[:500]}")
 
 
+def missing_credentials(exc: TypeError) -> Exception:
+    # The SDK raises TypeError when it has no credentials to build the request with.
+    if "authentication" in str(exc):
+        return AdapterError(
+            "adapter_not_configured",
+            "No Anthropic credentials: set ANTHROPIC_API_KEY in the environment of the web and worker processes.",
+        )
+    return exc
+
+
 COMPACTION_BETA = "compact-2026-01-12"
 
 
@@ -163,6 +173,8 @@ class ClaudeCodeAdapter:
                 message = client.messages.create(**kwargs)
         except anthropic.AnthropicError as exc:
             raise error_from_sdk(exc) from None
+        except TypeError as exc:
+            raise missing_credentials(exc) from None
         except ValueError as exc:  # a body that is not JSON at all
             raise AdapterError(
                 "model_malformed_response", f"The Messages API answered with invalid JSON: {exc}"
@@ -189,3 +201,5 @@ class ClaudeCodeAdapter:
             return client.messages.count_tokens(**kwargs).input_tokens
         except anthropic.AnthropicError as exc:
             raise error_from_sdk(exc) from None
+        except TypeError as exc:
+            raise missing_credentials(exc) from None
