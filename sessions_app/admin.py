@@ -10,9 +10,7 @@ join what they display in the one page query, and never COUNT(*) the whole table
 
 from __future__ import annotations
 
-import hashlib
 import json
-import secrets
 from datetime import datetime
 
 from django import forms
@@ -37,6 +35,7 @@ from django.utils.timesince import timesince, timeuntil
 from costs_app.models import CostEvent
 from sessions_app import services
 from sessions_app.adapters import ADAPTERS
+from sessions_app.api_keys import api_key_create, api_key_revoke
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     Agent,
@@ -874,28 +873,6 @@ class HeartbeatRunAdmin(admin.ModelAdmin):
 # API keys
 
 
-def _local_api_key_create(*, company: Company, name: str = "") -> tuple[ApiKey, str]:
-    """Create a company API key; return it with the plaintext, which is never stored.
-
-    Stand-in until the API branch's `sessions_app.api_keys.api_key_create` (same signature)
-    is merged; it is used automatically once importable. TODO(merge): delete this copy.
-    """
-    plaintext = "pc_" + secrets.token_urlsafe(32)
-    key = ApiKey.objects.create(
-        company=company,
-        name=name,
-        prefix=plaintext[:8],
-        key_hash=hashlib.sha256(plaintext.encode()).hexdigest(),
-    )
-    return key, plaintext
-
-
-try:
-    from sessions_app.api_keys import api_key_create
-except ImportError:  # the API is not merged yet
-    api_key_create = _local_api_key_create
-
-
 class ApiKeyAddForm(forms.ModelForm):
     class Meta:
         model = ApiKey
@@ -950,5 +927,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke(self, request, queryset):
-        count = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
-        self.message_user(request, f"Revoked {count} key(s).", messages.SUCCESS)
+        now = timezone.now()
+        keys = list(queryset.filter(revoked_at__isnull=True))
+        for key in keys:
+            api_key_revoke(api_key=key, now=now)
+        self.message_user(request, f"Revoked {len(keys)} key(s).", messages.SUCCESS)
