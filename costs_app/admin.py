@@ -1,6 +1,43 @@
-from django.contrib import admin
+"""Admin for model prices, the cost ledger (read-only), and the costs page."""
 
-from costs_app.models import CostEvent, ModelPrice
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, timedelta
+from decimal import Decimal
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Max, OuterRef, Subquery
+from django.template.defaultfilters import pluralize
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
+
+from costs_app.budgets import budget_uses
+from costs_app.charts import Series, limit_series, stacked_bar_chart
+from costs_app.models import Budget, CostEvent, ModelPrice
+from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
+from sessions_app.admin import CappedCountPaginator, ModelNameFilter, admin_link, is_changelist, session_public_id
+from sessions_app.models import Agent, Company
+
+REPORT_DAYS = 30
+# Growth is one query per agent: computed for the biggest spenders of the window only.
+GROWTH_MAX_AGENTS = 20
+
+
+def unpriced_models_in_use() -> list[dict]:
+    """Models whose calls were recorded unpriced and that still have no price."""
+    priced = ModelPrice.objects.values("model")
+    return list(
+        CostEvent.objects.filter(unpriced=True)
+        .exclude(model__in=priced)
+        .values("model")
+        .annotate(events=Count("id"), last_seen=Max("created_at"))
+        .order_by("model")
+    )
 
 
 @admin.register(ModelPrice)
@@ -15,15 +52,274 @@ class ModelPriceAdmin(admin.ModelAdmin):
         "cache_read_usd_per_mtok",
     ]
     list_filter = ["model"]
+    search_fields = ["model"]
+    date_hierarchy = "effective_from"
+
+    def changelist_view(self, request, extra_context=None):
+        if request.method == "GET":
+            missing = unpriced_models_in_use()
+            if missing:
+                add_url = reverse("admin:costs_app_modelprice_add")
+                self.message_user(
+                    request,
+                    format_html(
+                        "Unpriced models in use (their calls are recorded with cost 0): {}",
+                        format_html_join(
+                            ", ",
+                            '<a href="{}?{}">{}</a> ({} call{}, last {} UTC)',
+                            (
+                                (
+                                    add_url,
+                                    urlencode({"model": row["model"]}),
+                                    row["model"] or "(no model name)",
+                                    row["events"],
+                                    pluralize(row["events"]),
+                                    row["last_seen"].astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
+                                )
+                                for row in missing
+                            ),
+                        ),
+                    ),
+                    messages.WARNING,
+                )
+        return super().changelist_view(request, extra_context)
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin):
+    """Limits checked before every model call (costs_app.budgets)."""
+
+    list_display = [
+        "__str__",
+        "company",
+        "agent",
+        "daily_limit_usd",
+        "monthly_limit_usd",
+        "lifetime_limit_usd",
+        "daily_run_limit",
+        "warn_percent",
+        "updated_at",
+    ]
+    list_filter = ["company"]
+    list_select_related = ["company", "agent"]
+    search_fields = ["company__name", "agent__name"]
+    readonly_fields = ["current_use", "updated_at"]
+
+    @admin.display(description="current use")
+    def current_use(self, obj: Budget) -> str:
+        if obj.pk is None:
+            return "-"
+        scope = "agent" if obj.agent_id else "company"
+        uses = [
+            use
+            for use in budget_uses(company_id=obj.company_id, agent_id=obj.agent_id, now=timezone.now())
+            if use.scope == scope
+        ]
+        if not uses:
+            return "no limits set"
+        return format_html_join(
+            "",
+            '<div class="{}">{}</div>',
+            (("errornote" if use.exceeded else "", use.describe()) for use in uses),
+        )
+
+    def formfield_for_foreignkey(self, db_field, request, **kwargs):
+        if db_field.name == "agent":
+            kwargs["queryset"] = Agent.objects.select_related("company").only("id", "name", "company__name")
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
 
 @admin.register(CostEvent)
 class CostEventAdmin(admin.ModelAdmin):
-    list_display = ["created_at", "kind", "model", "agent_id", "input_tokens", "output_tokens", "cost_usd", "unpriced"]
-    list_filter = ["kind", "unpriced", "model"]
+    """The ledger: money already spent. Readable and filterable, never edited."""
 
-    def has_add_permission(self, request):
+    list_display = [
+        "created_at",
+        "kind",
+        "model",
+        "agent_name",
+        "company_name",
+        "session_link",
+        "input_tokens",
+        "output_tokens",
+        "cache_creation_input_tokens",
+        "cache_read_input_tokens",
+        "cost_usd",
+        "unpriced",
+    ]
+    list_filter = ["kind", "unpriced", ModelNameFilter, "company"]
+    date_hierarchy = "created_at"
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
+    paginator = CappedCountPaginator
+    actions = None
+
+    def get_queryset(self, request):
+        # Names by subquery, not a join: the ledger outlives the agents it names (no FK
+        # constraint), and an INNER JOIN would silently hide the rows of a deleted agent.
+        queryset = super().get_queryset(request)
+        if is_changelist(request):
+            queryset = queryset.defer("raw_usage")
+        return queryset.annotate(
+            agent_label=Subquery(Agent.objects.filter(pk=OuterRef("agent_id")).values("name")[:1]),
+            company_label=Subquery(Company.objects.filter(pk=OuterRef("company_id")).values("name")[:1]),
+        )
+
+    def has_add_permission(self, request) -> bool:
         return False
 
-    def has_change_permission(self, request, obj=None):
+    def has_change_permission(self, request, obj=None) -> bool:
         return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    @admin.display(description="agent", ordering="agent_label")
+    def agent_name(self, obj: CostEvent) -> str:
+        label = obj.agent_label or f"(deleted {obj.agent_id})"
+        return admin_link("admin:sessions_app_agent_change", obj.agent_id, label) if obj.agent_label else label
+
+    @admin.display(description="company", ordering="company_label")
+    def company_name(self, obj: CostEvent) -> str:
+        return obj.company_label or str(obj.company_id)
+
+    @admin.display(description="session")
+    def session_link(self, obj: CostEvent) -> str:
+        if not obj.session_id:
+            return "-"
+        return session_public_id(obj.session_id)
+
+    @admin.display(description="run")
+    def run_link(self, obj: CostEvent) -> str:
+        return admin_link("admin:sessions_app_heartbeatrun_change", obj.run_id, str(obj.run_id)) if obj.run_id else "-"
+
+    @admin.display(description="price")
+    def price_link(self, obj: CostEvent) -> str:
+        return admin_link("admin:costs_app_modelprice_change", obj.price_id, str(obj.price_id)) if obj.price_id else "-"
+
+    def get_fields(self, request, obj=None):
+        return [
+            f.name for f in CostEvent._meta.fields if f.name not in ("agent", "company", "session", "run", "price")
+        ] + [
+            "agent_name",
+            "company_name",
+            "session_link",
+            "run_link",
+            "price_link",
+        ]
+
+    def get_readonly_fields(self, request, obj=None):
+        return self.get_fields(request, obj)
+
+    def get_urls(self):
+        return [
+            path("report/", self.admin_site.admin_view(self.report_view), name="costs_app_costevent_report"),
+            *super().get_urls(),
+        ]
+
+    def report_view(self, request):
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        now = timezone.now()
+        company_id = request.GET.get("company") or None
+        companies = list(Company.objects.order_by("name").values("id", "name"))
+        if company_id and not any(str(c["id"]) == company_id for c in companies):
+            company_id = None
+        context = {
+            **self.admin_site.each_context(request),
+            **costs_report(company_id=company_id, now=now, days=REPORT_DAYS),
+            "opts": self.opts,
+            "title": f"Costs, last {REPORT_DAYS} days (UTC)",
+            "companies": companies,
+            "company_id": company_id,
+            "ledger_url": reverse("admin:costs_app_costevent_changelist"),
+        }
+        return TemplateResponse(request, "admin/costs_app/costs.html", context)
+
+
+def format_usd(value) -> str:
+    value = float(value)
+    return f"${value:,.2f}" if value >= 1 or value == 0 else f"${value:.4f}"
+
+
+def format_tokens(value) -> str:
+    value = float(value)
+    for unit, size in (("M", 1_000_000), ("k", 1_000)):
+        if abs(value) >= size:
+            return f"{value / size:.1f}{unit}"
+    return f"{value:.0f}"
+
+
+def costs_report(*, company_id, now, days: int) -> dict:
+    """Everything the costs page shows, in a bounded number of queries:
+    one rollup, one for agent names, and at most GROWTH_MAX_AGENTS growth queries."""
+    rows = daily_costs_by_agent(company_id=company_id, now=now, days=days)
+    first_day = window_start(now=now, days=days).date()
+    day_list = [first_day + timedelta(days=i) for i in range(days)]
+
+    per_agent: dict = defaultdict(
+        lambda: {"input_tokens": 0, "output_tokens": 0, "cache_tokens": 0, "cost_usd": Decimal(0), "events": 0}
+    )
+    cost_by_agent: dict = defaultdict(dict)
+    tokens_by_agent: dict = defaultdict(dict)
+    per_day: dict = defaultdict(lambda: {"input_tokens": 0, "output_tokens": 0, "cost_usd": Decimal(0), "events": 0})
+    for row in rows:
+        agent_id, day = row["agent_id"], row["day"]
+        cache = row["cache_creation_input_tokens"] + row["cache_read_input_tokens"]
+        totals = per_agent[agent_id]
+        totals["input_tokens"] += row["input_tokens"]
+        totals["output_tokens"] += row["output_tokens"]
+        totals["cache_tokens"] += cache
+        totals["cost_usd"] += row["cost_usd"]
+        totals["events"] += row["events"]
+        cost_by_agent[agent_id][day] = row["cost_usd"]
+        tokens_by_agent[agent_id][day] = row["input_tokens"] + cache + row["output_tokens"]
+        day_totals = per_day[day]
+        day_totals["input_tokens"] += row["input_tokens"] + cache
+        day_totals["output_tokens"] += row["output_tokens"]
+        day_totals["cost_usd"] += row["cost_usd"]
+        day_totals["events"] += row["events"]
+
+    names = dict(Agent.objects.filter(pk__in=list(per_agent)).values_list("id", "name"))
+    label = {agent_id: names.get(agent_id, f"(deleted {str(agent_id)[:8]})") for agent_id in per_agent}
+
+    ranked = sorted(per_agent, key=lambda a: (-per_agent[a]["cost_usd"], -per_agent[a]["input_tokens"]))
+    growth = {agent_id: input_growth(agent_id=agent_id) for agent_id in ranked[:GROWTH_MAX_AGENTS]}
+
+    agents_table = []
+    for agent_id in ranked:
+        g = growth.get(agent_id)
+        agents_table.append(
+            {
+                "agent_id": agent_id,
+                "name": label[agent_id],
+                "exists": agent_id in names,
+                **per_agent[agent_id],
+                "growth": g,
+                "growing": bool(g and g.is_growing),
+            }
+        )
+
+    cost_chart = stacked_bar_chart(
+        days=day_list,
+        series=limit_series([Series(label[a], cost_by_agent[a]) for a in ranked]),
+        format_value=format_usd,
+    )
+    token_chart = stacked_bar_chart(
+        days=day_list,
+        series=limit_series([Series(label[a], tokens_by_agent[a]) for a in ranked]),
+        format_value=format_tokens,
+    )
+    days_table = [{"day": day, **per_day[day]} for day in reversed(day_list) if day in per_day]
+    return {
+        "cost_chart": cost_chart,
+        "token_chart": token_chart,
+        "agents_table": agents_table,
+        "days_table": days_table,
+        "growing_agents": [row for row in agents_table if row["growing"]],
+        "growth_advice": GROWTH_ADVICE,
+        "growth_checked": min(len(ranked), GROWTH_MAX_AGENTS),
+        "total_cost": sum((row["cost_usd"] for row in agents_table), Decimal(0)),
+        "first_day": first_day,
+        "last_day": day_list[-1],
+    }

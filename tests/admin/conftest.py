@@ -1,0 +1,109 @@
+"""Data for the admin tests: sessions with history (in files and in the database), runs,
+the ledger, keys, and django-q2's own rows, so that every admin page has something to show."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from costs_app.models import Budget, CostEvent
+from sessions_app.models import AgentSession, ApiKey, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
+from sessions_app.stores import store_for
+
+
+def conversation(turns: int, *, run_id: str = "", text: str = "turn") -> list[dict]:
+    now = timezone.now()
+    messages = []
+    for i in range(turns):
+        role = "user" if i % 2 == 0 else "assistant"
+        message = {"role": role, "at": (now - timedelta(minutes=turns - i)).isoformat(), "run_id": run_id}
+        if role == "user":
+            message["content"] = f"{text} {i}: what next?"
+        else:
+            message["content"] = [{"type": "text", "text": f"{text} {i}: the answer."}]
+            message["usage"] = {"input_tokens": 100 * (i + 1), "output_tokens": 20}
+        messages.append(message)
+    return messages
+
+
+def make_session(agent, *, history: list[dict], store: str = HistoryStore.FILE, **fields) -> AgentSession:
+    """A session whose history is really written where its store keeps it."""
+    now = timezone.now()
+    fields.setdefault("status", SessionStatus.ENDED)
+    fields.setdefault("expires_at", now + timedelta(hours=3))
+    session = AgentSession.objects.create(
+        agent=agent,
+        company=agent.company,
+        store=store,
+        last_used=fields.pop("last_used", now),
+        adapter_type=agent.adapter_type,
+        model=agent.model_name,
+        **fields,
+    )
+    backend = store_for(session)
+    backend.prepare(session, history)
+    session.message_count = len(history)
+    session.save(update_fields=["history", "message_count"])
+    backend.commit(session)
+    return session
+
+
+def make_run(agent, *, session=None, **fields) -> HeartbeatRun:
+    now = timezone.now()
+    defaults = {
+        "status": RunStatus.SUCCEEDED,
+        "task": "Summarise the inbox.",
+        "output": "Done.",
+        "input_tokens": 1200,
+        "output_tokens": 80,
+        "cost_usd": Decimal("0.008"),
+        "started_at": now,
+        "finished_at": now,
+    }
+    defaults.update(fields)
+    return HeartbeatRun.objects.create(company=agent.company, agent=agent, session=session, **defaults)
+
+
+def make_cost(agent, *, session=None, run=None, **fields) -> CostEvent:
+    defaults = {"model": agent.model_name, "input_tokens": 1000, "output_tokens": 100, "cost_usd": Decimal("0.0075")}
+    defaults.update(fields)
+    return CostEvent.objects.create(company=agent.company, agent=agent, session=session, run=run, **defaults)
+
+
+@pytest.fixture
+def file_session(persistent_agent):
+    return make_session(persistent_agent, history=conversation(4), store=HistoryStore.FILE)
+
+
+@pytest.fixture
+def full_house(db, company, persistent_agent, stateless_agent, other_agent):
+    """One of everything every admin page lists."""
+    from django.contrib.auth.models import Group
+    from django_q.models import Failure, OrmQ, Schedule, Success
+    from django_q.signing import SignedPackage
+
+    session = make_session(persistent_agent, history=conversation(4), status=SessionStatus.ACTIVE)
+    db_session = make_session(other_agent, history=conversation(2), store=HistoryStore.DATABASE)
+    run = make_run(persistent_agent, session=session)
+    make_run(stateless_agent, status=RunStatus.FAILED, error_code="model_timeout", error="Timed out.")
+    make_cost(persistent_agent, session=session, run=run)
+    make_cost(other_agent, session=db_session, model="claude-unknown-9", unpriced=True, cost_usd=Decimal(0))
+    key = ApiKey.objects.create(company=company, name="ci", prefix="pc_abcde", key_hash="0" * 64)
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("100"))
+    Budget.objects.create(company=company, agent=persistent_agent, daily_limit_usd=Decimal("5"), daily_run_limit=50)
+    Group.objects.create(name="operators")
+    Schedule.objects.create(name="heartbeat:demo", func="sessions_app.tasks.scheduled_heartbeat", minutes=5)
+    now = timezone.now()
+    task = {"id": uuid.uuid4().hex, "name": "demo-task", "func": "math.floor", "args": (1.5,), "kwargs": {}}
+    Success.objects.create(
+        id=uuid.uuid4().hex, name="ok-task", func="math.floor", started=now, stopped=now, success=True, result=1
+    )
+    Failure.objects.create(
+        id=uuid.uuid4().hex, name="bad-task", func="math.floor", started=now, stopped=now, success=False, result="boom"
+    )
+    OrmQ.objects.create(key="paperclip", payload=SignedPackage.dumps(task), lock=now)
+    return {"session": session, "db_session": db_session, "run": run, "key": key}

@@ -1,0 +1,246 @@
+"""The agents admin: validated JSON configuration, pause/resume, heartbeats, deletes."""
+
+from __future__ import annotations
+
+import pytest
+from django.urls import reverse
+
+from sessions_app import heartbeat
+from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, HistoryStore, RunTrigger
+from sessions_app.stores import STORES
+from tests.admin.conftest import conversation, make_run, make_session
+
+ADD = "admin:sessions_app_agent_add"
+CHANGELIST = "admin:sessions_app_agent_changelist"
+
+
+def agent_form(company, **overrides):
+    data = {
+        "company": str(company.pk),
+        "name": "Writer",
+        "system_prompt": "Write.",
+        "adapter_type": "claude-code",
+        "adapter_config": '{"model": "claude-opus-4-5", "session_mode": "persistent"}',
+        # the read-only inlines still post their management forms
+        "sessions-TOTAL_FORMS": "0",
+        "sessions-INITIAL_FORMS": "0",
+        "runs-TOTAL_FORMS": "0",
+        "runs-INITIAL_FORMS": "0",
+    }
+    data.update(overrides)
+    return data
+
+
+def test_valid_configuration_is_saved_with_defaults(admin_client, company):
+    response = admin_client.post(reverse(ADD), agent_form(company))
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    agent = Agent.objects.get(name="Writer")
+    assert agent.adapter_config["session_ttl_hours"] == 24
+    assert agent.is_persistent
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ('{"session_mode": "forever"}', "session_mode: must be"),
+        ('{"session_ttl_hours": -1}', "session_ttl_hours: must be a positive number"),
+        ('{"sesion_mode": "persistent"}', "sesion_mode: unknown setting"),
+        ('["not", "an", "object"]', "must be a JSON object"),
+        ('{"model": "claude-opus-4-5",}', "Enter a valid JSON"),
+    ],
+)
+def test_bad_configuration_is_a_field_error_not_a_500(admin_client, company, config, message):
+    response = admin_client.post(reverse(ADD), agent_form(company, adapter_config=config))
+    assert response.status_code == 200
+    form = response.context["adminform"].form
+    assert "adapter_config" in form.errors
+    assert any(message in error for error in form.errors["adapter_config"]), form.errors
+    assert not form.non_field_errors()
+    assert message in response.content.decode().replace("&#x27;", "'")
+    assert not Agent.objects.filter(name="Writer").exists()
+
+
+def test_unknown_adapter_type_is_a_field_error(admin_client, company):
+    response = admin_client.post(reverse(ADD), agent_form(company, adapter_type="gpt-shell"))
+    assert response.status_code == 200
+    assert "adapter_type" in response.context["adminform"].form.errors
+
+
+def test_change_page_shows_configuration_as_indented_json(admin_client, persistent_agent):
+    page = admin_client.get(reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])).content.decode()
+    assert "&quot;session_mode&quot;: &quot;persistent&quot;" in page
+    assert "Run a heartbeat now" in page
+
+
+def test_inlines_show_only_the_newest_ten(admin_client, persistent_agent):
+    sessions = [make_session(persistent_agent, history=[], store=HistoryStore.DATABASE) for _ in range(12)]
+    runs = [make_run(persistent_agent) for _ in range(12)]
+    response = admin_client.get(reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk]))
+    formsets = {f.formset.prefix: f.formset for f in response.context["inline_admin_formsets"]}
+    assert len(formsets["sessions"].forms) == 10
+    assert len(formsets["runs"].forms) == 10
+    shown = {form.instance.pk for form in formsets["sessions"].forms}
+    newest = {s.pk for s in sorted(sessions, key=lambda s: s.last_used, reverse=True)[:10]}
+    assert shown == newest
+    assert {form.instance.pk for form in formsets["runs"].forms} <= {r.pk for r in runs}
+
+
+def test_pause_and_resume_actions(admin_client, persistent_agent):
+    data = {"action": "pause_agents", "_selected_action": [str(persistent_agent.pk)]}
+    admin_client.post(reverse(CHANGELIST), data)
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.status == AgentStatus.PAUSED
+    admin_client.post(reverse(CHANGELIST), {**data, "action": "resume_agents"})
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.status == AgentStatus.ACTIVE
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    calls = {"enqueued": [], "dispatched": []}
+
+    def enqueue(*, agent, task, now, trigger, **kwargs):
+        if agent.status != AgentStatus.ACTIVE:
+            raise heartbeat.HeartbeatRefused("agent_paused", "The agent is paused.")
+        run = HeartbeatRun.objects.create(company=agent.company, agent=agent, task=task, trigger=trigger)
+        calls["enqueued"].append((agent, task, trigger))
+        return run, True
+
+    monkeypatch.setattr(heartbeat, "heartbeat_enqueue", enqueue)
+    monkeypatch.setattr(heartbeat, "heartbeat_dispatch", lambda *, run: calls["dispatched"].append(run))
+    return calls
+
+
+def test_run_a_heartbeat_now_from_the_agent_page(admin_client, persistent_agent, fake_engine):
+    url = reverse("admin:sessions_app_agent_heartbeat", args=[persistent_agent.pk])
+    assert admin_client.get(url).status_code == 200
+    response = admin_client.post(url, {"task": "Check the queue."}, follow=True)
+    run = HeartbeatRun.objects.get(agent=persistent_agent)
+    assert fake_engine["enqueued"] == [(persistent_agent, "Check the queue.", RunTrigger.ADMIN)]
+    assert fake_engine["dispatched"] == [run]
+    assert response.redirect_chain[-1][0] == reverse("admin:sessions_app_heartbeatrun_change", args=[run.pk])
+    assert reverse("admin:sessions_app_heartbeatrun_change", args=[run.pk]) in response.content.decode()
+
+
+def test_run_a_heartbeat_action_reports_refusals(admin_client, persistent_agent, stateless_agent, fake_engine):
+    Agent.objects.filter(pk=stateless_agent.pk).update(status=AgentStatus.PAUSED)
+    data = {"action": "run_heartbeat_now", "_selected_action": [str(persistent_agent.pk), str(stateless_agent.pk)]}
+    page = admin_client.post(reverse(CHANGELIST), data, follow=True).content.decode()
+    assert "heartbeat queued as" in page
+    assert "Stateless: heartbeat refused (agent_paused): The agent is paused." in page
+    assert HeartbeatRun.objects.filter(agent=persistent_agent).count() == 1
+    assert not HeartbeatRun.objects.filter(agent=stateless_agent).exists()
+
+
+def test_deleting_agents_removes_their_history_files(
+    admin_client, persistent_agent, stateless_agent, django_capture_on_commit_callbacks
+):
+    session = make_session(persistent_agent, history=conversation(2))
+    path = STORES[HistoryStore.FILE].path_for(session)
+    assert path.exists()
+    data = {"action": "delete_selected", "_selected_action": [str(persistent_agent.pk)], "post": "yes"}
+    with django_capture_on_commit_callbacks(execute=True):
+        assert admin_client.post(reverse(CHANGELIST), data).status_code == 302
+    assert not Agent.objects.filter(pk=persistent_agent.pk).exists()
+    assert not AgentSession.objects.filter(pk=session.pk).exists()
+    assert not path.exists()
+    other = make_session(stateless_agent, history=conversation(2))
+    other_path = STORES[HistoryStore.FILE].path_for(other)
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(reverse("admin:sessions_app_agent_delete", args=[stateless_agent.pk]), {"post": "yes"})
+    assert not Agent.objects.filter(pk=stateless_agent.pk).exists()
+    assert not other_path.exists()
+
+
+def test_retire_action_keeps_runs(admin_client, persistent_agent):
+    run = make_run(persistent_agent)
+    make_session(persistent_agent, history=[], store=HistoryStore.DATABASE)
+    data = {"action": "retire_agents", "_selected_action": [str(persistent_agent.pk)]}
+    admin_client.post(reverse(CHANGELIST), data)
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.status == AgentStatus.DELETED
+    assert HeartbeatRun.objects.filter(pk=run.pk).exists()
+    assert not AgentSession.objects.filter(agent=persistent_agent).exists()
+
+
+def test_run_a_heartbeat_now_really_runs_it(
+    admin_client, persistent_agent, fake_anthropic, monkeypatch, django_capture_on_commit_callbacks
+):
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", True)  # the cluster's work, inline
+    url = reverse("admin:sessions_app_agent_heartbeat", args=[persistent_agent.pk])
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(url, {"task": "Say hello to the operator."})
+    run = HeartbeatRun.objects.get(agent=persistent_agent)
+    assert run.trigger == RunTrigger.ADMIN
+    assert run.status == "succeeded", run.error
+    session = AgentSession.objects.get(agent=persistent_agent)
+    page = admin_client.get(reverse("admin:sessions_app_agentsession_change", args=[session.pk])).content.decode()
+    assert "Say hello to the operator." in page
+    assert run.output[:40] in page
+
+
+def test_delete_confirmation_counts_instead_of_listing_every_session(admin_client, persistent_agent):
+    for _ in range(3):
+        make_session(persistent_agent, history=conversation(2), store=HistoryStore.DATABASE)
+    make_run(persistent_agent)
+    page = admin_client.get(reverse("admin:sessions_app_agent_delete", args=[persistent_agent.pk])).content.decode()
+    assert "3 agent sessions" in page and "1 heartbeat run" in page
+    assert "sess_" not in page
+
+
+def test_deleting_a_company_removes_its_agents_history_files(
+    admin_client, company, persistent_agent, other_agent, django_capture_on_commit_callbacks
+):
+    from costs_app.models import CostEvent
+    from sessions_app.models import Company
+    from tests.admin.conftest import make_cost
+
+    session = make_session(persistent_agent, history=conversation(2))
+    kept = make_session(other_agent, history=conversation(2))
+    make_cost(persistent_agent, session=session)
+    path = STORES[HistoryStore.FILE].path_for(session)
+    data = {"action": "delete_selected", "_selected_action": [str(company.pk)]}
+    confirm = admin_client.post(reverse("admin:sessions_app_company_changelist"), data).content.decode()
+    assert "1 agent session" in confirm
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(reverse("admin:sessions_app_company_changelist"), {**data, "post": "yes"})
+    assert not Company.objects.filter(pk=company.pk).exists()
+    assert not Agent.objects.filter(pk=persistent_agent.pk).exists()
+    assert not path.exists()
+    assert STORES[HistoryStore.FILE].path_for(kept).exists()
+    assert CostEvent.objects.filter(agent_id=persistent_agent.pk).count() == 1  # the ledger stays
+
+
+def test_saving_an_interval_schedules_the_agent(admin_client, persistent_agent):
+    from django_q.models import Schedule
+
+    from sessions_app.schedules import schedule_name
+
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+    config = '{"model": "claude-opus-4-5", "session_mode": "persistent", "heartbeat_interval_minutes": 15}'
+    response = admin_client.post(url, agent_form(persistent_agent.company, name="Persistent", adapter_config=config))
+    assert response.status_code == 302
+    assert Schedule.objects.get(name=schedule_name(persistent_agent.pk)).minutes == 15
+
+
+def test_agent_page_query_count_does_not_grow_with_sessions_and_runs(admin_client, persistent_agent):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert admin_client.get(url).status_code == 200
+        return len(captured)
+
+    make_session(persistent_agent, history=conversation(2), store=HistoryStore.DATABASE)
+    make_run(persistent_agent)
+    queries()  # warm the per-process caches (content types)
+    few = queries()
+    for _ in range(12):
+        make_session(persistent_agent, history=conversation(2), store=HistoryStore.DATABASE)
+        make_run(persistent_agent)
+    assert queries() == few

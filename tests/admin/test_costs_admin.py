@@ -1,0 +1,134 @@
+"""The ledger (read-only), model prices, API keys and the costs page."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from datetime import timedelta
+from decimal import Decimal
+
+from django.urls import reverse
+from django.utils import timezone
+
+from costs_app.admin import GROWTH_MAX_AGENTS
+from costs_app.models import CostEvent
+from costs_app.reports import GROWTH_ADVICE
+from sessions_app.models import Agent, ApiKey
+from tests.admin.conftest import make_cost
+
+REPORT = "admin:costs_app_costevent_report"
+
+
+def test_the_ledger_is_read_only(admin_client, persistent_agent):
+    event = make_cost(persistent_agent)
+    assert admin_client.get(reverse("admin:costs_app_costevent_add")).status_code == 403
+    assert admin_client.get(reverse("admin:costs_app_costevent_delete", args=[event.pk])).status_code == 403
+    change = reverse("admin:costs_app_costevent_change", args=[event.pk])
+    assert admin_client.get(change).status_code == 200
+    assert admin_client.post(change, {"cost_usd": "0"}).status_code == 403
+    page = admin_client.get(reverse("admin:costs_app_costevent_changelist")).content.decode()
+    assert 'name="action"' not in page
+    assert reverse(REPORT) in page
+
+
+def test_ledger_rows_of_a_deleted_agent_still_list(admin_client, persistent_agent):
+    make_cost(persistent_agent, model="claude-opus-4-5")
+    Agent.objects.filter(pk=persistent_agent.pk).delete()
+    assert CostEvent.objects.count() == 1
+    page = admin_client.get(reverse("admin:costs_app_costevent_changelist")).content.decode()
+    assert f"(deleted {persistent_agent.pk})" in page
+
+
+def test_model_prices_warn_about_unpriced_models_in_use(admin_client, persistent_agent):
+    make_cost(persistent_agent, model="claude-mystery-1", unpriced=True, cost_usd=Decimal(0))
+    make_cost(persistent_agent, model="claude-opus-4-5", unpriced=True, cost_usd=Decimal(0))  # priced since
+    page = admin_client.get(reverse("admin:costs_app_modelprice_changelist")).content.decode()
+    assert "Unpriced models in use" in page
+    assert "claude-mystery-1" in page
+    assert "?model=claude-mystery-1" in page
+    warning = re.search(r"Unpriced models in use.*?</li>", page, re.S).group(0)
+    assert "claude-opus-4-5" not in warning
+
+
+def test_model_prices_are_editable(admin_client):
+    data = {
+        "model": "claude-new-1",
+        "effective_from": "2026-01-01",
+        "input_usd_per_mtok": "2",
+        "output_usd_per_mtok": "10",
+        "cache_write_5m_usd_per_mtok": "2.5",
+        "cache_write_1h_usd_per_mtok": "4",
+        "cache_read_usd_per_mtok": "0.2",
+    }
+    assert admin_client.post(reverse("admin:costs_app_modelprice_add"), data).status_code == 302
+
+
+def test_api_key_is_shown_once_and_only_its_hash_is_stored(admin_client, company):
+    response = admin_client.post(
+        reverse("admin:sessions_app_apikey_add"), {"company": str(company.pk), "name": "ci"}, follow=True
+    )
+    assert response.status_code == 200
+    page = response.content.decode()
+    plaintext = re.search(r"The new key is <code>([^<]+)</code>", page).group(1)
+    key = ApiKey.objects.get()
+    assert key.key_hash == hashlib.sha256(plaintext.encode()).hexdigest()
+    assert len(key.prefix) >= 8 and plaintext.startswith(key.prefix)
+    assert plaintext not in str(ApiKey.objects.values().get())
+    later = admin_client.get(reverse("admin:sessions_app_apikey_change", args=[key.pk])).content.decode()
+    assert plaintext not in later
+    admin_client.post(
+        reverse("admin:sessions_app_apikey_changelist"), {"action": "revoke", "_selected_action": [str(key.pk)]}
+    )
+    key.refresh_from_db()
+    assert key.revoked_at is not None
+
+
+def test_costs_page_shows_a_chart_and_flags_growing_agents(admin_client, persistent_agent, stateless_agent):
+    now = timezone.now()
+    for i in range(8):  # replayed history: every call reads more than the last
+        event = make_cost(persistent_agent, input_tokens=1000 + 800 * i, cost_usd=Decimal("0.01") * (i + 1))
+        CostEvent.objects.filter(pk=event.pk).update(created_at=now - timedelta(days=8 - i))
+    for i in range(8):
+        event = make_cost(stateless_agent, input_tokens=500, cost_usd=Decimal("0.002"))
+        CostEvent.objects.filter(pk=event.pk).update(created_at=now - timedelta(days=i))
+    old = make_cost(stateless_agent, input_tokens=999_999)
+    CostEvent.objects.filter(pk=old.pk).update(created_at=now - timedelta(days=45))
+    response = admin_client.get(reverse(REPORT))
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "<svg" in page and 'class="pc-bar"' in page
+    assert response.context["cost_chart"].bars and not response.context["cost_chart"].is_empty
+    agents = {row["name"]: row for row in response.context["agents_table"]}
+    assert agents["Persistent"]["growing"] and not agents["Stateless"]["growing"]
+    assert agents["Stateless"]["events"] == 8  # the 45-day-old event is outside the window
+    assert "999,999" not in page
+    assert GROWTH_ADVICE in page
+    assert "grow by about 800 tokens per run" in page
+
+
+def test_costs_page_filters_by_company(admin_client, persistent_agent, other_agent):
+    make_cost(persistent_agent)
+    make_cost(other_agent)
+    response = admin_client.get(reverse(REPORT), {"company": str(other_agent.company_id)})
+    assert [row["name"] for row in response.context["agents_table"]] == ["Foreign"]
+
+
+def test_costs_page_queries_are_bounded(admin_client, company, django_assert_max_num_queries):
+    agents = [
+        Agent.objects.create(company=company, name=f"agent {i}", adapter_config={})
+        for i in range(GROWTH_MAX_AGENTS + 10)
+    ]
+    for agent in agents:
+        make_cost(agent)
+    with django_assert_max_num_queries(GROWTH_MAX_AGENTS + 10):
+        response = admin_client.get(reverse(REPORT))
+    assert len(response.context["agents_table"]) == len(agents)
+
+
+def test_budget_page_shows_current_use(admin_client, company, persistent_agent):
+    from costs_app.models import Budget
+
+    budget = Budget.objects.create(company=company, agent=persistent_agent, daily_limit_usd=Decimal("1"))
+    make_cost(persistent_agent, cost_usd=Decimal("0.25"))
+    page = admin_client.get(reverse("admin:costs_app_budget_change", args=[budget.pk])).content.decode()
+    assert "agent daily limit: 0.250000 of 1.000000 USD used (25%)" in page

@@ -1,0 +1,85 @@
+"""Every admin page of every registered model opens, with data present."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.contrib.admin.utils import quote
+from django.test import RequestFactory
+from django.urls import reverse
+
+
+def admin_url(model, name: str, *args) -> str:
+    return reverse(f"admin:{model._meta.app_label}_{model._meta.model_name}_{name}", args=args)
+
+
+def test_every_admin_page_opens(admin_client, admin_user, full_house):
+    request = RequestFactory().get("/admin/")
+    request.user = admin_user
+    failures = []
+    opened = 0
+    for model, model_admin in admin.site._registry.items():
+        obj = model._default_manager.first()
+        assert obj is not None, f"no {model.__name__} row to open: add one to the full_house fixture"
+        pages = [
+            ("changelist", admin_url(model, "changelist"), 200),
+            ("add", admin_url(model, "add"), 200 if model_admin.has_add_permission(request) else 403),
+            ("change", admin_url(model, "change", quote(obj.pk)), 200),
+            (
+                "delete",
+                admin_url(model, "delete", quote(obj.pk)),
+                200 if model_admin.has_delete_permission(request, obj) else 403,
+            ),
+            ("history", admin_url(model, "history", quote(obj.pk)), 200),
+        ]
+        for page, url, expected in pages:
+            status = admin_client.get(url).status_code
+            opened += 1
+            if status != expected:
+                failures.append(f"{model.__name__} {page} {url}: {status}, expected {expected}")
+    assert not failures, "\n".join(failures)
+    assert opened >= 5 * 12
+
+
+def test_the_extra_admin_pages_open(admin_client, full_house):
+    session, run = full_house["session"], full_house["run"]
+    for url in [
+        reverse("admin:index"),
+        reverse("admin:costs_app_costevent_report"),
+        reverse("admin:sessions_app_agentsession_export", args=[session.pk]),
+        reverse("admin:sessions_app_agent_heartbeat", args=[run.agent_id]),
+        reverse("admin:app_list", args=["sessions_app"]),
+        reverse("admin:app_list", args=["costs_app"]),
+        reverse("admin:app_list", args=["django_q"]),
+    ]:
+        assert admin_client.get(url).status_code == 200, url
+
+
+def test_the_index_links_to_the_costs_page_and_the_task_queue(admin_client, full_house):
+    page = admin_client.get(reverse("admin:index")).content.decode()
+    assert reverse("admin:costs_app_costevent_report") in page
+    for name in ("schedule", "failure", "success"):
+        assert reverse(f"admin:django_q_{name}_changelist") in page
+
+
+def test_changelist_filters_and_searches_open(admin_client, full_house):
+    session = full_house["session"]
+    url = reverse("admin:sessions_app_agentsession_changelist")
+    for query in [
+        {"status__exact": "active"},
+        {"company__id__exact": str(session.company_id)},
+        {"agent__id__exact": str(session.agent_id)},
+        {"adapter_type": "claude-code"},
+        {"model": "claude-opus-4-5"},
+        {"agent": str(session.agent_id)},
+        {"last_used__year": str(session.last_used.year)},
+        {"q": "Persistent"},
+        {"o": "-5"},
+    ]:
+        response = admin_client.get(url, query)
+        assert response.status_code == 200, query
+        assert session.public_id in response.content.decode(), query
+    runs = reverse("admin:sessions_app_heartbeatrun_changelist")
+    assert admin_client.get(runs, {"session": str(session.pk)}).status_code == 200
+    costs = reverse("admin:costs_app_costevent_changelist")
+    for query in [{"session": str(session.pk)}, {"agent": str(session.agent_id)}, {"unpriced__exact": "1"}]:
+        assert admin_client.get(costs, query).status_code == 200, query
