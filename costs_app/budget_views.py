@@ -36,7 +36,7 @@ class BudgetSerializer(serializers.ModelSerializer):
     monthly_limit_usd = serializers.DecimalField(**LIMIT, help_text="UTC calendar month; null = none.")
     lifetime_limit_usd = serializers.DecimalField(**LIMIT)
     daily_limit_usd = serializers.DecimalField(**LIMIT, help_text="UTC day.")
-    daily_run_limit = serializers.IntegerField(min_value=0, allow_null=True, required=False)
+    daily_run_limit = serializers.IntegerField(min_value=0, max_value=2_147_483_647, allow_null=True, required=False)
     warn_percent = serializers.IntegerField(min_value=1, max_value=100, required=False)
 
     class Meta:

@@ -98,3 +98,11 @@ def test_growth_endpoint_flags_accumulating_history(client, company, fake_anthro
     body = client.get(f"/api/companies/{company.id}/agents/{agent.id}/growth").json()
     assert body["growing"] is True and body["slope_tokens_per_run"] > 0
     assert "session_ttl_hours" in body["advice"]
+
+
+def test_out_of_range_limits_are_400_not_500(client, company):
+    response = client.put(
+        f"/api/companies/{company.id}/budget", {"daily_run_limit": 32995542159}, content_type="application/json"
+    )
+    assert response.status_code == 400
+    assert "daily_run_limit" in response.json()["error"]["fields"]
