@@ -8,7 +8,7 @@ from decimal import Decimal
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Max, OuterRef, Subquery
+from django.db.models import Case, Count, DecimalField, Max, OuterRef, Subquery, Sum, When
 from django.template.defaultfilters import pluralize
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -16,7 +16,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
-from costs_app.budgets import budget_uses
+from costs_app.budgets import budget_uses, period_start
 from costs_app.charts import Series, limit_series, stacked_bar_chart
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
@@ -85,6 +85,34 @@ class ModelPriceAdmin(admin.ModelAdmin):
         return super().changelist_view(request, extra_context)
 
 
+def scope_spend(field: str, *, since=None) -> Subquery:
+    events = CostEvent.objects.filter(**{field: OuterRef(field)})
+    if since is not None:
+        events = events.filter(created_at__gte=since)
+    total = events.order_by().values(field).annotate(total=Sum("cost_usd")).values("total")
+    return Subquery(total, output_field=DecimalField(max_digits=30, decimal_places=10))
+
+
+def use_bar(spent, limit, warn_percent: int) -> str:
+    """A small bar: green under the warning level, amber past it, red at the limit."""
+    spent = spent or Decimal(0)
+    if limit is None:
+        return format_html("{} spent, no limit", f"${spent:.4f}")
+    percent = float(spent / limit * 100) if limit else 100.0
+    colour = "#ba2121" if percent >= 100 else "#c58f00" if percent >= warn_percent else "#2e7d32"
+    return format_html(
+        '<div title="{}" style="width:140px;background:#e6e6e6;border-radius:3px">'
+        '<div style="width:{}%;background:{};height:10px;border-radius:3px"></div></div>'
+        "<small>{} of {} ({}%)</small>",
+        f"{percent:.1f}%",
+        f"{min(percent, 100):.1f}",
+        colour,
+        f"${spent:.4f}",
+        f"${limit:.2f}",
+        f"{percent:.0f}",
+    )
+
+
 @admin.register(Budget)
 class BudgetAdmin(admin.ModelAdmin):
     """Limits checked before every model call (costs_app.budgets)."""
@@ -93,9 +121,9 @@ class BudgetAdmin(admin.ModelAdmin):
         "__str__",
         "company",
         "agent",
+        "month_use",
+        "lifetime_use",
         "daily_limit_usd",
-        "monthly_limit_usd",
-        "lifetime_limit_usd",
         "daily_run_limit",
         "warn_percent",
         "updated_at",
@@ -104,6 +132,33 @@ class BudgetAdmin(admin.ModelAdmin):
     list_select_related = ["company", "agent"]
     search_fields = ["company__name", "agent__name"]
     readonly_fields = ["current_use", "updated_at"]
+
+    def get_queryset(self, request):
+        # Spend of each budget's scope, as two correlated subqueries per period: the
+        # changelist costs the same few queries however many budgets it shows.
+        month = period_start("month", timezone.now())
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                month_spent=Case(
+                    When(agent__isnull=True, then=scope_spend("company_id", since=month)),
+                    default=scope_spend("agent_id", since=month),
+                ),
+                lifetime_spent=Case(
+                    When(agent__isnull=True, then=scope_spend("company_id")),
+                    default=scope_spend("agent_id"),
+                ),
+            )
+        )
+
+    @admin.display(description="this month")
+    def month_use(self, obj: Budget) -> str:
+        return use_bar(obj.month_spent, obj.monthly_limit_usd, obj.warn_percent)
+
+    @admin.display(description="lifetime")
+    def lifetime_use(self, obj: Budget) -> str:
+        return use_bar(obj.lifetime_spent, obj.lifetime_limit_usd, obj.warn_percent)
 
     @admin.display(description="current use")
     def current_use(self, obj: Budget) -> str:

@@ -316,8 +316,8 @@ class RecentRunsInline(ReadOnlyInline):
 @admin.register(Agent)
 class AgentAdmin(admin.ModelAdmin):
     form = AgentAdminForm
-    list_display = ["name", "company", "adapter_type", "model", "session_mode", "status", "updated_at"]
-    list_filter = ["status", "adapter_type", "company"]
+    list_display = ["name", "company", "adapter_type", "model", "session_mode", "status_flag", "updated_at"]
+    list_filter = ["status", "paused_reason", "adapter_type", "company"]
     list_select_related = ["company"]
     search_fields = ["name", "=id"]
     search_help_text = "Agent name, or its exact id."
@@ -333,6 +333,15 @@ class AgentAdmin(admin.ModelAdmin):
     @admin.display(description="model")
     def model(self, obj: Agent) -> str:
         return obj.model_name
+
+    @admin.display(description="status", ordering="status")
+    def status_flag(self, obj: Agent) -> str:
+        if obj.status == "paused" and obj.paused_reason == "budget":
+            # The one pause an operator must act on: raise the budget (or wait for the month).
+            return format_html('<strong class="budget-paused" style="color:#ba2121">{}</strong>', "paused: budget spent")
+        if obj.paused_reason:
+            return f"{obj.status} ({obj.paused_reason})"
+        return obj.status
 
     @admin.display(description="session mode")
     def session_mode(self, obj: Agent) -> str:

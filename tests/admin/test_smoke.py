@@ -83,3 +83,32 @@ def test_changelist_filters_and_searches_open(admin_client, full_house):
     costs = reverse("admin:costs_app_costevent_changelist")
     for query in [{"session": str(session.pk)}, {"agent": str(session.agent_id)}, {"unpriced__exact": "1"}]:
         assert admin_client.get(costs, query).status_code == 200, query
+
+
+def test_budget_changelist_shows_use_bars_in_constant_queries(admin_client, company, django_assert_max_num_queries):
+    from decimal import Decimal
+
+    from costs_app.models import Budget, CostEvent
+    from sessions_app.models import Agent
+
+    agents = [Agent.objects.create(company=company, name=f"b{i}") for i in range(6)]
+    for agent in agents:
+        Budget.objects.create(company=company, agent=agent, monthly_limit_usd=Decimal("1"))
+        CostEvent.objects.create(company=company, agent=agent, model="m", cost_usd=Decimal("0.9"))
+    Budget.objects.create(company=company, lifetime_limit_usd=Decimal("10"))
+    with django_assert_max_num_queries(10):
+        response = admin_client.get("/admin/costs_app/budget/")
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "$0.9000 of $1.00 (90%)" in page
+    assert "#c58f00" in page  # past the 80% warning level
+    assert "$5.4000 of $10.00 (54%)" in page
+
+
+def test_budget_paused_agents_are_flagged(admin_client, persistent_agent):
+    from sessions_app.services import agent_pause
+
+    agent_pause(agent=persistent_agent, reason="budget")
+    response = admin_client.get("/admin/sessions_app/agent/?paused_reason=budget")
+    assert response.status_code == 200
+    assert "paused: budget spent" in response.content.decode()
