@@ -167,20 +167,23 @@ class LiveServer:
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     def stop(self, grace: float = 15) -> None:
-        """SIGTERM every process group, wait, then SIGKILL what is left."""
+        """SIGTERM each leader (gunicorn master, qcluster parent), wait, then SIGKILL
+        whatever is left in its process group.
+
+        Only the leader is asked: a SIGTERM to the whole qcluster group reaches its worker,
+        pusher and monitor processes behind the sentinel's back, and the cluster then hangs
+        in its stop sequence (> 30 s; observed with django-q2 1.11) instead of stopping in ~1 s.
+        """
         for proc in self.procs.values():
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                proc.terminate()
         deadline = time.monotonic() + grace
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 pass
-            # The group may outlive its leader (workers of a killed parent): kill it whole.
+            # The group may outlive its leader (children of a killed parent): kill it whole.
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -60,9 +60,7 @@ def wait_until(predicate, timeout: float, what: str):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_fifty_concurrent_heartbeats_through_a_live_server_lose_nothing_and_run_once(
-    postgres_only, settings, tmp_path
-):
+def test_fifty_concurrent_heartbeats_through_a_live_server_lose_nothing_and_run_once(postgres_only, settings, tmp_path):
     fake = slow_fake(FAKE_LATENCY_SECONDS)
     server = LiveServer(
         database_url=database_url(),
@@ -119,9 +117,7 @@ def test_fifty_concurrent_heartbeats_through_a_live_server_lose_nothing_and_run_
         assert len(run_of_key) == HEARTBEATS
 
         # The queued rest is worked off by the cluster (and the gunicorn waiters).
-        wait_until(
-            lambda: not HeartbeatRun.objects.exclude(status__in=TERMINAL).exists(), 180, "every run to finish"
-        )
+        wait_until(lambda: not HeartbeatRun.objects.exclude(status__in=TERMINAL).exists(), 180, "every run to finish")
         elapsed = time.monotonic() - started
         status, page = call("GET", f"{agent_api}/runs?limit=200")
         assert status == 200
