@@ -214,6 +214,7 @@ def test_any_heartbeat_body_is_answered_with_a_run_or_a_json_4xx(
 
 
 @FUZZ
+@example(company_id="\ud800", suffix="/agents/{agent}/sessions/{x}", x="\ud800", query={})
 @given(
     company_id=st.one_of(st.text(min_size=1, max_size=40), st.sampled_from(NASTY_STRINGS[:13])),
     suffix=st.sampled_from(["", "/agents", "/agents/{agent}", "/agents/{agent}/sessions/{x}", "/costs/daily"]),
@@ -223,12 +224,15 @@ def test_any_heartbeat_body_is_answered_with_a_run_or_a_json_4xx(
     ),
 )
 def test_any_id_or_query_in_a_url_is_a_json_4xx_or_an_answer(api, persistent_agent, company_id, suffix, x, query):
+    def segment(text: str) -> str:
+        # A lone surrogate goes out as the invalid UTF-8 bytes a careless client would send.
+        return quote(text.encode("utf-8", "surrogatepass"), safe="")
+
     agent = str(persistent_agent.id)
-    company = quote(company_id, safe="")
-    path = f"/api/companies/{company}" + suffix.format(agent=agent, x=quote(x, safe=""))
+    path = f"/api/companies/{segment(company_id)}" + suffix.format(agent=agent, x=segment(x))
     response = api.get(path, query)
     assert response.status_code in {200, 400, 404, 405}, (path, response.status_code, response.content[:300])
     assert response["Content-Type"].startswith("application/json")
     # The same paths under the right company, with the fuzzed query.
-    real = f"/api/companies/{persistent_agent.company_id}" + suffix.format(agent=agent, x=quote(x, safe=""))
+    real = f"/api/companies/{persistent_agent.company_id}" + suffix.format(agent=agent, x=segment(x))
     assert_json_answer(api.get(real, query), {200, 400, 404, 405})
