@@ -35,7 +35,7 @@ def validate_agent_config(adapter_type: str, config: object) -> dict:
     Raises AgentConfigError naming every offending field, so the API answers 400 with
     all of them at once and the admin marks the field.
     """
-    if adapter_type not in ADAPTERS:
+    if not isinstance(adapter_type, str) or adapter_type not in ADAPTERS:
         raise AgentConfigError(
             {"adapter_type": f"unknown adapter type {adapter_type!r}; expected one of {', '.join(sorted(ADAPTERS))}"}
         )

@@ -10,6 +10,9 @@ from django.core.exceptions import ValidationError
 
 DEFAULT_SESSION_TTL_HOURS = 24
 MAX_SESSION_TTL_HOURS = 24 * 366
+# Beyond this `now - timedelta(hours=...)` leaves the datetime range (year 1) and the
+# heartbeat would fail; ten years is already "never" for a rotation.
+MAX_ROTATE_AFTER_HOURS = 24 * 366 * 10
 
 
 class HistoryMessage(TypedDict, total=False):
@@ -101,7 +104,11 @@ CONTEXT_STRATEGIES = ("none", "summarize", "server")
 
 
 def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    # JSON integers are unbounded: math.isfinite(10**400) raises OverflowError (a 500 on
+    # save). Integers are exact, so the range checks that follow bound them instead.
+    return isinstance(value, int) or math.isfinite(value)
 
 
 def is_int(value: Any) -> bool:
@@ -165,8 +172,10 @@ def validate_context(config: dict, errors: dict[str, str], clean: dict) -> None:
     _optional_int(config, "rotate_after_input_tokens", errors, clean, low=1000, high=2_000_000)
     if "rotate_after_hours" in config:
         hours = config["rotate_after_hours"]
-        if hours is not None and (not is_number(hours) or hours <= 0):
-            errors["rotate_after_hours"] = f"must be a positive number of hours or null, got {hours!r}"
+        if hours is not None and (not is_number(hours) or not 0 < hours <= MAX_ROTATE_AFTER_HOURS):
+            errors["rotate_after_hours"] = (
+                f"must be a positive number of hours (at most {MAX_ROTATE_AFTER_HOURS}) or null, got {hours!r}"
+            )
         clean["rotate_after_hours"] = hours
     if "summary_model" in config:
         model = config["summary_model"]
