@@ -338,7 +338,9 @@ class AgentAdmin(admin.ModelAdmin):
     def status_flag(self, obj: Agent) -> str:
         if obj.status == "paused" and obj.paused_reason == "budget":
             # The one pause an operator must act on: raise the budget (or wait for the month).
-            return format_html('<strong class="budget-paused" style="color:#ba2121">{}</strong>', "paused: budget spent")
+            return format_html(
+                '<strong class="budget-paused" style="color:#ba2121">{}</strong>', "paused: budget spent"
+            )
         if obj.paused_reason:
             return f"{obj.status} ({obj.paused_reason})"
         return obj.status
