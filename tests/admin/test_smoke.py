@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from django.contrib import admin
 from django.contrib.admin.utils import quote
 from django.test import RequestFactory
@@ -112,3 +113,12 @@ def test_budget_paused_agents_are_flagged(admin_client, persistent_agent):
     response = admin_client.get("/admin/sessions_app/agent/?paused_reason=budget")
     assert response.status_code == 200
     assert "paused: budget spent" in response.content.decode()
+
+
+@pytest.mark.parametrize("url", ["/admin/", "/admin/sessions_app/agentsession/", "/admin/costs_app/costevent/report/"])
+def test_admin_requires_a_staff_login(client, django_user_model, url):
+    assert client.get(url).status_code == 302  # anonymous: to the login page
+    user = django_user_model.objects.create_user("visitor", password="not-staff-pw-1")
+    client.force_login(user)
+    response = client.get(url)
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
