@@ -117,7 +117,9 @@ ERROR_TYPES = {
 
 
 class FakeAnthropic:
-    def __init__(self) -> None:
+    def __init__(self, *, latency: float = 0.0) -> None:
+        # Seconds every default (unscripted) answer waits, like a model thinking.
+        self.latency = latency
         self.requests: list[dict] = []
         self.scripted: list[Reply] = []
         self.lock = threading.Lock()
@@ -159,7 +161,9 @@ class FakeAnthropic:
 
     def _next_reply(self) -> Reply:
         with self.lock:
-            return self.scripted.pop(0) if self.scripted else Reply()
+            if self.scripted:
+                return self.scripted.pop(0)
+        return Reply.delay(self.latency) if self.latency else Reply()
 
     def default_usage(self, body: dict) -> dict:
         """Usage as the API would report it, with prompt caching simulated: the longest
@@ -332,18 +336,7 @@ def serve_forever() -> None:
     import os
     import signal
 
-    latency = float(os.environ.get("FAKE_LATENCY_MS", "0")) / 1000
-    fake = FakeAnthropic()
-    if latency:
-        original = fake._next_reply
-
-        def delayed() -> Reply:
-            reply = original()
-            if reply.kind == "default":
-                return Reply.delay(latency)
-            return reply
-
-        fake._next_reply = delayed
+    fake = FakeAnthropic(latency=float(os.environ.get("FAKE_LATENCY_MS", "0")) / 1000)
     print(fake.base_url, flush=True)
 
     def stop(*args):

@@ -23,6 +23,7 @@ from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus
 from sessions_app.stores import store_for
 from tests.conftest import FAKE_API_KEY
 from tests.fake_anthropic import Reply
+from tests.live.server import database_url, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -199,21 +200,6 @@ def test_terminated_connection_mid_commit_writes_nothing(postgres_only, persiste
     assert snapshot(persistent_agent)[0] == count + 2
 
 
-def database_url() -> str:
-    db = connection.settings_dict
-    return f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.django_db(transaction=True)
 def test_sigkilled_cluster_workers_leave_no_run_running(
     postgres_only, settings, persistent_agent, fake_anthropic, tmp_path
@@ -242,7 +228,7 @@ def test_sigkilled_cluster_workers_leave_no_run_running(
         for _ in range(kills):
             run, _ = heartbeat_enqueue(agent=persistent_agent, task="doomed", now=timezone.now())
             heartbeat_dispatch(run=run)
-            running = wait_for(
+            running = wait_until(
                 lambda run=run: (
                     HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).exclude(claimed_by="").first()
                 ),
@@ -257,7 +243,7 @@ def test_sigkilled_cluster_workers_leave_no_run_running(
 
         run, _ = heartbeat_enqueue(agent=persistent_agent, task="survivor", now=timezone.now())
         heartbeat_dispatch(run=run)
-        done = wait_for(
+        done = wait_until(
             lambda: HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.SUCCEEDED, RunStatus.FAILED]).first(),
             60,
             "the survivor run",

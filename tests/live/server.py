@@ -24,6 +24,24 @@ HOST = "127.0.0.1"
 PORTS = range(3400, 3500)  # the port range this suite may use
 
 
+def database_url() -> str:
+    """The URL of the database this test process uses (the test database), for servers."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    return f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+def wait_until(predicate, timeout: float, what: str, *, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
 def free_port() -> int:
     for port in PORTS:
         with socket.socket() as sock:

@@ -11,36 +11,17 @@ import time
 import uuid
 
 import pytest
-from django.db import connection
 
 from costs_app.models import CostEvent
 from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
 from sessions_app.stores import store_for
-from tests.fake_anthropic import FakeAnthropic, Reply
-from tests.live.server import LiveServer, call, fire_batch
+from tests.fake_anthropic import FakeAnthropic
+from tests.live.server import LiveServer, call, database_url, fire_batch, wait_until
 
 HEARTBEATS = 50
 CLIENT_PROCESSES = 5
 FAKE_LATENCY_SECONDS = 0.075  # calls overlap with request handling and each other's polling
 TERMINAL = {RunStatus.SUCCEEDED, RunStatus.FAILED}
-
-
-def database_url() -> str:
-    db = connection.settings_dict
-    return f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
-
-
-def slow_fake(latency: float) -> FakeAnthropic:
-    """The fake Messages API, answering every default request after `latency` seconds."""
-    fake = FakeAnthropic()
-    plain = fake._next_reply
-
-    def delayed() -> Reply:
-        reply = plain()
-        return Reply.delay(latency) if reply.kind == "default" else reply
-
-    fake._next_reply = delayed
-    return fake.start()
 
 
 def text_of(content) -> str:
@@ -49,19 +30,9 @@ def text_of(content) -> str:
     return "".join(block.get("text", "") for block in content if isinstance(block, dict))
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 @pytest.mark.django_db(transaction=True)
 def test_fifty_concurrent_heartbeats_through_a_live_server_lose_nothing_and_run_once(postgres_only, settings, tmp_path):
-    fake = slow_fake(FAKE_LATENCY_SECONDS)
+    fake = FakeAnthropic(latency=FAKE_LATENCY_SECONDS).start()
     server = LiveServer(
         database_url=database_url(),
         secret_key=settings.SECRET_KEY,
