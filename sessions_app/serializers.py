@@ -119,47 +119,6 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
 # Sessions
 
 
-class SessionSerializer(serializers.ModelSerializer):
-    """A session without its history: every column read here is on the row itself."""
-
-    id = serializers.SerializerMethodField(help_text="`sess_` + 32 hex digits.")
-    agent_id = serializers.UUIDField(read_only=True)
-    predecessor_id = serializers.SerializerMethodField()
-
-    class Meta:
-        model = AgentSession
-        fields = [
-            "id",
-            "agent_id",
-            "status",
-            "message_count",
-            "created_at",
-            "last_used",
-            "expires_at",
-            "store",
-            "adapter_type",
-            "model",
-            "last_input_tokens",
-            "total_input_tokens",
-            "total_output_tokens",
-            "total_cost_usd",
-            "ended_at",
-            "end_reason",
-            "history_purged_at",
-            "turn_count",
-            "archived_message_count",
-            "compaction_count",
-            "predecessor_id",
-        ]
-        read_only_fields = fields
-
-    def get_id(self, session: AgentSession) -> str:
-        return session.public_id
-
-    def get_predecessor_id(self, session: AgentSession) -> str | None:
-        return session_public_id(session.predecessor_id)
-
-
 # The sessions list serves up to 200 rows a page from tables of many thousands; DRF's
 # per-field machinery costs ~0.4 ms a row, more than the query. So the list reads plain
 # values (never `history`) and builds the same JSON as SessionSerializer by hand; a test
@@ -187,6 +146,27 @@ SESSION_LIST_COLUMNS = (
     "compaction_count",
     "predecessor_id",
 )
+
+
+class SessionSerializer(serializers.ModelSerializer):
+    """A session without its history: every column read here is on the row itself."""
+
+    id = serializers.SerializerMethodField(help_text="`sess_` + 32 hex digits.")
+    agent_id = serializers.UUIDField(read_only=True)
+    predecessor_id = serializers.SerializerMethodField()
+
+    class Meta:
+        model = AgentSession
+        fields = list(SESSION_LIST_COLUMNS)
+        read_only_fields = fields
+
+    def get_id(self, session: AgentSession) -> str:
+        return session.public_id
+
+    def get_predecessor_id(self, session: AgentSession) -> str | None:
+        return session_public_id(session.predecessor_id)
+
+
 MONEY_QUANTUM = Decimal(1).scaleb(-AgentSession._meta.get_field("total_cost_usd").decimal_places)
 
 
