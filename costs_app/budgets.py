@@ -117,16 +117,21 @@ def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> 
             "month": budget.monthly_limit_usd,
             "lifetime": budget.lifetime_limit_usd,
         }
-        for period, limit in limits.items():
-            if limit is None:
-                continue
+        money_limits = {period: limit for period, limit in limits.items() if limit is not None}
+        # Calls in flight hold the same amount against every period of a scope: one query.
+        reserved = (
+            _reserved(company_id=company_id, agent_id=scope_agent, exclude_run_id=exclude_run_id)
+            if money_limits
+            else ZERO
+        )
+        for period, limit in money_limits.items():
             uses.append(
                 BudgetUse(
                     scope=scope,
                     period=period,
                     limit=limit,
                     spent=_spent(company_id=company_id, agent_id=scope_agent, since=period_start(period, now)),
-                    reserved=_reserved(company_id=company_id, agent_id=scope_agent, exclude_run_id=exclude_run_id),
+                    reserved=reserved,
                     warn_percent=budget.warn_percent,
                 )
             )
@@ -152,8 +157,8 @@ def has_budgets(*, company_id, agent_id) -> bool:
 def budget_headroom(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> Decimal | None:
     """The least money left under any limit (None without spending limits). Advisory:
     budget_reserve decides under the lock."""
-    money = [u for u in budget_uses(company_id=company_id, agent_id=agent_id, now=now, exclude_run_id=exclude_run_id)]
-    money = [u for u in money if u.period != "day_runs"]
+    uses = budget_uses(company_id=company_id, agent_id=agent_id, now=now, exclude_run_id=exclude_run_id)
+    money = [u for u in uses if u.period != "day_runs"]
     if not money:
         return None
     return min(u.limit - u.spent - u.reserved for u in money)
