@@ -313,18 +313,11 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> None:
         if budgeted:
             reserve_budget(run=run, agent=agent, adapter=adapter, request=request, now=now)
         reply = adapter.call(request)
-    except HistoryUnavailable as exc:
+    except (HistoryUnavailable, StepFailed, BudgetExceeded, AdapterError) as exc:
+        # Every step's failure carries a stable code and a message for the run row.
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
-        return
-    except StepFailed as exc:
-        _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
-        return
-    except BudgetExceeded as exc:
-        _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
-        budgets_enforce(agent=agent, now=now)
-        return
-    except AdapterError as exc:
-        _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
+        if isinstance(exc, BudgetExceeded):
+            budgets_enforce(agent=agent, now=now)
         return
     _finish_succeeded(run, agent=agent, plan=plan, reply=reply, user_content=user_content, now=now, finished=elapsed())
     if budgeted:

@@ -69,7 +69,8 @@ def session_expire(*, session: AgentSession, now: datetime) -> bool:
 def session_clear_history(*, session: AgentSession) -> None:
     """Empty a session's history but keep its row (and its place in the ledger)."""
     with transaction.atomic():
-        locked = AgentSession.objects.select_for_update().get(pk=session.pk)
+        # The old turns are never read: only the row is locked and replaced.
+        locked = AgentSession.objects.select_for_update().defer("history").get(pk=session.pk)
         store = store_for(locked)
         store.prepare(locked, [])
         locked.message_count = 0

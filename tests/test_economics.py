@@ -125,13 +125,12 @@ def test_hard_limit_pauses_the_agent_and_raising_the_budget_resumes_it(persisten
     CostEvent.objects.create(
         company=persistent_agent.company, agent=persistent_agent, model="claude-opus-4-5", cost_usd=Decimal("0.02")
     )
-    beat_after = heartbeat_enqueue  # the next enqueue sees the pause
     refused_again = beat(persistent_agent, "over again")
     assert refused_again.error_code == "budget_exceeded"
     persistent_agent.refresh_from_db()
     assert (persistent_agent.status, persistent_agent.paused_reason) == (AgentStatus.PAUSED, "budget")
     with pytest.raises(HeartbeatRefused) as caught:
-        beat_after(agent=persistent_agent, task="x", now=timezone.now())
+        heartbeat_enqueue(agent=persistent_agent, task="x", now=timezone.now())
     assert caught.value.code == "budget_exceeded"
 
     budget.lifetime_limit_usd = Decimal("10")
