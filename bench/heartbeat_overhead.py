@@ -1,23 +1,28 @@
 """Heartbeats per second through the engine vs the bare SDK, against the same fake API.
 
 Both sides talk HTTP to the fake Messages API (tests/fake_anthropic.py) answering at once,
-in the same run, so the ratio isolates what the engine adds: claiming the run, reading and
-writing history, pricing, the ledger row and the run's completion.
+in the same run, and send byte-for-byte the same requests: after each round of engine
+heartbeats the bare SDK replays the request bodies the engine sent (system blocks, cache
+markers, history and all), so the fake does the same work for both and the ratio isolates
+what the engine adds: claiming the run, reading and writing history, pricing, the ledger
+row and the run's completion.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/paperclip_bench .venv/bin/python bench/heartbeat_overhead.py
 
 The database named in DATABASE_URL is created when missing and migrated; its tables are
 emptied first. Measured at turn 1 (stateless) and at turns 200+ of a persistent session
-(the bare SDK sends a history of the same length). FAKE_LATENCY_MS=200 makes the fake
+(the bare SDK replays those very requests). FAKE_LATENCY_MS=200 makes the fake
 answer like a (fast) model would, for the overhead as an operator sees it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +61,7 @@ def main() -> None:
     from django.utils import timezone
 
     from costs_app.models import CostEvent
-    from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute, request_messages
+    from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
     from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun
     from sessions_app.stores import store_for
 
@@ -68,7 +73,8 @@ def main() -> None:
         text=True,
         env={**os.environ, "FAKE_LATENCY_MS": os.environ.get("FAKE_LATENCY_MS", "0")},
     )
-    os.environ["ANTHROPIC_BASE_URL"] = fake.stdout.readline().strip()
+    base_url = fake.stdout.readline().strip()
+    os.environ["ANTHROPIC_BASE_URL"] = base_url
     os.environ["ANTHROPIC_API_KEY"] = "sk-ant-bench"
     bare = anthropic.Anthropic(max_retries=2, timeout=600)
 
@@ -95,35 +101,42 @@ def main() -> None:
             assert heartbeat_execute(run_id=run.id).status == "succeeded"
         return n / (time.perf_counter() - start)
 
-    def bare_sdk(messages_for, n):
+    sent = 0
+
+    def engine_requests() -> list[dict]:
+        """The request bodies the engine sent since the last call, as the fake received them."""
+        nonlocal sent
+        with urllib.request.urlopen(f"{base_url}/_fake/message_requests?after={sent}") as response:
+            bodies = json.load(response)["bodies"]
+        sent += len(bodies)
+        return bodies
+
+    def bare_sdk(bodies: list[dict]) -> float:
         start = time.perf_counter()
-        for i in range(n):
-            bare.messages.create(model="claude-haiku-4-5", max_tokens=4096, system=system, messages=messages_for(i))
-        return n / (time.perf_counter() - start)
+        for body in bodies:
+            bare.messages.create(**body)
+        return len(bodies) / (time.perf_counter() - start)
+
+    def measure(agent, n: int) -> tuple[float, float]:
+        engine_rates, bare_rates = [], []
+        for _ in range(ROUNDS):
+            engine_requests()  # skip what came before this round
+            engine_rates.append(engine(agent, n))
+            bodies = engine_requests()
+            assert len(bodies) == n, len(bodies)
+            bare_rates.append(bare_sdk(bodies))
+        return statistics.median(engine_rates), statistics.median(bare_rates)
 
     # Warm both paths (connections, imports) before measuring.
     engine(stateless, 5)
-    bare_sdk(lambda i: [{"role": "user", "content": f"task {i}"}], 5)
+    bare_sdk(engine_requests())
 
-    results = {}
-    engine_rates, bare_rates = [], []
-    for _ in range(ROUNDS):
-        engine_rates.append(engine(stateless, PER_ROUND))
-        bare_rates.append(bare_sdk(lambda i: [{"role": "user", "content": f"task {i}"}], PER_ROUND))
-    results["turn 1 (stateless)"] = (statistics.median(engine_rates), statistics.median(bare_rates))
-
+    results = {"turn 1 (stateless)": measure(stateless, PER_ROUND)}
     # Grow the persistent session to 199 turns through the engine itself.
     engine(persistent, HISTORY_TURNS)
     session = AgentSession.objects.get(agent=persistent, status="active")
-    history = store_for(session).read(session)
-    engine_rates, bare_rates = [], []
-    for _ in range(ROUNDS):
-        engine_rates.append(engine(persistent, PER_ROUND // 4))
-        bare_rates.append(bare_sdk(lambda i: request_messages(history, f"task {i}"), PER_ROUND // 4))
-    results[f"turn {HISTORY_TURNS + 1}+ (persistent, {len(history)} prior messages)"] = (
-        statistics.median(engine_rates),
-        statistics.median(bare_rates),
-    )
+    prior = session.message_count
+    results[f"turn {HISTORY_TURNS + 1}+ (persistent, {prior} prior messages)"] = measure(persistent, PER_ROUND // 4)
     fake.terminate()
     fake.wait()
 

@@ -273,6 +273,16 @@ class FakeAnthropic:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def do_GET(self):
+                # For benchmarks running the fake in its own process: the Messages request
+                # bodies it received, from index `after` on, so a baseline can replay them.
+                path, _, query = self.path.partition("?")
+                if path != "/_fake/message_requests":
+                    self._send_json(404, {"type": "error", "error": {"type": "not_found_error", "message": path}})
+                    return
+                after = int(query.partition("after=")[2] or 0)
+                self._send_json(200, {"bodies": fake.message_requests[after:]})
+
             def do_POST(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length)
