@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from django.db import transaction
-from django.db.models import Q, Sum
+from django.db.models import Exists, OuterRef, Q, Sum
 from django.db.models.functions import Coalesce
 
 from costs_app.models import Budget, CostEvent
@@ -150,8 +150,15 @@ def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> 
     return uses
 
 
-def has_budgets(*, company_id, agent_id) -> bool:
-    return Budget.objects.filter(Q(agent__isnull=True) | Q(agent_id=agent_id), company_id=company_id).exists()
+def budgets_exist(*, company_id_ref: str, agent_id_ref: str) -> Exists:
+    """Whether any budget applies to an agent, as an expression over another query's
+    columns: a heartbeat learns whether it must reserve money in the query that loads it,
+    not in one more round trip."""
+    return Exists(
+        Budget.objects.filter(
+            Q(agent__isnull=True) | Q(agent_id=OuterRef(agent_id_ref)), company_id=OuterRef(company_id_ref)
+        )
+    )
 
 
 def budget_headroom(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> Decimal | None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
+
+from django.db import IntegrityError, transaction
 
 from costs_app.models import CostEvent, CostKind, ModelPrice
 
@@ -106,13 +108,9 @@ def cost_event_record(
 ) -> CostEvent | None:
     """Write one ledger row for a call's usage; returns the existing row when this
     message was already recorded (a retried write never bills twice)."""
-    if message_id:
-        existing = CostEvent.objects.filter(message_id=message_id, kind=kind).first()
-        if existing is not None:
-            return existing
     counts = token_counts(usage)
     price = price_for(model=model, at=at)
-    return CostEvent.objects.create(
+    event = CostEvent(
         kind=kind,
         company_id=company_id,
         agent_id=agent_id,
@@ -125,10 +123,33 @@ def cost_event_record(
         cache_creation_5m_input_tokens=counts.cache_creation_5m_input_tokens,
         cache_creation_1h_input_tokens=counts.cache_creation_1h_input_tokens,
         cache_read_input_tokens=counts.cache_read_input_tokens,
-        cost_usd=cost_of(counts, price) if price else Decimal(0),
+        cost_usd=ledger_usd(cost_of(counts, price)) if price else Decimal(0),
         unpriced=price is None,
         price=price,
         message_id=message_id or None,
         raw_usage=usage,
         created_at=at,
     )
+    if not message_id:
+        event.save(force_insert=True)
+        return event
+    try:
+        # The unique (message_id, kind) index decides, in the same round trip as the
+        # insert; a lookup first would cost one more query on every call.
+        with transaction.atomic():
+            event.save(force_insert=True)
+    except IntegrityError:
+        existing = CostEvent.objects.filter(message_id=message_id, kind=kind).first()
+        if existing is None:
+            raise
+        return existing
+    return event
+
+
+LEDGER_QUANTUM = Decimal(1).scaleb(-CostEvent._meta.get_field("cost_usd").decimal_places)
+
+
+def ledger_usd(amount: Decimal) -> Decimal:
+    """An amount as the ledger column stores it, rounded here rather than by the database
+    so that the run, the session and the ledger row all carry the very same figure."""
+    return amount.quantize(LEDGER_QUANTUM, rounding=ROUND_HALF_UP)

@@ -17,12 +17,13 @@ import logging
 import os
 import socket
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from costs_app.budgets import (
@@ -30,8 +31,8 @@ from costs_app.budgets import (
     budget_headroom,
     budget_reserve,
     budgets_enforce,
+    budgets_exist,
     estimate_call_cost,
-    has_budgets,
 )
 from costs_app.pricing import cost_event_record, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
@@ -185,9 +186,14 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
 
     The database decides: a partial unique index allows one `running` row per agent, so
     of two processes claiming at once (any host, any worker) exactly one update succeeds;
-    the other gets an IntegrityError and leaves its run queued.
+    the other gets an IntegrityError and leaves its run queued. The run comes back with
+    its agent and `budgeted` (whether any budget applies), all read in one query.
     """
-    run = HeartbeatRun.objects.select_related("agent").get(id=run_id)
+    run = (
+        HeartbeatRun.objects.select_related("agent")
+        .annotate(budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"))
+        .get(id=run_id)
+    )
     if run.status != RunStatus.QUEUED:
         return run, False
     agent = run.agent
@@ -200,7 +206,9 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         return run, False
     deadline = now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
     try:
-        with transaction.atomic():
+        # One statement is its own transaction; only inside a caller's transaction does
+        # the refusal need a savepoint to leave that transaction usable.
+        with transaction.atomic() if connection.in_atomic_block else nullcontext():
             claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
                 status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id()
             )
@@ -275,8 +283,9 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     if not claimed:
         return run
     started = time.monotonic()
+    current = False
     try:
-        _run_claimed(run, now=now, started=started)
+        current = _run_claimed(run, now=now, started=started)
     except Exception:
         # Never leave a run `running` behind an unexpected error (a bug, a dropped
         # database connection): fail it with the class name and keep the traceback in logs.
@@ -286,11 +295,13 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
             run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=finished
         )
     dispatch_next_queued(agent_id=run.agent_id)
-    run.refresh_from_db()
+    if not current:
+        run.refresh_from_db()
     return run
 
 
-def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> None:
+def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
+    """True when the run succeeded and `run` holds every value written to its row."""
     agent = run.agent
     settings_ = context_settings(agent)
 
@@ -309,7 +320,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> None:
             agent=agent, adapter=adapter, run=run, plan=plan, user_content=user_content, settings_=settings_, now=now
         )
         request.metadata = {"run_id": str(run.id), "agent_id": str(agent.id)}
-        budgeted = has_budgets(company_id=agent.company_id, agent_id=agent.id)
+        budgeted = run.budgeted
         if budgeted:
             reserve_budget(run=run, agent=agent, adapter=adapter, request=request, now=now)
         reply = adapter.call(request)
@@ -318,10 +329,15 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> None:
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
         if isinstance(exc, BudgetExceeded):
             budgets_enforce(agent=agent, now=now)
-        return
-    _finish_succeeded(run, agent=agent, plan=plan, reply=reply, user_content=user_content, now=now, finished=elapsed())
+        return False
+    succeeded = _finish_succeeded(
+        run, agent=agent, plan=plan, reply=reply, user_content=user_content, now=now, finished=elapsed()
+    )
     if budgeted:
         budgets_enforce(agent=agent, now=now)
+    # A reservation wrote its warning and amount to the row; reading it back is simpler
+    # than tracking them.
+    return succeeded and not budgeted
 
 
 def idle_pause(agent: Agent) -> timedelta:
@@ -367,7 +383,8 @@ def _finish_succeeded(
     user_content,
     now: datetime,
     finished: datetime,
-) -> None:
+) -> bool:
+    """Commit the answer; True when it committed and `run` was brought up to date."""
     counts = token_counts(reply.usage) if reply.usage is not None else None
     store = None
     session = None
@@ -441,21 +458,22 @@ def _finish_succeeded(
                 if cost is not None:
                     session.total_cost_usd += cost
                 session.save()
-            updated = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(
-                status=RunStatus.SUCCEEDED,
-                session=session,
-                output=reply.text,
-                model=reply.model,
-                message_id=reply.message_id,
-                stop_reason=reply.stop_reason,
-                input_tokens=counts.input_tokens if counts else None,
-                output_tokens=counts.output_tokens if counts else None,
-                cache_creation_input_tokens=counts.cache_creation_input_tokens if counts else None,
-                cache_read_input_tokens=counts.cache_read_input_tokens if counts else None,
-                cost_usd=cost,
-                finished_at=finished,
-                reserved_usd=0,
-            )
+            outcome = {
+                "status": RunStatus.SUCCEEDED,
+                "session": session,
+                "output": reply.text,
+                "model": reply.model,
+                "message_id": reply.message_id,
+                "stop_reason": reply.stop_reason,
+                "input_tokens": counts.input_tokens if counts else None,
+                "output_tokens": counts.output_tokens if counts else None,
+                "cache_creation_input_tokens": counts.cache_creation_input_tokens if counts else None,
+                "cache_read_input_tokens": counts.cache_read_input_tokens if counts else None,
+                "cost_usd": cost,
+                "finished_at": finished,
+                "reserved_usd": Decimal(0),
+            }
+            updated = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(**outcome)
             if not updated:
                 raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
             if store is not None:
@@ -465,10 +483,14 @@ def _finish_succeeded(
             store.discard(session)
         _record_spend_only(run, agent=agent, reply=reply, finished=finished)
         _finish_failed(run, code=exc.code, message=exc.message, now=finished)
+        return False
     except Exception:
         if store is not None:
             store.discard(session)
         raise
+    for name, value in outcome.items():
+        setattr(run, name, value)
+    return True
 
 
 def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: datetime) -> AgentSession | None:
