@@ -109,3 +109,16 @@ def test_list_prices_are_seeded():
     assert opus.cache_write_1h_usd_per_mtok == Decimal(10)
     assert opus.cache_read_usd_per_mtok == Decimal("0.5")
     assert ModelPrice.objects.get(model="claude-haiku-4-5").output_usd_per_mtok == Decimal(5)
+
+
+def test_histories_are_compressed_with_lz4(persistent_agent):
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1 FROM pg_settings WHERE name = 'default_toast_compression' AND 'lz4' = ANY(enumvals)")
+        if cursor.fetchone() is None:
+            pytest.skip("this PostgreSQL server was built without lz4")
+    # Large and repetitive enough that PostgreSQL compresses it inline.
+    history = [{"role": "user", "content": "the same words again " * 40, "seq": i} for i in range(50)]
+    session = AgentSession.objects.create(agent=persistent_agent, company=persistent_agent.company, history=history)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_column_compression(history) FROM agent_sessions WHERE id = %s", [session.id])
+        assert cursor.fetchone()[0] == "lz4"
