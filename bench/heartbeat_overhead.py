@@ -117,7 +117,10 @@ def main() -> None:
             bare.messages.create(**body)
         return len(bodies) / (time.perf_counter() - start)
 
+    bodies: list[dict] = []
+
     def measure(agent, n: int) -> tuple[float, float]:
+        nonlocal bodies
         engine_rates, bare_rates = [], []
         for _ in range(ROUNDS):
             engine_requests()  # skip what came before this round
@@ -132,6 +135,14 @@ def main() -> None:
     bare_sdk(engine_requests())
 
     results = {"turn 1 (stateless)": measure(stateless, PER_ROUND)}
+    # The floor sends the engine's requests with the task as plain text (the SQL stores it).
+    plain = [{**body, "messages": [{"role": "user", "content": f"task {i}"}]} for i, body in enumerate(bodies)]
+    floor_rates, bare_rates = [], []
+    for _ in range(ROUNDS):
+        floor_rates.append(floor(stateless, bare, plain))
+        bare_rates.append(bare_sdk(plain))
+    floor_label = "turn 1, floor: the fewest statements any engine needs, hand-written SQL"
+    results[floor_label] = (statistics.median(floor_rates), statistics.median(bare_rates))
     # Grow the persistent session to 199 turns through the engine itself.
     engine(persistent, HISTORY_TURNS)
     session = AgentSession.objects.get(agent=persistent, status="active")
@@ -144,6 +155,71 @@ def main() -> None:
     print(f"store={store_for(session).name} fake latency={latency} ms rounds={ROUNDS} per_round={PER_ROUND}")
     for label, (ours, theirs) in results.items():
         print(f"{label}: engine {ours:.1f}/s, bare SDK {theirs:.1f}/s, ratio {ours / theirs:.2f} (goal >= 0.80)")
+
+
+# A lower bound for any engine that keeps the run's state and the ledger in the database:
+# one statement claims the run (inserted as running, refused unless the agent is active),
+# the call, then one statement records the ledger row, completes the run and looks for
+# the agent's next queued run. No session, no budgets, no pricing beyond two token classes.
+FLOOR_CLAIM = """
+INSERT INTO heartbeat_runs (id, company_id, agent_id, status, trigger, task, force_fresh, output, error_code,
+    error, model, message_id, stop_reason, reserved_usd, warning, started_at, claimed_by)
+SELECT %s, company_id, id, 'running', 'api', %s, false, '', '', '', '', '', '', 0, '', %s, 'floor'
+FROM agents WHERE id = %s AND status = 'active'
+RETURNING id
+"""
+FLOOR_FINISH = """
+WITH price AS (
+    SELECT input_usd_per_mtok, output_usd_per_mtok FROM model_prices
+    WHERE model = %(model)s AND effective_from <= %(day)s ORDER BY effective_from DESC LIMIT 1
+), event AS (
+    INSERT INTO cost_events (kind, company_id, agent_id, run_id, model, input_tokens, output_tokens,
+        cache_creation_input_tokens, cache_creation_5m_input_tokens, cache_creation_1h_input_tokens,
+        cache_read_input_tokens, session_seconds, unpriced, cost_usd, message_id, raw_usage, created_at)
+    SELECT 'message', %(company)s, %(agent)s, %(run)s, %(model)s, %(input)s, %(output)s, 0, 0, 0, 0, 0, false,
+        (%(input)s * input_usd_per_mtok + %(output)s * output_usd_per_mtok) / 1000000, %(message)s, %(usage)s, %(at)s
+    FROM price RETURNING cost_usd
+), run AS (
+    UPDATE heartbeat_runs SET status = 'succeeded', output = %(output_text)s, message_id = %(message)s,
+        cost_usd = (SELECT cost_usd FROM event), finished_at = %(at)s
+    WHERE id = %(run)s AND status = 'running' RETURNING id
+)
+SELECT (SELECT count(*) FROM run),
+    (SELECT id FROM heartbeat_runs WHERE agent_id = %(agent)s AND status = 'queued' ORDER BY created_at LIMIT 1)
+"""
+
+
+def floor(agent, client, bodies: list[dict]) -> float:
+    import uuid
+
+    from django.db import connection
+    from django.utils import timezone
+
+    start = time.perf_counter()
+    with connection.cursor() as cursor:
+        for body in bodies:
+            run_id, now = uuid.uuid4(), timezone.now()
+            cursor.execute(FLOOR_CLAIM, [run_id, body["messages"][-1]["content"], now, agent.id])
+            assert cursor.fetchone()
+            message = client.messages.create(**body)
+            usage = message.usage.model_dump(mode="json", exclude_none=True)
+            text = "".join(block.text for block in message.content if block.type == "text")
+            params = {
+                "model": message.model,
+                "day": now.date(),
+                "company": agent.company_id,
+                "agent": agent.id,
+                "run": run_id,
+                "input": usage["input_tokens"],
+                "output": usage["output_tokens"],
+                "message": message.id,
+                "usage": json.dumps(usage),
+                "at": now,
+                "output_text": text,
+            }
+            cursor.execute(FLOOR_FINISH, params)
+            assert cursor.fetchone()[0] == 1
+    return len(bodies) / (time.perf_counter() - start)
 
 
 if __name__ == "__main__":
