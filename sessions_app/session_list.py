@@ -87,13 +87,6 @@ def iso_time_sql(column: str, suffix: str) -> str:
     return f"replace(to_char({column} AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US'), '.000000', '') || '{suffix}'"
 
 
-def json_text_sql(column: str) -> str:
-    # to_json escapes exactly the characters Python's json module does (quote, backslash,
-    # control characters as \b \f \n \r \t or \u00XX); DRF's renderer also escapes U+2028
-    # and U+2029, which JavaScript once refused inside string literals.
-    return rf"replace(replace(to_json({column})::text, chr(8232), E'\\u2028'), chr(8233), E'\\u2029')"
-
-
 def value_sql(name: str) -> str:
     """The JSON text of one SESSION_LIST_COLUMNS entry, as SessionSerializer renders it."""
     field = AgentSession._meta.get_field(name)
@@ -109,12 +102,14 @@ def value_sql(name: str) -> str:
         # quantize(): it always prints that many decimals.
         value = f"'\"' || round({column}, {int(field.decimal_places)})::text || '\"'"
     elif isinstance(field, (models.CharField, models.TextField)):
-        value = json_text_sql(column)
+        # to_json escapes exactly the characters Python's json module does: quote,
+        # backslash, control characters as \b \f \n \r \t or \u00XX (see json_body for the rest).
+        value = f"to_json({column})::text"
     elif isinstance(field, models.IntegerField):  # BigIntegerField and PositiveIntegerField too
         value = f"{column}::text"
     else:
         raise TypeError(f"No SQL JSON rendering for {name} ({type(field).__name__}); add one and a test.")
-    return f"coalesce({value}, 'null')"
+    return f"coalesce({value}, 'null')" if field.null else value
 
 
 def item_sql(columns=SESSION_LIST_COLUMNS) -> str:
@@ -127,14 +122,31 @@ def item_sql(columns=SESSION_LIST_COLUMNS) -> str:
 
 
 SESSION_ITEM_SQL = item_sql()
-# Each row: its JSON, then its cursor key as Keyset.encode writes it (isoformat of the aware
-# UTC time, str of the UUID), so cursors are the same whichever path wrote them.
 PAGE_SELECT = (
-    f"SELECT {SESSION_ITEM_SQL}, {iso_time_sql('s.last_used', '+00:00')}, s.id::text "  # noqa: S608 (built from model fields, no input)
+    f"SELECT {SESSION_ITEM_SQL} "  # noqa: S608 (built from model fields, no input)
     "FROM agent_sessions s JOIN agents a ON a.id = s.agent_id "
     "WHERE s.agent_id = %s AND a.company_id = %s AND a.status <> %s"
 )
 PAGE_ORDER = " ORDER BY s.last_used DESC, s.id DESC LIMIT %s"
+
+
+def cursor_after(item: str) -> str:
+    """The cursor Keyset.encode writes for the session whose JSON is `item`.
+
+    Read back from the JSON rather than selected beside it: a second rendering of the
+    keys on every row cost the database more than parsing one row here.
+    """
+    row = json.loads(item)
+    last_used = row["last_used"].removesuffix("Z") + "+00:00"  # isoformat() of the aware UTC time
+    pk = UUID(hex=row["id"].removeprefix(SESSION_ID_PREFIX))
+    return SESSION_ORDER.encode({"last_used": last_used, "id": pk})
+
+
+def json_body(items: list[str], cursor: str | None) -> bytes:
+    body = f'{{"sessions":[{",".join(items)}],"next":{json.dumps(cursor)}}}'
+    # As DRF's JSONRenderer does to its whole output: U+2028 and U+2029 are valid JSON but
+    # were not valid in JavaScript string literals. They can only occur inside strings.
+    return body.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").encode()
 
 
 def sql_page(*, company_id, agent_id, limit, status, created_after, created_before, after) -> SessionPage:
@@ -157,10 +169,6 @@ def sql_page(*, company_id, agent_id, limit, status, created_after, created_befo
     with connection.cursor() as cursor:
         cursor.execute(PAGE_SELECT + "".join(filters) + PAGE_ORDER, params)
         rows = cursor.fetchall()
-    cursor_text = None
-    if len(rows) > limit:
-        _, last_used, pk = rows[limit - 1]
-        cursor_text = SESSION_ORDER.encode({"last_used": last_used, "id": pk})
-    items = ",".join(row[0] for row in rows[:limit])
-    body = f'{{"sessions":[{items}],"next":{json.dumps(cursor_text)}}}'
-    return SessionPage(body=body.encode(), empty=not rows)
+    items = [row[0] for row in rows[:limit]]
+    cursor_text = cursor_after(items[-1]) if len(rows) > limit else None
+    return SessionPage(body=json_body(items, cursor_text), empty=not rows)
