@@ -92,7 +92,8 @@ def value_sql(name: str) -> str:
     field = AgentSession._meta.get_field(name)
     column = f"s.{field.column}"
     if name in ("id", "predecessor_id"):
-        value = f"'\"{SESSION_ID_PREFIX}' || replace({column}::text, '-', '') || '\"'"
+        # uuid_send is the 16 bytes, so this is UUID.hex (and cheaper than editing the text form).
+        value = f"'\"{SESSION_ID_PREFIX}' || encode(uuid_send({column}), 'hex') || '\"'"
     elif isinstance(field, models.UUIDField) or isinstance(getattr(field, "target_field", None), models.UUIDField):
         value = f"'\"' || {column}::text || '\"'"
     elif isinstance(field, models.DateTimeField):
