@@ -169,3 +169,13 @@ def test_list_queries_are_bounded_and_never_read_history(api, persistent_agent, 
     assert len(queries) == 2
     # A word match: history_purged_at is a column of its own, history is the turns.
     assert not any(re.search(r"\bhistory\b", query["sql"]) for query in queries)
+
+
+def test_authenticated_list_is_the_key_lookup_and_the_page(key_api, persistent_agent, django_assert_max_num_queries):
+    for _ in range(40):
+        make_session(persistent_agent, status="ended")
+    url = agent_url(persistent_agent, "/sessions")
+    key_api.get(url)  # the key's first use also writes its last_used_at
+    with django_assert_max_num_queries(2):
+        body = key_api.get(url, {"limit": 200}).json()
+    assert len(body["sessions"]) == 40 and body["next"] is None
