@@ -13,6 +13,8 @@ import hmac
 import secrets
 from datetime import datetime, timedelta
 
+from django.db import connection
+
 from sessions_app.models import ApiKey, Company
 
 KEY_PREFIX = "pc_"
@@ -39,17 +41,37 @@ def api_key_create(*, company: Company, name: str = "") -> tuple[ApiKey, str]:
     return api_key, plaintext
 
 
+# Every authenticated request makes this lookup, and the ORM took longer to compile it than
+# the database took to answer, so it is written out (the table is part of the contract).
+# It reads the row on every call: revoking a key takes effect on the next request.
+KEY_LOOKUP_SQL = (
+    "SELECT id, company_id, key_hash, revoked_at IS NULL, last_used_at IS NULL OR last_used_at <= %s "
+    "FROM api_keys WHERE key_hash = %s"
+)
+
+
 def api_key_authenticate(*, plaintext: str, now: datetime) -> ApiKey | None:
     """The active key with this plaintext, or None. Touches last_used_at (coarsely)."""
     digest = api_key_hash(plaintext)
-    api_key = ApiKey.objects.filter(key_hash=digest).first()
+    stale_before = connection.ops.adapt_datetimefield_value(now - LAST_USED_RESOLUTION)
+    with connection.cursor() as cursor:
+        cursor.execute(KEY_LOOKUP_SQL, [stale_before, digest])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    pk, company_id, key_hash, active, stale = row
     # The lookup is by digest, so timing reveals nothing about the stored value; the
     # constant-time comparison guards against a database collation that is not exact.
-    if api_key is None or not hmac.compare_digest(api_key.key_hash, digest):
+    if not hmac.compare_digest(key_hash, digest) or not active:
         return None
-    if api_key.revoked_at is not None:
-        return None
-    if api_key.last_used_at is None or now - api_key.last_used_at >= LAST_USED_RESOLUTION:
+    meta = ApiKey._meta
+    # The row as far as it was read; other fields load on first access, as with only().
+    api_key = ApiKey.from_db(
+        connection.alias,
+        ["id", "company_id", "key_hash", "revoked_at"],
+        [meta.pk.to_python(pk), meta.get_field("company").to_python(company_id), key_hash, None],
+    )
+    if stale:
         ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
         api_key.last_used_at = now
     return api_key

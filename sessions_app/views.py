@@ -13,6 +13,7 @@ from uuid import UUID
 
 from django.conf import settings
 from django.db import transaction
+from django.http import HttpResponse
 from django.urls import reverse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -37,7 +38,6 @@ from sessions_app.models import (
 )
 from sessions_app.schedules import agent_schedule_sync
 from sessions_app.serializers import (
-    SESSION_LIST_COLUMNS,
     AgentListSerializer,
     AgentSerializer,
     CompanySerializer,
@@ -46,16 +46,15 @@ from sessions_app.serializers import (
     RunSerializer,
     SessionDetailSerializer,
     SessionListSerializer,
-    session_list_item,
 )
 from sessions_app.services import agent_delete, agent_pause, agent_resume, session_delete
+from sessions_app.session_list import SESSION_ORDER, session_list_page
 from sessions_app.stores import HistoryUnavailable, store_for
 
 logger = logging.getLogger(__name__)
 
 # Keyset orderings; each is served by an index named in the models.
 AGENT_ORDER = Keyset("name", descending=False)  # agents_company_status_idx
-SESSION_ORDER = Keyset("last_used", descending=True)  # sessions_agent_last_used_idx
 RUN_ORDER = Keyset("created_at", descending=True)  # runs_agent_created_idx
 
 
@@ -285,27 +284,26 @@ class SessionListView(ApiView):
     def get(self, request, company_id: UUID, agent_id: UUID):
         self.check_company_access(company_id)
         limit = parse_limit(request.query_params.get("limit"))
+        status_wanted = self.query_choice("status", SessionStatus.values)
+        created_after = self.query_datetime("created_after")
+        created_before = self.query_datetime("created_before")
+        cursor = request.query_params.get("next")
         # One query for the page and the agent's scope (the join is on the agents' primary
         # key); only an empty page needs a second look, to tell "no sessions" from a 404.
-        # `history` may be megabytes a row: a list never reads it (message_count is a column).
-        sessions = (
-            AgentSession.objects.filter(agent_id=agent_id, agent__company_id=company_id)
-            .exclude(agent__status=AgentStatus.DELETED)
-            .values(*SESSION_LIST_COLUMNS)
+        page = session_list_page(
+            company_id=company_id,
+            agent_id=agent_id,
+            limit=limit,
+            status=status_wanted,
+            created_after=created_after,
+            created_before=created_before,
+            after=SESSION_ORDER.decode(cursor, AgentSession) if cursor else None,
         )
-        wanted = self.query_choice("status", SessionStatus.values)
-        if wanted:
-            sessions = sessions.filter(status=wanted)
-        created_after = self.query_datetime("created_after")
-        if created_after:
-            sessions = sessions.filter(created_at__gte=created_after)
-        created_before = self.query_datetime("created_before")
-        if created_before:
-            sessions = sessions.filter(created_at__lt=created_before)
-        rows, cursor = SESSION_ORDER.page(sessions, limit=limit, cursor=request.query_params.get("next"))
-        if not rows:
+        if page.empty:
             self.get_agent(company_id, agent_id)
-        return Response({"sessions": [session_list_item(row) for row in rows], "next": cursor})
+        # Already JSON (see sessions_app.session_list); auth, permissions and the error
+        # handler ran as for any view, only the renderer is skipped.
+        return HttpResponse(page.body, content_type="application/json")
 
 
 HISTORY_STATUSES = {"history_unreadable": status.HTTP_503_SERVICE_UNAVAILABLE}

@@ -54,8 +54,8 @@ class Keyset:
         payload = json.dumps([value.isoformat() if hasattr(value, "isoformat") else value, str(pk)])
         return base64.urlsafe_b64encode(payload.encode()).decode().rstrip("=")
 
-    def after(self, queryset: QuerySet, cursor: str) -> QuerySet:
-        model = queryset.model
+    def decode(self, cursor: str, model) -> tuple:
+        """The ordering value and primary key a cursor names, typed as `model`'s fields; 400 if bad."""
         try:
             padded = cursor + "=" * (-len(cursor) % 4)
             value, pk = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
@@ -68,6 +68,10 @@ class Keyset:
             raise BadRequest("The cursor is not valid.", code="invalid_cursor", fields={"next": "invalid"}) from None
         if value is None or pk is None:
             raise BadRequest("The cursor is not valid.", code="invalid_cursor", fields={"next": "invalid"})
+        return value, pk
+
+    def after(self, queryset: QuerySet, cursor: str) -> QuerySet:
+        value, pk = self.decode(cursor, queryset.model)
         op = "lt" if self.descending else "gt"
         return queryset.filter(Q(**{f"{self.field}__{op}": value}) | Q(**{self.field: value, f"pk__{op}": pk}))
 

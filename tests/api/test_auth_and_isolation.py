@@ -10,7 +10,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
-from sessions_app.api_keys import api_key_authenticate, api_key_create, api_key_revoke
+from sessions_app.api_keys import LAST_USED_RESOLUTION, api_key_authenticate, api_key_create, api_key_revoke
 from sessions_app.models import Agent, AgentSession, ApiKey, HeartbeatRun
 from tests.api.conftest import Api, agent_url, assert_error, make_run, make_session
 
@@ -73,6 +73,31 @@ def test_last_used_at_is_written_at_most_once_a_minute(company, company_key, dja
         api_key_authenticate(plaintext=plaintext, now=now + timedelta(minutes=2))
     api_key.refresh_from_db()
     assert api_key.last_used_at == now + timedelta(minutes=2)
+
+
+@pytest.mark.parametrize("microsecond", [0, 123456])
+def test_last_used_at_is_written_again_exactly_a_minute_later(company_key, microsecond, django_assert_num_queries):
+    api_key, plaintext = company_key
+    now = timezone.now().replace(microsecond=microsecond)
+    api_key_authenticate(plaintext=plaintext, now=now)
+    with django_assert_num_queries(1):
+        api_key_authenticate(plaintext=plaintext, now=now + LAST_USED_RESOLUTION - timedelta(microseconds=1))
+    with django_assert_num_queries(2):
+        api_key_authenticate(plaintext=plaintext, now=now + LAST_USED_RESOLUTION)
+
+
+def test_authenticated_key_is_the_keys_row(company, company_key):
+    api_key, plaintext = company_key
+    found = api_key_authenticate(plaintext=plaintext, now=timezone.now())
+    assert (found.pk, found.company_id, found.key_hash) == (api_key.pk, company.id, api_key.key_hash)
+    assert found.is_active and found.name == "tests" and found.prefix == api_key.prefix
+    assert api_key_authenticate(plaintext=plaintext + "x", now=timezone.now()) is None
+
+
+def test_key_revoked_by_another_process_is_refused_on_the_next_request(key_api, company, company_key):
+    assert key_api.get(f"/api/companies/{company.id}").status_code == 200
+    ApiKey.objects.filter(pk=company_key[0].pk).update(revoked_at=timezone.now())
+    assert_error(key_api.get(f"/api/companies/{company.id}"), 401, "authentication_failed")
 
 
 def test_keys_are_never_logged(key_api, company, company_key, caplog):
