@@ -94,6 +94,12 @@ def cost_of(counts: TokenCounts, price: ModelPrice) -> Decimal:
     return total / MILLION
 
 
+def call_cost(*, usage: dict, model: str, at: datetime) -> Decimal:
+    """What a call cost, as its ledger row will say (0 for a model without a price)."""
+    price = price_for(model=model, at=at)
+    return ledger_usd(cost_of(token_counts(usage), price)) if price else Decimal(0)
+
+
 def cost_event_record(
     *,
     usage: dict,

@@ -8,6 +8,7 @@ The policy (budgets, splitting, prompts, caching markers) lives in `sessions_app
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -44,6 +45,10 @@ from sessions_app.stores import store_for
 if TYPE_CHECKING:
     from sessions_app.heartbeat import Plan
 
+# Called with each summary request before it is sent: the heartbeat reserves its cost
+# against the budgets there, and refuses (BudgetExceeded) before any request is made.
+BeforeCall = Callable[[AdapterRequest], None]
+
 
 @dataclass
 class Handoff:
@@ -61,11 +66,14 @@ class StepFailed(Exception):
         self.message = message
 
 
-def write_handoff(*, agent: Agent, adapter, plan: Plan, settings_: ContextSettings, now: datetime) -> None:
+def write_handoff(
+    *, agent: Agent, adapter, plan: Plan, settings_: ContextSettings, now: datetime, before_call: BeforeCall
+) -> None:
     """Rotation: summarise the ending session into the note that opens the next one."""
     predecessor = plan.retire
     old_history = store_for(predecessor).read(predecessor)
     request = summary_request(agent=agent, settings=settings_, messages=old_history, system=HANDOFF_SYSTEM)
+    before_call(request)
     try:
         reply = adapter.call(request)
     except AdapterError as exc:
@@ -76,7 +84,15 @@ def write_handoff(*, agent: Agent, adapter, plan: Plan, settings_: ContextSettin
 
 
 def fit_budget(
-    *, agent: Agent, adapter, run: HeartbeatRun, plan: Plan, user_content, settings_: ContextSettings, now: datetime
+    *,
+    agent: Agent,
+    adapter,
+    run: HeartbeatRun,
+    plan: Plan,
+    user_content,
+    settings_: ContextSettings,
+    now: datetime,
+    before_call: BeforeCall,
 ) -> AdapterRequest:
     """The request for this heartbeat, compacting the session first if it would not fit."""
     request = build_request(agent=agent, history=plan.history, user_content=user_content, settings=settings_)
@@ -93,6 +109,7 @@ def fit_budget(
         summarise = summary_request(
             agent=agent, settings=settings_, messages=plan.history[:split], system=SUMMARY_SYSTEM
         )
+        before_call(summarise)
         try:
             reply = adapter.call(summarise)
         except AdapterError as exc:

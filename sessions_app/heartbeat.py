@@ -34,7 +34,7 @@ from costs_app.budgets import (
     budgets_exist,
     estimate_call_cost,
 )
-from costs_app.pricing import cost_event_record, token_counts
+from costs_app.pricing import call_cost, cost_event_record, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.compaction import (
     Handoff,
@@ -309,20 +309,39 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
         return now + timedelta(seconds=time.monotonic() - started)
 
     adapter = get_adapter(agent.adapter_type)
+    budgeted = run.budgeted
+    # Spent by this run's own earlier calls and not yet in the ledger (a handoff note is
+    # recorded with the answer): held on top of each later reservation.
+    unrecorded = Decimal(0)
+
+    def reserve(request: AdapterRequest) -> None:
+        # Every model call a budgeted run makes is reserved before it is sent, summaries
+        # included: a budget is never crossed by a call nobody checked.
+        if budgeted:
+            reserve_budget(run=run, agent=agent, adapter=adapter, request=request, now=now, held=unrecorded)
+
     try:
         plan = plan_session(agent=agent, run=run, now=now, settings_=settings_)
         if plan.session is not None:
             HeartbeatRun.objects.filter(id=run.id).update(session=plan.session)
         if plan.retire_reason == "rotated":
-            write_handoff(agent=agent, adapter=adapter, plan=plan, settings_=settings_, now=now)
+            write_handoff(agent=agent, adapter=adapter, plan=plan, settings_=settings_, now=now, before_call=reserve)
+            note = plan.handoff.reply
+            if budgeted and note.usage is not None:
+                unrecorded = call_cost(usage=note.usage, model=note.model or agent.model_name, at=now)
         user_content = user_turn_content(run.task, plan.manifest)
         request = fit_budget(
-            agent=agent, adapter=adapter, run=run, plan=plan, user_content=user_content, settings_=settings_, now=now
+            agent=agent,
+            adapter=adapter,
+            run=run,
+            plan=plan,
+            user_content=user_content,
+            settings_=settings_,
+            now=now,
+            before_call=reserve,
         )
         request.metadata = {"run_id": str(run.id), "agent_id": str(agent.id)}
-        budgeted = run.budgeted
-        if budgeted:
-            reserve_budget(run=run, agent=agent, adapter=adapter, request=request, now=now)
+        reserve(request)
         reply = adapter.call(request)
     except (HistoryUnavailable, StepFailed, BudgetExceeded, AdapterError) as exc:
         # Every step's failure carries a stable code and a message for the run row.
@@ -345,25 +364,27 @@ def idle_pause(agent: Agent) -> timedelta:
     return timedelta(minutes=minutes)
 
 
-def reserve_budget(*, run: HeartbeatRun, agent: Agent, adapter, request: AdapterRequest, now: datetime) -> None:
+def reserve_budget(
+    *, run: HeartbeatRun, agent: Agent, adapter, request: AdapterRequest, now: datetime, held: Decimal = Decimal(0)
+) -> None:
     """Refuse before the call when it could cross a hard limit; hold its estimate otherwise.
 
     The size comes from a character estimate; only when that lands near the money left is
     it measured with count_tokens, so a call far over (or far under) a limit costs no
-    extra request.
+    extra request. `held` is what this run already spent outside the ledger.
     """
     max_output = request.max_tokens or int(agent.adapter_config.get("max_tokens") or 4096)
     size = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
     estimate = estimate_call_cost(model=request.model, input_tokens=size, max_output_tokens=max_output, at=now)
     headroom = budget_headroom(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
-    near = headroom is not None and headroom / 2 <= estimate <= headroom * Decimal("1.5")
+    near = headroom is not None and headroom / 2 <= estimate + held <= headroom * Decimal("1.5")
     if near and hasattr(adapter, "count_tokens"):
         try:
             size = adapter.count_tokens(request)
             estimate = estimate_call_cost(model=request.model, input_tokens=size, max_output_tokens=max_output, at=now)
         except AdapterError:
             pass  # the character estimate is conservative enough to decide on
-    warning = budget_reserve(run=run, agent=agent, estimate=estimate, now=now)
+    warning = budget_reserve(run=run, agent=agent, estimate=estimate + held, now=now)
     if warning:
         HeartbeatRun.objects.filter(id=run.id).update(warning=warning[:2000])
 

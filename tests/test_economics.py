@@ -141,6 +141,46 @@ def test_hard_limit_pauses_the_agent_and_raising_the_budget_resumes_it(persisten
     assert beat(persistent_agent, "back").status == RunStatus.SUCCEEDED
 
 
+def context_agent(company, **config):
+    return Agent.objects.create(
+        company=company,
+        name="long-running",
+        adapter_config={"model": "claude-opus-4-5", "session_mode": "persistent", **config},
+    )
+
+
+def test_a_summary_call_is_reserved_too_and_refused_before_any_request(company, fake_anthropic):
+    agent = context_agent(company, context_budget_tokens=1000, keep_recent_turns=1)
+    for i in range(3):
+        assert beat(agent, f"step {i}: " + "w" * 1200).status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    sent = len(fake_anthropic.message_requests)
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("0.01"))
+
+    # This turn no longer fits the context budget: the session would be summarised first.
+    run = beat(agent, "step 3: " + "w" * 1200)
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded")
+    assert len(fake_anthropic.message_requests) == sent  # neither the summary nor the turn
+    unchanged = AgentSession.objects.get(pk=session.pk)
+    assert (unchanged.message_count, unchanged.compaction_count) == (session.message_count, session.compaction_count)
+
+
+def test_a_handoff_call_is_reserved_too_and_refused_before_any_request(company, fake_anthropic):
+    agent = context_agent(company, rotate_after_turns=3)
+    for i in range(3):
+        assert beat(agent, f"turn {i}").status == RunStatus.SUCCEEDED
+    sent = len(fake_anthropic.message_requests)
+    Budget.objects.create(company=company, agent=agent, monthly_limit_usd=Decimal("0.01"))
+
+    run = beat(agent, "turn 3")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded")
+    assert len(fake_anthropic.message_requests) == sent
+    session = AgentSession.objects.get(agent=agent)
+    assert (session.status, session.message_count) == (SessionStatus.ACTIVE, 6)
+
+
 def test_daily_run_cap(persistent_agent, fake_anthropic):
     Budget.objects.create(company=persistent_agent.company, agent=persistent_agent, daily_run_limit=2)
     assert [beat(persistent_agent, f"t{i}").status for i in range(3)] == ["succeeded", "succeeded", "failed"]
