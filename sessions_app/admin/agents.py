@@ -1,0 +1,266 @@
+"""Agents: the configuration form, their recent sessions and runs, and the actions an operator
+takes on them (pause, resume, retire, delete, a heartbeat now).
+"""
+
+from __future__ import annotations
+
+import json
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
+from django.db import transaction
+from django.forms.fields import InvalidJSONInput
+from django.http import Http404, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+
+from costs_app.models import CostEvent
+from sessions_app import services
+from sessions_app.admin.common import (
+    RECENT_INLINE_ROWS,
+    ReadOnlyInline,
+    adapter_choices,
+    admin_link,
+    changelist_url,
+    deletion_summary,
+    humane_expiry,
+)
+from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunTrigger, SessionCompaction
+from sessions_app.schedules import agent_schedule_sync
+
+DEFAULT_HEARTBEAT_TASK = "Heartbeat started by an operator from the admin."
+
+
+class PrettyJSONField(forms.JSONField):
+    """A JSON object edited as indented text, so a configuration reads like the docs."""
+
+    def prepare_value(self, value):
+        if isinstance(value, InvalidJSONInput):
+            return value
+        return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, cls=self.encoder)
+
+
+class AgentAdminForm(forms.ModelForm):
+    adapter_type = forms.ChoiceField(choices=adapter_choices)
+    adapter_config = PrettyJSONField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 10, "cols": 70, "class": "vLargeTextField", "spellcheck": "false"}),
+        help_text=(
+            'A JSON object, e.g. {"model": "claude-opus-4-5", "session_mode": "persistent", '
+            '"session_ttl_hours": 24}. Defaults are filled in when saved; unknown keys are refused.'
+        ),
+    )
+
+    class Meta:
+        model = Agent
+        fields = ["company", "name", "system_prompt", "adapter_type", "adapter_config"]
+
+    def clean_adapter_config(self):
+        value = self.cleaned_data.get("adapter_config")
+        return {} if value is None else value
+
+    # Agent.clean() (run by the ModelForm) raises AgentConfigError, a ValidationError keyed
+    # by "adapter_config" / "adapter_type": both are fields here, so Django shows them as
+    # field errors next to the textarea instead of a 500.
+
+
+class HeartbeatForm(forms.Form):
+    task = forms.CharField(widget=forms.Textarea(attrs={"rows": 6, "cols": 80}), initial=DEFAULT_HEARTBEAT_TASK)
+
+
+class RecentSessionsInline(ReadOnlyInline):
+    model = AgentSession
+    fk_name = "agent"
+    verbose_name_plural = f"recent sessions (newest {RECENT_INLINE_ROWS})"
+    fields = readonly_fields = [
+        "status",
+        "message_count",
+        "last_used",
+        "expires",
+        "last_input_tokens",
+        "total_cost",
+    ]
+
+    def get_queryset(self, request):
+        return self.recent(request, super().get_queryset(request).defer("history"))
+
+    @admin.display(description="expires")
+    def expires(self, obj: AgentSession) -> str:
+        return humane_expiry(obj.expires_at, now=timezone.now())
+
+    @admin.display(description="total cost (USD)")
+    def total_cost(self, obj: AgentSession) -> str:
+        return f"{obj.total_cost_usd:.4f}"
+
+
+class RecentRunsInline(ReadOnlyInline):
+    model = HeartbeatRun
+    fk_name = "agent"
+    verbose_name_plural = f"recent runs (newest {RECENT_INLINE_ROWS})"
+    fields = readonly_fields = [
+        "status",
+        "trigger",
+        "created_at",
+        "finished_at",
+        "input_tokens",
+        "output_tokens",
+        "cost_usd",
+        "error_code",
+    ]
+
+    def get_queryset(self, request):
+        return self.recent(request, super().get_queryset(request).defer("task", "output"))
+
+
+@admin.register(Agent)
+class AgentAdmin(admin.ModelAdmin):
+    form = AgentAdminForm
+    list_display = ["name", "company", "adapter_type", "model", "session_mode", "status_flag", "updated_at"]
+    list_filter = ["status", "paused_reason", "adapter_type", "company"]
+    list_select_related = ["company"]
+    search_fields = ["name", "=id"]
+    search_help_text = "Agent name, or its exact id."
+    readonly_fields = ["id", "status", "paused_reason", "created_at", "updated_at", "deleted_at"]
+    inlines = [RecentSessionsInline, RecentRunsInline]
+    actions = ["pause_agents", "resume_agents", "run_heartbeat_now", "retire_agents"]
+    change_form_template = "admin/sessions_app/agent/change_form.html"
+
+    def get_fields(self, request, obj=None):
+        fields = ["company", "name", "system_prompt", "adapter_type", "adapter_config"]
+        return fields if obj is None else ["id", *fields, "status", "paused_reason", "created_at", "updated_at"]
+
+    @admin.display(description="model")
+    def model(self, obj: Agent) -> str:
+        return obj.model_name
+
+    @admin.display(description="status", ordering="status")
+    def status_flag(self, obj: Agent) -> str:
+        if obj.status == "paused" and obj.paused_reason == "budget":
+            # The one pause an operator must act on: raise the budget (or wait for the month).
+            return format_html(
+                '<strong class="budget-paused" style="color:#ba2121">{}</strong>', "paused: budget spent"
+            )
+        if obj.paused_reason:
+            return f"{obj.status} ({obj.paused_reason})"
+        return obj.status
+
+    @admin.display(description="session mode")
+    def session_mode(self, obj: Agent) -> str:
+        return obj.session_mode
+
+    def get_urls(self):
+        urls = [
+            path(
+                "<path:object_id>/heartbeat/",
+                self.admin_site.admin_view(self.heartbeat_view),
+                name="sessions_app_agent_heartbeat",
+            ),
+        ]
+        return urls + super().get_urls()
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        extra_context = {
+            **(extra_context or {}),
+            "sessions_url": changelist_url(AgentSession, agent=unquote(object_id)),
+            "runs_url": changelist_url(HeartbeatRun, agent=unquote(object_id)),
+            "costs_url": changelist_url(CostEvent, agent=unquote(object_id)),
+        }
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        # A changed heartbeat_interval_minutes moves the django-q2 schedule with it.
+        agent_schedule_sync(agent=obj)
+
+    def get_deleted_objects(self, objs, request):
+        ids = [obj.pk for obj in objs]
+        return deletion_summary(
+            self,
+            objs,
+            request,
+            [
+                AgentSession.objects.filter(agent_id__in=ids),
+                SessionCompaction.objects.filter(session__agent_id__in=ids),
+                HeartbeatRun.objects.filter(agent_id__in=ids),
+            ],
+        )
+
+    def delete_model(self, request, obj):
+        services.agents_hard_delete(agents=Agent.objects.filter(pk=obj.pk))
+
+    def delete_queryset(self, request, queryset):
+        services.agents_hard_delete(agents=queryset)
+
+    @admin.action(description="Pause selected agents", permissions=["change"])
+    def pause_agents(self, request, queryset):
+        for agent in queryset:
+            services.agent_pause(agent=agent)
+        self.message_user(request, f"Paused {queryset.count()} agent(s).", messages.SUCCESS)
+
+    @admin.action(description="Resume selected agents", permissions=["change"])
+    def resume_agents(self, request, queryset):
+        for agent in queryset:
+            services.agent_resume(agent=agent)
+        self.message_user(request, f"Resumed {queryset.count()} agent(s).", messages.SUCCESS)
+
+    @admin.action(
+        description="Retire selected agents (as the API's DELETE: keep runs and costs)", permissions=["change"]
+    )
+    def retire_agents(self, request, queryset):
+        now = timezone.now()
+        count = 0
+        for agent in queryset.exclude(status=AgentStatus.DELETED):
+            services.agent_delete(agent=agent, now=now)
+            count += 1
+        self.message_user(request, f"Retired {count} agent(s); their sessions were deleted.", messages.SUCCESS)
+
+    @admin.action(description="Run a heartbeat now", permissions=["change"])
+    def run_heartbeat_now(self, request, queryset):
+        for agent in queryset:
+            self.start_heartbeat(request, agent=agent, task=DEFAULT_HEARTBEAT_TASK)
+
+    def start_heartbeat(self, request, *, agent: Agent, task: str) -> HeartbeatRun | None:
+        from sessions_app.heartbeat import HeartbeatRefused, heartbeat_dispatch, heartbeat_enqueue
+
+        try:
+            with transaction.atomic():
+                run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now(), trigger=RunTrigger.ADMIN)
+                heartbeat_dispatch(run=run)
+        except HeartbeatRefused as exc:
+            self.message_user(request, f"{agent.name}: heartbeat refused ({exc.code}): {exc.message}", messages.ERROR)
+            return None
+        self.message_user(
+            request,
+            format_html(
+                "{}: heartbeat queued as {}.",
+                agent.name,
+                admin_link("admin:sessions_app_heartbeatrun_change", run.pk, f"run {run.pk}"),
+            ),
+            messages.SUCCESS,
+        )
+        return run
+
+    def heartbeat_view(self, request, object_id):
+        agent = self.get_object(request, unquote(object_id))
+        if agent is None:
+            raise Http404("No such agent.")
+        if not self.has_change_permission(request, agent):
+            raise PermissionDenied
+        form = HeartbeatForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            run = self.start_heartbeat(request, agent=agent, task=form.cleaned_data["task"])
+            if run is not None:
+                return HttpResponseRedirect(reverse("admin:sessions_app_heartbeatrun_change", args=[run.pk]))
+            return HttpResponseRedirect(reverse("admin:sessions_app_agent_change", args=[agent.pk]))
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"Run a heartbeat of {agent.name}",
+            "agent": agent,
+            "form": form,
+        }
+        return TemplateResponse(request, "admin/sessions_app/agent/heartbeat.html", context)

@@ -1,0 +1,167 @@
+"""What the admin's pages share: the capped paginator, links, expiry wording, delete summaries,
+the read-only inline, and the filters that more than one changelist uses.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.contrib import admin
+from django.contrib.admin.utils import unquote
+from django.core.paginator import Paginator
+from django.db import connection
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils.functional import cached_property
+from django.utils.html import format_html
+from django.utils.http import urlencode
+from django.utils.text import capfirst
+from django.utils.timesince import timesince, timeuntil
+
+from sessions_app.adapters import ADAPTERS
+from sessions_app.models import Agent, AgentSession
+
+RECENT_INLINE_ROWS = 10
+
+
+class CappedCountPaginator(Paginator):
+    """Counts at most `count_cap` rows instead of the whole (filtered) table.
+
+    `SELECT COUNT(*) FROM (... LIMIT cap+1)` stops after cap+1 index entries, so a filtered
+    changelist of a table with millions of rows stays fast. Past the cap, an unfiltered list
+    on PostgreSQL shows the planner's estimate (pg_class.reltuples); otherwise the cap. The
+    pages beyond it are reached by narrowing with filters or the date hierarchy.
+    """
+
+    count_cap = 10_000
+
+    @cached_property
+    def count(self) -> int:
+        queryset = self.object_list
+        if not isinstance(queryset, QuerySet):
+            return len(queryset)
+        if queryset.query.is_sliced:
+            return queryset.count()
+        capped = queryset.values("pk").order_by()[: self.count_cap + 1].count()
+        if capped <= self.count_cap:
+            return capped
+        if connection.vendor == "postgresql" and not queryset.query.where:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
+                    [queryset.model._meta.db_table],
+                )
+                row = cursor.fetchone()
+            if row and row[0] > self.count_cap:
+                return int(row[0])
+        return self.count_cap
+
+
+def humane_expiry(expires_at: datetime | None, *, now: datetime) -> str:
+    """'in 3 hours', 'expired 2 days ago', or 'never'."""
+    if expires_at is None:
+        return "never"
+    if expires_at > now:
+        return f"in {timeuntil(expires_at, now, depth=1)}"
+    return f"expired {timesince(expires_at, now, depth=1)} ago"
+
+
+def session_public_id(session_id) -> str:
+    return AgentSession(id=session_id).public_id if session_id else ""
+
+
+def is_changelist(request: HttpRequest) -> bool:
+    match = request.resolver_match
+    return bool(match and match.url_name and match.url_name.endswith("_changelist"))
+
+
+def admin_link(viewname: str, object_id, text: str) -> str:
+    return format_html('<a href="{}">{}</a>', reverse(viewname, args=[object_id]), text)
+
+
+def changelist_url(model, **filters) -> str:
+    url = reverse(f"admin:{model._meta.app_label}_{model._meta.model_name}_changelist")
+    return f"{url}?{urlencode(filters)}" if filters else url
+
+
+def deletion_summary(model_admin: admin.ModelAdmin, objs, request: HttpRequest, related: list[QuerySet]):
+    """The delete confirmation's (to_delete, model_count, perms_needed, protected), by counts.
+
+    Django's default lists every cascaded row, loading each one: for an agent that means
+    every session with its history. One COUNT per related table says as much.
+    """
+    objs = list(objs)
+    opts = model_admin.model._meta
+    counts = {opts.verbose_name_plural: len(objs)}
+    lines = []
+    perms_needed = set()
+    for queryset in related:
+        related_opts = queryset.model._meta
+        count = queryset.count()
+        if not count:
+            continue
+        counts[related_opts.verbose_name_plural] = count
+        lines.append(f"{count} {related_opts.verbose_name if count == 1 else related_opts.verbose_name_plural}")
+        related_admin = model_admin.admin_site._registry.get(queryset.model)
+        if related_admin is not None and not related_admin.has_delete_permission(request):
+            perms_needed.add(related_opts.verbose_name)
+    to_delete = []
+    for obj in objs:
+        to_delete.append(f"{capfirst(opts.verbose_name)}: {obj}")
+    to_delete.append(lines)
+    return to_delete, counts, perms_needed, []
+
+
+class ReadOnlyInline(admin.TabularInline):
+    """The newest rows of a related list, for reading; the full list is one link away."""
+
+    extra = 0
+    max_num = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    def recent(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        # The formset filters by the parent itself but cannot slice; restrict to the newest
+        # rows with a LIMITed subquery on the parent's id (uses the (agent, -time) index).
+        object_id = request.resolver_match.kwargs.get("object_id") if request.resolver_match else None
+        if object_id is None:
+            return queryset.none()
+        newest = (
+            self.model._default_manager.filter(agent_id=unquote(object_id))
+            .order_by(*self.model._meta.ordering)
+            .values("pk")[:RECENT_INLINE_ROWS]
+        )
+        return queryset.filter(pk__in=newest)
+
+
+def adapter_choices() -> list[tuple[str, str]]:
+    return [(name, name) for name in sorted(ADAPTERS)]
+
+
+class ModelNameFilter(admin.SimpleListFilter):
+    """Models named by agents or prices: two small tables, never a DISTINCT over the big one."""
+
+    title = "model"
+    parameter_name = "model"
+
+    def lookups(self, request, model_admin):
+        from costs_app.models import ModelPrice
+
+        names = set(ModelPrice.objects.order_by().values_list("model", flat=True).distinct())
+        names |= {
+            name for name in Agent.objects.values_list("adapter_config__model", flat=True) if isinstance(name, str)
+        }
+        return [(name, name) for name in sorted(names) if name]
+
+    def queryset(self, request, queryset):
+        return queryset.filter(model=self.value()) if self.value() else queryset

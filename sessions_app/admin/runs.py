@@ -1,0 +1,93 @@
+"""Heartbeat runs: read-only records of what happened."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+
+from sessions_app.admin.common import CappedCountPaginator, admin_link, is_changelist, session_public_id
+from sessions_app.models import HeartbeatRun, parse_session_id
+
+
+@admin.register(HeartbeatRun)
+class HeartbeatRunAdmin(admin.ModelAdmin):
+    list_display = [
+        "run_id",
+        "agent",
+        "company",
+        "status",
+        "trigger",
+        "session_link",
+        "created_at",
+        "finished_at",
+        "input_tokens",
+        "output_tokens",
+        "cost_usd",
+        "error_code",
+    ]
+    list_display_links = ["run_id"]
+    list_filter = ["status", "trigger", "company", "agent"]
+    search_fields = ["agent__name"]
+    search_help_text = "A run id, a session id (sess_… or UUID), or an agent name."
+    date_hierarchy = "created_at"
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
+    paginator = CappedCountPaginator
+    fields = [
+        "id",
+        "agent",
+        "company",
+        "session_link",
+        "status",
+        "trigger",
+        "task",
+        "force_fresh",
+        "idempotency_key",
+        "output",
+        "error_code",
+        "error",
+        "model",
+        "message_id",
+        "stop_reason",
+        "input_tokens",
+        "output_tokens",
+        "cache_creation_input_tokens",
+        "cache_read_input_tokens",
+        "cost_usd",
+        "reserved_usd",
+        "warning",
+        "created_at",
+        "started_at",
+        "finished_at",
+        "deadline_at",
+        "claimed_by",
+    ]
+    readonly_fields = fields
+
+    def get_queryset(self, request):
+        queryset = super().get_queryset(request).select_related("agent", "company")
+        queryset = queryset.defer("agent__system_prompt", "agent__adapter_config")
+        # The list shows none of the long texts; the run's own page shows them all.
+        return queryset.defer("task", "output", "error", "warning") if is_changelist(request) else queryset
+
+    def get_search_results(self, request, queryset, search_term):
+        object_id = parse_session_id(search_term)
+        if object_id is not None:
+            return queryset.filter(pk=object_id) | queryset.filter(session_id=object_id), False
+        return super().get_search_results(request, queryset, search_term)
+
+    def has_add_permission(self, request) -> bool:
+        return False  # runs are created by heartbeats
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False  # a run is a record of what happened
+
+    @admin.display(description="run", ordering="created_at")
+    def run_id(self, obj: HeartbeatRun) -> str:
+        return str(obj.pk)[:8] + "…"
+
+    @admin.display(description="session")
+    def session_link(self, obj: HeartbeatRun) -> str:
+        # By id only: joining the session would drag its history along.
+        if not obj.session_id:
+            return "-"
+        return admin_link("admin:sessions_app_agentsession_change", obj.session_id, session_public_id(obj.session_id))

@@ -1,0 +1,341 @@
+"""Sessions: a changelist that never loads history or counts the table, and a read-only page
+that shows the conversation, with export, expire and clear-history.
+"""
+
+from __future__ import annotations
+
+import json
+
+from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
+from django.contrib.humanize.templatetags.humanize import naturaltime
+from django.core.exceptions import PermissionDenied
+from django.db.models import Sum
+from django.http import Http404, HttpResponse, HttpResponseRedirect, JsonResponse
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+
+from costs_app.models import CostEvent
+from sessions_app import services
+from sessions_app.admin.common import (
+    CappedCountPaginator,
+    ModelNameFilter,
+    adapter_choices,
+    admin_link,
+    changelist_url,
+    deletion_summary,
+    humane_expiry,
+    session_public_id,
+)
+from sessions_app.models import LIVE_SESSION_STATUSES, AgentSession, HeartbeatRun, SessionCompaction, parse_session_id
+from sessions_app.stores import HistoryUnavailable, store_for
+from sessions_app.transcript import transcript
+
+# The raw JSON toggle shows at most this much; the export has the whole history.
+RAW_HISTORY_MAX_CHARS = 500_000
+
+
+class AdapterTypeFilter(admin.SimpleListFilter):
+    title = "adapter"
+    parameter_name = "adapter_type"
+
+    def lookups(self, request, model_admin):
+        return adapter_choices()
+
+    def queryset(self, request, queryset):
+        return queryset.filter(adapter_type=self.value()) if self.value() else queryset
+
+
+@admin.register(AgentSession)
+class AgentSessionAdmin(admin.ModelAdmin):
+    list_display = [
+        "session_id",
+        "agent",
+        "company",
+        "status_now",
+        "message_count",
+        "last_used_ago",
+        "expires",
+        "last_input_tokens",
+        "total_cost",
+    ]
+    list_display_links = ["session_id"]
+    list_filter = ["status", "company", "agent", AdapterTypeFilter, ModelNameFilter]
+    search_fields = ["agent__name"]
+    search_help_text = "A session id (sess_… or UUID) or an agent name."
+    date_hierarchy = "last_used"
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
+    paginator = CappedCountPaginator
+    actions = ["expire_now", "clear_history"]
+    fieldsets = [
+        (
+            None,
+            {
+                "fields": [
+                    ("session_id", "status_now"),
+                    ("agent", "company"),
+                    ("message_count", "expires"),
+                    ("created_at", "last_used"),
+                ]
+            },
+        ),
+        (
+            "Usage",
+            {
+                "fields": [
+                    ("adapter_type", "model"),
+                    ("last_input_tokens", "total_cost"),
+                    ("total_input_tokens", "total_output_tokens"),
+                ]
+            },
+        ),
+        (
+            "Lifecycle and storage",
+            {
+                "classes": ["collapse"],
+                "fields": [
+                    "store",
+                    ("paused_at", "pause_at"),
+                    "active_seconds",
+                    ("ended_at", "end_reason"),
+                    "history_purged_at",
+                    "predecessor_link",
+                ],
+            },
+        ),
+        (
+            "Context management",
+            {
+                "classes": ["collapse"],
+                "fields": ["turn_count", "compaction_count", "archived_message_count", "manifest_json"],
+            },
+        ),
+    ]
+    readonly_fields = [
+        "session_id",
+        "status_now",
+        "agent",
+        "company",
+        "message_count",
+        "expires",
+        "created_at",
+        "last_used",
+        "adapter_type",
+        "model",
+        "last_input_tokens",
+        "total_cost",
+        "total_input_tokens",
+        "total_output_tokens",
+        "store",
+        "ended_at",
+        "end_reason",
+        "history_purged_at",
+        "predecessor_link",
+        "paused_at",
+        "pause_at",
+        "active_seconds",
+        "turn_count",
+        "compaction_count",
+        "archived_message_count",
+        "manifest_json",
+    ]
+    change_form_template = "admin/sessions_app/agentsession/change_form.html"
+
+    def get_queryset(self, request):
+        # Never the history (it can be megabytes per row); the agent and company come in
+        # the same query, so a page costs the same whatever its length.
+        return (
+            super()
+            .get_queryset(request)
+            .select_related("agent", "company")
+            .defer("history", "agent__system_prompt", "agent__adapter_config")
+        )
+
+    def get_search_results(self, request, queryset, search_term):
+        session_id = parse_session_id(search_term)
+        if session_id is not None:
+            return queryset.filter(pk=session_id), False
+        return super().get_search_results(request, queryset, search_term)
+
+    def has_add_permission(self, request) -> bool:
+        return False  # sessions are created by heartbeats
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        # A session page is for reading (and deleting); the list's actions still change.
+        return obj is None and super().has_change_permission(request)
+
+    @admin.display(description="session", ordering="id")
+    def session_id(self, obj: AgentSession) -> str:
+        return obj.public_id
+
+    @admin.display(description="status", ordering="status")
+    def status_now(self, obj: AgentSession) -> str:
+        if obj.status in LIVE_SESSION_STATUSES and not obj.is_live_at(timezone.now()):
+            return "expired (not yet swept)"
+        return obj.status
+
+    @admin.display(description="expires", ordering="expires_at")
+    def expires(self, obj: AgentSession) -> str:
+        return humane_expiry(obj.expires_at, now=timezone.now())
+
+    @admin.display(description="last used", ordering="last_used")
+    def last_used_ago(self, obj: AgentSession) -> str:
+        return format_html('<span title="{}">{}</span>', obj.last_used.isoformat(), naturaltime(obj.last_used))
+
+    @admin.display(description="total cost (USD)", ordering="total_cost_usd")
+    def total_cost(self, obj: AgentSession) -> str:
+        return f"{obj.total_cost_usd:.4f}"
+
+    @admin.display(description="artifact manifest")
+    def manifest_json(self, obj: AgentSession) -> str:
+        if not obj.manifest:
+            return "-"
+        return format_html("<pre>{}</pre>", json.dumps(obj.manifest, indent=2, ensure_ascii=False, default=str))
+
+    @admin.display(description="predecessor")
+    def predecessor_link(self, obj: AgentSession) -> str:
+        if not obj.predecessor_id:
+            return "-"
+        return admin_link(
+            "admin:sessions_app_agentsession_change", obj.predecessor_id, session_public_id(obj.predecessor_id)
+        )
+
+    def get_urls(self):
+        info = "sessions_app_agentsession"
+        urls = [
+            path("<path:object_id>/export/", self.admin_site.admin_view(self.export_view), name=f"{info}_export"),
+            path("<path:object_id>/expire/", self.admin_site.admin_view(self.expire_view), name=f"{info}_expire"),
+            path(
+                "<path:object_id>/clear-history/",
+                self.admin_site.admin_view(self.clear_history_view),
+                name=f"{info}_clear_history",
+            ),
+        ]
+        return urls + super().get_urls()
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        session = self.get_object(request, unquote(object_id))
+        if session is not None:
+            extra_context = {**(extra_context or {}), **self.conversation_context(request, session)}
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def conversation_context(self, request, session: AgentSession) -> dict:
+        try:
+            history = store_for(session).read(session)
+            history_error = ""
+        except HistoryUnavailable as exc:
+            history, history_error = [], exc.message
+        run_costs = {
+            str(row["run_id"]): row["cost"]
+            for row in CostEvent.objects.filter(session_id=session.pk, run_id__isnull=False)
+            .values("run_id")
+            .annotate(cost=Sum("cost_usd"))
+            .order_by()
+        }
+        raw = json.dumps(history, indent=2, ensure_ascii=False, default=str) if not history_error else ""
+        # Compacted turns were moved, verbatim, to the session's compactions: shown apart,
+        # marked as archived, in the order they happened (one query).
+        compactions = [
+            {"record": compaction, "turns": transcript(compaction.archived_messages or [], run_costs=run_costs)}
+            for compaction in SessionCompaction.objects.filter(session_id=session.pk).order_by("created_at")
+        ]
+        return {
+            "compactions": compactions,
+            "session": session,
+            "turns": transcript(history, run_costs=run_costs),
+            "history_error": history_error,
+            "raw_history": raw[:RAW_HISTORY_MAX_CHARS],
+            "raw_history_truncated": len(raw) > RAW_HISTORY_MAX_CHARS,
+            "runs_url": changelist_url(HeartbeatRun, session=session.pk),
+            "costs_url": changelist_url(CostEvent, session=session.pk),
+            "agent_url": reverse("admin:sessions_app_agent_change", args=[session.agent_id]),
+            "can_act_on_session": super().has_change_permission(request),
+        }
+
+    def _get_session_or_404(self, request, object_id) -> AgentSession:
+        session = self.get_object(request, unquote(object_id))
+        if session is None:
+            raise Http404("No such session.")
+        return session
+
+    def export_view(self, request, object_id):
+        session = self._get_session_or_404(request, object_id)
+        if not self.has_view_permission(request, session):
+            raise PermissionDenied
+        try:
+            history = store_for(session).read(session)
+        except HistoryUnavailable as exc:
+            self.message_user(request, f"Cannot export: {exc.message}", messages.ERROR)
+            return HttpResponseRedirect(reverse("admin:sessions_app_agentsession_change", args=[session.pk]))
+        document = {
+            "session": {
+                "id": session.public_id,
+                "agent_id": str(session.agent_id),
+                "company_id": str(session.company_id),
+                "status": session.status,
+                "store": session.store,
+                "message_count": session.message_count,
+                "created_at": session.created_at,
+                "last_used": session.last_used,
+                "expires_at": session.expires_at,
+                "ended_at": session.ended_at,
+                "end_reason": session.end_reason,
+                "adapter_type": session.adapter_type,
+                "model": session.model,
+                "last_input_tokens": session.last_input_tokens,
+                "total_input_tokens": session.total_input_tokens,
+                "total_output_tokens": session.total_output_tokens,
+                "total_cost_usd": str(session.total_cost_usd),
+            },
+            "history": history,
+        }
+        response = JsonResponse(document, json_dumps_params={"indent": 2, "ensure_ascii": False})
+        response["Content-Disposition"] = f'attachment; filename="{session.public_id}.json"'
+        return response
+
+    def _post_action(self, request, object_id) -> AgentSession:
+        if request.method != "POST":
+            raise PermissionDenied
+        if not super().has_change_permission(request):
+            raise PermissionDenied
+        return self._get_session_or_404(request, object_id)
+
+    def expire_view(self, request, object_id) -> HttpResponse:
+        session = self._post_action(request, object_id)
+        if services.session_expire(session=session, now=timezone.now()):
+            self.message_user(request, f"Session {session.public_id} expired.", messages.SUCCESS)
+        else:
+            self.message_user(request, f"Session {session.public_id} was no longer live.", messages.WARNING)
+        return HttpResponseRedirect(reverse("admin:sessions_app_agentsession_change", args=[session.pk]))
+
+    def clear_history_view(self, request, object_id) -> HttpResponse:
+        session = self._post_action(request, object_id)
+        services.session_clear_history(session=session)
+        self.message_user(request, f"History of session {session.public_id} cleared.", messages.SUCCESS)
+        return HttpResponseRedirect(reverse("admin:sessions_app_agentsession_change", args=[session.pk]))
+
+    def get_deleted_objects(self, objs, request):
+        ids = [obj.pk for obj in objs]
+        return deletion_summary(self, objs, request, [SessionCompaction.objects.filter(session_id__in=ids)])
+
+    def delete_model(self, request, obj):
+        services.session_delete(session=obj)
+
+    def delete_queryset(self, request, queryset):
+        services.sessions_delete(sessions=queryset)
+
+    @admin.action(description="Expire selected sessions now", permissions=["change"])
+    def expire_now(self, request, queryset):
+        now = timezone.now()
+        expired = sum(services.session_expire(session=session, now=now) for session in queryset)
+        self.message_user(request, f"Expired {expired} session(s).", messages.SUCCESS)
+
+    @admin.action(description="Clear history of selected sessions (keep the rows)", permissions=["change"])
+    def clear_history(self, request, queryset):
+        count = 0
+        for session in queryset:
+            services.session_clear_history(session=session)
+            count += 1
+        self.message_user(request, f"Cleared the history of {count} session(s).", messages.SUCCESS)
