@@ -215,11 +215,11 @@ class AgentSessionAdmin(admin.ModelAdmin):
         ]
         return urls + super().get_urls()
 
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        session = self.get_object(request, unquote(object_id))
-        if session is not None:
-            extra_context = {**(extra_context or {}), **self.conversation_context(request, session)}
-        return super().change_view(request, object_id, form_url, extra_context)
+    def render_change_form(self, request, context, add=False, change=False, form_url="", obj=None):
+        # Here rather than in change_view, which would fetch the row a second time.
+        if obj is not None:
+            context = {**context, **self.conversation_context(request, obj)}
+        return super().render_change_form(request, context, add, change, form_url, obj)
 
     def conversation_context(self, request, session: AgentSession) -> dict:
         try:

@@ -304,6 +304,18 @@ def test_session_page_query_count_does_not_grow_with_turns(admin_client, persist
     assert queries(2) == queries(60)
 
 
+def test_session_page_fetches_the_session_once(admin_client, persistent_agent, django_assert_max_num_queries):
+    run = make_run(persistent_agent)
+    session = make_session(persistent_agent, history=conversation(2, run_id=str(run.pk)), store=HistoryStore.DATABASE)
+    make_cost(persistent_agent, session=session, run=run)
+    admin_client.get(change_url(session))  # warm the per-process caches (content types)
+    # The login's session and user, the session row, its history (deferred by the admin's
+    # queryset), the ledger's cost per run, the compactions.
+    with django_assert_max_num_queries(6) as captured:
+        assert admin_client.get(change_url(session)).status_code == 200
+    assert sum('"agent_sessions"."status"' in query["sql"] for query in captured.captured_queries) == 1
+
+
 def test_compacted_turns_are_shown_archived_and_escaped(
     admin_client, persistent_agent, django_capture_on_commit_callbacks
 ):
