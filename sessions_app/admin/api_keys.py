@@ -38,7 +38,9 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def get_readonly_fields(self, request, obj=None):
         if obj is None:
             return []
-        return ["company", "prefix", "created_at", "last_used_at"]
+        # Revocation goes through the action and is final: a leaked key that an operator
+        # revoked must not come back by clearing a date field.
+        return ["company", "prefix", "created_at", "last_used_at", "revoked_at"]
 
     @admin.display(boolean=True, description="active")
     def is_active(self, obj: ApiKey) -> bool:

@@ -82,6 +82,10 @@ def test_api_key_is_shown_once_and_only_its_hash_is_stored(admin_client, company
     key.refresh_from_db()
     assert key.revoked_at is not None
 
+    # The change form cannot bring a revoked key back.
+    admin_client.post(reverse("admin:sessions_app_apikey_change", args=[key.pk]), {"name": "ci", "revoked_at": ""})
+    assert ApiKey.objects.get(pk=key.pk).revoked_at == key.revoked_at
+
 
 def test_costs_page_shows_a_chart_and_flags_growing_agents(admin_client, persistent_agent, stateless_agent):
     now = timezone.now()
