@@ -11,7 +11,6 @@ from datetime import datetime
 
 from django.db import transaction
 from django.db.models import QuerySet
-from django.utils import timezone
 
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -43,19 +42,19 @@ def _delete_history_files(rows: list[tuple]) -> None:
             logger.exception("Could not delete the history file of session %s", session.public_id)
 
 
-def sessions_delete(*, sessions: QuerySet[AgentSession]) -> int:
+def sessions_delete(*, sessions: QuerySet[AgentSession], now: datetime) -> int:
     """Delete sessions and their histories (rows, and files after the commit)."""
     with transaction.atomic():
         rows = list(sessions.values_list("id", "agent_id", "store"))
         # Active time already spent is billed before the session goes.
-        session_hours_bill(session_ids=[row[0] for row in rows], now=timezone.now())
+        session_hours_bill(session_ids=[row[0] for row in rows], now=now)
         count, _ = AgentSession.objects.filter(id__in=[row[0] for row in rows]).delete()
         transaction.on_commit(lambda: _delete_history_files(rows))
     return count
 
 
-def session_delete(*, session: AgentSession) -> None:
-    sessions_delete(sessions=AgentSession.objects.filter(pk=session.pk))
+def session_delete(*, session: AgentSession, now: datetime) -> None:
+    sessions_delete(sessions=AgentSession.objects.filter(pk=session.pk), now=now)
 
 
 def session_expire(*, session: AgentSession, now: datetime) -> bool:
@@ -100,16 +99,16 @@ def agent_delete(*, agent: Agent, now: datetime) -> None:
         HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).update(
             status=RunStatus.FAILED, error_code="agent_deleted", error="The agent was deleted.", finished_at=now
         )
-        sessions_delete(sessions=AgentSession.objects.filter(agent=agent))
+        sessions_delete(sessions=AgentSession.objects.filter(agent=agent), now=now)
     agent.refresh_from_db(fields=["status", "deleted_at", "paused_reason"])
     agent_schedule_sync(agent=agent)
 
 
-def agents_hard_delete(*, agents: QuerySet[Agent]) -> int:
+def agents_hard_delete(*, agents: QuerySet[Agent], now: datetime) -> int:
     """Remove agents entirely (admin): their sessions' files go too. The ledger stays."""
     with transaction.atomic():
         agent_ids = list(agents.values_list("id", flat=True))
-        sessions_delete(sessions=AgentSession.objects.filter(agent_id__in=agent_ids))
+        sessions_delete(sessions=AgentSession.objects.filter(agent_id__in=agent_ids), now=now)
         count, _ = Agent.objects.filter(id__in=agent_ids).delete()
     for agent_id in agent_ids:
         agent_schedule_sync(agent=Agent(id=agent_id, status=AgentStatus.DELETED))

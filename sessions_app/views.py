@@ -350,5 +350,7 @@ class SessionDetailView(ApiView):
         description="Delete the session and its history (row and file). The next heartbeat starts fresh.",
     )
     def delete(self, request, company_id: UUID, agent_id: UUID, session_id: str):
-        session_delete(session=self.get_session(company_id, agent_id, session_id, with_history=False))
+        session_delete(
+            session=self.get_session(company_id, agent_id, session_id, with_history=False), now=timezone.now()
+        )
         return Response(status=status.HTTP_204_NO_CONTENT)

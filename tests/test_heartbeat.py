@@ -105,7 +105,7 @@ def test_force_fresh_and_model_change_start_new_sessions(persistent_agent, fake_
 def test_deleted_session_is_never_resumed(persistent_agent, fake_anthropic, django_capture_on_commit_callbacks):
     first = beat(persistent_agent, "one")
     with django_capture_on_commit_callbacks(execute=True):
-        session_delete(session=AgentSession.objects.get(id=first.session_id))
+        session_delete(session=AgentSession.objects.get(id=first.session_id), now=timezone.now())
     second = beat(persistent_agent, "two")
     assert second.session_id != first.session_id
     assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "two")]

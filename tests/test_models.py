@@ -104,7 +104,7 @@ def test_hard_deleting_agents_removes_history_files_and_keeps_cost_events(
     CostEvent.objects.create(company=persistent_agent.company, agent=persistent_agent, session=session, model="m")
 
     with django_capture_on_commit_callbacks(execute=True):
-        agents_hard_delete(agents=Agent.objects.filter(pk=persistent_agent.pk))
+        agents_hard_delete(agents=Agent.objects.filter(pk=persistent_agent.pk), now=timezone.now())
 
     assert not Agent.objects.filter(pk=persistent_agent.pk).exists()
     assert not path.exists()

@@ -190,10 +190,10 @@ class AgentAdmin(admin.ModelAdmin):
         )
 
     def delete_model(self, request, obj):
-        services.agents_hard_delete(agents=Agent.objects.filter(pk=obj.pk))
+        services.agents_hard_delete(agents=Agent.objects.filter(pk=obj.pk), now=timezone.now())
 
     def delete_queryset(self, request, queryset):
-        services.agents_hard_delete(agents=queryset)
+        services.agents_hard_delete(agents=queryset, now=timezone.now())
 
     @admin.action(description="Pause selected agents", permissions=["change"])
     def pause_agents(self, request, queryset):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db import transaction
 from django.db.models import Count
+from django.utils import timezone
 
 from sessions_app import services
 from sessions_app.admin.common import deletion_summary
@@ -46,5 +47,5 @@ class CompanyAdmin(admin.ModelAdmin):
         # Through the agents' delete, so their sessions' history files go too (a plain
         # cascade would leave them on disk). The cost ledger stays, as for agents.
         with transaction.atomic():
-            services.agents_hard_delete(agents=Agent.objects.filter(company__in=queryset))
+            services.agents_hard_delete(agents=Agent.objects.filter(company__in=queryset), now=timezone.now())
             queryset.delete()

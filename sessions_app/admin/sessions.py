@@ -321,10 +321,10 @@ class AgentSessionAdmin(admin.ModelAdmin):
         return deletion_summary(self, objs, request, [SessionCompaction.objects.filter(session_id__in=ids)])
 
     def delete_model(self, request, obj):
-        services.session_delete(session=obj)
+        services.session_delete(session=obj, now=timezone.now())
 
     def delete_queryset(self, request, queryset):
-        services.sessions_delete(sessions=queryset)
+        services.sessions_delete(sessions=queryset, now=timezone.now())
 
     @admin.action(description="Expire selected sessions now", permissions=["change"])
     def expire_now(self, request, queryset):
