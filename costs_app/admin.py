@@ -20,7 +20,7 @@ from costs_app.budgets import budget_uses, period_start
 from costs_app.charts import Series, limit_series, stacked_bar_chart
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
-from sessions_app.admin import CappedCountPaginator, ModelNameFilter, admin_link, is_changelist, session_public_id
+from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist, session_public_id
 from sessions_app.models import Agent, Company
 
 REPORT_DAYS = 30
@@ -185,7 +185,7 @@ class BudgetAdmin(admin.ModelAdmin):
 
 
 @admin.register(CostEvent)
-class CostEventAdmin(admin.ModelAdmin):
+class CostEventAdmin(LargeTableAdmin):
     """The ledger: money already spent. Readable and filterable, never edited."""
 
     list_display = [
@@ -204,9 +204,6 @@ class CostEventAdmin(admin.ModelAdmin):
     ]
     list_filter = ["kind", "unpriced", ModelNameFilter, "company"]
     date_hierarchy = "created_at"
-    show_full_result_count = False
-    show_facets = admin.ShowFacets.NEVER
-    paginator = CappedCountPaginator
     actions = None
 
     def get_queryset(self, request):

@@ -15,6 +15,7 @@ from sessions_app.admin.agents import AgentAdmin
 from sessions_app.admin.api_keys import ApiKeyAdmin
 from sessions_app.admin.common import (
     CappedCountPaginator,
+    LargeTableAdmin,
     ModelNameFilter,
     admin_link,
     humane_expiry,
@@ -32,6 +33,7 @@ __all__ = [
     "CappedCountPaginator",
     "CompanyAdmin",
     "HeartbeatRunAdmin",
+    "LargeTableAdmin",
     "ModelNameFilter",
     "admin_link",
     "humane_expiry",

@@ -58,6 +58,15 @@ class CappedCountPaginator(Paginator):
         return self.count_cap
 
 
+class LargeTableAdmin(admin.ModelAdmin):
+    """For tables that grow without bound (sessions, runs, cost events): no exact count
+    of the whole table and no facet counts, which would each scan it on every page."""
+
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
+    paginator = CappedCountPaginator
+
+
 def humane_expiry(expires_at: datetime | None, *, now: datetime) -> str:
     """'in 3 hours', 'expired 2 days ago', or 'never'."""
     if expires_at is None:

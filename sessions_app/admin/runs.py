@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from sessions_app.admin.common import CappedCountPaginator, admin_link, is_changelist, session_public_id
+from sessions_app.admin.common import LargeTableAdmin, admin_link, is_changelist, session_public_id
 from sessions_app.models import HeartbeatRun, parse_session_id
 
 
 @admin.register(HeartbeatRun)
-class HeartbeatRunAdmin(admin.ModelAdmin):
+class HeartbeatRunAdmin(LargeTableAdmin):
     list_display = [
         "run_id",
         "agent",
@@ -29,9 +29,6 @@ class HeartbeatRunAdmin(admin.ModelAdmin):
     search_fields = ["agent__name"]
     search_help_text = "A run id, a session id (sess_… or UUID), or an agent name."
     date_hierarchy = "created_at"
-    show_full_result_count = False
-    show_facets = admin.ShowFacets.NEVER
-    paginator = CappedCountPaginator
     fields = [
         "id",
         "agent",

@@ -19,7 +19,7 @@ from django.utils.html import format_html
 from costs_app.models import CostEvent
 from sessions_app import services
 from sessions_app.admin.common import (
-    CappedCountPaginator,
+    LargeTableAdmin,
     ModelNameFilter,
     adapter_choices,
     admin_link,
@@ -48,7 +48,7 @@ class AdapterTypeFilter(admin.SimpleListFilter):
 
 
 @admin.register(AgentSession)
-class AgentSessionAdmin(admin.ModelAdmin):
+class AgentSessionAdmin(LargeTableAdmin):
     list_display = [
         "session_id",
         "agent",
@@ -65,9 +65,6 @@ class AgentSessionAdmin(admin.ModelAdmin):
     search_fields = ["agent__name"]
     search_help_text = "A session id (sess_… or UUID) or an agent name."
     date_hierarchy = "last_used"
-    show_full_result_count = False
-    show_facets = admin.ShowFacets.NEVER
-    paginator = CappedCountPaginator
     actions = ["expire_now", "clear_history"]
     fieldsets = [
         (
