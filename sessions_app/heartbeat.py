@@ -34,6 +34,7 @@ from costs_app.budgets import (
     budgets_exist,
     estimate_call_cost,
 )
+from costs_app.models import CostKind
 from costs_app.pricing import call_cost, cost_event_record, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.compaction import (
@@ -320,6 +321,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
         if budgeted:
             reserve_budget(run=run, agent=agent, adapter=adapter, request=request, now=now, held=unrecorded)
 
+    plan = None
     try:
         plan = plan_session(agent=agent, run=run, now=now, settings_=settings_)
         if plan.session is not None:
@@ -345,6 +347,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
         reply = adapter.call(request)
     except (HistoryUnavailable, StepFailed, BudgetExceeded, AdapterError) as exc:
         # Every step's failure carries a stable code and a message for the run row.
+        _record_discarded_handoff(run, agent=agent, plan=plan, finished=elapsed())
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
         if isinstance(exc, BudgetExceeded):
             budgets_enforce(agent=agent, now=now)
@@ -503,6 +506,7 @@ def _finish_succeeded(
         if store is not None:
             store.discard(session)
         _record_spend_only(run, agent=agent, reply=reply, finished=finished)
+        _record_discarded_handoff(run, agent=agent, plan=plan, finished=finished)
         _finish_failed(run, code=exc.code, message=exc.message, now=finished)
         return False
     except Exception:
@@ -553,7 +557,9 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
     return session
 
 
-def _record_spend_only(run: HeartbeatRun, *, agent: Agent, reply: AdapterReply, finished: datetime) -> None:
+def _record_spend_only(
+    run: HeartbeatRun, *, agent: Agent, reply: AdapterReply, finished: datetime, kind: str = CostKind.MESSAGE
+) -> None:
     """The answer is discarded but the call was billed: the ledger still records it."""
     if reply.usage is None:
         return
@@ -564,8 +570,16 @@ def _record_spend_only(run: HeartbeatRun, *, agent: Agent, reply: AdapterReply, 
         agent_id=agent.id,
         run_id=run.id,
         message_id=reply.message_id or None,
+        kind=kind,
         at=finished,
     )
+
+
+def _record_discarded_handoff(run: HeartbeatRun, *, agent: Agent, plan: Plan | None, finished: datetime) -> None:
+    # A handoff note's cost is written with the answer; when the run fails after the note
+    # was written, the call was still billed.
+    if plan is not None and plan.handoff is not None:
+        _record_spend_only(run, agent=agent, reply=plan.handoff.reply, finished=finished, kind=CostKind.COMPACTION)
 
 
 def heartbeat_wait(*, run_id, timeout_seconds: float, poll_seconds: float = 0.1) -> HeartbeatRun:

@@ -181,6 +181,25 @@ def test_a_handoff_call_is_reserved_too_and_refused_before_any_request(company, 
     assert (session.status, session.message_count) == (SessionStatus.ACTIVE, 6)
 
 
+def test_a_handoff_not_yet_in_the_ledger_still_counts_against_the_turn(company, fake_anthropic):
+    agent = context_agent(company, rotate_after_turns=3)
+    for i in range(3):
+        assert beat(agent, f"turn {i}").status == RunStatus.SUCCEEDED
+    Budget.objects.create(company=company, agent=agent, monthly_limit_usd=Decimal("1.00"))
+    # The note fits its own reservation, but reports $25 of output ($25/M on opus): the
+    # turn's reservation must see it, although its ledger row is written with the answer.
+    fake_anthropic.push(Reply.message("State: done.", usage={"input_tokens": 100, "output_tokens": 1_000_000}))
+    sent = len(fake_anthropic.message_requests)
+
+    run = beat(agent, "turn 3")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded")
+    assert len(fake_anthropic.message_requests) == sent + 1  # the note only, never the turn
+    # The note was billed although the run failed: the ledger has it.
+    note = CostEvent.objects.get(run=run)
+    assert (note.kind, note.output_tokens) == (CostKind.COMPACTION, 1_000_000)
+
+
 def test_daily_run_cap(persistent_agent, fake_anthropic):
     Budget.objects.create(company=persistent_agent.company, agent=persistent_agent, daily_run_limit=2)
     assert [beat(persistent_agent, f"t{i}").status for i in range(3)] == ["succeeded", "succeeded", "failed"]
