@@ -37,6 +37,7 @@ from costs_app.budgets import (
 from costs_app.models import CostKind
 from costs_app.pricing import call_cost, cost_event_record, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
+from sessions_app.adapters.base import storable
 from sessions_app.compaction import (
     Handoff,
     StepFailed,
@@ -352,6 +353,9 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
         if isinstance(exc, BudgetExceeded):
             budgets_enforce(agent=agent, now=now)
         return False
+    except Exception:
+        _record_billed_calls_after_failure(run, agent=agent, plan=plan, reply=None, finished=elapsed())
+        raise
     succeeded = _finish_succeeded(
         run, agent=agent, plan=plan, reply=reply, user_content=user_content, now=now, finished=elapsed()
     )
@@ -393,8 +397,10 @@ def reserve_budget(
 
 
 def _finish_failed(run: HeartbeatRun, *, code: str, message: str, now: datetime) -> None:
+    # Messages quote what failed (an agent command's stderr, an API error body): made
+    # storable, or the failure itself would fail to be written.
     HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING]).update(
-        status=RunStatus.FAILED, error_code=code, error=message[:5000], finished_at=now, reserved_usd=0
+        status=RunStatus.FAILED, error_code=code, error=storable(message[:5000]), finished_at=now, reserved_usd=0
     )
 
 
@@ -512,6 +518,7 @@ def _finish_succeeded(
     except Exception:
         if store is not None:
             store.discard(session)
+        _record_billed_calls_after_failure(run, agent=agent, plan=plan, reply=reply, finished=finished)
         raise
     for name, value in outcome.items():
         setattr(run, name, value)
@@ -580,6 +587,23 @@ def _record_discarded_handoff(run: HeartbeatRun, *, agent: Agent, plan: Plan | N
     # was written, the call was still billed.
     if plan is not None and plan.handoff is not None:
         _record_spend_only(run, agent=agent, reply=plan.handoff.reply, finished=finished, kind=CostKind.COMPACTION)
+
+
+def _record_billed_calls_after_failure(
+    run: HeartbeatRun, *, agent: Agent, plan: Plan | None, reply: AdapterReply | None, finished: datetime
+) -> None:
+    """After an unexpected error, still put the calls the run was billed for in the ledger.
+
+    Best effort: the error may be the database itself, and the original error is what the
+    caller reports. The savepoint keeps a caller's transaction usable if this fails too.
+    """
+    try:
+        with transaction.atomic():
+            if reply is not None:
+                _record_spend_only(run, agent=agent, reply=reply, finished=finished)
+            _record_discarded_handoff(run, agent=agent, plan=plan, finished=finished)
+    except Exception:
+        logger.exception("Could not record the billed calls of failed run %s", run.id)
 
 
 def heartbeat_wait(*, run_id, timeout_seconds: float, poll_seconds: float = 0.1) -> HeartbeatRun:

@@ -149,7 +149,9 @@ def test_api_keys_never_reach_logs_history_or_runs(persistent_agent, fake_anthro
 
 
 @pytest.mark.django_db(transaction=True)
-def test_terminated_connection_mid_commit_writes_nothing(postgres_only, persistent_agent, fake_anthropic):
+def test_terminated_connection_mid_commit_leaves_history_whole_and_still_bills(
+    postgres_only, persistent_agent, fake_anthropic
+):
     beat(persistent_agent, "first")
     count, history, costs = snapshot(persistent_agent)
     with connection.cursor() as cursor:
@@ -191,8 +193,11 @@ def test_terminated_connection_mid_commit_writes_nothing(postgres_only, persiste
         with connection.cursor() as cursor:
             cursor.execute("DROP TRIGGER IF EXISTS slow_ledger ON cost_events; DROP FUNCTION IF EXISTS slow_ledger();")
 
-    assert snapshot(persistent_agent) == (count, history, costs)
+    # Nothing of the answer's commit was written, but the answer was billed: the ledger
+    # records it on a new connection.
+    assert snapshot(persistent_agent) == (count, history, costs + 1)
     stuck = HeartbeatRun.objects.get(task="second")
+    assert CostEvent.objects.get(run=stuck).kind == "message"
     assert stuck.status in (RunStatus.RUNNING, RunStatus.FAILED)
     runs_reap(now=timezone.now() + timedelta(hours=1))
     assert HeartbeatRun.objects.get(task="second").status == RunStatus.FAILED

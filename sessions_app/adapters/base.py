@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
@@ -52,6 +53,68 @@ class AdapterReply:
     stop_reason: str = ""
     usage: dict | None = None  # the raw usage as the API returned it; None when it gave none
     artifacts: list = field(default_factory=list)  # artifacts the agent reported creating
+
+    def __post_init__(self) -> None:
+        # Every reply is made storable where it enters the engine, so that no later write
+        # (history, run output, summaries, the ledger's raw usage) can fail on it.
+        self.text = storable(self.text)
+        self.content = storable(self.content)
+        self.model = storable(self.model)
+        self.message_id = storable(self.message_id)
+        self.stop_reason = storable(self.stop_reason)
+        self.usage = storable(self.usage)
+        self.artifacts = storable(self.artifacts)
+
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(value: Any) -> Any:
+    """`value` with NUL and lone surrogates replaced by U+FFFD, in strings at any depth.
+
+    PostgreSQL keeps NUL in neither text nor jsonb, and a lone surrogate cannot be encoded
+    as UTF-8 by any database. A model's answer was paid for, so it is kept, with the mark a
+    UTF-8 decoder would show, rather than lost to a failed write.
+    """
+    if isinstance(value, str):
+        if value.isascii() and "\x00" not in value:
+            return value  # the common case, without a regex pass over a long answer
+        return _UNSTORABLE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [storable(item) for item in value]
+    if isinstance(value, dict):
+        return {storable(key): storable(item) for key, item in value.items()}
+    return value
+
+
+# No single call reads or writes anywhere near this many tokens (the largest context
+# windows hold about a million); a count beyond it is a broken report, and it would not
+# fit the ledger's integer columns.
+MAX_TOKENS_PER_CALL = 100_000_000
+
+
+def usage_error(usage: dict | None) -> str | None:
+    """Why a reported usage cannot be recorded as it is, or None when it can."""
+    if usage is None:
+        return None
+    entries = [("usage", usage)]
+    if isinstance(usage.get("cache_creation"), dict):
+        entries.append(("usage.cache_creation", usage["cache_creation"]))
+    iterations = usage.get("iterations")
+    if iterations is not None and not isinstance(iterations, list):
+        return "`usage.iterations` must be a list."
+    for index, iteration in enumerate(iterations or []):
+        if isinstance(iteration, dict):
+            entries.append((f"usage.iterations.{index}", iteration))
+    for where, entry in entries:
+        for key, value in entry.items():
+            if (
+                key.endswith("tokens")
+                and value is not None
+                and not (is_int(value) and 0 <= value <= MAX_TOKENS_PER_CALL)
+            ):
+                return f"`{where}.{key}` must be a whole number of tokens in 0..{MAX_TOKENS_PER_CALL}, got {value!r}."
+    return None
 
 
 class AdapterError(Exception):

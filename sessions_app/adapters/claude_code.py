@@ -18,6 +18,7 @@ from sessions_app.adapters.base import (
     AdapterRequest,
     is_int,
     is_number,
+    usage_error,
     validate_timeout,
 )
 
@@ -182,6 +183,8 @@ class ClaudeCodeAdapter:
         content = [block.model_dump(mode="json", exclude_none=True) for block in (message.content or [])]
         text = "".join(block.get("text", "") for block in content if block.get("type") == "text")
         usage = message.usage.model_dump(mode="json", exclude_none=True) if message.usage is not None else None
+        if problem := usage_error(usage):
+            raise AdapterError("model_malformed_response", f"The Messages API reported an impossible usage: {problem}")
         return AdapterReply(
             text=text,
             content=content,

@@ -9,7 +9,7 @@ import signal
 import subprocess
 from typing import Any
 
-from sessions_app.adapters.base import AdapterError, AdapterReply, AdapterRequest, validate_timeout
+from sessions_app.adapters.base import AdapterError, AdapterReply, AdapterRequest, usage_error, validate_timeout
 
 DEFAULT_TIMEOUT_SECONDS = 600
 STDERR_TAIL_CHARS = 2000
@@ -87,6 +87,8 @@ class ProcessAdapter:
         usage = answer.get("usage")
         if usage is not None and not isinstance(usage, dict):
             raise AdapterError("process_malformed_response", "`usage` must be an object.")
+        if problem := usage_error(usage):
+            raise AdapterError("process_malformed_response", problem)
         artifacts = answer.get("artifacts") or []
         if not isinstance(artifacts, list):
             raise AdapterError("process_malformed_response", "`artifacts` must be a list.")

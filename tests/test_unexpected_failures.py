@@ -1,0 +1,171 @@
+"""Answers the databases cannot store as sent, and failures nobody planned for.
+
+Whatever goes wrong after the model answered, the call was billed: the answer is kept
+when it can be, and the ledger records the call either way.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from costs_app.models import Budget, CostEvent, CostKind
+from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.models import Agent, AgentSession, RunStatus
+from sessions_app.stores import store_for
+from tests.fake_anthropic import Reply, strip_markers
+
+UNSTORABLE = "before\x00after \ud800 lone"  # NUL (PostgreSQL refuses it) and a lone surrogate
+STORED = "before\ufffdafter \ufffd lone"
+
+
+def beat(agent, task):
+    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
+    return heartbeat_execute(run_id=run.id)
+
+
+def test_an_answer_with_nul_and_lone_surrogates_is_kept_with_replacement_marks(persistent_agent, fake_anthropic):
+    fake_anthropic.push(Reply.message(UNSTORABLE))
+
+    run = beat(persistent_agent, "first")
+
+    assert (run.status, run.error_code, run.output) == (RunStatus.SUCCEEDED, "", STORED)
+    session = AgentSession.objects.get(agent=persistent_agent)
+    assert store_for(session).read(session)[1]["content"] == [{"type": "text", "text": STORED}]
+    assert CostEvent.objects.get(run=run).message_id == run.message_id
+    # The next request replays the answer as stored.
+    assert beat(persistent_agent, "second").status == RunStatus.SUCCEEDED
+    replayed = strip_markers(fake_anthropic.message_requests[-1]["messages"][1]["content"])
+    assert replayed == [{"type": "text", "text": STORED}]
+
+
+def process_agent(company, tmp_path, script: str, **config) -> Agent:
+    path = tmp_path / "agent.py"
+    path.write_text(script)
+    return Agent.objects.create(
+        company=company,
+        name="cli",
+        adapter_type="process",
+        adapter_config={"command": [sys.executable, str(path)], "session_mode": "persistent", **config},
+    )
+
+
+def test_an_agent_command_printing_nul_is_stored_and_its_failure_reported(company, tmp_path):
+    answer = json.dumps({"text": UNSTORABLE, "usage": {"input_tokens": 5, "output_tokens": 2}})
+    ok = process_agent(company, tmp_path, f"import sys\nsys.stdin.read()\nprint({answer!r})\n")
+    run = beat(ok, "go")
+    assert (run.status, run.output) == (RunStatus.SUCCEEDED, STORED)
+
+    failing = process_agent(
+        company, tmp_path, "import sys\nsys.stdin.read()\nsys.stderr.write('bad\\x00byte')\nsys.exit(3)\n"
+    )
+    run = beat(failing, "go")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_failed")
+    assert run.error.endswith("bad\ufffdbyte")
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"input_tokens": 10**20, "output_tokens": 1},
+        {"input_tokens": -5, "output_tokens": 1},
+        {"input_tokens": 1, "output_tokens": "many"},
+        {"input_tokens": 1, "output_tokens": 1, "iterations": [{"type": "compaction", "input_tokens": 10**12}]},
+        {"input_tokens": 1, "output_tokens": 1, "iterations": "all of them"},
+    ],
+    ids=["overflow", "negative", "not-a-number", "iteration-overflow", "iterations-not-a-list"],
+)
+def test_an_impossible_usage_report_fails_the_run_clearly(company, tmp_path, usage):
+    answer = json.dumps({"text": "done", "usage": usage})
+    agent = process_agent(company, tmp_path, f"import sys\nsys.stdin.read()\nprint({answer!r})\n")
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_malformed_response")
+    assert "usage" in run.error
+    assert not CostEvent.objects.exists()
+    assert not AgentSession.objects.filter(agent=agent, message_count__gt=0).exists()
+
+
+def refuse_writes(table: str, *, when: str, event: str = "UPDATE") -> None:
+    """Install a trigger that fails matching writes: a database fault no code path expects.
+
+    Created inside the test's transaction, so it disappears with it.
+    """
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "CREATE FUNCTION paperclip_test_refuse() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN RAISE EXCEPTION 'refused by a test trigger'; END $$"
+            )
+            cursor.execute(
+                f"CREATE TRIGGER paperclip_test_refuse BEFORE {event} ON {table} FOR EACH ROW "
+                f"WHEN ({when}) EXECUTE FUNCTION paperclip_test_refuse()"
+            )
+        else:
+            cursor.execute(
+                f"CREATE TRIGGER paperclip_test_refuse BEFORE {event} ON {table} FOR EACH ROW "
+                f"WHEN {when} BEGIN SELECT RAISE(ABORT, 'refused by a test trigger'); END"
+            )
+
+
+def test_a_database_error_while_committing_the_answer_still_records_its_cost(persistent_agent, fake_anthropic):
+    beat(persistent_agent, "first")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    before = store_for(session).read(session)
+    refuse_writes("agent_sessions", when="NEW.message_count > OLD.message_count")
+
+    run = beat(persistent_agent, "second")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "internal_error")
+    billed = fake_anthropic.message_requests[-1]
+    event = CostEvent.objects.get(run=run)
+    assert (event.kind, event.input_tokens) == (CostKind.MESSAGE, fake_anthropic.default_usage(billed)["input_tokens"])
+    session.refresh_from_db()
+    assert (session.message_count, store_for(session).read(session)) == (2, before)
+
+
+def rotating_agent(company) -> Agent:
+    return Agent.objects.create(
+        company=company,
+        name="rotating",
+        adapter_config={"model": "claude-opus-4-5", "session_mode": "persistent", "rotate_after_turns": 2},
+    )
+
+
+def test_a_handoff_note_is_recorded_when_the_new_session_cannot_be_written(company, fake_anthropic):
+    agent = rotating_agent(company)
+    for i in range(2):
+        assert beat(agent, f"turn {i}").status == RunStatus.SUCCEEDED
+    refuse_writes("agent_sessions", when="1 = 1", event="INSERT")
+    sent = len(fake_anthropic.message_requests)
+
+    run = beat(agent, "turn 2")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "internal_error")
+    assert len(fake_anthropic.message_requests) == sent + 2  # the handoff note, then the turn
+    assert sorted(CostEvent.objects.filter(run=run).values_list("kind", flat=True)) == sorted(
+        [CostKind.COMPACTION, CostKind.MESSAGE]
+    )
+    assert AgentSession.objects.filter(agent=agent).count() == 1
+
+
+def test_a_handoff_note_is_recorded_when_the_run_breaks_before_its_turn_is_sent(company, fake_anthropic):
+    agent = rotating_agent(company)
+    for i in range(2):
+        assert beat(agent, f"turn {i}").status == RunStatus.SUCCEEDED
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("100"))
+    # The note's reservation goes through; the turn's (the second on this run) breaks.
+    refuse_writes("heartbeat_runs", when="OLD.reserved_usd > 0 AND NEW.reserved_usd > 0")
+    sent = len(fake_anthropic.message_requests)
+
+    run = beat(agent, "turn 2")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "internal_error")
+    assert len(fake_anthropic.message_requests) == sent + 1  # the note only
+    assert list(CostEvent.objects.filter(run=run).values_list("kind", flat=True)) == [CostKind.COMPACTION]
