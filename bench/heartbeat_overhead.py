@@ -148,6 +148,7 @@ def main() -> None:
     session = AgentSession.objects.get(agent=persistent, status="active")
     prior = session.message_count
     results[f"turn {HISTORY_TURNS + 1}+ (persistent, {prior} prior messages)"] = measure(persistent, PER_ROUND // 4)
+    commit_ms = committed_write_ms()
     fake.terminate()
     fake.wait()
 
@@ -155,6 +156,29 @@ def main() -> None:
     print(f"store={store_for(session).name} fake latency={latency} ms rounds={ROUNDS} per_round={PER_ROUND}")
     for label, (ours, theirs) in results.items():
         print(f"{label}: engine {ours:.1f}/s, bare SDK {theirs:.1f}/s, ratio {ours / theirs:.2f} (goal >= 0.80)")
+    call_ms = 1000 / results["turn 1 (stateless)"][1]
+    print(
+        f"bound: one committed single-row INSERT takes {commit_ms:.3f} ms, a bare call {call_ms:.3f} ms; "
+        f"two such writes (the run before the call, the ledger after) cap any engine at ratio "
+        f"{call_ms / (call_ms + 2 * commit_ms):.2f}"
+    )
+
+
+def committed_write_ms(n: int = 2000) -> float:
+    """The cheapest durable write there is: one small row, its own transaction, no ORM."""
+    import uuid
+
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE TABLE bench_commit_probe (id uuid PRIMARY KEY, at timestamptz NOT NULL)")
+        try:
+            start = time.perf_counter()
+            for _ in range(n):
+                cursor.execute("INSERT INTO bench_commit_probe VALUES (%s, now())", [uuid.uuid4()])
+            return (time.perf_counter() - start) / n * 1000
+        finally:
+            cursor.execute("DROP TABLE bench_commit_probe")
 
 
 # A lower bound for any engine that keeps the run's state and the ledger in the database:
