@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from django.db import transaction
-from django.db.models import Exists, OuterRef, Q, Sum
+from django.db.models import Count, Exists, OuterRef, Q, Sum
 from django.db.models.functions import Coalesce
 
 from costs_app.models import Budget, CostEvent
@@ -72,82 +72,99 @@ def budgets_for(*, company_id, agent_id) -> list[Budget]:
     return list(Budget.objects.filter(Q(agent__isnull=True) | Q(agent_id=agent_id), company_id=company_id))
 
 
-def _spent(*, company_id, agent_id, since) -> Decimal:
-    events = CostEvent.objects.filter(company_id=company_id)
-    if agent_id is not None:
-        events = events.filter(agent_id=agent_id)
-    if since is not None:
-        events = events.filter(created_at__gte=since)
-    return events.aggregate(total=Coalesce(Sum("cost_usd"), ZERO))["total"]
-
-
-def _reserved(*, company_id, agent_id, exclude_run_id) -> Decimal:
-    from sessions_app.models import HeartbeatRun, RunStatus
-
-    running = HeartbeatRun.objects.filter(company_id=company_id, status=RunStatus.RUNNING)
-    if agent_id is not None:
-        running = running.filter(agent_id=agent_id)
-    if exclude_run_id is not None:
-        running = running.exclude(id=exclude_run_id)
-    return running.aggregate(total=Coalesce(Sum("reserved_usd"), ZERO))["total"]
-
-
-def _runs_today(*, company_id, agent_id, now, exclude_run_id) -> int:
-    from sessions_app.models import HeartbeatRun, RunStatus
-
-    runs = HeartbeatRun.objects.filter(
-        company_id=company_id,
-        started_at__gte=period_start("day", now),
-        status__in=[RunStatus.RUNNING, RunStatus.SUCCEEDED],
+def _totals(queryset, aggregate, conditions: dict) -> dict:
+    """One query for several totals over `queryset`, each under its condition (None: all rows)."""
+    totals = queryset.aggregate(
+        **{f"total_{i}": aggregate(condition) for i, condition in enumerate(conditions.values())}
     )
+    return {key: totals[f"total_{i}"] for i, key in enumerate(conditions)}
+
+
+def _scoped(queryset, *, company_id, scopes: set):
+    # Company-wide budgets need every agent's rows; agent budgets alone need only theirs
+    # (and then the agent's own indexes serve the query).
+    queryset = queryset.filter(company_id=company_id)
+    return queryset if None in scopes else queryset.filter(agent_id__in=scopes)
+
+
+def _where(*, agent_id=None, since=None) -> Q | None:
+    """The rows of one scope (None: the whole company) and period (None: all time)."""
+    condition = Q()
     if agent_id is not None:
-        runs = runs.filter(agent_id=agent_id)
-    if exclude_run_id is not None:
-        runs = runs.exclude(id=exclude_run_id)
-    return runs.count()
+        condition &= Q(agent_id=agent_id)
+    if since is not None:
+        condition &= Q(created_at__gte=since)
+    return condition or None
 
 
 def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> list[BudgetUse]:
-    uses = []
-    for budget in budgets_for(company_id=company_id, agent_id=agent_id):
-        scope_agent = budget.agent_id
-        scope = "agent" if scope_agent else "company"
-        limits = {
-            "day": budget.daily_limit_usd,
-            "month": budget.monthly_limit_usd,
-            "lifetime": budget.lifetime_limit_usd,
-        }
-        money_limits = {period: limit for period, limit in limits.items() if limit is not None}
-        # Calls in flight hold the same amount against every period of a scope: one query.
-        reserved = (
-            _reserved(company_id=company_id, agent_id=scope_agent, exclude_run_id=exclude_run_id)
-            if money_limits
-            else ZERO
+    """Every limit that applies to an agent (or, with agent_id None, its company), and its use.
+
+    Three queries at most however many budgets and periods apply: money spent, money held
+    by calls in flight, runs started today, each summed for every scope and period at once.
+    """
+    from sessions_app.models import HeartbeatRun, RunStatus
+
+    budgets = budgets_for(company_id=company_id, agent_id=agent_id)
+    money_budgets = [b for b in budgets if money_limits_of(b)]
+    run_budgets = [b for b in budgets if b.daily_run_limit is not None]
+    spent, reserved, runs = {}, {}, {}
+    if money_budgets:
+        scopes = {b.agent_id for b in money_budgets}
+        periods = {period for b in money_budgets for period in money_limits_of(b)}
+        since = {period: period_start(period, now) for period in periods}
+        spent = _totals(
+            _scoped(CostEvent.objects.all(), company_id=company_id, scopes=scopes),
+            lambda condition: Coalesce(Sum("cost_usd", filter=condition), ZERO),
+            {(scope, period): _where(agent_id=scope, since=since[period]) for scope in scopes for period in periods},
         )
-        for period, limit in money_limits.items():
+        running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).exclude(id=exclude_run_id)
+        reserved = _totals(
+            _scoped(running, company_id=company_id, scopes=scopes),
+            lambda condition: Coalesce(Sum("reserved_usd", filter=condition), ZERO),
+            {scope: _where(agent_id=scope) for scope in scopes},
+        )
+    if run_budgets:
+        scopes = {b.agent_id for b in run_budgets}
+        started = HeartbeatRun.objects.filter(
+            started_at__gte=period_start("day", now), status__in=[RunStatus.RUNNING, RunStatus.SUCCEEDED]
+        ).exclude(id=exclude_run_id)
+        runs = _totals(
+            _scoped(started, company_id=company_id, scopes=scopes),
+            lambda condition: Count("id", filter=condition),
+            {scope: _where(agent_id=scope) for scope in scopes},
+        )
+    uses = []
+    for budget in budgets:
+        scope = "agent" if budget.agent_id else "company"
+        for period, limit in money_limits_of(budget).items():
             uses.append(
                 BudgetUse(
                     scope=scope,
                     period=period,
                     limit=limit,
-                    spent=_spent(company_id=company_id, agent_id=scope_agent, since=period_start(period, now)),
-                    reserved=reserved,
+                    spent=spent[(budget.agent_id, period)],
+                    reserved=reserved[budget.agent_id],
                     warn_percent=budget.warn_percent,
                 )
             )
         if budget.daily_run_limit is not None:
-            runs = _runs_today(company_id=company_id, agent_id=scope_agent, now=now, exclude_run_id=exclude_run_id)
             uses.append(
                 BudgetUse(
                     scope=scope,
                     period="day_runs",
                     limit=Decimal(budget.daily_run_limit),
-                    spent=Decimal(runs),
+                    spent=Decimal(runs[budget.agent_id]),
                     reserved=ZERO,
                     warn_percent=budget.warn_percent,
                 )
             )
     return uses
+
+
+def money_limits_of(budget: Budget) -> dict[str, Decimal]:
+    limits = {"day": budget.daily_limit_usd, "month": budget.monthly_limit_usd, "lifetime": budget.lifetime_limit_usd}
+    return {period: limit for period, limit in limits.items() if limit is not None}
 
 
 def budgets_exist(*, company_id_ref: str, agent_id_ref: str) -> Exists:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
 from django.db import connection
 from django.utils import timezone
 
-from costs_app.budgets import budgets_release
+from costs_app.budgets import budget_uses, budgets_release
 from costs_app.models import Budget, CostEvent, CostKind
 from sessions_app.expiry import maintenance_pass, sessions_pause_idle
 from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute, heartbeat_wait
@@ -239,3 +239,50 @@ def test_concurrent_heartbeats_near_the_limit_cannot_both_pass(postgres_only, co
     assert statuses == ["failed", "failed", "failed", "succeeded"]
     assert {run.error_code for run in results if run.status == "failed"} == {"budget_exceeded"}
     assert len(fake_anthropic.message_requests) == 1
+
+
+def test_budget_use_sums_every_scope_and_period_in_a_constant_number_of_queries(company, django_assert_num_queries):
+    now = datetime(2026, 11, 15, 12, 0, tzinfo=UTC)
+    worker, other = (Agent.objects.create(company=company, name=name) for name in ("worker", "other"))
+    for agent, cost, at in [
+        (worker, "1", now),
+        (worker, "2", now - timedelta(days=3)),
+        (worker, "4", now - timedelta(days=40)),
+        (other, "8", now),
+    ]:
+        CostEvent.objects.create(company=company, agent=agent, cost_usd=Decimal(cost), created_at=at)
+    for agent, status, reserved, started in [
+        (worker, RunStatus.RUNNING, "0.5", now),
+        (other, RunStatus.RUNNING, "0.25", now),
+        (worker, RunStatus.SUCCEEDED, "0", now),
+        (other, RunStatus.FAILED, "0", now),
+        (worker, RunStatus.SUCCEEDED, "0", now - timedelta(days=1)),
+    ]:
+        HeartbeatRun.objects.create(
+            company=company, agent=agent, task="t", status=status, reserved_usd=Decimal(reserved), started_at=started
+        )
+    hundred, fifty = Decimal(100), Decimal(50)
+    Budget.objects.create(
+        company=company,
+        daily_limit_usd=hundred,
+        monthly_limit_usd=hundred,
+        lifetime_limit_usd=hundred,
+        daily_run_limit=10,
+    )
+    Budget.objects.create(
+        company=company, agent=worker, daily_limit_usd=fifty, monthly_limit_usd=fifty, daily_run_limit=5
+    )
+
+    with django_assert_num_queries(4):  # the budgets, money spent, money held, runs today
+        uses = budget_uses(company_id=company.id, agent_id=worker.id, now=now)
+
+    figures = {(use.scope, use.period): (use.spent, use.reserved) for use in uses}
+    assert figures == {
+        ("company", "day"): (Decimal(9), Decimal("0.75")),
+        ("company", "month"): (Decimal(11), Decimal("0.75")),
+        ("company", "lifetime"): (Decimal(15), Decimal("0.75")),
+        ("company", "day_runs"): (Decimal(3), Decimal(0)),
+        ("agent", "day"): (Decimal(1), Decimal("0.5")),
+        ("agent", "month"): (Decimal(3), Decimal("0.5")),
+        ("agent", "day_runs"): (Decimal(2), Decimal(0)),
+    }
