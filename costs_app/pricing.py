@@ -8,6 +8,7 @@ counts (the `message` iteration mirrors the top level and is not added twice).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import ROUND_HALF_UP, Decimal
@@ -17,6 +18,7 @@ from django.db import IntegrityError, transaction
 from costs_app.models import CostEvent, CostKind, ModelPrice
 
 MILLION = Decimal(1_000_000)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,22 @@ def cost_event_record(
             raise
         return existing
     return event
+
+
+def billed_call_record(**fields) -> None:
+    """The ledger row of a call whose result an error is throwing away: it was billed.
+
+    Best effort, for error paths: the error may be the database itself, and it is the
+    original error the caller goes on to report. The savepoint keeps a caller's
+    transaction usable when this write fails too.
+    """
+    if fields.get("usage") is None:
+        return
+    try:
+        with transaction.atomic():
+            cost_event_record(**fields)
+    except Exception:
+        logger.exception("Could not record the cost of billed message %s", fields.get("message_id"))
 
 
 LEDGER_QUANTUM = Decimal(1).scaleb(-CostEvent._meta.get_field("cost_usd").decimal_places)

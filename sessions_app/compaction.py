@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from django.db import transaction
 
 from costs_app.models import CostKind
-from costs_app.pricing import cost_event_record
+from costs_app.pricing import billed_call_record, cost_event_record
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest
 from sessions_app.context import (
     HANDOFF_SYSTEM,
@@ -223,6 +223,19 @@ def compaction_commit(
                 locked.total_cost_usd += event.cost_usd
             locked.save()
             store.commit(locked)
+    except Exception:
+        store.discard(session)
+        billed_call_record(
+            usage=reply.usage,
+            model=reply.model,
+            company_id=session.company_id,
+            agent_id=session.agent_id,
+            run_id=run.id,
+            message_id=reply.message_id or None,
+            kind=CostKind.COMPACTION,
+            at=at,
+        )
+        raise
     except BaseException:
         store.discard(session)
         raise

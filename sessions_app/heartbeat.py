@@ -35,7 +35,7 @@ from costs_app.budgets import (
     estimate_call_cost,
 )
 from costs_app.models import CostKind
-from costs_app.pricing import call_cost, cost_event_record, token_counts
+from costs_app.pricing import billed_call_record, call_cost, cost_event_record, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.adapters.base import storable
 from sessions_app.compaction import (
@@ -346,16 +346,15 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
         request.metadata = {"run_id": str(run.id), "agent_id": str(agent.id)}
         reserve(request)
         reply = adapter.call(request)
-    except (HistoryUnavailable, StepFailed, BudgetExceeded, AdapterError) as exc:
-        # Every step's failure carries a stable code and a message for the run row.
+    except Exception as exc:
         _record_discarded_handoff(run, agent=agent, plan=plan, finished=elapsed())
+        if not isinstance(exc, (HistoryUnavailable, StepFailed, BudgetExceeded, AdapterError)):
+            raise
+        # Every step's failure carries a stable code and a message for the run row.
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
         if isinstance(exc, BudgetExceeded):
             budgets_enforce(agent=agent, now=now)
         return False
-    except Exception:
-        _record_billed_calls_after_failure(run, agent=agent, plan=plan, reply=None, finished=elapsed())
-        raise
     succeeded = _finish_succeeded(
         run, agent=agent, plan=plan, reply=reply, user_content=user_content, now=now, finished=elapsed()
     )
@@ -508,18 +507,14 @@ def _finish_succeeded(
                 raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
             if store is not None:
                 store.commit(session)
-    except (RunAbandoned, HistoryUnavailable) as exc:
+    except Exception as exc:
         if store is not None:
             store.discard(session)
-        _record_spend_only(run, agent=agent, reply=reply, finished=finished)
-        _record_discarded_handoff(run, agent=agent, plan=plan, finished=finished)
+        _record_discarded_calls(run, agent=agent, plan=plan, reply=reply, finished=finished)
+        if not isinstance(exc, (RunAbandoned, HistoryUnavailable)):
+            raise
         _finish_failed(run, code=exc.code, message=exc.message, now=finished)
         return False
-    except Exception:
-        if store is not None:
-            store.discard(session)
-        _record_billed_calls_after_failure(run, agent=agent, plan=plan, reply=reply, finished=finished)
-        raise
     for name, value in outcome.items():
         setattr(run, name, value)
     return True
@@ -568,9 +563,7 @@ def _record_spend_only(
     run: HeartbeatRun, *, agent: Agent, reply: AdapterReply, finished: datetime, kind: str = CostKind.MESSAGE
 ) -> None:
     """The answer is discarded but the call was billed: the ledger still records it."""
-    if reply.usage is None:
-        return
-    cost_event_record(
+    billed_call_record(
         usage=reply.usage,
         model=reply.model or agent.model_name,
         company_id=agent.company_id,
@@ -589,21 +582,11 @@ def _record_discarded_handoff(run: HeartbeatRun, *, agent: Agent, plan: Plan | N
         _record_spend_only(run, agent=agent, reply=plan.handoff.reply, finished=finished, kind=CostKind.COMPACTION)
 
 
-def _record_billed_calls_after_failure(
-    run: HeartbeatRun, *, agent: Agent, plan: Plan | None, reply: AdapterReply | None, finished: datetime
+def _record_discarded_calls(
+    run: HeartbeatRun, *, agent: Agent, plan: Plan, reply: AdapterReply, finished: datetime
 ) -> None:
-    """After an unexpected error, still put the calls the run was billed for in the ledger.
-
-    Best effort: the error may be the database itself, and the original error is what the
-    caller reports. The savepoint keeps a caller's transaction usable if this fails too.
-    """
-    try:
-        with transaction.atomic():
-            if reply is not None:
-                _record_spend_only(run, agent=agent, reply=reply, finished=finished)
-            _record_discarded_handoff(run, agent=agent, plan=plan, finished=finished)
-    except Exception:
-        logger.exception("Could not record the billed calls of failed run %s", run.id)
+    _record_spend_only(run, agent=agent, reply=reply, finished=finished)
+    _record_discarded_handoff(run, agent=agent, plan=plan, finished=finished)
 
 
 def heartbeat_wait(*, run_id, timeout_seconds: float, poll_seconds: float = 0.1) -> HeartbeatRun:

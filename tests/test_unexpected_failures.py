@@ -169,3 +169,30 @@ def test_a_handoff_note_is_recorded_when_the_run_breaks_before_its_turn_is_sent(
     assert (run.status, run.error_code) == (RunStatus.FAILED, "internal_error")
     assert len(fake_anthropic.message_requests) == sent + 1  # the note only
     assert list(CostEvent.objects.filter(run=run).values_list("kind", flat=True)) == [CostKind.COMPACTION]
+
+
+def test_a_summary_whose_compaction_cannot_be_written_is_still_in_the_ledger(company, fake_anthropic):
+    agent = Agent.objects.create(
+        company=company,
+        name="summarising",
+        adapter_config={
+            "model": "claude-opus-4-5",
+            "session_mode": "persistent",
+            "context_budget_tokens": 1000,
+            "keep_recent_turns": 1,
+        },
+    )
+    for _ in range(3):
+        assert beat(agent, "x" * 400).status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    before = store_for(session).read(session)
+    refuse_writes("session_compactions", when="1 = 1", event="INSERT")
+    sent = len(fake_anthropic.message_requests)
+
+    run = beat(agent, "y" * 2400)
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "internal_error")
+    assert len(fake_anthropic.message_requests) == sent + 1  # the summary; the turn was never sent
+    assert list(CostEvent.objects.filter(run=run).values_list("kind", flat=True)) == [CostKind.COMPACTION]
+    session.refresh_from_db()
+    assert (session.compaction_count, store_for(session).read(session)) == (0, before)
