@@ -66,10 +66,14 @@ class CostEvent(models.Model):
     """
 
     kind = models.CharField(max_length=16, choices=CostKind.choices, default=CostKind.MESSAGE)
+    # Each heartbeat inserts here, so no column is indexed twice: company_id and agent_id
+    # lead the day indexes below, and session_id has its own named index there.
     company = models.ForeignKey(
-        "sessions_app.Company", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
+        "sessions_app.Company", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+", db_index=False
     )
-    agent = models.ForeignKey("sessions_app.Agent", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+")
+    agent = models.ForeignKey(
+        "sessions_app.Agent", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+", db_index=False
+    )
     session = models.ForeignKey(
         "sessions_app.AgentSession",
         on_delete=models.DO_NOTHING,
@@ -77,6 +81,7 @@ class CostEvent(models.Model):
         null=True,
         blank=True,
         related_name="+",
+        db_index=False,
     )
     run = models.ForeignKey(
         "sessions_app.HeartbeatRun",
@@ -129,7 +134,10 @@ class CostEvent(models.Model):
 class Budget(models.Model):
     """Spending limits of a company (agent empty) or of one agent. Months are UTC."""
 
-    company = models.ForeignKey("sessions_app.Company", on_delete=models.CASCADE, related_name="budgets")
+    # The unique budgets_one_per_agent (company_id, agent_id) serves company lookups and cascades.
+    company = models.ForeignKey(
+        "sessions_app.Company", on_delete=models.CASCADE, related_name="budgets", db_index=False
+    )
     agent = models.ForeignKey(
         "sessions_app.Agent", null=True, blank=True, on_delete=models.CASCADE, related_name="budgets"
     )

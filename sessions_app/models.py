@@ -45,7 +45,8 @@ class SessionMode(models.TextChoices):
 
 class Agent(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="agents")
+    # agents_company_status_idx leads with company_id and serves its lookups and cascades.
+    company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="agents", db_index=False)
     name = models.CharField(max_length=200)
     system_prompt = models.TextField(blank=True, default="")
     adapter_type = models.TextField(default="claude-code")
@@ -112,7 +113,9 @@ class HistoryStore(models.TextChoices):
 
 class AgentSession(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="sessions")
+    # sessions_agent_last_used_idx leads with agent_id and serves its lookups and cascades
+    # (not the partial sessions_one_live_per_agent, which holds only live sessions).
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="sessions", db_index=False)
     company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="sessions")
     # Only the `database` store keeps turns here; the `file` store leaves it empty.
     history = models.JSONField(default=list, db_default=models.Value([], output_field=models.JSONField()))
@@ -232,7 +235,9 @@ class RunTrigger(models.TextChoices):
 class HeartbeatRun(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="runs")
-    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="runs")
+    # runs_agent_created_idx leads with agent_id and serves its lookups and cascades (the
+    # partial unique and unfinished-run indexes hold only some runs, so they cannot).
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="runs", db_index=False)
     session = models.ForeignKey(AgentSession, null=True, blank=True, on_delete=models.SET_NULL, related_name="runs")
     status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.QUEUED)
     trigger = models.CharField(max_length=16, choices=RunTrigger.choices, default=RunTrigger.API)
@@ -339,7 +344,8 @@ class SessionCompaction(models.Model):
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    session = models.ForeignKey(AgentSession, on_delete=models.CASCADE, related_name="compactions")
+    # compactions_session_idx leads with session_id and serves its lookups and cascades.
+    session = models.ForeignKey(AgentSession, on_delete=models.CASCADE, related_name="compactions", db_index=False)
     run = models.ForeignKey(HeartbeatRun, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     kind = models.CharField(max_length=16, choices=CompactionKind.choices)
     created_at = models.DateTimeField(default=timezone.now)

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 import pytest
+from django.apps import apps
 from django.db import connection
 
 from costs_app.models import CostEvent, ModelPrice
@@ -122,3 +123,93 @@ def test_histories_are_compressed_with_lz4(persistent_agent):
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_column_compression(history) FROM agent_sessions WHERE id = %s", [session.id])
         assert cursor.fetchone()[0] == "lz4"
+
+
+# Each btree index on the given tables, with what decides the lookups and orders it can
+# serve: per key column, its definition, operator class, collation and sort options.
+INDEXES_QUERY = """
+SELECT t.relname, i.relname, x.indisunique, x.indnatts > x.indnkeyatts, pg_get_expr(x.indpred, x.indrelid),
+       ARRAY(SELECT pg_get_indexdef(x.indexrelid, k, false) FROM generate_series(1, x.indnkeyatts) AS k),
+       x.indclass::oid[], x.indcollation::oid[], x.indoption::int2[]
+FROM pg_index x
+JOIN pg_class i ON i.oid = x.indexrelid
+JOIN pg_class t ON t.oid = x.indrelid
+JOIN pg_am am ON am.oid = i.relam
+WHERE t.relname = ANY(%s) AND am.amname = 'btree' AND x.indisvalid
+"""
+
+
+def project_models() -> list:
+    return [model for name in ("sessions_app", "costs_app") for model in apps.get_app_config(name).get_models()]
+
+
+def btree_indexes() -> list[dict]:
+    tables = [model._meta.db_table for model in project_models()]
+    with connection.cursor() as cursor:
+        cursor.execute(INDEXES_QUERY, [tables])
+        return [
+            {"table": t, "name": n, "unique": u, "includes": inc, "predicate": p, "keys": list(zip(*cols, strict=True))}
+            for t, n, u, inc, p, *cols in cursor.fetchall()
+        ]
+
+
+def _leads(keys: list[tuple], other_keys: list[tuple]) -> bool:
+    """True when an index on `keys` serves no lookup that one on `other_keys` cannot."""
+    prefix = other_keys[: len(keys)]
+    if len(keys) > len(other_keys) or [key[:3] for key in keys] != [key[:3] for key in prefix]:
+        return False
+    # Sort options (DESC, NULLS FIRST) must match, or be all reversed: btrees scan both ways.
+    options, other_options = [key[3] for key in keys], [key[3] for key in prefix]
+    return options == other_options or options == [option ^ 3 for option in other_options]
+
+
+def test_no_index_is_made_redundant_by_another_on_the_same_table():
+    """Every index is paid for on each write (each heartbeat writes runs and cost events),
+    so an index whose key columns equal or lead another's on the same table is pure cost.
+
+    Unique indexes enforce a constraint and are never the redundant one. The other index
+    must cover every row the first one does: a partial index (WHERE ...) cannot serve a
+    foreign key's cascade lookups, so it only counts against one with the same predicate;
+    and a partial index is only ever compared with those, since being small is its point.
+    """
+    indexes = btree_indexes()
+    assert {index["table"] for index in indexes} == {model._meta.db_table for model in project_models()}
+    redundant = {
+        f"{index['table']}.{index['name']} (served by {other['name']})"
+        for index in indexes
+        # INCLUDE columns serve index-only scans that a longer key may not.
+        if not index["unique"] and not index["includes"]
+        for other in indexes
+        if other["name"] != index["name"]
+        and other["table"] == index["table"]
+        and other["predicate"] == index["predicate"]
+        and _leads(index["keys"], other["keys"])
+        # Of two identical indexes, name one.
+        and not (_leads(other["keys"], index["keys"]) and not other["unique"] and other["name"] > index["name"])
+    }
+    assert not redundant, "redundant indexes:\n" + "\n".join(sorted(redundant))
+
+
+def test_every_foreign_key_leads_an_index_over_all_rows():
+    """Reverse lookups and cascade deletes (and, with a constraint, every delete of the
+    referenced row) find the referencing rows through an index leading with the column."""
+    leading = {(index["table"], index["keys"][0][0]) for index in btree_indexes() if index["predicate"] is None}
+    unindexed = [
+        f"{model._meta.db_table}.{field.column}"
+        for model in project_models()
+        for field in model._meta.local_fields
+        if field.is_relation and (model._meta.db_table, field.column) not in leading
+    ]
+    assert unindexed == []
+
+
+def test_every_declared_index_and_constraint_exists():
+    """On PostgreSQL, an AlterField that turns off a foreign key's db_index also drops the
+    partial unique constraints on its column, while the migration state still has them."""
+    missing = []
+    with connection.cursor() as cursor:
+        for model in project_models():
+            existing = connection.introspection.get_constraints(cursor, model._meta.db_table)
+            declared = [*model._meta.indexes, *model._meta.constraints]
+            missing += [f"{model._meta.db_table}.{item.name}" for item in declared if item.name not in existing]
+    assert missing == []
