@@ -7,6 +7,7 @@ when it can be, and the ledger records the call either way.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from decimal import Decimal
 
@@ -196,3 +197,47 @@ def test_a_summary_whose_compaction_cannot_be_written_is_still_in_the_ledger(com
     assert list(CostEvent.objects.filter(run=run).values_list("kind", flat=True)) == [CostKind.COMPACTION]
     session.refresh_from_db()
     assert (session.compaction_count, store_for(session).read(session)) == (0, before)
+
+
+def test_an_agent_command_that_prints_without_end_is_killed_at_the_output_limit(settings, company, tmp_path):
+    settings.PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES = 200_000
+    pid_file = tmp_path / "pid"
+    agent = process_agent(
+        company,
+        tmp_path,
+        f"import os, sys\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "while True:\n    sys.stdout.write('x' * 65536)\n",
+    )
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_output_too_large")
+    assert "PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES" in run.error
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_an_agent_command_printing_bytes_that_are_not_utf8_is_read_with_replacement_marks(company, tmp_path):
+    agent = process_agent(
+        company,
+        tmp_path,
+        "import sys\nsys.stdin.read()\n"
+        'sys.stdout.buffer.write(b\'{"text": "caf\\xe9", "usage": {"input_tokens": 1, "output_tokens": 1}}\')\n',
+    )
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.output) == (RunStatus.SUCCEEDED, "caf\ufffd")
+
+
+def test_a_request_larger_than_a_pipe_reaches_a_slow_reader_whole(company, tmp_path):
+    agent = process_agent(
+        company,
+        tmp_path,
+        "import json, sys, time\ntime.sleep(0.3)\nrequest = json.load(sys.stdin)\n"
+        "print(json.dumps({'text': str(len(request['messages'][-1]['content']))}))\n",
+    )
+
+    run = beat(agent, "y" * 90_000)  # over the 64 KiB a pipe holds
+
+    assert (run.status, run.output) == (RunStatus.SUCCEEDED, "90000")

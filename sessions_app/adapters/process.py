@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import selectors
 import signal
 import subprocess
+import time
 from typing import Any
+
+from django.conf import settings
 
 from sessions_app.adapters.base import AdapterError, AdapterReply, AdapterRequest, usage_error, validate_timeout
 
 DEFAULT_TIMEOUT_SECONDS = 600
-STDERR_TAIL_CHARS = 2000
+STDERR_TAIL_BYTES = 4000
+READ_CHUNK_BYTES = 65536
+
+
+class OutputTooLarge(Exception):
+    pass
 
 
 class ProcessAdapter:
@@ -51,8 +61,9 @@ class ProcessAdapter:
                 "messages": request.messages,
                 "metadata": request.metadata,
             }
-        )
+        ).encode()
         timeout = float(request.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
+        limit = settings.PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES
         try:
             # A session of its own, so that on timeout we kill the whole process group:
             # a shell wrapper's children must not outlive the run.
@@ -63,20 +74,26 @@ class ProcessAdapter:
                 stderr=subprocess.PIPE,
                 cwd=request.config.get("cwd") or None,
                 start_new_session=True,
-                text=True,
             )
         except OSError as exc:
             raise AdapterError("process_start_failed", f"Could not start the agent command: {exc}") from None
         try:
-            stdout, stderr = proc.communicate(payload, timeout=timeout)
+            raw_stdout, raw_stderr = exchange(proc, payload, timeout=timeout, limit=limit)
         except subprocess.TimeoutExpired:
-            kill_group(proc)
-            proc.communicate()
             raise AdapterError(
                 "process_timeout", f"The agent command ran longer than {timeout:g} s and was killed."
             ) from None
+        except OutputTooLarge:
+            raise AdapterError(
+                "process_output_too_large",
+                f"The agent command printed more than {limit} bytes (PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES) and was killed.",
+            ) from None
+        finally:
+            stop(proc)
+        # An agent's bytes are not always UTF-8; a bad byte becomes U+FFFD, not a crash.
+        stdout = raw_stdout.decode("utf-8", errors="replace")
         if proc.returncode != 0:
-            tail = stderr[-STDERR_TAIL_CHARS:].strip()
+            tail = raw_stderr.decode("utf-8", errors="replace").strip()
             raise AdapterError("process_failed", f"The agent command exited with status {proc.returncode}: {tail}")
         try:
             answer = json.loads(stdout)
@@ -101,6 +118,64 @@ class ProcessAdapter:
             usage=usage,
             artifacts=artifacts,
         )
+
+
+def exchange(proc: subprocess.Popen, payload: bytes, *, timeout: float, limit: int) -> tuple[bytes, bytes]:
+    """What `proc.communicate(payload, timeout)` does, in bounded memory.
+
+    stdout over `limit` bytes raises OutputTooLarge instead of growing this worker until it
+    is killed, with every other run it holds; of stderr only the tail is kept, for the
+    error message. Raises subprocess.TimeoutExpired past `timeout`.
+    """
+    deadline = time.monotonic() + timeout
+    stdout, stderr = bytearray(), bytearray()
+    written = 0
+    with selectors.DefaultSelector() as selector:
+        if payload:
+            selector.register(proc.stdin, selectors.EVENT_WRITE)
+        else:
+            proc.stdin.close()
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        selector.register(proc.stderr, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout)
+            for key, _ in selector.select(remaining):
+                if key.fileobj is proc.stdin:
+                    try:
+                        # A pipe that selects writable takes PIPE_BUF bytes without blocking.
+                        written += os.write(key.fd, payload[written : written + select.PIPE_BUF])
+                    except BrokenPipeError:
+                        written = len(payload)  # the command does not read its request
+                    if written >= len(payload):
+                        selector.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                chunk = os.read(key.fd, READ_CHUNK_BYTES)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()
+                elif key.fileobj is proc.stdout:
+                    stdout += chunk
+                    if len(stdout) > limit:
+                        raise OutputTooLarge
+                else:
+                    stderr += chunk
+                    del stderr[:-STDERR_TAIL_BYTES]
+    # Both pipes closed; the command may still be finishing (or ignoring them).
+    proc.wait(timeout=max(deadline - time.monotonic(), 0))
+    return bytes(stdout), bytes(stderr)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Leave nothing behind: the process group killed if still running, the pipes closed."""
+    if proc.poll() is None:
+        kill_group(proc)
+        proc.wait()
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None and not pipe.closed:
+            pipe.close()
 
 
 def kill_group(proc: subprocess.Popen) -> None:
