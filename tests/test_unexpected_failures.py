@@ -82,13 +82,23 @@ def test_an_agent_command_printing_nul_is_stored_and_its_failure_reported(compan
     ids=["overflow", "negative", "not-a-number", "iteration-overflow", "iterations-not-a-list"],
 )
 def test_an_impossible_usage_report_fails_the_run_clearly(company, tmp_path, usage):
-    answer = json.dumps({"text": "done", "usage": usage})
+    assert_refused_as_malformed(company, tmp_path, {"text": "done", "usage": usage}, "usage")
+
+
+@pytest.mark.parametrize("field", ["message_id", "stop_reason"])
+def test_an_identifier_longer_than_its_column_fails_the_run_clearly(company, tmp_path, field):
+    answer = {"text": "done", "usage": {"input_tokens": 1, "output_tokens": 1}, field: "x" * 300}
+    assert_refused_as_malformed(company, tmp_path, answer, field)
+
+
+def assert_refused_as_malformed(company, tmp_path, answer: dict, mentioned: str) -> None:
+    answer = json.dumps(answer)
     agent = process_agent(company, tmp_path, f"import sys\nsys.stdin.read()\nprint({answer!r})\n")
 
     run = beat(agent, "go")
 
     assert (run.status, run.error_code) == (RunStatus.FAILED, "process_malformed_response")
-    assert "usage" in run.error
+    assert mentioned in run.error
     assert not CostEvent.objects.exists()
     assert not AgentSession.objects.filter(agent=agent, message_count__gt=0).exists()
 

@@ -19,6 +19,8 @@ from sessions_app.adapters.base import AdapterError, AdapterReply, AdapterReques
 DEFAULT_TIMEOUT_SECONDS = 600
 STDERR_TAIL_BYTES = 4000
 READ_CHUNK_BYTES = 65536
+# The run and ledger columns these go to; PostgreSQL refuses longer values at commit time.
+FIELD_LENGTHS = {"message_id": 255, "stop_reason": 64}
 
 
 class OutputTooLarge(Exception):
@@ -106,6 +108,9 @@ class ProcessAdapter:
             raise AdapterError("process_malformed_response", "`usage` must be an object.")
         if problem := usage_error(usage):
             raise AdapterError("process_malformed_response", problem)
+        for key, longest in FIELD_LENGTHS.items():
+            if len(str(answer.get(key) or "")) > longest:
+                raise AdapterError("process_malformed_response", f"`{key}` must be at most {longest} characters.")
         artifacts = answer.get("artifacts") or []
         if not isinstance(artifacts, list):
             raise AdapterError("process_malformed_response", "`artifacts` must be a list.")
