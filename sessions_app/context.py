@@ -250,7 +250,7 @@ def reported_artifacts(text: str, structured: list) -> list[dict]:
     for match in ARTIFACT_LINE.finditer(text or ""):
         try:
             found.append(json.loads(match.group(1)))
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
     clean = []
     for item in found:

@@ -91,6 +91,22 @@ def test_an_identifier_longer_than_its_column_fails_the_run_clearly(company, tmp
     assert_refused_as_malformed(company, tmp_path, answer, field)
 
 
+def test_an_answer_nested_too_deep_to_parse_fails_the_run_clearly(company, tmp_path):
+    agent = process_agent(company, tmp_path, "import sys\nsys.stdin.read()\nprint('[' * 100000)\n")
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_malformed_response")
+
+
+def test_an_artifact_line_nested_too_deep_is_ignored(persistent_agent, fake_anthropic):
+    fake_anthropic.push(Reply.message('done\nARTIFACT {"name": "deep", "kind": ' + "[" * 100000 + "}"))
+
+    run = beat(persistent_agent, "go")
+
+    assert (run.status, AgentSession.objects.get(agent=persistent_agent).manifest) == (RunStatus.SUCCEEDED, [])
+
+
 def assert_refused_as_malformed(company, tmp_path, answer: dict, mentioned: str) -> None:
     answer = json.dumps(answer)
     agent = process_agent(company, tmp_path, f"import sys\nsys.stdin.read()\nprint({answer!r})\n")

@@ -99,7 +99,7 @@ class ProcessAdapter:
             raise AdapterError("process_failed", f"The agent command exited with status {proc.returncode}: {tail}")
         try:
             answer = json.loads(stdout)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
             raise AdapterError("process_malformed_response", "The agent command did not print a JSON object.") from None
         if not isinstance(answer, dict) or not isinstance(answer.get("text"), str):
             raise AdapterError("process_malformed_response", 'The agent command must print {"text": "...", ...}.')
