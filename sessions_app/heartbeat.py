@@ -37,7 +37,6 @@ from costs_app.budgets import (
 from costs_app.models import CostKind
 from costs_app.pricing import billed_call_record, call_cost, cost_event_record, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
-from sessions_app.adapters.base import storable
 from sessions_app.compaction import (
     Handoff,
     StepFailed,
@@ -68,6 +67,7 @@ from sessions_app.models import (
     SessionStatus,
 )
 from sessions_app.stores import HistoryUnavailable, configured_store_name, store_for
+from sessions_app.text import is_storable, storable
 
 logger = logging.getLogger(__name__)
 HOSTNAME = socket.gethostname()
@@ -96,11 +96,14 @@ class RunAbandoned(Exception):
         self.message = message
 
 
+IDEMPOTENCY_KEY_LENGTH = HeartbeatRun._meta.get_field("idempotency_key").max_length
+
+
 def validate_task(task: object) -> str:
     if not isinstance(task, str) or not task.strip():
         raise HeartbeatRefused("invalid_task", "task must be a non-empty string.")
-    if "\x00" in task:
-        raise HeartbeatRefused("invalid_task", "task must not contain NUL characters.")
+    if not is_storable(task):
+        raise HeartbeatRefused("invalid_task", "task must be valid Unicode without NUL characters.")
     if len(task) > settings.PAPERCLIP_MAX_TASK_CHARS:
         raise HeartbeatRefused(
             "task_too_long", f"task is {len(task)} characters; the limit is {settings.PAPERCLIP_MAX_TASK_CHARS}."
@@ -130,6 +133,11 @@ def heartbeat_enqueue(
     trigger: str = RunTrigger.API,
 ) -> tuple[HeartbeatRun, bool]:
     """Create a queued run; with a used idempotency key, return the earlier run (False)."""
+    if idempotency_key and (len(idempotency_key) > IDEMPOTENCY_KEY_LENGTH or not is_storable(idempotency_key)):
+        raise HeartbeatRefused(
+            "invalid_idempotency_key",
+            f"idempotency_key must be at most {IDEMPOTENCY_KEY_LENGTH} characters of valid Unicode without NUL.",
+        )
     if idempotency_key:
         earlier = HeartbeatRun.objects.filter(agent=agent, idempotency_key=idempotency_key).first()
         if earlier is not None:

@@ -163,6 +163,7 @@ class AgentDetailView(ApiView):
 REFUSALS = {
     "invalid_task": BadRequest,
     "task_too_long": BadRequest,
+    "invalid_idempotency_key": BadRequest,
     "agent_paused": Conflict,
     "idempotency_key_reused": Conflict,
     "agent_deleted": NotFound,

@@ -164,3 +164,12 @@ def test_heartbeat_command_errors_are_clear(persistent_agent, fake_anthropic):
     fake_anthropic.push(Reply.error(400, "nope"))
     with pytest.raises(CommandError, match="model_bad_request"):
         call_command("heartbeat", str(persistent_agent.id), "--task", "x")
+    # Bytes that are not UTF-8 on the command line arrive as lone surrogates, which no
+    # database can store: refused before anything is written.
+    with pytest.raises(CommandError, match="invalid_task: task must be valid Unicode"):
+        call_command("heartbeat", str(persistent_agent.id), "--task", "caf\udce9")
+    with pytest.raises(CommandError, match="invalid_idempotency_key"):
+        call_command("heartbeat", str(persistent_agent.id), "--task", "x", "--idempotency-key", "k\udce9")
+    with pytest.raises(CommandError, match="invalid_idempotency_key"):
+        call_command("heartbeat", str(persistent_agent.id), "--task", "x", "--idempotency-key", "k" * 256)
+    assert not HeartbeatRun.objects.filter(task__startswith="caf").exists()

@@ -13,6 +13,7 @@ from sessions_app.adapters.base import (
 )
 from sessions_app.adapters.claude_code import ClaudeCodeAdapter
 from sessions_app.adapters.process import ProcessAdapter
+from sessions_app.text import holds_unstorable, storable
 
 ADAPTERS: dict[str, Adapter] = {
     ClaudeCodeAdapter.type_name: ClaudeCodeAdapter(),
@@ -48,6 +49,11 @@ def validate_agent_config(adapter_type: str, config: object) -> dict:
     allowed = COMMON_KEYS | adapter.config_keys
     for key in sorted(set(config) - allowed):
         errors[key] = f"unknown setting for adapter {adapter_type!r}"
+    for key, value in config.items():
+        if holds_unstorable(key) or holds_unstorable(value):
+            errors[key] = "must not contain NUL characters or invalid Unicode"
+    # A key is quoted back in the error; it must be printable itself.
+    errors = {storable(key): message for key, message in errors.items()}
     if errors:
         raise AgentConfigError({f"adapter_config.{key}": message for key, message in errors.items()})
     return clean

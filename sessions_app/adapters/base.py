@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
 from django.core.exceptions import ValidationError
+
+from sessions_app.text import storable
 
 DEFAULT_SESSION_TTL_HOURS = 24
 MAX_SESSION_TTL_HOURS = 24 * 366
@@ -64,27 +65,6 @@ class AdapterReply:
         self.stop_reason = storable(self.stop_reason)
         self.usage = storable(self.usage)
         self.artifacts = storable(self.artifacts)
-
-
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
-def storable(value: Any) -> Any:
-    """`value` with NUL and lone surrogates replaced by U+FFFD, in strings at any depth.
-
-    PostgreSQL keeps NUL in neither text nor jsonb, and a lone surrogate cannot be encoded
-    as UTF-8 by any database. A model's answer was paid for, so it is kept, with the mark a
-    UTF-8 decoder would show, rather than lost to a failed write.
-    """
-    if isinstance(value, str):
-        if value.isascii() and "\x00" not in value:
-            return value  # the common case, without a regex pass over a long answer
-        return _UNSTORABLE.sub("\ufffd", value)
-    if isinstance(value, list):
-        return [storable(item) for item in value]
-    if isinstance(value, dict):
-        return {storable(key): storable(item) for key, item in value.items()}
-    return value
 
 
 # No single call reads or writes anywhere near this many tokens (the largest context

@@ -9,7 +9,7 @@ import json
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.forms.fields import InvalidJSONInput
 from django.http import Http404, HttpResponseRedirect
@@ -31,6 +31,7 @@ from sessions_app.admin.common import (
 )
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunTrigger, SessionCompaction
 from sessions_app.schedules import agent_schedule_sync
+from sessions_app.text import holds_unstorable
 
 DEFAULT_HEARTBEAT_TASK = "Heartbeat started by an operator from the admin."
 
@@ -38,10 +39,26 @@ DEFAULT_HEARTBEAT_TASK = "Heartbeat started by an operator from the admin."
 class PrettyJSONField(forms.JSONField):
     """A JSON object edited as indented text, so a configuration reads like the docs."""
 
+    # Django catches JSONDecodeError only; JSON nested past the parser's depth raises
+    # RecursionError, which would be a 500.
+    def to_python(self, value):
+        try:
+            return super().to_python(value)
+        except RecursionError:
+            raise ValidationError(self.error_messages["invalid"], code="invalid", params={"value": value}) from None
+
+    def bound_data(self, data, initial):
+        try:
+            return super().bound_data(data, initial)
+        except RecursionError:
+            return InvalidJSONInput(data)
+
     def prepare_value(self, value):
         if isinstance(value, InvalidJSONInput):
             return value
-        return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, cls=self.encoder)
+        # A lone surrogate cannot go out in a UTF-8 page; escaped, the operator sees what to fix.
+        escape = holds_unstorable(value)
+        return json.dumps(value, indent=2, ensure_ascii=escape, sort_keys=True, cls=self.encoder)
 
 
 class AgentAdminForm(forms.ModelForm):

@@ -47,7 +47,12 @@ def test_valid_configuration_is_saved_with_defaults(admin_client, company):
         ('{"sesion_mode": "persistent"}', "sesion_mode: unknown setting"),
         ('["not", "an", "object"]', "must be a JSON object"),
         ('{"model": "claude-opus-4-5",}', "Enter a valid JSON"),
+        # PostgreSQL refuses both in jsonb: a field error, not a DataError at save.
+        ('{"model": "claude\\u0000opus"}', "model: must not contain NUL characters or invalid Unicode"),
+        ('{"heartbeat_task": "go \\ud800"}', "heartbeat_task: must not contain NUL characters or invalid Unicode"),
+        ("[" * 100_000, "Enter a valid JSON"),
     ],
+    ids=["bad-mode", "negative-ttl", "unknown-key", "not-an-object", "trailing-comma", "nul", "surrogate", "deep"],
 )
 def test_bad_configuration_is_a_field_error_not_a_500(admin_client, company, config, message):
     response = admin_client.post(reverse(ADD), agent_form(company, adapter_config=config))
