@@ -74,6 +74,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "sessions_app.admin.bad_filters.AdminBadFilterMiddleware",
 ]
 
 ROOT_URLCONF = "paperclip.urls"
