@@ -135,10 +135,32 @@ def user_turn_content(task: str, manifest: list):
     return [{"type": "text", "text": manifest_text(manifest)}, {"type": "text", "text": task}]
 
 
+# What an earlier turn with no content is replayed as.
+EMPTY_TURN = "(no content)"
+
+
+def replayable(content):
+    """A stored turn's content as the Messages API accepts it in an earlier turn.
+
+    The API refuses empty messages and empty or whitespace-only text blocks there, yet a
+    model can answer with no content at all (stop_reason end_turn, content []). History
+    keeps what the model gave; the request drops the blank blocks, and a turn left with
+    nothing says so, the same way every time so that the cached prefix stays valid.
+    """
+    if isinstance(content, str):
+        return content if content.strip() else EMPTY_TURN
+    kept = [block for block in content if not is_blank_text(block)]
+    return kept or EMPTY_TURN
+
+
+def is_blank_text(block) -> bool:
+    return isinstance(block, dict) and block.get("type") == "text" and not str(block.get("text") or "").strip()
+
+
 def build_request(
     *, agent: Agent, history: list, user_content, settings: ContextSettings, model: str | None = None
 ) -> AdapterRequest:
-    messages = [{"role": m["role"], "content": m["content"]} for m in history]
+    messages = [{"role": m["role"], "content": replayable(m["content"])} for m in history]
     system_blocks = None
     if settings.caching:
         marker = cache_marker(settings)

@@ -277,11 +277,6 @@ def plan_session(*, agent: Agent, run: HeartbeatRun, now: datetime, settings_: C
     )
 
 
-def request_messages(history: list, task: str) -> list[dict]:
-    """Prior turns as the Messages API expects them, then the task as the new user turn."""
-    return [{"role": m["role"], "content": m["content"]} for m in history] + [{"role": "user", "content": task}]
-
-
 def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     """Run a queued run to a terminal state, or leave it queued while its agent is busy.
 

@@ -300,6 +300,11 @@ class FakeAnthropic:
                 if path != "/v1/messages":
                     self._send_json(404, {"type": "error", "error": {"type": "not_found_error", "message": path}})
                     return
+                if problem := content_error(body.get("messages")):
+                    self._send_json(
+                        400, {"type": "error", "error": {"type": "invalid_request_error", "message": problem}}
+                    )
+                    return
                 reply = fake._next_reply()
                 if reply.kind == "error":
                     headers = {}
@@ -361,6 +366,28 @@ def serve_forever() -> None:
 
 if __name__ == "__main__":
     serve_forever()
+
+
+def content_error(messages) -> str | None:
+    """The real API's content rules, with its messages: what it refuses with a 400."""
+    if not isinstance(messages, list) or not messages:
+        return "messages: at least one message is required"
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        final_assistant = index == len(messages) - 1 and message.get("role") == "assistant"
+        if content in ("", []) and not final_assistant:
+            return (
+                f"messages.{index}: all messages must have non-empty content "
+                "except for the optional final assistant message"
+            )
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+        for block in blocks:
+            if isinstance(block, dict) and block.get("type") == "text" and not final_assistant:
+                if block.get("text") == "":
+                    return "messages: text content blocks must be non-empty"
+                if not str(block.get("text")).strip():
+                    return "messages: text content blocks must contain non-whitespace text"
+    return None
 
 
 def canonical_content(content) -> list:

@@ -267,3 +267,25 @@ def test_a_request_larger_than_a_pipe_reaches_a_slow_reader_whole(company, tmp_p
     run = beat(agent, "y" * 90_000)  # over the 64 KiB a pipe holds
 
     assert (run.status, run.output) == (RunStatus.SUCCEEDED, "90000")
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [Reply.message(content=[]), Reply.message("  \n "), Reply.message(content=[{"type": "text", "text": ""}])],
+    ids=["no-content", "whitespace", "empty-text-block"],
+)
+def test_an_empty_answer_does_not_break_the_session(persistent_agent, fake_anthropic, answer):
+    # The API refuses empty messages and blank text blocks in earlier turns, yet models do
+    # answer with no content (stop_reason end_turn, content []); replayed as stored, such a
+    # turn would fail every later heartbeat of the session with a 400.
+    fake_anthropic.push(answer)
+    assert beat(persistent_agent, "first").status == RunStatus.SUCCEEDED
+
+    second = beat(persistent_agent, "second")
+    third = beat(persistent_agent, "third")
+
+    assert [second.status, third.status] == [RunStatus.SUCCEEDED, RunStatus.SUCCEEDED], second.error
+    replayed = strip_markers(fake_anthropic.message_requests[-1]["messages"][1]["content"])
+    assert replayed in ("(no content)", [{"type": "text", "text": "(no content)"}])
+    session = AgentSession.objects.get(agent=persistent_agent)
+    assert session.message_count == 6  # the empty answer is kept as the model gave it
