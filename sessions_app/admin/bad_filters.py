@@ -31,7 +31,7 @@ class AdminBadFilterMiddleware:
             return None
         if request.method != "GET" or not request.GET or not request.path.startswith(reverse("admin:index")):
             return None  # not a filtered page: a real error, left to the usual 500 handling
-        logger.warning("Admin filters refused on %s: %s", request.path, exception)
+        logger.warning("Admin filters refused on %s: %s", request.path, exception, exc_info=exception)
         messages.error(
             request, f"Those filters or search terms cannot be used ({first_line(exception)}); showing the whole list."
         )
