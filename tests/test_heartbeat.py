@@ -363,3 +363,16 @@ def test_missing_credentials_fail_the_run_clearly(stateless_agent, fake_anthropi
     assert (run.status, run.error_code) == (RunStatus.FAILED, "adapter_not_configured")
     assert "ANTHROPIC_API_KEY" in run.error
     assert fake_anthropic.message_requests == []
+
+
+@pytest.mark.parametrize("mode", ["stateless", "persistent"])
+def test_a_heartbeat_makes_the_same_few_queries_however_long_the_session(
+    mode, stateless_agent, persistent_agent, fake_anthropic, django_assert_max_num_queries
+):
+    agent = persistent_agent if mode == "persistent" else stateless_agent
+    for i in range(20):
+        beat(agent, f"turn {i}")
+    # Claim, session read and touch, price, ledger row, session and run updates, next
+    # queued run, and the savepoints around them: none of it per message of history.
+    with django_assert_max_num_queries(13 if mode == "stateless" else 18):
+        assert beat(agent, "turn 20").status == RunStatus.SUCCEEDED
