@@ -1,10 +1,11 @@
-"""Admin lists given filters or searches the database cannot run: a message, not a 500.
+"""Admin lists given filters, searches or selections the database cannot use: a message, not a 500.
 
 Django validates most lookups in the query string when it builds the changelist, but
 some fail only when the query runs, after its own check: a year outside 1..9999
 (`?created_at__year=99999`) and, on PostgreSQL, a NUL character in any filter or search
-term. That holds for every list in the admin (django-q2's and auth's included), so the
-guard is a middleware around the admin rather than a base class.
+term. Bulk actions trust the posted ids the same way (`_selected_action=not-a-uuid`).
+That holds for every list in the admin (django-q2's and auth's included), so the guard
+is a middleware around the admin rather than a base class.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import logging
 
 from django.contrib import messages
+from django.core.exceptions import ValidationError
 from django.db import DataError
 from django.http import HttpResponseRedirect
 from django.urls import reverse
 
 logger = logging.getLogger(__name__)
+
+REFUSED_BY_THE_DATABASE = (DataError, ValueError, OverflowError, ValidationError)
 
 
 class AdminBadFilterMiddleware:
@@ -27,16 +31,19 @@ class AdminBadFilterMiddleware:
         return self.get_response(request)
 
     def process_exception(self, request, exception):
-        if not isinstance(exception, (DataError, ValueError, OverflowError)):
+        if not isinstance(exception, REFUSED_BY_THE_DATABASE) or not request.path.startswith(reverse("admin:index")):
             return None
-        if request.method != "GET" or not request.GET or not request.path.startswith(reverse("admin:index")):
-            return None  # not a filtered page: a real error, left to the usual 500 handling
-        logger.warning("Admin filters refused on %s: %s", request.path, exception, exc_info=exception)
-        messages.error(
-            request, f"Those filters or search terms cannot be used ({first_line(exception)}); showing the whole list."
-        )
-        return HttpResponseRedirect(request.path)
+        if request.method == "GET" and request.GET:
+            what, back = "Those filters or search terms", request.path
+        elif request.method == "POST" and "action" in request.POST:
+            what, back = "That selection", request.get_full_path()
+        else:
+            return None  # not a list's filters or selection: a real error, left to the usual 500
+        logger.warning("Admin request refused on %s: %s", request.path, exception, exc_info=exception)
+        messages.error(request, f"{what} cannot be used ({reason(exception)}); showing the whole list.")
+        return HttpResponseRedirect(back)
 
 
-def first_line(exception: Exception) -> str:
-    return (str(exception).splitlines() or [type(exception).__name__])[0][:200]
+def reason(exception: Exception) -> str:
+    text = exception.messages[0] if isinstance(exception, ValidationError) else str(exception)
+    return (text.splitlines() or [type(exception).__name__])[0][:200]

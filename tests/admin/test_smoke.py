@@ -149,6 +149,17 @@ def test_every_admin_list_survives_bad_filters(admin_client, full_house):
     assert not failures, "\n".join(failures)
 
 
+def test_every_admin_bulk_action_survives_a_tampered_selection(admin_client, full_house):
+    failures = []
+    for model in admin.site._registry:
+        url = admin_url(model, "changelist")
+        for selected in ["not-an-id", "\x00", "9" * 30]:
+            response = admin_client.post(url, {"action": "delete_selected", "_selected_action": [selected]})
+            if response.status_code >= 500:
+                failures.append(f"{model.__name__} {selected!r}: {response.status_code}")
+    assert not failures, "\n".join(failures)
+
+
 def test_a_filter_the_database_refuses_is_a_message_on_the_whole_list(admin_client, full_house):
     url = reverse("admin:sessions_app_agent_changelist")  # no date_hierarchy: Django does not check the year
 
