@@ -103,7 +103,14 @@ def fit_budget(
         size = request_size(adapter, request, settings_.budget_tokens)
         if size <= settings_.budget_tokens:
             return request
-        split = choose_split(plan.history, keep) if plan.session is not None else None
+        if plan.session is None or tail_over_budget(agent, [], user_content, settings_):
+            break  # nothing to compact, or the task alone is over the budget: no summary helps
+        split = choose_split(plan.history, keep)
+        if keep and (split is None or tail_over_budget(agent, plan.history[split:], user_content, settings_)):
+            # The recent turns alone are over the budget (one huge answer, say): keeping
+            # them verbatim would fail this heartbeat and every later one. Summarise all.
+            keep = 0
+            split = choose_split(plan.history, keep)
         if split is None:
             break
         summarise = summary_request(
@@ -129,12 +136,18 @@ def fit_budget(
         )
         plan.history = new_history
         request = after
-        keep = max(1, keep // 2)
+        keep //= 2
     raise StepFailed(
         ContextBudgetExceeded.code,
         f"The request needs about {size} tokens, over the session's budget of {settings_.budget_tokens}, "
         "and compaction cannot reduce it further. Shorten the task or raise context_budget_tokens.",
     )
+
+
+def tail_over_budget(agent: Agent, tail: list, user_content, settings_: ContextSettings) -> bool:
+    request = build_request(agent=agent, history=tail, user_content=user_content, settings=settings_)
+    size = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
+    return size > settings_.budget_tokens
 
 
 def compaction_record(

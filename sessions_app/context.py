@@ -198,7 +198,7 @@ def choose_split(history: list, keep_recent_turns: int) -> int | None:
     result stay together. None when there is nothing worth summarising.
     """
     split = len(history) - 2 * keep_recent_turns
-    while split > 0 and (history[split]["role"] != "user" or is_tool_result_turn(history[split])):
+    while 0 < split < len(history) and (history[split]["role"] != "user" or is_tool_result_turn(history[split])):
         split -= 1
     if split <= 0:
         return None
@@ -228,11 +228,27 @@ def transcript(messages: list) -> str:
     return "\n\n".join(lines)
 
 
+def summary_input_chars(settings: ContextSettings) -> int:
+    # About half the summary model's window at four characters a token: the summary call
+    # must fit, whatever the session holds (a huge answer, a long session handed off).
+    return CONTEXT_WINDOWS.get(settings.summary_model, DEFAULT_CONTEXT_WINDOW) * 2
+
+
+def clipped(text: str, limit: int) -> str:
+    """`text` within about `limit` characters: its beginning and its end, the middle left out."""
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    tail = limit - head
+    omitted = len(text) - head - tail
+    return f"{text[:head]}\n\n[... {omitted:,} characters of the conversation left out ...]\n\n{text[-tail:]}"
+
+
 def summary_request(*, agent: Agent, settings: ContextSettings, messages: list, system: str) -> AdapterRequest:
     return AdapterRequest(
         model=settings.summary_model,
         system=system,
-        messages=[{"role": "user", "content": transcript(messages)}],
+        messages=[{"role": "user", "content": clipped(transcript(messages), summary_input_chars(settings))}],
         config={**agent.adapter_config, "context_strategy": "none"},
         max_tokens=SUMMARY_MAX_TOKENS,
     )

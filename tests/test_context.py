@@ -247,3 +247,41 @@ def test_growth_signal_flags_a_session_that_accumulates_history(company, fake_an
     assert not input_growth(agent_id=flat.id).is_growing
     today = daily_input_growth(agent_id=growing.id, now=timezone.now())
     assert len(today["days"]) == 1 and today["days"][0]["input_tokens_per_call"] > 0
+
+
+def test_an_answer_bigger_than_the_budget_is_summarised_instead_of_blocking_the_session(company, fake_anthropic):
+    agent = persistent(company, context_budget_tokens=1000, keep_recent_turns=2)
+    beat(agent, "first")
+    fake_anthropic.push(Reply.message("report line\n" * 2000))  # ~6,000 tokens, in the newest turn
+    assert beat(agent, "write the report").status == RunStatus.SUCCEEDED
+    sent = len(fake_anthropic.message_requests)
+
+    runs = [beat(agent, f"follow-up {i}") for i in range(3)]
+
+    assert [run.status for run in runs] == [RunStatus.SUCCEEDED] * 3, runs[0].error
+    summaries = [body for body in fake_anthropic.message_requests[sent:] if is_summary_request(body)]
+    assert len(summaries) == 1  # straight to summarising everything: no pointless partial pass
+    assert "report line" in summary_text(summaries[0])
+    session = AgentSession.objects.get(agent=agent, status=SessionStatus.ACTIVE)
+    assert [m.get("kind") for m in store_for(session).read(session)[:2]] == ["summary", "summary"]
+    assert len(full_record(session)) == 2 + 2 + 2 * 3  # every turn kept, in the archive or live
+
+
+def test_a_summary_request_never_exceeds_the_summary_model_window(company, fake_anthropic):
+    agent = persistent(company, context_budget_tokens=1000, summary_model="claude-haiku-4-5")
+    beat(agent, "first")
+    fake_anthropic.push(Reply.message("x" * 1_000_000))  # ~250,000 tokens: over any model's window
+    beat(agent, "dump everything")
+
+    assert beat(agent, "next").status == RunStatus.SUCCEEDED
+
+    summary = next(body for body in fake_anthropic.message_requests if is_summary_request(body))
+    text = summary_text(summary)
+    assert "characters of the conversation left out" in text
+    assert estimate_tokens(text) < 200_000 // 2 + 100  # half of claude-haiku-4-5's window
+    assert text.startswith("[user]\nfirst") and text.endswith("x" * 1000)  # the beginning and the end
+
+
+def summary_text(body) -> str:
+    content = plain_messages(body)[0]["content"]
+    return content if isinstance(content, str) else "".join(block["text"] for block in content)
