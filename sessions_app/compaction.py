@@ -103,10 +103,10 @@ def fit_budget(
         size = request_size(adapter, request, settings_.budget_tokens)
         if size <= settings_.budget_tokens:
             return request
-        if plan.session is None or tail_over_budget(agent, [], user_content, settings_):
+        if plan.session is None or over_budget(agent, adapter, [], user_content, settings_):
             break  # nothing to compact, or the task alone is over the budget: no summary helps
         split = choose_split(plan.history, keep)
-        if keep and (split is None or tail_over_budget(agent, plan.history[split:], user_content, settings_)):
+        if keep and (split is None or over_budget(agent, adapter, plan.history[split:], user_content, settings_)):
             # The recent turns alone are over the budget (one huge answer, say): keeping
             # them verbatim would fail this heartbeat and every later one. Summarise all.
             keep = 0
@@ -144,10 +144,10 @@ def fit_budget(
     )
 
 
-def tail_over_budget(agent: Agent, tail: list, user_content, settings_: ContextSettings) -> bool:
-    request = build_request(agent=agent, history=tail, user_content=user_content, settings=settings_)
-    size = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
-    return size > settings_.budget_tokens
+def over_budget(agent: Agent, adapter, history: list, user_content, settings_: ContextSettings) -> bool:
+    """Whether a request carrying only `history` and the task would still be over the budget."""
+    request = build_request(agent=agent, history=history, user_content=user_content, settings=settings_)
+    return request_size(adapter, request, settings_.budget_tokens) > settings_.budget_tokens
 
 
 def compaction_record(
