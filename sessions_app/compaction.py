@@ -166,17 +166,7 @@ def compaction_record(
     its summary (inside the caller's transaction). Returns the cost event, if any."""
     event = None
     if reply.usage is not None:
-        event = cost_event_record(
-            usage=reply.usage,
-            model=reply.model,
-            company_id=session.company_id,
-            agent_id=session.agent_id,
-            session_id=session.id,
-            run_id=run.id,
-            message_id=reply.message_id or None,
-            kind=CostKind.COMPACTION,
-            at=at,
-        )
+        event = cost_event_record(**summary_cost(session, run, reply, at), session_id=session.id)
     SessionCompaction.objects.create(
         session=session,
         run=run,
@@ -193,6 +183,20 @@ def compaction_record(
         cost_event_id=event.id if event else None,
     )
     return event
+
+
+def summary_cost(session: AgentSession, run: HeartbeatRun, reply: AdapterReply, at: datetime) -> dict:
+    """The ledger fields of the call that wrote a summary or handoff note."""
+    return {
+        "usage": reply.usage,
+        "model": reply.model,
+        "company_id": session.company_id,
+        "agent_id": session.agent_id,
+        "run_id": run.id,
+        "message_id": reply.message_id or None,
+        "kind": CostKind.COMPACTION,
+        "at": at,
+    }
 
 
 def compaction_commit(
@@ -238,16 +242,7 @@ def compaction_commit(
             store.commit(locked)
     except Exception:
         store.discard(session)
-        billed_call_record(
-            usage=reply.usage,
-            model=reply.model,
-            company_id=session.company_id,
-            agent_id=session.agent_id,
-            run_id=run.id,
-            message_id=reply.message_id or None,
-            kind=CostKind.COMPACTION,
-            at=at,
-        )
+        billed_call_record(**summary_cost(session, run, reply, at))  # billed, though not kept
         raise
     except BaseException:
         store.discard(session)
