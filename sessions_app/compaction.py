@@ -99,12 +99,17 @@ def fit_budget(
     if not agent.is_persistent or settings_.strategy != "summarize":
         return request
     keep = settings_.keep_recent_turns
+    task_alone_fits = None  # measured once, the first time the request is over the budget
     for _ in range(MAX_COMPACTIONS_PER_HEARTBEAT + 1):
         size = request_size(adapter, request, settings_.budget_tokens)
         if size <= settings_.budget_tokens:
             return request
-        if plan.session is None or over_budget(agent, adapter, [], user_content, settings_):
-            break  # nothing to compact, or the task alone is over the budget: no summary helps
+        if plan.session is None:
+            break
+        if task_alone_fits is None:
+            task_alone_fits = not over_budget(agent, adapter, [], user_content, settings_)
+        if not task_alone_fits:
+            break  # no summary can help: only the task's own size matters
         split = choose_split(plan.history, keep)
         if keep and (split is None or over_budget(agent, adapter, plan.history[split:], user_content, settings_)):
             # The recent turns alone are over the budget (one huge answer, say): keeping

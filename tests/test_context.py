@@ -116,6 +116,19 @@ def test_a_task_that_cannot_fit_fails_clearly_instead_of_looping(company, fake_a
     assert fake_anthropic.message_requests == []
 
 
+def test_a_task_too_big_for_the_budget_pays_for_no_summary(company, fake_anthropic):
+    agent = persistent(company, context_budget_tokens=1000, keep_recent_turns=1)
+    for i in range(3):
+        beat(agent, f"step {i}")
+    sent = len(fake_anthropic.message_requests)
+
+    run = beat(agent, "z" * 8000)  # no summary of the history could make room for this
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "context_budget_exceeded")
+    assert fake_anthropic.message_requests[sent:] == []
+    assert AgentSession.objects.get(agent=agent).compaction_count == 0
+
+
 def test_count_tokens_measures_requests_near_the_budget(company, fake_anthropic):
     agent = persistent(company, context_budget_tokens=1000)
     for _ in range(6):
