@@ -87,6 +87,11 @@ def _scoped(queryset, *, company_id, scopes: set):
     return queryset if None in scopes else queryset.filter(agent_id__in=scopes)
 
 
+def _other_than(runs, run_id):
+    # A run reserving for itself does not count against itself.
+    return runs.exclude(id=run_id) if run_id is not None else runs
+
+
 def _where(*, agent_id=None, since=None) -> Q | None:
     """The rows of one scope (None: the whole company) and period (None: all time)."""
     condition = Q()
@@ -100,8 +105,9 @@ def _where(*, agent_id=None, since=None) -> Q | None:
 def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> list[BudgetUse]:
     """Every limit that applies to an agent (or, with agent_id None, its company), and its use.
 
-    Three queries at most however many budgets and periods apply: money spent, money held
-    by calls in flight, runs started today, each summed for every scope and period at once.
+    Four queries at most however many budgets and periods apply: the budgets, then money
+    spent, money held by calls in flight and runs started today, each summed for every
+    scope and period at once.
     """
     from sessions_app.models import HeartbeatRun, RunStatus
 
@@ -118,7 +124,7 @@ def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> 
             lambda condition: Coalesce(Sum("cost_usd", filter=condition), ZERO),
             {(scope, period): _where(agent_id=scope, since=since[period]) for scope in scopes for period in periods},
         )
-        running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).exclude(id=exclude_run_id)
+        running = _other_than(HeartbeatRun.objects.filter(status=RunStatus.RUNNING), exclude_run_id)
         reserved = _totals(
             _scoped(running, company_id=company_id, scopes=scopes),
             lambda condition: Coalesce(Sum("reserved_usd", filter=condition), ZERO),
@@ -126,9 +132,12 @@ def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> 
         )
     if run_budgets:
         scopes = {b.agent_id for b in run_budgets}
-        started = HeartbeatRun.objects.filter(
-            started_at__gte=period_start("day", now), status__in=[RunStatus.RUNNING, RunStatus.SUCCEEDED]
-        ).exclude(id=exclude_run_id)
+        started = _other_than(
+            HeartbeatRun.objects.filter(
+                started_at__gte=period_start("day", now), status__in=[RunStatus.RUNNING, RunStatus.SUCCEEDED]
+            ),
+            exclude_run_id,
+        )
         runs = _totals(
             _scoped(started, company_id=company_id, scopes=scopes),
             lambda condition: Count("id", filter=condition),

@@ -15,12 +15,14 @@ from typing import Any
 from django.conf import settings
 
 from sessions_app.adapters.base import AdapterError, AdapterReply, AdapterRequest, usage_error, validate_timeout
+from sessions_app.models import HeartbeatRun
 
 DEFAULT_TIMEOUT_SECONDS = 600
 STDERR_TAIL_BYTES = 4000
 READ_CHUNK_BYTES = 65536
-# The run and ledger columns these go to; PostgreSQL refuses longer values at commit time.
-FIELD_LENGTHS = {"message_id": 255, "stop_reason": 64}
+# The run columns these go to (the ledger's message_id is as long); PostgreSQL refuses
+# longer values at commit time.
+FIELD_LENGTHS = {name: HeartbeatRun._meta.get_field(name).max_length for name in ("message_id", "stop_reason")}
 
 
 class OutputTooLarge(Exception):
