@@ -130,7 +130,9 @@ def refuse_unpriced(agent: Agent, *, now: datetime) -> None:
     its calls could not be held against the budget (each run would fail model_unpriced)."""
     if not any(money_limits_of(b) for b in budgets_for(company_id=agent.company_id, agent_id=agent.id)):
         return
-    models = {agent.model_name, context_settings(agent).summary_model if agent.is_persistent else agent.model_name}
+    models = {agent.model_name}
+    if agent.is_persistent:
+        models.add(context_settings(agent).summary_model)
     unpriced = sorted(model for model in models if price_for(model=model, at=now) is None)
     if unpriced:
         raise HeartbeatRefused(
@@ -253,7 +255,12 @@ def run_deadline(adapter, config: dict, *, at: datetime) -> datetime:
     """When a run whose next call starts at `at` is presumed dead: that call's own limit
     (the agent's timeout for each attempt, its retries and the waits between them) plus
     PAPERCLIP_RUN_TIMEOUT_SECONDS for the work around it (history, commit)."""
-    seconds = adapter.call_seconds(config) if adapter is not None else 0
+    try:
+        seconds = adapter.call_seconds(config) if adapter is not None else 0
+    except (TypeError, ValueError):
+        # A configuration edited past validation: the claim must not fail on it (the
+        # call will, with its own error); the run timeout alone bounds the wait.
+        seconds = 0
     return at + timedelta(seconds=seconds + settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
 
 
