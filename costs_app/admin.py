@@ -19,6 +19,7 @@ from django.utils.http import urlencode
 from costs_app.budgets import budget_uses, period_start
 from costs_app.charts import Series, limit_series, stacked_bar_chart
 from costs_app.models import Budget, CostEvent, ModelPrice
+from costs_app.pricing import model_family
 from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
 from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist, session_public_id
 from sessions_app.models import Agent, Company
@@ -31,13 +32,18 @@ GROWTH_MAX_AGENTS = 20
 def unpriced_models_in_use() -> list[dict]:
     """Models whose calls were recorded unpriced and that still have no price."""
     priced = ModelPrice.objects.values("model")
-    return list(
+    rows = list(
         CostEvent.objects.filter(unpriced=True)
         .exclude(model__in=priced)
         .values("model")
         .annotate(events=Count("id"), last_seen=Max("created_at"))
         .order_by("model")
     )
+    if not rows:
+        return rows
+    # A snapshot id is priced by its family's price (pricing.price_for) once there is one.
+    families = set(ModelPrice.objects.values_list("model", flat=True))
+    return [row for row in rows if model_family(row["model"]) not in families]
 
 
 @admin.register(ModelPrice)

@@ -1,7 +1,8 @@
 """Budgets that stop spend before it happens.
 
-Before each model call the heartbeat estimates its cost (input tokens x input price, plus
-max_tokens x output price: the most it can cost) and reserves it against every limit that
+Before each model call the heartbeat estimates the most it can cost (every input token at
+the dearest rate it can be billed at, a 1-hour cache write being 2x input, read twice under
+server compaction; every output token used) and reserves it against every limit that
 applies, under a lock on the company row. Running runs' reservations count as spent, so
 concurrent heartbeats near a limit cannot all pass: at most one call's estimate error can
 overshoot. Paperclip's original checked only after a run ended, which let a $0.50 cap
@@ -10,7 +11,7 @@ spend $5.11.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -31,6 +32,13 @@ class BudgetExceeded(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class ModelUnpriced(BudgetExceeded):
+    """A budgeted call to a model without a price: its cost cannot be held against the
+    budget, and counting it as free would let it spend without limit."""
+
+    code = "model_unpriced"
 
 
 @dataclass(frozen=True)
@@ -197,18 +205,38 @@ def budget_headroom(*, company_id, agent_id, now: datetime, exclude_run_id=None)
     return min(u.limit - u.spent - u.reserved for u in money)
 
 
-def estimate_call_cost(*, model: str, input_tokens: int, max_output_tokens: int, at: datetime) -> Decimal:
-    """The most a call can cost: every input token uncached, every output token used."""
+def estimate_call_cost(
+    *,
+    model: str,
+    input_tokens: int,
+    max_output_tokens: int,
+    at: datetime,
+    cache_lifetimes: frozenset[str] = frozenset(),
+    samplings: int = 1,
+) -> Decimal | None:
+    """The most a call can cost, so that reservations bound the spend (None: no price).
+
+    Each input token at the dearest rate it can be billed at: plain input, or a cache
+    write of a lifetime the request's markers ask for (`5m`: 1.25x input, `1h`: 2x).
+    `samplings` is how many times the model may read the input and write up to
+    max_output_tokens in this one call: 2 under server compaction, whose summarising pass
+    reads the whole input before the answer reads the compacted one. Cache reads are
+    cheaper than any of these and need no term.
+    """
     price = price_for(model=model, at=at)
     if price is None:
-        return ZERO
-    return (input_tokens * price.input_usd_per_mtok + max_output_tokens * price.output_usd_per_mtok) / MILLION
+        return None
+    write_rates = {"5m": price.cache_write_5m_usd_per_mtok, "1h": price.cache_write_1h_usd_per_mtok}
+    input_rate = max([price.input_usd_per_mtok, *(write_rates[ttl] for ttl in cache_lifetimes)])
+    per_sampling = input_tokens * input_rate + max_output_tokens * price.output_usd_per_mtok
+    return samplings * per_sampling / MILLION
 
 
-def budget_reserve(*, run, agent, estimate: Decimal, now: datetime) -> str:
+def budget_reserve(*, run, agent, estimate: Decimal | None, now: datetime, model: str = "") -> str:
     """Hold `estimate` for this run against every applicable limit, or refuse.
 
-    Returns a soft-warning text (empty when no limit is near).
+    `estimate` None means the call's model has no price: refused (ModelUnpriced) when any
+    money limit applies. Returns a soft-warning text (empty when no limit is near).
     """
     from sessions_app.models import Company, HeartbeatRun
 
@@ -217,23 +245,39 @@ def budget_reserve(*, run, agent, estimate: Decimal, now: datetime) -> str:
         # across processes (on SQLite the IMMEDIATE transaction does the same).
         Company.objects.select_for_update().filter(id=agent.company_id).first()
         uses = budget_uses(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
-        for use in uses:
-            if use.period == "day_runs":
-                if use.spent + 1 > use.limit:
-                    raise BudgetExceeded(f"The {use.scope} daily run cap of {use.limit:.0f} runs is reached.")
-                continue
-            if use.spent + use.reserved + estimate > use.limit:
-                raise BudgetExceeded(
-                    f"This call could cost up to ${estimate:.6f}, which would cross the {use.scope} {PERIOD_NAMES[use.period]} "
-                    f"budget of ${use.limit:.2f} (spent ${use.spent:.6f}, ${use.reserved:.6f} held by running calls)."
-                )
-        HeartbeatRun.objects.filter(id=run.id).update(reserved_usd=estimate)
+        refusal = _refusal(uses, estimate, model)
+        if refusal is not None:
+            raise refusal
+        HeartbeatRun.objects.filter(id=run.id).update(reserved_usd=estimate or ZERO)
     warnings = [
         use.describe()
         for use in uses
-        if use.period != "day_runs" and (use.spent + use.reserved + estimate) / use.limit * 100 >= use.warn_percent
+        if use.period != "day_runs" and replace(use, reserved=use.reserved + estimate).warning
     ]
     return "Budget warning: " + "; ".join(warnings) if warnings else ""
+
+
+def _refusal(uses: list[BudgetUse], estimate: Decimal | None, model: str) -> BudgetExceeded | None:
+    money = [use for use in uses if use.period != "day_runs"]
+    for use in uses:
+        if use.period == "day_runs" and use.spent + 1 > use.limit:
+            return BudgetExceeded(f"The {use.scope} daily run cap of {use.limit:.0f} runs is reached.")
+    for use in money:
+        if use.limit <= 0:
+            # Zero means nothing may be spent, even by a call priced at nothing.
+            return BudgetExceeded(f"The {use.scope} {PERIOD_NAMES[use.period]} budget is $0: nothing may be spent.")
+    if money and estimate is None:
+        return ModelUnpriced(
+            f"The model {model!r} has no price, so the cost of this call cannot be held against the budget. "
+            "Add a model price (admin: Costs > Model prices) or configure a priced model."
+        )
+    for use in money:
+        if use.spent + use.reserved + estimate > use.limit:
+            return BudgetExceeded(
+                f"This call could cost up to ${estimate:.6f}, which would cross the {use.scope} {PERIOD_NAMES[use.period]} "
+                f"budget of ${use.limit:.2f} (spent ${use.spent:.6f}, ${use.reserved:.6f} held by running calls)."
+            )
+    return None
 
 
 def budgets_enforce(*, agent, now: datetime) -> bool:

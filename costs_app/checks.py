@@ -9,6 +9,7 @@ from django.db import DatabaseError
 @register("paperclip")
 def check_unpriced_models(app_configs, **kwargs):
     from costs_app.models import ModelPrice
+    from costs_app.pricing import model_family
     from sessions_app.models import Agent, AgentStatus
 
     try:
@@ -18,7 +19,7 @@ def check_unpriced_models(app_configs, **kwargs):
         priced = set(ModelPrice.objects.values_list("model", flat=True))
     except DatabaseError:
         return []  # before migrate, or database down: other checks and commands report that
-    missing = sorted(m for m in models_in_use if m and m not in priced)
+    missing = sorted(m for m in models_in_use if m and m not in priced and model_family(m) not in priced)
     return [
         Warning(
             f"Model {model!r} is used by an agent but has no price; its calls are recorded with cost 0.",

@@ -103,7 +103,10 @@ class CostEvent(models.Model):
     cost_usd = models.DecimalField(**MONEY, default=Decimal(0))
     unpriced = models.BooleanField(default=False, help_text="No price was known for this model when it was recorded.")
     price = models.ForeignKey(ModelPrice, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
-    # The API's message id: a retried write of the same call is refused, never billed twice.
+    # Which call of its run this row bills (1, 2, ...): with the run, the identity of the
+    # call, so a retried write of it is refused, never billed twice.
+    call_number = models.PositiveSmallIntegerField(null=True, blank=True)
+    # The id the API (or an agent command) reported, for display: not unique, not ours.
     message_id = models.CharField(max_length=255, null=True, blank=True)
     raw_usage = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now, db_default=Now())
@@ -120,10 +123,11 @@ class CostEvent(models.Model):
             models.Index(fields=["session"], name="cost_events_session_idx"),
         ]
         constraints = [
+            # One row per call of a run, within its company (cost_event_record's dedupe).
             models.UniqueConstraint(
-                fields=["message_id", "kind"],
-                condition=models.Q(message_id__isnull=False),
-                name="cost_events_one_per_message",
+                fields=["company", "run", "call_number"],
+                condition=models.Q(run__isnull=False, call_number__isnull=False),
+                name="cost_events_one_per_call",
             ),
         ]
 

@@ -9,11 +9,13 @@ counts (the `message` iteration mirrors the top level and is not added twice).
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.db import IntegrityError, transaction
+from django.db.models import Case, IntegerField, Value, When
 
 from costs_app.models import CostEvent, CostKind, ModelPrice
 
@@ -79,10 +81,30 @@ def token_counts(usage: dict) -> TokenCounts:
     return counts
 
 
+# A dated snapshot id (claude-opus-4-5-20251101) names one release of a model family.
+SNAPSHOT_SUFFIX = re.compile(r"-\d{8}$")
+
+
+def model_family(model: str) -> str:
+    """The family a snapshot id belongs to (the model itself when it is not a snapshot)."""
+    return SNAPSHOT_SUFFIX.sub("", model)
+
+
 def price_for(*, model: str, at: datetime) -> ModelPrice | None:
-    """The price in force for `model` on the UTC day of `at`."""
+    """The price in force for `model` on the UTC day of `at`.
+
+    A snapshot id without a price of its own is priced as its family: the API may answer
+    an alias with a dated id, and an agent may be configured with one. A price recorded
+    for the snapshot itself wins.
+    """
     day = at.astimezone(UTC).date()
-    return ModelPrice.objects.filter(model=model, effective_from__lte=day).order_by("-effective_from").first()
+    names = {model, model_family(model)}
+    exact_first = Case(When(model=model, then=Value(0)), default=Value(1), output_field=IntegerField())
+    return (
+        ModelPrice.objects.filter(model__in=names, effective_from__lte=day)
+        .order_by(exact_first, "-effective_from")
+        .first()
+    )
 
 
 def cost_of(counts: TokenCounts, price: ModelPrice) -> Decimal:
@@ -111,11 +133,18 @@ def cost_event_record(
     at: datetime,
     session_id=None,
     run_id=None,
+    call_number: int | None = None,
     message_id: str | None = None,
     kind: str = CostKind.MESSAGE,
-) -> CostEvent | None:
-    """Write one ledger row for a call's usage; returns the existing row when this
-    message was already recorded (a retried write never bills twice)."""
+) -> CostEvent:
+    """Write one ledger row for a call's usage, priced by `model` (the model requested).
+
+    A call is identified by our own ids: its run and its number within the run, in its
+    company. A retried write of the same call returns the row already recorded instead
+    of billing twice. The message id the API or an agent command reports is kept for
+    display only: it is not ours, and two calls (of one agent or of two companies) may
+    report the same one, so it never decides whether a row is written.
+    """
     counts = token_counts(usage)
     price = price_for(model=model, at=at)
     event = CostEvent(
@@ -124,6 +153,7 @@ def cost_event_record(
         agent_id=agent_id,
         session_id=session_id,
         run_id=run_id,
+        call_number=call_number,
         model=model,
         input_tokens=counts.input_tokens,
         output_tokens=counts.output_tokens,
@@ -138,16 +168,16 @@ def cost_event_record(
         raw_usage=usage,
         created_at=at,
     )
-    if not message_id:
+    if run_id is None or call_number is None:
         event.save(force_insert=True)
         return event
     try:
-        # The unique (message_id, kind) index decides, in the same round trip as the
+        # The unique (company, run, call) index decides, in the same round trip as the
         # insert; a lookup first would cost one more query on every call.
         with transaction.atomic():
             event.save(force_insert=True)
     except IntegrityError:
-        existing = CostEvent.objects.filter(message_id=message_id, kind=kind).first()
+        existing = CostEvent.objects.filter(company_id=company_id, run_id=run_id, call_number=call_number).first()
         if existing is None:
             raise
         return existing
@@ -167,7 +197,9 @@ def billed_call_record(**fields) -> None:
         with transaction.atomic():
             cost_event_record(**fields)
     except Exception:
-        logger.exception("Could not record the cost of billed message %s", fields.get("message_id"))
+        logger.exception(
+            "Could not record the cost of call %s of run %s", fields.get("call_number"), fields.get("run_id")
+        )
 
 
 LEDGER_QUANTUM = Decimal(1).scaleb(-CostEvent._meta.get_field("cost_usd").decimal_places)

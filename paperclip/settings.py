@@ -158,14 +158,21 @@ if REDIS_URL:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
 else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.db.DatabaseCache", "LOCATION": "paperclip_cache"}}
+# A run's deadline moves before each of its requests to that request's own limit
+# (heartbeat.run_deadline): at most 3600 s on each of 11 attempts with a 60 s wait between
+# them (validation's bounds), plus PAPERCLIP_RUN_TIMEOUT_SECONDS. A run makes at most a
+# handoff note, 3 summaries, the answer and the token counts that size them: under 32.
+LONGEST_CALL_SECONDS = 3600 * 11 + 60 * 10
+LONGEST_RUN_SECONDS = 32 * (LONGEST_CALL_SECONDS + PAPERCLIP_RUN_TIMEOUT_SECONDS)
 Q_CLUSTER = {
     "name": "paperclip",
     "workers": env_int("PAPERCLIP_Q_WORKERS", 2, minimum=1),
-    # A heartbeat may wait on the model for the whole run timeout; the task timeout sits
-    # above it so the engine, not the cluster, decides when a run has failed. `retry`
-    # must exceed `timeout`, or a slow task is handed to a second worker while it runs.
-    "timeout": PAPERCLIP_RUN_TIMEOUT_SECONDS + 60,
-    "retry": PAPERCLIP_RUN_TIMEOUT_SECONDS + 120,
+    # The engine's deadline, not the cluster, decides when a run has failed; the task
+    # timeout sits above the longest run any valid agent can make. `retry` must exceed
+    # `timeout`, or a slow task is handed to a second worker while it runs (a task lost
+    # with a killed worker needs no redelivery: maintenance re-dispatches stuck queues).
+    "timeout": LONGEST_RUN_SECONDS,
+    "retry": LONGEST_RUN_SECONDS + 60,
     "max_attempts": 1,
     # A restarted cluster must not replay every heartbeat it missed while it was down.
     "catch_up": False,

@@ -38,6 +38,7 @@ from sessions_app.models import (
     AgentSession,
     CompactionKind,
     HeartbeatRun,
+    RunStatus,
     SessionCompaction,
 )
 from sessions_app.stores import store_for
@@ -194,10 +195,11 @@ def summary_cost(session: AgentSession, run: HeartbeatRun, reply: AdapterReply, 
     """The ledger fields of the call that wrote a summary or handoff note."""
     return {
         "usage": reply.usage,
-        "model": reply.model,
+        "model": reply.priced_model,
         "company_id": session.company_id,
         "agent_id": session.agent_id,
         "run_id": run.id,
+        "call_number": reply.call_number,
         "message_id": reply.message_id or None,
         "kind": CostKind.COMPACTION,
         "at": at,
@@ -225,6 +227,10 @@ def compaction_commit(
             locked = AgentSession.objects.select_for_update().defer("history").get(pk=session.pk)
             if locked.message_count != len(old_history) or locked.status not in LIVE_SESSION_STATUSES:
                 raise StepFailed("session_conflict", "The session changed while it was being compacted.")
+            # A run reaped while its summary was written is no longer the session's one
+            # writer. Locked, so the reaper cannot fail it between this check and COMMIT.
+            if not HeartbeatRun.objects.select_for_update().filter(id=run.id, status=RunStatus.RUNNING).exists():
+                raise StepFailed("run_timeout", "The run was reaped as timed out while the session was summarised.")
             event = compaction_record(
                 session=locked,
                 run=run,

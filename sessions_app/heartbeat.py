@@ -18,7 +18,7 @@ import os
 import socket
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 
@@ -32,11 +32,13 @@ from costs_app.budgets import (
     budget_reserve,
     budgets_enforce,
     budgets_exist,
+    budgets_for,
     estimate_call_cost,
+    money_limits_of,
 )
 from costs_app.models import CostKind
-from costs_app.pricing import billed_call_record, call_cost, cost_event_record, token_counts
-from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
+from costs_app.pricing import billed_call_record, call_cost, cost_event_record, price_for, token_counts
+from sessions_app.adapters import ADAPTERS, AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.compaction import (
     Handoff,
     StepFailed,
@@ -123,6 +125,23 @@ def refuse_unless_active(agent: Agent) -> None:
         raise HeartbeatRefused("agent_paused", f"The agent is paused{reason}; resume it first.")
 
 
+def refuse_unpriced(agent: Agent, *, now: datetime) -> None:
+    """A budgeted agent whose model has no price is refused before anything is queued:
+    its calls could not be held against the budget (each run would fail model_unpriced)."""
+    if not any(money_limits_of(b) for b in budgets_for(company_id=agent.company_id, agent_id=agent.id)):
+        return
+    models = {agent.model_name}
+    if agent.is_persistent:
+        models.add(context_settings(agent).summary_model)
+    unpriced = sorted(model for model in models if price_for(model=model, at=now) is None)
+    if unpriced:
+        raise HeartbeatRefused(
+            "model_unpriced",
+            f"The agent has a budget but its model {unpriced[0]!r} has no price, so its calls cannot be held "
+            "against the budget. Add a model price (admin: Costs > Model prices) or configure a priced model.",
+        )
+
+
 def heartbeat_enqueue(
     *,
     agent: Agent,
@@ -144,6 +163,7 @@ def heartbeat_enqueue(
             return _same_request(earlier, task), False
     refuse_unless_active(agent)
     validate_task(task)
+    refuse_unpriced(agent, now=now)
     fields = {
         "company_id": agent.company_id,
         "agent": agent,
@@ -214,7 +234,7 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         _finish_failed(run, code=code, message=f"The agent is {agent.status}.", now=now)
         run.refresh_from_db()
         return run, False
-    deadline = now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
+    deadline = run_deadline(ADAPTERS.get(agent.adapter_type), agent.adapter_config, at=now)
     try:
         # One statement is its own transaction; only inside a caller's transaction does
         # the refusal need a savepoint to leave that transaction usable.
@@ -229,6 +249,65 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         return run, False
     run.status, run.started_at, run.deadline_at = RunStatus.RUNNING, now, deadline
     return run, True
+
+
+def run_deadline(adapter, config: dict, *, at: datetime) -> datetime:
+    """When a run whose next call starts at `at` is presumed dead: that call's own limit
+    (the agent's timeout for each attempt, its retries and the waits between them) plus
+    PAPERCLIP_RUN_TIMEOUT_SECONDS for the work around it (history, commit)."""
+    try:
+        seconds = adapter.call_seconds(config) if adapter is not None else 0
+    except (TypeError, ValueError):
+        # A configuration edited past validation: the claim must not fail on it (the
+        # call will, with its own error); the run timeout alone bounds the wait.
+        seconds = 0
+    return at + timedelta(seconds=seconds + settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
+
+
+class RunCalls:
+    """The adapter as one run uses it.
+
+    - Numbers the run's model calls: the run and the number are the ledger's identity of
+      a call, never an id the answer reports.
+    - Before every request after the first (a summary, the answer after a handoff note, a
+      token count), moves the run's deadline to cover it, so a run of many calls is reaped
+      only when one of them overruns its own limit; the claim's deadline covers the first.
+      A run the reaper failed meanwhile sends nothing more: run_timeout.
+    """
+
+    def __init__(self, adapter, *, run: HeartbeatRun, clock) -> None:
+        self._adapter = adapter
+        self._run = run
+        self._clock = clock
+        self._requests = 0
+        self._calls = 0
+
+    def call(self, request: AdapterRequest) -> AdapterReply:
+        self._hold_deadline(request)
+        self._calls += 1
+        number = self._calls
+        return replace(self._adapter.call(request), call_number=number)
+
+    def __getattr__(self, name: str):
+        # Everything else is the adapter's own; `hasattr(adapter, "count_tokens")` still
+        # tells whether it can measure a request.
+        attribute = getattr(self._adapter, name)
+        if name != "count_tokens":
+            return attribute
+
+        def count_tokens(request: AdapterRequest) -> int:
+            self._hold_deadline(request)
+            return attribute(request)
+
+        return count_tokens
+
+    def _hold_deadline(self, request: AdapterRequest) -> None:
+        self._requests += 1
+        if self._requests == 1:
+            return
+        deadline = run_deadline(self._adapter, request.config, at=self._clock())
+        if not HeartbeatRun.objects.filter(id=self._run.id, status=RunStatus.RUNNING).update(deadline_at=deadline):
+            raise RunAbandoned("run_timeout", "The run was reaped as timed out; it made no further call.")
 
 
 @dataclass
@@ -313,7 +392,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
     def elapsed() -> datetime:
         return now + timedelta(seconds=time.monotonic() - started)
 
-    adapter = get_adapter(agent.adapter_type)
+    adapter = RunCalls(get_adapter(agent.adapter_type), run=run, clock=elapsed)
     budgeted = run.budgeted
     # Spent by this run's own earlier calls and not yet in the ledger (a handoff note is
     # recorded with the answer): held on top of each later reservation.
@@ -334,7 +413,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
             write_handoff(agent=agent, adapter=adapter, plan=plan, settings_=settings_, now=now, before_call=reserve)
             note = plan.handoff.reply
             if budgeted and note.usage is not None:
-                unrecorded = call_cost(usage=note.usage, model=note.model or agent.model_name, at=now)
+                unrecorded = call_cost(usage=note.usage, model=note.priced_model, at=now)
         user_content = user_turn_content(run.task, plan.manifest)
         request = fit_budget(
             agent=agent,
@@ -351,7 +430,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
         reply = adapter.call(request)
     except Exception as exc:
         _record_discarded_handoff(run, agent=agent, plan=plan, finished=elapsed())
-        if not isinstance(exc, (HistoryUnavailable, StepFailed, BudgetExceeded, AdapterError)):
+        if not isinstance(exc, (HistoryUnavailable, StepFailed, BudgetExceeded, AdapterError, RunAbandoned)):
             raise
         # Every step's failure carries a stable code and a message for the run row.
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
@@ -384,18 +463,40 @@ def reserve_budget(
     """
     max_output = request.max_tokens or int(agent.adapter_config.get("max_tokens") or 4096)
     size = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
-    estimate = estimate_call_cost(model=request.model, input_tokens=size, max_output_tokens=max_output, at=now)
-    headroom = budget_headroom(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
-    near = headroom is not None and headroom / 2 <= estimate + held <= headroom * Decimal("1.5")
-    if near and hasattr(adapter, "count_tokens"):
-        try:
-            size = adapter.count_tokens(request)
-            estimate = estimate_call_cost(model=request.model, input_tokens=size, max_output_tokens=max_output, at=now)
-        except AdapterError:
-            pass  # the character estimate is conservative enough to decide on
-    warning = budget_reserve(run=run, agent=agent, estimate=estimate + held, now=now)
+    pricing = {
+        "model": request.model,
+        "max_output_tokens": max_output,
+        "at": now,
+        "cache_lifetimes": cache_lifetimes([request.system_blocks, request.messages]),
+        "samplings": 2 if request.config.get("context_strategy") == "server" else 1,
+    }
+    estimate = estimate_call_cost(input_tokens=size, **pricing)
+    if estimate is not None and hasattr(adapter, "count_tokens"):
+        headroom = budget_headroom(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
+        if headroom is not None and headroom / 2 <= estimate + held <= headroom * Decimal("1.5"):
+            try:
+                estimate = estimate_call_cost(input_tokens=adapter.count_tokens(request), **pricing)
+            except AdapterError:
+                pass  # the character estimate is conservative enough to decide on
+    total = estimate + held if estimate is not None else None
+    warning = budget_reserve(run=run, agent=agent, estimate=total, now=now, model=request.model)
     if warning:
         HeartbeatRun.objects.filter(id=run.id).update(warning=warning[:2000])
+
+
+def cache_lifetimes(value) -> frozenset[str]:
+    """The lifetimes the cache_control markers in a request ask for (`5m` unless named):
+    its input may be written to the cache at their prices."""
+    found: set[str] = set()
+    if isinstance(value, dict):
+        marker = value.get("cache_control")
+        if isinstance(marker, dict):
+            found.add(marker.get("ttl") or "5m")
+        value = list(value.values())
+    if isinstance(value, list):
+        for item in value:
+            found |= cache_lifetimes(item)
+    return frozenset(found)
 
 
 def _finish_failed(run: HeartbeatRun, *, code: str, message: str, now: datetime) -> None:
@@ -427,11 +528,12 @@ def _finish_succeeded(
             if reply.usage is not None:
                 cost_event = cost_event_record(
                     usage=reply.usage,
-                    model=reply.model or agent.model_name,
+                    model=reply.priced_model,
                     company_id=agent.company_id,
                     agent_id=agent.id,
                     session_id=session.id if session else None,
                     run_id=run.id,
+                    call_number=reply.call_number,
                     message_id=reply.message_id or None,
                     at=finished,
                 )
@@ -568,10 +670,11 @@ def _record_spend_only(
     """The answer is discarded but the call was billed: the ledger still records it."""
     billed_call_record(
         usage=reply.usage,
-        model=reply.model or agent.model_name,
+        model=reply.priced_model,
         company_id=agent.company_id,
         agent_id=agent.id,
         run_id=run.id,
+        call_number=reply.call_number,
         message_id=reply.message_id or None,
         kind=kind,
         at=finished,

@@ -168,6 +168,8 @@ REFUSALS = {
     "idempotency_key_reused": Conflict,
     "agent_deleted": NotFound,
     "budget_exceeded": TooManyRequests,
+    # The agent's configuration and the price list disagree: fixed by a price, not by waiting.
+    "model_unpriced": Conflict,
 }
 
 

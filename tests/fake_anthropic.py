@@ -12,6 +12,10 @@ Scripted reply kinds:
 - Reply.reset(): headers, half a body, then the connection is dropped;
 - Reply.message(text=..., usage=..., content=..., message_id=...): a chosen answer;
 - Reply.no_usage(): an answer without a `usage` object.
+
+Any reply may carry `before=callable`: it runs in the fake's thread when the request
+arrives, before the answer, so a test can put a second actor (the reaper, an operator)
+at the moment a call is in flight.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -39,6 +44,17 @@ def strip_markers(value):
     if isinstance(value, dict):
         return {k: strip_markers(v) for k, v in value.items() if k != "cache_control"}
     return value
+
+
+def marker_ttl(value) -> str | None:
+    """The lifetime of the first cache_control marker in `value` (None without one)."""
+    if isinstance(value, list):
+        return next((ttl for ttl in map(marker_ttl, value) if ttl), None)
+    if isinstance(value, dict):
+        if isinstance(value.get("cache_control"), dict):
+            return value["cache_control"].get("ttl") or "5m"
+        return next((ttl for ttl in map(marker_ttl, value.values()) if ttl), None)
+    return None
 
 
 def has_marker(value) -> bool:
@@ -80,6 +96,7 @@ class Reply:
     content: list | None = None
     message_id: str | None = None
     extra: dict = field(default_factory=dict)
+    before: Callable[[], None] | None = None
 
     @classmethod
     def error(cls, status: int, message: str = "fake error", retry_after_ms: int | None = None) -> Reply:
@@ -175,7 +192,8 @@ class FakeAnthropic:
         sizes = [estimate_tokens(strip_markers(segment)) for segment in segments]
         total = estimate_tokens({"system": system, "messages": messages})
         breakpoints = [i for i, segment in enumerate(segments) if has_marker(segment)]
-        read = written = 0
+        read = 0
+        written_by_ttl = {"5m": 0, "1h": 0}
         if breakpoints:
             digest = hashlib.sha256()
             prefixes = []
@@ -188,13 +206,20 @@ class FakeAnthropic:
                 for i in breakpoints:
                     self.cache.add(prefixes[i])
             read = sum(sizes[: hit + 1])
-            written = sum(sizes[hit + 1 : last + 1])
+            # Each segment is written at the lifetime of the breakpoint that closes it.
+            for i in range(hit + 1, last + 1):
+                ttl = marker_ttl(segments[min(b for b in breakpoints if b >= i)])
+                written_by_ttl[ttl] += sizes[i]
+        written = sum(written_by_ttl.values())
         uncached = max(total - read - written, 1)
         return {
             "input_tokens": uncached,
             "output_tokens": 12,
             "cache_creation_input_tokens": written,
-            "cache_creation": {"ephemeral_5m_input_tokens": written, "ephemeral_1h_input_tokens": 0},
+            "cache_creation": {
+                "ephemeral_5m_input_tokens": written_by_ttl["5m"],
+                "ephemeral_1h_input_tokens": written_by_ttl["1h"],
+            },
             "cache_read_input_tokens": read,
         }
 
@@ -306,6 +331,8 @@ class FakeAnthropic:
                     )
                     return
                 reply = fake._next_reply()
+                if reply.before is not None:
+                    reply.before()
                 if reply.kind == "error":
                     headers = {}
                     if reply.retry_after_ms is not None:

@@ -332,7 +332,8 @@ def test_process_adapter_runs_a_command_with_the_request_on_stdin(company, tmp_p
     run = beat(agent, "pong")
     assert run.status == RunStatus.SUCCEEDED, run.error
     assert run.output == "echo 3: pong"
-    assert CostEvent.objects.filter(agent_id=agent.id).count() == 1  # second call reused message_id: deduplicated
+    # Both calls reported the same message id: two calls all the same, two ledger rows.
+    assert CostEvent.objects.filter(agent_id=agent.id).count() == 2
 
 
 def test_process_adapter_kills_its_process_group_on_timeout(company, tmp_path):
@@ -372,7 +373,68 @@ def test_a_heartbeat_makes_the_same_few_queries_however_long_the_session(
     agent = persistent_agent if mode == "persistent" else stateless_agent
     for i in range(20):
         beat(agent, f"turn {i}")
-    # Claim, session read and touch, price, ledger row, session and run updates, next
-    # queued run, and the savepoints around them: none of it per message of history.
-    with django_assert_max_num_queries(13 if mode == "stateless" else 18):
+    # Budgets (at enqueue), claim, session read and touch, price, ledger row, session and
+    # run updates, next queued run, and the savepoints around them: none of it per
+    # message of history.
+    with django_assert_max_num_queries(14 if mode == "stateless" else 19):
         assert beat(agent, "turn 20").status == RunStatus.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_answering_within_its_agents_timeout_is_not_reaped(company, fake_anthropic):
+    from django.db import connection
+
+    from sessions_app.expiry import runs_reap
+    from sessions_app.models import Agent
+
+    agent = Agent.objects.create(
+        company=company,
+        name="slow thinker",
+        adapter_config={"model": "claude-opus-4-5", "timeout_seconds": 3600, "max_retries": 1},
+    )
+    start = timezone.now()
+    reaped = []
+
+    def reaper_an_hour_into_the_call():
+        # The first attempt took its whole hour; the retry is answering.
+        reaped.extend(runs_reap(now=start + timedelta(minutes=61)))
+        connection.close()
+
+    fake_anthropic.push(Reply(before=reaper_an_hour_into_the_call))
+
+    run = beat(agent, "think hard", now=start)
+
+    assert reaped == []
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    # Two attempts of an hour, the wait between them, and the run timeout for the rest.
+    assert run.deadline_at == start + timedelta(seconds=2 * 3600 + 60 + 600)
+
+
+def test_each_later_call_of_a_run_moves_its_deadline_and_a_reaped_run_calls_no_more(stateless_agent, fake_anthropic):
+    from sessions_app.adapters import get_adapter
+    from sessions_app.context import build_request, context_settings
+    from sessions_app.expiry import runs_reap
+    from sessions_app.heartbeat import RunAbandoned, RunCalls, claim_run
+
+    start = timezone.now()
+    queued, _ = heartbeat_enqueue(agent=stateless_agent, task="many calls", now=start)
+    run, claimed = claim_run(run_id=queued.id, now=start)
+    assert claimed
+    one_call = timedelta(seconds=3 * 600 + 2 * 60 + 600)  # the defaults: 600 s x 3 attempts
+    assert run.deadline_at == start + one_call
+    later = start + timedelta(minutes=50)  # a summary took 50 minutes before this call
+    calls = RunCalls(get_adapter("claude-code"), run=run, clock=lambda: later)
+    request = build_request(
+        agent=stateless_agent, history=[], user_content="go", settings=context_settings(stateless_agent)
+    )
+
+    replies = [calls.call(request), calls.call(request)]
+
+    assert [reply.call_number for reply in replies] == [1, 2]
+    assert HeartbeatRun.objects.get(id=run.id).deadline_at == later + one_call
+    assert runs_reap(now=later + one_call - timedelta(seconds=1)) == []
+    assert runs_reap(now=later + one_call + timedelta(seconds=1)) == [stateless_agent.id]
+    with pytest.raises(RunAbandoned) as abandoned:
+        calls.call(request)
+    assert abandoned.value.code == "run_timeout"
+    assert len(fake_anthropic.message_requests) == 2

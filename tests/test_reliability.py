@@ -241,8 +241,10 @@ def test_sigkilled_cluster_workers_leave_no_run_running(
                 "a worker to claim the run",
             )
             os.kill(int(running.claimed_by.rsplit(":", 1)[1]), signal.SIGKILL)
-            # The reaper, one run timeout later, fails what the dead worker left behind.
-            runs_reap(now=timezone.now() + timedelta(seconds=6))
+            # The reaper, past the run's deadline (its call's limit, 3 x 600 s with the
+            # waits between attempts, plus the 5 s run timeout), fails what the dead worker
+            # left behind.
+            runs_reap(now=timezone.now() + timedelta(hours=1))
         assert not HeartbeatRun.objects.filter(status=RunStatus.RUNNING).exists()
         assert set(HeartbeatRun.objects.values_list("error_code", flat=True)) == {"run_timeout"}
 

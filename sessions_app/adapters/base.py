@@ -54,6 +54,18 @@ class AdapterReply:
     stop_reason: str = ""
     usage: dict | None = None  # the raw usage as the API returned it; None when it gave none
     artifacts: list = field(default_factory=list)  # artifacts the agent reported creating
+    # The model the request named: what the call is priced by. `model` is what the answer
+    # says, which may be a dated snapshot of it (or anything an agent command prints).
+    requested_model: str = ""
+    # Which call of its run this was (1, 2, ...), numbered by the engine: with the run,
+    # the ledger's identity of the call.
+    call_number: int | None = None
+
+    @property
+    def priced_model(self) -> str:
+        """The model the ledger prices and records this call by: the one requested (an
+        agent command configured with none is priced by the model it reports)."""
+        return self.requested_model or self.model
 
     def __post_init__(self) -> None:
         # Every reply is made storable where it enters the engine, so that no later write
@@ -113,6 +125,11 @@ class Adapter(Protocol):
     def validate_config(self, config: dict, errors: dict[str, str]) -> dict: ...
 
     def call(self, request: AdapterRequest) -> AdapterReply: ...
+
+    def call_seconds(self, config: dict) -> float:
+        """The longest one call (or token count) with this configuration may take, its
+        retries and the waits between them included: the run's deadline covers it."""
+        ...
 
 
 class AgentConfigError(ValidationError):

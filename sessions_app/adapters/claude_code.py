@@ -26,6 +26,9 @@ DEFAULT_MODEL = "claude-sonnet-4-5"
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_TIMEOUT_SECONDS = 600
 DEFAULT_MAX_RETRIES = 2
+# The SDK waits as long as a retry-after header asks; the API asks for seconds, not
+# minutes. A run's deadline allows this much between two attempts.
+RETRY_WAIT_SECONDS = 60
 
 
 @functools.lru_cache(maxsize=32)
@@ -147,6 +150,11 @@ class ClaudeCodeAdapter:
             clean["compaction_trigger_tokens"] = trigger
         return clean
 
+    def call_seconds(self, config: dict) -> float:
+        timeout = float(config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
+        retries = int(config.get("max_retries", DEFAULT_MAX_RETRIES))
+        return timeout * (retries + 1) + retries * RETRY_WAIT_SECONDS
+
     def call(self, request: AdapterRequest) -> AdapterReply:
         client = client_for(request.config)
         extra_body: dict[str, Any] = {}
@@ -189,6 +197,7 @@ class ClaudeCodeAdapter:
             text=text,
             content=content,
             model=message.model or request.model,
+            requested_model=request.model,
             message_id=message.id or "",
             stop_reason=message.stop_reason or "",
             usage=usage,

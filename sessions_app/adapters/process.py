@@ -57,6 +57,9 @@ class ProcessAdapter:
             errors["context_strategy"] = "'server' compaction needs the claude-code adapter"
         return clean
 
+    def call_seconds(self, config: dict) -> float:
+        return float(config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
+
     def call(self, request: AdapterRequest) -> AdapterReply:
         payload = json.dumps(
             {
@@ -120,6 +123,7 @@ class ProcessAdapter:
             text=answer["text"],
             content=answer["text"],
             model=str(answer.get("model") or request.model),
+            requested_model=request.model,
             message_id=str(answer.get("message_id") or ""),
             stop_reason=str(answer.get("stop_reason") or "end_turn"),
             usage=usage,

@@ -106,3 +106,17 @@ def test_out_of_range_limits_are_400_not_500(client, company):
     )
     assert response.status_code == 400
     assert "daily_run_limit" in response.json()["error"]["fields"]
+
+
+def test_a_heartbeat_of_a_budgeted_agent_on_an_unpriced_model_is_409(client, company):
+    agent = Agent.objects.create(company=company, name="new", adapter_config={"model": "claude-future-9"})
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("5"))
+
+    response = client.post(
+        f"/api/companies/{company.id}/agents/{agent.id}/heartbeat", {"task": "go"}, content_type="application/json"
+    )
+
+    assert response.status_code == 409
+    error = response.json()["error"]
+    assert error["code"] == "model_unpriced"
+    assert "claude-future-9" in error["message"]
