@@ -237,3 +237,17 @@ def test_an_allow_list_entry_may_be_just_its_argv():
         "echo": {"argv": ["/bin/echo", "hi"], "allowed_args": [], "allowed_arg_patterns": [], "env": [], "cwd": None}
     }
     assert parse_process_commands("") == {}
+
+
+def test_a_system_check_names_agents_whose_command_may_no_longer_run(company, commands, settings, tmp_path):
+    from sessions_app.checks import check_process_commands
+
+    raw, _ = raw_argv_agent(company, tmp_path)
+    Agent.objects.create(company=company, name="listed", adapter_type="process", adapter_config={"command": "reporter"})
+    assert check_process_commands(None) == []
+
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+
+    (warning,) = check_process_commands(None)
+    assert warning.id == "paperclip.W003"
+    assert "'raw'" in warning.msg and str(raw.id) in warning.msg and "adapter_config.command" in warning.msg
