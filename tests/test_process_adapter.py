@@ -41,7 +41,7 @@ def listed_commands(tmp_path, **entries) -> dict:
     reporter = {
         "argv": [sys.executable, reporter_script(tmp_path)],
         "allowed_args": ["--verbose"],
-        "allowed_arg_patterns": ["--topic=[a-z]{1,20}"],
+        "allowed_arg_patterns": ["--topic=[a-z]{1,20}", "--topic=a+"],
         "cwd": str(tmp_path),
     }
     return parse_process_commands(json.dumps({"reporter": reporter, **entries}))
@@ -184,6 +184,7 @@ def test_an_entry_may_pass_a_secret_when_the_operator_says_so(company, settings,
         ({"command": "reporter", "args": ["--topic=UPPER"]}, "args"),
         ({"command": "reporter", "args": "--verbose"}, "args"),
         ({"command": "reporter", "args": ["--verbose"] * 65}, "args"),
+        ({"command": "reporter", "args": ["--topic=" + "a" * 5000]}, "args"),
         ({"command": "reporter", "cwd": "/tmp"}, "cwd"),
         ({"command": ["python3", "agent.py"], "args": ["--verbose"]}, "args"),
     ],

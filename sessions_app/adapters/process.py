@@ -36,7 +36,10 @@ FIELD_LENGTHS = {name: HeartbeatRun._meta.get_field(name).max_length for name in
 # What every agent command gets from the worker's environment; its entry's `env` adds more.
 # Never the worker's secrets (DJANGO_SECRET_KEY, DATABASE_URL, REDIS_URL, ANTHROPIC_API_KEY).
 BASE_ENVIRONMENT = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+# Bounds what an operator's pattern is matched against, and stays far below the kernel's
+# limits on one argument and on the whole argv.
 MAX_EXTRA_ARGS = 64
+MAX_ARG_CHARS = 4096
 
 
 class OutputTooLarge(Exception):
@@ -87,8 +90,8 @@ def raw_command_problems(config: dict, *, mode: str, commands: Mapping[str, dict
 def args_problem(args: object, *, name: str, entry: dict) -> str | None:
     if not isinstance(args, list) or not all(isinstance(arg, str) and "\x00" not in arg for arg in args):
         return "must be a list of strings"
-    if len(args) > MAX_EXTRA_ARGS:
-        return f"at most {MAX_EXTRA_ARGS} arguments"
+    if len(args) > MAX_EXTRA_ARGS or any(len(arg) > MAX_ARG_CHARS for arg in args):
+        return f"at most {MAX_EXTRA_ARGS} arguments of at most {MAX_ARG_CHARS} characters"
     for arg in args:
         if arg not in entry["allowed_args"] and not any(
             re.fullmatch(pattern, arg) for pattern in entry["allowed_arg_patterns"]
