@@ -81,10 +81,10 @@ class AgentAdminForm(forms.ModelForm):
         super().__init__(*args, **kwargs)
         # Staff choose among the operator's commands like API keys do; the list itself is
         # the deployment's (PAPERCLIP_PROCESS_COMMANDS), so no web login can widen it.
+        # (The admin renders help text as HTML; names are letters, digits, '.', '_', '-'.)
         if names := sorted(settings.PAPERCLIP_PROCESS_COMMANDS):
-            self.fields[
-                "adapter_config"
-            ].help_text += f' A process agent names one of the listed commands: {", ".join(names)} (e.g. {{"command": "{names[0]}"}}).'
+            listed = f'A process agent names one of the listed commands: {", ".join(names)}.'
+            self.fields["adapter_config"].help_text += f" {listed}"
 
     def clean_adapter_config(self):
         value = self.cleaned_data.get("adapter_config")
