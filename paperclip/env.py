@@ -6,7 +6,9 @@ stops start-up with one clear line instead of running with a silently wrong valu
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -122,3 +124,71 @@ def secret_key(*, deployment_mode: str, home: Path) -> str:
     with os.fdopen(fd, "w") as handle:
         handle.write(key)
     return key
+
+
+PROCESS_COMMAND_KEYS = ("argv", "allowed_args", "allowed_arg_patterns", "env", "cwd")
+PROCESS_COMMAND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_process_commands(raw: str, *, name: str = "PAPERCLIP_PROCESS_COMMANDS") -> dict[str, dict]:
+    """The commands `process` agents may run: a JSON object mapping a name to its entry.
+
+    An entry is its argv (a list) or an object with `argv` and optionally `allowed_args`
+    (literal arguments an agent may add), `allowed_arg_patterns` (regular expressions an
+    added argument may match in full), `env` (variables passed from this environment) and
+    `cwd` (an absolute directory). Returned with every key filled in.
+    """
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a JSON object ({exc})") from None
+    if not isinstance(value, dict):
+        raise ImproperlyConfigured(f'{name} must be a JSON object like {{"my-agent": ["/opt/agent/run"]}}')
+    commands = {}
+    for command, entry in value.items():
+        if not PROCESS_COMMAND_NAME.fullmatch(command):
+            raise ImproperlyConfigured(f"{name}: {command!r} is not a usable name (letters, digits, '.', '_', '-')")
+        commands[command] = _process_command(entry, where=f"{name}[{command!r}]")
+    return commands
+
+
+def _process_command(entry: object, *, where: str) -> dict:
+    if isinstance(entry, list):
+        entry = {"argv": entry}
+    if not isinstance(entry, dict):
+        raise ImproperlyConfigured(f"{where} must be an argv list or an object with an `argv` list")
+    if unknown := sorted(set(entry) - set(PROCESS_COMMAND_KEYS)):
+        raise ImproperlyConfigured(f"{where} has unknown keys {unknown}; expected {', '.join(PROCESS_COMMAND_KEYS)}")
+    argv = _strings(entry.get("argv"), where=f"{where}.argv")
+    if not argv or not all(argv):
+        raise ImproperlyConfigured(f"{where}.argv must be a non-empty list of non-empty strings")
+    patterns = _strings(entry.get("allowed_arg_patterns", []), where=f"{where}.allowed_arg_patterns")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ImproperlyConfigured(
+                f"{where}.allowed_arg_patterns: {pattern!r} is not a regular expression ({exc})"
+            ) from None
+    env = _strings(entry.get("env", []), where=f"{where}.env")
+    if bad := [variable for variable in env if not ENV_NAME.fullmatch(variable)]:
+        raise ImproperlyConfigured(f"{where}.env: {bad[0]!r} is not an environment variable name")
+    cwd = entry.get("cwd")
+    if cwd is not None and not (isinstance(cwd, str) and "\x00" not in cwd and Path(cwd).is_absolute()):
+        raise ImproperlyConfigured(f"{where}.cwd must be an absolute directory path, got {cwd!r}")
+    return {
+        "argv": argv,
+        "allowed_args": _strings(entry.get("allowed_args", []), where=f"{where}.allowed_args"),
+        "allowed_arg_patterns": patterns,
+        "env": env,
+        "cwd": cwd,
+    }
+
+
+def _strings(value: object, *, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(item, str) and "\x00" not in item for item in value):
+        raise ImproperlyConfigured(f"{where} must be a list of strings")
+    return value

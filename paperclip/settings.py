@@ -7,7 +7,16 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from paperclip.env import env_bool, env_choice, env_database, env_decimal, env_int, env_str, secret_key
+from paperclip.env import (
+    env_bool,
+    env_choice,
+    env_database,
+    env_decimal,
+    env_int,
+    env_str,
+    parse_process_commands,
+    secret_key,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -34,6 +43,8 @@ PAPERCLIP_RETENTION_DAYS = env_int("PAPERCLIP_RETENTION_DAYS", 30, minimum=1)
 PAPERCLIP_RUN_TIMEOUT_SECONDS = env_int("PAPERCLIP_RUN_TIMEOUT_SECONDS", 600, minimum=1)
 PAPERCLIP_MAX_TASK_CHARS = env_int("PAPERCLIP_MAX_TASK_CHARS", 100_000, minimum=1)
 PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES = env_int("PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES", 16 * 1024 * 1024, minimum=1024)
+# The only commands `process` agents may run in authenticated mode (README, "process agents").
+PAPERCLIP_PROCESS_COMMANDS = parse_process_commands(env_str("PAPERCLIP_PROCESS_COMMANDS", ""))
 PAPERCLIP_SESSION_HOUR_USD = env_decimal("PAPERCLIP_SESSION_HOUR_USD", "0.08")
 PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
 # Heartbeat API calls per key (or per client address in local_trusted mode): "N/s|min|hour|day".

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.core.checks import Error, Warning, register
+from django.db import DatabaseError
 
 
 @register("paperclip", deploy=True)
@@ -28,3 +29,34 @@ def check_session_store(app_configs, **kwargs):
         if not home.exists() or not home.is_dir():
             return [Error(f"PAPERCLIP_HOME {home} is not a directory.", id="paperclip.E002")]
     return []
+
+
+@register("paperclip")
+def check_process_commands(app_configs, **kwargs):
+    """Agents saved before PAPERCLIP_PROCESS_COMMANDS (or the mode) changed: their runs fail."""
+    from sessions_app.adapters.process import command_problems
+    from sessions_app.models import Agent, AgentStatus
+
+    try:
+        agents = list(
+            Agent.objects.filter(adapter_type="process")
+            .exclude(status=AgentStatus.DELETED)
+            .values_list("id", "name", "adapter_config")
+        )
+    except DatabaseError:
+        return []  # before migrate, or database down: other checks and commands report that
+    mode, commands = settings.PAPERCLIP_DEPLOYMENT_MODE, settings.PAPERCLIP_PROCESS_COMMANDS
+    warnings = []
+    for agent_id, name, config in agents:
+        problems = command_problems(config if isinstance(config, dict) else {}, mode=mode, commands=commands)
+        if problems:
+            warnings.append(
+                Warning(
+                    f"Process agent {name!r} ({agent_id}) may not run its command here: "
+                    + "; ".join(f"adapter_config.{key}: {message}" for key, message in problems.items()),
+                    hint="List the command in PAPERCLIP_PROCESS_COMMANDS, or point the agent at a listed one; "
+                    "until then its runs fail process_command_not_allowed.",
+                    id="paperclip.W003",
+                )
+            )
+    return warnings

@@ -91,7 +91,8 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
         required=False,
         help_text="Adapter settings, e.g. {'model': 'claude-opus-4-5', 'session_mode': 'persistent', "
         "'session_ttl_hours': 24}. Validated when saved; a bad value is a 400 naming `adapter_config.<key>`. "
-        "PATCH replaces the whole object.",
+        "PATCH replaces the whole object. A `process` agent names a command of the operator's "
+        "PAPERCLIP_PROCESS_COMMANDS (`command`, with `args` its entry allows).",
     )
     status = serializers.ChoiceField(
         choices=[AgentStatus.ACTIVE, AgentStatus.PAUSED],

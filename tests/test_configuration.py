@@ -41,6 +41,30 @@ def test_bad_configuration_stops_with_one_clear_line(tmp_path, env, mentions):
     assert mentions in lines[0]
 
 
+@pytest.mark.parametrize(
+    "commands",
+    [
+        "sh -c id",
+        '["sh", "-c", "id"]',
+        '{"agent": "sh -c id"}',
+        '{"agent": {"argv": ["/opt/agent"], "allowed_arg_patterns": ["[a-"]}}',
+        '{"agent": {"argv": ["/opt/agent"], "env": "ANTHROPIC_API_KEY"}}',
+        '{"agent": {"argv": ["/opt/agent"], "cwd": "agents"}}',
+    ],
+)
+def test_a_bad_process_command_list_stops_with_one_clear_line(tmp_path, commands):
+    result = run_check(tmp_path, PAPERCLIP_PROCESS_COMMANDS=commands)
+    assert result.returncode == 2
+    assert result.stderr.startswith("paperclip: configuration error: PAPERCLIP_PROCESS_COMMANDS")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_process_command_list_as_an_operator_writes_it_is_accepted(tmp_path):
+    commands = '{"researcher": {"argv": ["/opt/agents/researcher"], "allowed_args": ["--fast"], "env": ["TOKEN"]}}'
+    result = run_check(tmp_path, PAPERCLIP_PROCESS_COMMANDS=commands)
+    assert result.returncode == 0, result.stderr
+
+
 def test_secret_key_is_generated_once_in_local_trusted_mode(tmp_path):
     assert run_check(tmp_path).returncode == 0
     key = (tmp_path / "secret_key").read_text()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied, ValidationError
@@ -75,6 +76,15 @@ class AgentAdminForm(forms.ModelForm):
     class Meta:
         model = Agent
         fields = ["company", "name", "system_prompt", "adapter_type", "adapter_config"]
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Staff choose among the operator's commands like API keys do; the list itself is
+        # the deployment's (PAPERCLIP_PROCESS_COMMANDS), so no web login can widen it.
+        # (The admin renders help text as HTML; names are letters, digits, '.', '_', '-'.)
+        if names := sorted(settings.PAPERCLIP_PROCESS_COMMANDS):
+            listed = f'A process agent names one of the listed commands: {", ".join(names)}.'
+            self.fields["adapter_config"].help_text += f" {listed}"
 
     def clean_adapter_config(self):
         value = self.cleaned_data.get("adapter_config")

@@ -249,3 +249,38 @@ def test_agent_page_query_count_does_not_grow_with_sessions_and_runs(admin_clien
         make_session(persistent_agent, history=conversation(2), store=HistoryStore.DATABASE)
         make_run(persistent_agent)
     assert queries() == few
+
+
+@pytest.fixture
+def listed_commands_authenticated(settings, tmp_path):
+    from tests.test_process_adapter import listed_commands
+
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_PROCESS_COMMANDS = listed_commands(tmp_path)
+
+
+def test_staff_choose_a_listed_command_for_a_process_agent(admin_client, company, listed_commands_authenticated):
+    page = admin_client.get(reverse(ADD)).content.decode()
+    assert "listed commands: reporter" in page
+
+    config = '{"command": "reporter", "args": ["--verbose"]}'
+    response = admin_client.post(reverse(ADD), agent_form(company, adapter_type="process", adapter_config=config))
+
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    assert Agent.objects.get(name="Writer").adapter_config["command"] == "reporter"
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ('{"command": ["sh", "-c", "id"]}', "command: a command list runs only in local_trusted mode"),
+        ('{"command": "reporter", "args": ["--force"]}', "args: '--force' is not allowed for 'reporter'"),
+    ],
+)
+def test_staff_cannot_widen_the_command_list(admin_client, company, listed_commands_authenticated, config, message):
+    response = admin_client.post(reverse(ADD), agent_form(company, adapter_type="process", adapter_config=config))
+
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors["adapter_config"]
+    assert any(message in error for error in errors), errors
+    assert not Agent.objects.filter(name="Writer").exists()

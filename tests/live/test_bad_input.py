@@ -33,7 +33,7 @@ FUZZ = settings(
 KNOWN_KEYS = sorted(
     COMMON_KEYS
     | {"model", "max_tokens", "temperature", "timeout_seconds", "max_retries", "prompt_caching", "cache_ttl"}
-    | {"compaction_trigger_tokens", "command", "cwd"}
+    | {"compaction_trigger_tokens", "command", "args", "cwd"}
 )
 NASTY_STRINGS = [
     "NaN",

@@ -1,0 +1,254 @@
+"""The `process` adapter: commands come from the operator's allow-list, are re-checked when
+they run, and get only the environment they need."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from django.utils import timezone
+
+from costs_app.models import CostEvent
+from paperclip.env import parse_process_commands
+from sessions_app.adapters import AgentConfigError, validate_agent_config
+from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.models import Agent, RunStatus
+
+# Answers with what it was started with: its arguments, directory and environment names.
+REPORTER = (
+    "import json, os, sys\n"
+    "sys.stdin.read()\n"
+    "seen = {'args': sys.argv[1:], 'cwd': os.getcwd(), 'env': sorted(os.environ)}\n"
+    "print(json.dumps({'text': json.dumps(seen), 'usage': {'input_tokens': 3, 'output_tokens': 1}}))\n"
+)
+SECRETS = {
+    "DJANGO_SECRET_KEY": "django-secret",
+    "DATABASE_URL": "postgres://user:password@db/paperclip",
+    "REDIS_URL": "redis://:password@cache:6379/0",
+    "ANTHROPIC_API_KEY": "sk-ant-secret",
+}
+
+
+def reporter_script(tmp_path) -> str:
+    path = tmp_path / "reporter.py"
+    path.write_text(REPORTER)
+    return str(path)
+
+
+def listed_commands(tmp_path, **entries) -> dict:
+    """The allow-list as an operator writes it: `reporter` runs REPORTER; more entries may be added."""
+    reporter = {
+        "argv": [sys.executable, reporter_script(tmp_path)],
+        "allowed_args": ["--verbose"],
+        "allowed_arg_patterns": ["--topic=[a-z]{1,20}", "--topic=a+"],
+        "cwd": str(tmp_path),
+    }
+    return parse_process_commands(json.dumps({"reporter": reporter, **entries}))
+
+
+@pytest.fixture
+def commands(settings, tmp_path):
+    settings.PAPERCLIP_PROCESS_COMMANDS = listed_commands(tmp_path)
+    return settings.PAPERCLIP_PROCESS_COMMANDS
+
+
+def beat(agent, task="go"):
+    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
+    return heartbeat_execute(run_id=run.id)
+
+
+def seen(run) -> dict:
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    return json.loads(run.output)
+
+
+def raw_argv_agent(company, tmp_path) -> tuple[Agent, object]:
+    """A process agent saved with a raw argv in local_trusted mode; running it creates `marker`."""
+    marker = tmp_path / "ran"
+    script = tmp_path / "touch.py"
+    script.write_text(
+        f'import pathlib, sys\npathlib.Path({str(marker)!r}).touch()\nsys.stdin.read()\nprint(\'{{"text": "ran"}}\')\n'
+    )
+    agent = Agent.objects.create(
+        company=company, name="raw", adapter_type="process", adapter_config={"command": [sys.executable, str(script)]}
+    )
+    return agent, marker
+
+
+def test_a_raw_command_saved_before_authenticated_mode_does_not_run(company, tmp_path, settings):
+    agent, marker = raw_argv_agent(company, tmp_path)
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+
+    run = beat(agent)
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_command_not_allowed")
+    assert "adapter_config.command" in run.error
+    assert not marker.exists()
+    assert not CostEvent.objects.filter(agent_id=agent.id).exists()
+
+
+def test_a_command_written_by_raw_sql_is_checked_when_it_runs(company, commands, settings, tmp_path):
+    _, marker = raw_argv_agent(company, tmp_path)
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    agent = Agent.objects.create(
+        company=company, name="listed", adapter_type="process", adapter_config={"command": "reporter"}
+    )
+    touch = [sys.executable, str(tmp_path / "touch.py")]
+    # Each row bypasses validation as raw SQL would.
+    for config, field in [
+        ({"command": touch}, "command"),
+        ({"command": "reporter", "args": ["--topic=Evil; rm -rf /"]}, "args"),
+        ({"command": "reporter", "cwd": "/"}, "cwd"),
+        ({"command": "nobody-listed-this"}, "command"),
+        ({"command": 42}, "command"),
+    ]:
+        Agent.objects.filter(id=agent.id).update(adapter_config=config)
+        run = beat(agent)
+        assert (run.status, run.error_code) == (RunStatus.FAILED, "process_command_not_allowed"), config
+        assert f"adapter_config.{field}" in run.error
+    assert not marker.exists()
+
+
+def test_a_command_removed_from_the_list_no_longer_runs(company, commands, settings):
+    agent = Agent.objects.create(
+        company=company, name="listed", adapter_type="process", adapter_config={"command": "reporter"}
+    )
+    assert beat(agent).status == RunStatus.SUCCEEDED
+    settings.PAPERCLIP_PROCESS_COMMANDS = {}
+
+    run = beat(agent)
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_command_not_allowed")
+    assert "reporter" in run.error and "PAPERCLIP_PROCESS_COMMANDS" in run.error
+
+
+def test_a_listed_command_runs_its_entry_with_the_allowed_args_in_its_cwd(company, commands, settings, tmp_path):
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    agent = Agent.objects.create(
+        company=company,
+        name="listed",
+        adapter_type="process",
+        adapter_config={"command": "reporter", "args": ["--topic=cats", "--verbose"]},
+    )
+
+    started = seen(beat(agent))
+
+    assert started["args"] == ["--topic=cats", "--verbose"]
+    assert started["cwd"] == str(tmp_path)
+
+
+def test_the_command_gets_only_the_base_environment_and_what_its_entry_names(company, settings, tmp_path, monkeypatch):
+    for name, value in {**SECRETS, "RESEARCH_TOKEN": "t", "UNRELATED": "u"}.items():
+        monkeypatch.setenv(name, value)
+    settings.PAPERCLIP_PROCESS_COMMANDS = listed_commands(
+        tmp_path, researcher={"argv": [sys.executable, reporter_script(tmp_path)], "env": ["RESEARCH_TOKEN"]}
+    )
+    listed = Agent.objects.create(
+        company=company, name="listed", adapter_type="process", adapter_config={"command": "researcher"}
+    )
+    raw = Agent.objects.create(
+        company=company,
+        name="raw",
+        adapter_type="process",
+        adapter_config={"command": [sys.executable, reporter_script(tmp_path)]},
+    )
+
+    listed_env = set(seen(beat(listed))["env"])
+    raw_env = set(seen(beat(raw))["env"])
+
+    assert "RESEARCH_TOKEN" in listed_env and "PATH" in listed_env
+    assert "PATH" in raw_env and "RESEARCH_TOKEN" not in raw_env
+    for env in (listed_env, raw_env):
+        assert not env & (set(SECRETS) | {"UNRELATED"}), env
+
+
+def test_an_entry_may_pass_a_secret_when_the_operator_says_so(company, settings, tmp_path, monkeypatch):
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-for-the-agent")
+    settings.PAPERCLIP_PROCESS_COMMANDS = listed_commands(
+        tmp_path, claude={"argv": [sys.executable, reporter_script(tmp_path)], "env": ["ANTHROPIC_API_KEY"]}
+    )
+    agent = Agent.objects.create(
+        company=company, name="listed", adapter_type="process", adapter_config={"command": "claude"}
+    )
+    assert "ANTHROPIC_API_KEY" in seen(beat(agent))["env"]
+
+
+@pytest.mark.parametrize("mode", ["local_trusted", "authenticated"])
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"command": "unknown"}, "command"),
+        ({"command": ""}, "command"),
+        ({"command": "reporter", "args": ["--force"]}, "args"),
+        ({"command": "reporter", "args": ["--topic=UPPER"]}, "args"),
+        ({"command": "reporter", "args": "--verbose"}, "args"),
+        ({"command": "reporter", "args": ["--verbose"] * 65}, "args"),
+        ({"command": "reporter", "args": ["--topic=" + "a" * 5000]}, "args"),
+        ({"command": "reporter", "cwd": "/tmp"}, "cwd"),
+        ({"command": ["python3", "agent.py"], "args": ["--verbose"]}, "args"),
+    ],
+)
+def test_validation_names_the_field_that_is_not_allowed(commands, settings, mode, config, field):
+    settings.PAPERCLIP_DEPLOYMENT_MODE = mode
+    with pytest.raises(AgentConfigError) as caught:
+        validate_agent_config("process", config)
+    assert f"adapter_config.{field}" in caught.value.fields, caught.value.fields
+
+
+def test_raw_argv_and_its_cwd_are_for_local_trusted_mode_only(commands, settings):
+    config = {"command": ["python3", "agent.py"], "cwd": "/srv/agents"}
+    assert validate_agent_config("process", config)["command"] == ["python3", "agent.py"]
+
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    with pytest.raises(AgentConfigError) as caught:
+        validate_agent_config("process", config)
+    assert set(caught.value.fields) == {"adapter_config.command", "adapter_config.cwd"}
+    assert "reporter" in caught.value.fields["adapter_config.command"]  # says what may be named
+
+
+@pytest.mark.parametrize(
+    ("raw", "mentions"),
+    [
+        ("not json", "JSON"),
+        ('["sh"]', "object"),
+        ('{"": ["sh"]}', "name"),
+        ('{"bad name": ["sh"]}', "name"),
+        ('{"a": []}', "argv"),
+        ('{"a": {"argv": "sh -c x"}}', "argv"),
+        ('{"a": {"argv": ["sh", ""]}}', "argv"),
+        ('{"a": {"argv": ["sh"], "allowed_args": "x"}}', "allowed_args"),
+        ('{"a": {"argv": ["sh"], "allowed_arg_patterns": ["("]}}', "allowed_arg_patterns"),
+        ('{"a": {"argv": ["sh"], "env": ["NOT-A-NAME"]}}', "env"),
+        ('{"a": {"argv": ["sh"], "cwd": "relative/dir"}}', "cwd"),
+        ('{"a": {"argv": ["sh"], "argz": []}}', "argz"),
+    ],
+)
+def test_a_bad_allow_list_is_a_configuration_error(raw, mentions):
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured) as caught:
+        parse_process_commands(raw)
+    assert "PAPERCLIP_PROCESS_COMMANDS" in str(caught.value)
+    assert mentions in str(caught.value)
+
+
+def test_an_allow_list_entry_may_be_just_its_argv():
+    assert parse_process_commands('{"echo": ["/bin/echo", "hi"]}') == {
+        "echo": {"argv": ["/bin/echo", "hi"], "allowed_args": [], "allowed_arg_patterns": [], "env": [], "cwd": None}
+    }
+    assert parse_process_commands("") == {}
+
+
+def test_a_system_check_names_agents_whose_command_may_no_longer_run(company, commands, settings, tmp_path):
+    from sessions_app.checks import check_process_commands
+
+    raw, _ = raw_argv_agent(company, tmp_path)
+    Agent.objects.create(company=company, name="listed", adapter_type="process", adapter_config={"command": "reporter"})
+    assert check_process_commands(None) == []
+
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+
+    (warning,) = check_process_commands(None)
+    assert warning.id == "paperclip.W003"
+    assert "'raw'" in warning.msg and str(raw.id) in warning.msg and "adapter_config.command" in warning.msg
