@@ -83,7 +83,7 @@ class AgentAdminForm(forms.ModelForm):
         # the deployment's (PAPERCLIP_PROCESS_COMMANDS), so no web login can widen it.
         # (The admin renders help text as HTML; names are letters, digits, '.', '_', '-'.)
         if names := sorted(settings.PAPERCLIP_PROCESS_COMMANDS):
-            listed = f'A process agent names one of the listed commands: {", ".join(names)}.'
+            listed = f"A process agent names one of the listed commands: {', '.join(names)}."
             self.fields["adapter_config"].help_text += f" {listed}"
 
     def clean_adapter_config(self):
