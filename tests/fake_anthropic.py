@@ -11,7 +11,10 @@ Scripted reply kinds:
 - Reply.malformed(): status 200 with a body that is not JSON;
 - Reply.reset(): headers, half a body, then the connection is dropped;
 - Reply.message(text=..., usage=..., content=..., message_id=...): a chosen answer;
-- Reply.no_usage(): an answer without a `usage` object.
+- Reply.no_usage(): an answer without a `usage` object;
+- Reply.during(action): calls `action()` on the fake's thread, then gives the default
+  answer: a second actor (an expiry, an operator, a delete) at the worst moment, while
+  the model answers. An exception from it is kept in `fake.action_errors`.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class Reply:
     content: list | None = None
     message_id: str | None = None
     extra: dict = field(default_factory=dict)
+    action: Any = None
 
     @classmethod
     def error(cls, status: int, message: str = "fake error", retry_after_ms: int | None = None) -> Reply:
@@ -100,6 +104,10 @@ class Reply:
     @classmethod
     def no_usage(cls) -> Reply:
         return cls(kind="no_usage")
+
+    @classmethod
+    def during(cls, action) -> Reply:
+        return cls(kind="during", action=action)
 
     @classmethod
     def message(cls, text: str | None = None, **kwargs) -> Reply:
@@ -129,6 +137,7 @@ class FakeAnthropic:
         # Prompt cache: hashes of request prefixes written at cache_control breakpoints.
         self.cache: set[str] = set()
         self.answer_padding = ""
+        self.action_errors: list[BaseException] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -230,7 +239,7 @@ class FakeAnthropic:
         )
         if reply.text is None and self.answer_padding:
             text += " " + self.answer_padding
-        compaction = self.server_compaction(body) if reply.kind == "default" else None
+        compaction = self.server_compaction(body) if reply.kind in ("default", "during") else None
         message = {
             "id": reply.message_id or f"msg_{self.id_prefix}_{number:06d}",
             "type": "message",
@@ -319,6 +328,11 @@ class FakeAnthropic:
                     return
                 if reply.kind == "delay":
                     time.sleep(reply.seconds)
+                if reply.kind == "during":
+                    try:
+                        reply.action()
+                    except BaseException as exc:  # reported to the test, not to the client
+                        fake.action_errors.append(exc)
                 if reply.kind == "malformed":
                     data = b"<html>this is not json"
                     self.send_response(200)
