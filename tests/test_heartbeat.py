@@ -439,14 +439,18 @@ def test_session_deleted_before_it_is_taken_starts_a_fresh_one(
     assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "two")]
 
 
-@pytest.mark.parametrize("model", ["", "claude-opus-4-5"], ids=["no-model", "model"])
-def test_a_session_inserted_by_raw_sql_is_continued(persistent_agent, fake_anthropic, model):
+@pytest.mark.parametrize(
+    "named",
+    [{}, {"model": "claude-opus-4-5"}, {"model": "claude-opus-4-5", "adapter_type": "claude-code"}],
+    ids=["contract-columns", "with-model", "with-model-and-adapter"],
+)
+def test_a_session_inserted_by_raw_sql_is_continued(persistent_agent, fake_anthropic, named):
     """The contract's raw INSERT leaves model, adapter and message_count to their defaults."""
     history = [text_turn("user", "remember 42"), text_turn("assistant", "noted: 42")]
-    columns = "id, agent_id, company_id, history, expires_at" + (", model" if model else "")
-    values = "%s, %s, %s, %s, %s" + (", %s" if model else "")
+    columns = ", ".join(["id", "agent_id", "company_id", "history", "expires_at", *named])
     params = [uuid.uuid4().hex, persistent_agent.id.hex, persistent_agent.company_id.hex, json.dumps(history)]
-    params += [timezone.now() + timedelta(hours=1)] + ([model] if model else [])
+    params += [timezone.now() + timedelta(hours=1), *named.values()]
+    values = ", ".join(["%s"] * len(params))
     with connection.cursor() as cursor:
         cursor.execute(f"INSERT INTO agent_sessions ({columns}) VALUES ({values})", params)  # noqa: S608
     costs = CostEvent.objects.count()
