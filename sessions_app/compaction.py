@@ -224,7 +224,9 @@ def compaction_commit(
     store.prepare(session, new_history)
     try:
         with transaction.atomic():
-            locked = AgentSession.objects.select_for_update().defer("history").get(pk=session.pk)
+            locked = AgentSession.objects.select_for_update().defer("history").filter(pk=session.pk).first()
+            if locked is None:
+                raise StepFailed("session_deleted", "The session was deleted while it was being summarised.")
             if locked.message_count != len(old_history) or locked.status not in LIVE_SESSION_STATUSES:
                 raise StepFailed("session_conflict", "The session changed while it was being compacted.")
             # A run reaped while its summary was written is no longer the session's one

@@ -5,13 +5,17 @@ Run every minute by the `maintenance` schedule and by `manage.py expire_sessions
 
 from __future__ import annotations
 
+import logging
+from contextlib import nullcontext
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db import connection, transaction
 from django.db.models import F
 
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
+    ENDED_SESSION_STATUSES,
     LIVE_SESSION_STATUSES,
     AgentSession,
     HeartbeatRun,
@@ -21,20 +25,31 @@ from sessions_app.models import (
 )
 from sessions_app.stores import STORES
 
+logger = logging.getLogger(__name__)
 PURGE_BATCH = 500
 BATCH = 5000
 
 
+def in_use():
+    """Sessions a running run is linked to. A heartbeat links its run before it touches the
+    session, so there is no moment when a session is taken but not seen here."""
+    return HeartbeatRun.objects.filter(status=RunStatus.RUNNING, session__isnull=False).values("session_id")
+
+
 def sessions_expire(*, now: datetime) -> int:
-    """End live sessions unused past their TTL, and bill their active time. A heartbeat
-    touches its session's expires_at before calling the model, so a session in use is
-    not expired under it."""
-    stale = AgentSession.objects.filter(status__in=LIVE_SESSION_STATUSES, expires_at__lte=now)
+    """End live sessions unused past their TTL, and bill their active time. A session with
+    a run in progress is never expired: its TTL counts from the end of the run."""
+    stale = AgentSession.objects.filter(status__in=LIVE_SESSION_STATUSES, expires_at__lte=now).exclude(id__in=in_use())
     ids = list(stale.values_list("id", flat=True)[:BATCH])
-    expired = AgentSession.objects.filter(id__in=ids, status__in=LIVE_SESSION_STATUSES, expires_at__lte=now).update(
-        status=SessionStatus.EXPIRED, ended_at=F("expires_at"), end_reason="ttl"
-    )
-    session_hours_bill(session_ids=ids, now=now)
+    with transaction.atomic():
+        # Conditional on what was seen: a heartbeat that took one meanwhile moved its
+        # expires_at (and linked its run), so that session stays live.
+        expired = (
+            AgentSession.objects.filter(id__in=ids, status__in=LIVE_SESSION_STATUSES, expires_at__lte=now)
+            .exclude(id__in=in_use())
+            .update(status=SessionStatus.EXPIRED, ended_at=F("expires_at"), end_reason="ttl")
+        )
+        session_hours_bill(session_ids=ids, statuses=ENDED_SESSION_STATUSES, now=now)
     return expired
 
 
@@ -44,14 +59,25 @@ def sessions_pause_idle(*, now: datetime) -> int:
     A running heartbeat holds its session's pause_at beyond the run's deadline, and its
     commit sets the session active again, so a pause racing a heartbeat loses nothing.
     """
-    busy = HeartbeatRun.objects.filter(status=RunStatus.RUNNING, session__isnull=False).values("session_id")
-    idle = AgentSession.objects.filter(status=SessionStatus.ACTIVE, pause_at__lte=now).exclude(id__in=busy)
+    idle = AgentSession.objects.filter(status=SessionStatus.ACTIVE, pause_at__lte=now).exclude(id__in=in_use())
     ids = list(idle.values_list("id", flat=True)[:BATCH])
-    paused = AgentSession.objects.filter(id__in=ids, status=SessionStatus.ACTIVE, pause_at__lte=now).update(
-        status=SessionStatus.PAUSED, paused_at=now
-    )
-    session_hours_bill(session_ids=ids, now=now)
+    with transaction.atomic():
+        paused = (
+            AgentSession.objects.filter(id__in=ids, status=SessionStatus.ACTIVE, pause_at__lte=now)
+            .exclude(id__in=in_use())
+            .update(status=SessionStatus.PAUSED, paused_at=now)
+        )
+        session_hours_bill(session_ids=ids, statuses=[SessionStatus.PAUSED], now=now)
     return paused
+
+
+def sessions_bill_ended(*, now: datetime) -> int:
+    """Bill ended sessions that still carry unbilled active time (ended by a path that
+    did not bill before it was fixed, or by a process that died before its bill)."""
+    ids = AgentSession.objects.filter(unbilled_active_seconds__gt=0, status__in=ENDED_SESSION_STATUSES).values_list(
+        "id", flat=True
+    )
+    return session_hours_bill(session_ids=list(ids[:BATCH]), now=now)
 
 
 def runs_reap(*, now: datetime) -> list:
@@ -72,25 +98,39 @@ def runs_reap(*, now: datetime) -> list:
 
 
 def histories_purge(*, now: datetime) -> int:
-    """Drop the turns of sessions that ended more than PAPERCLIP_RETENTION_DAYS ago."""
+    """Drop the turns of sessions that ended more than PAPERCLIP_RETENTION_DAYS ago.
+
+    A history file that cannot be deleted is logged and its session left for the next
+    pass; the others are purged.
+    """
     cutoff = now - timedelta(days=settings.PAPERCLIP_RETENTION_DAYS)
     purged = 0
+    failed: set = set()
     while True:
         batch = list(
             AgentSession.objects.filter(
-                status__in=[SessionStatus.EXPIRED, SessionStatus.ENDED],
-                history_purged_at__isnull=True,
-                ended_at__lt=cutoff,
+                status__in=ENDED_SESSION_STATUSES, history_purged_at__isnull=True, ended_at__lt=cutoff
             )
+            .exclude(id__in=failed)
             .order_by("ended_at")
             .only("id", "agent_id", "store")[:PURGE_BATCH]
         )
         if not batch:
             return purged
-        for session in batch:
-            if session.store == HistoryStore.FILE:
-                STORES[HistoryStore.FILE].delete(session)
-        purged += AgentSession.objects.filter(id__in=[s.id for s in batch]).update(history=[], history_purged_at=now)
+        done = [session.id for session in batch if _history_file_delete(session, failed=failed)]
+        purged += AgentSession.objects.filter(id__in=done).update(history=[], history_purged_at=now)
+
+
+def _history_file_delete(session: AgentSession, *, failed: set) -> bool:
+    if session.store != HistoryStore.FILE:
+        return True
+    try:
+        STORES[HistoryStore.FILE].delete(session)
+    except OSError:
+        logger.exception("Could not delete the history file of session %s; retrying next pass", session.public_id)
+        failed.add(session.id)
+        return False
+    return True
 
 
 def queues_unstick(*, agent_ids=None) -> int:
@@ -118,18 +158,28 @@ def budget_pauses_release(*, now: datetime) -> int:
     return sum(budgets_release(company_id=company_id, now=now) for company_id in set(companies))
 
 
+MAINTENANCE_STEPS = {
+    "paused": sessions_pause_idle,
+    "expired": sessions_expire,
+    "billed": sessions_bill_ended,
+    "reaped_agents": lambda *, now: len(runs_reap(now=now)),
+    "purged": histories_purge,
+    "unstuck": lambda *, now: queues_unstick(),
+    "budget_resumed": budget_pauses_release,
+}
+
+
 def maintenance_pass(*, now: datetime) -> dict:
-    paused = sessions_pause_idle(now=now)
-    expired = sessions_expire(now=now)
-    reaped_agents = runs_reap(now=now)
-    purged = histories_purge(now=now)
-    unstuck = queues_unstick()
-    released = budget_pauses_release(now=now)
-    return {
-        "paused": paused,
-        "expired": expired,
-        "reaped_agents": len(reaped_agents),
-        "purged": purged,
-        "unstuck": unstuck,
-        "budget_resumed": released,
-    }
+    """Run every step; each is independent. A step that fails is logged, reported as None
+    and rolled back alone, and the steps after it still run (a stuck file must not keep
+    queues stuck or budget pauses in place)."""
+    result = {}
+    for name, step in MAINTENANCE_STEPS.items():
+        try:
+            # Inside a caller's transaction a failed step needs a savepoint to leave it usable.
+            with transaction.atomic() if connection.in_atomic_block else nullcontext():
+                result[name] = step(now=now)
+        except Exception:
+            logger.exception("Maintenance step %r failed; the other steps ran", name)
+            result[name] = None
+    return result

@@ -24,6 +24,7 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
+from django.db.models import Exists
 from django.utils import timezone
 
 from costs_app.budgets import (
@@ -49,6 +50,7 @@ from sessions_app.compaction import (
     write_handoff,
 )
 from sessions_app.context import (
+    SUMMARY_KINDS,
     ContextSettings,
     context_settings,
     estimate_tokens,
@@ -64,6 +66,7 @@ from sessions_app.models import (
     AgentSession,
     AgentStatus,
     HeartbeatRun,
+    HistoryStore,
     RunStatus,
     RunTrigger,
     SessionStatus,
@@ -326,34 +329,91 @@ class Plan:
 def plan_session(*, agent: Agent, run: HeartbeatRun, now: datetime, settings_: ContextSettings) -> Plan:
     if not agent.is_persistent:
         return Plan(session=None, history=[], retire=None, retire_reason="", new_session=False)
+    fresh = Plan(session=None, history=[], retire=None, retire_reason="", new_session=True)
     live = AgentSession.objects.filter(agent=agent, status__in=LIVE_SESSION_STATUSES).first()
     if live is None:
-        return Plan(session=None, history=[], retire=None, retire_reason="", new_session=True)
-    reason = ""
-    if not live.is_live_at(now):
-        reason = "expired"
-    elif run.force_fresh:
-        reason = "force_fresh"
-    elif live.model != agent.model_name or live.adapter_type != agent.adapter_type:
-        reason = "config_changed"
-    elif rotation_due(live, settings_, now):
-        reason = "rotated"
+        return fresh
+    reason = retire_reason(live, agent=agent, run=run, now=now, settings_=settings_)
+    if reason == "rotated" and not _link_run(run, live):
+        return fresh  # it ended (or was deleted) meanwhile: nothing is left to rotate
     if reason:
         return Plan(session=None, history=[], retire=live, retire_reason=reason, new_session=True)
     history = store_for(live).read(live)
-    # Touch the session so neither the expiry nor the idle-pause task ends it while the
-    # model answers; a paused session resumes here.
-    hold = now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
-    AgentSession.objects.filter(pk=live.pk).update(
-        last_used=now,
-        expires_at=max(now + agent.session_ttl, live.expires_at or now),
-        status=SessionStatus.ACTIVE,
-        paused_at=None,
-        pause_at=hold + idle_pause(agent),
-    )
+    live = _take_session(live, agent=agent, run=run, history=history, now=now)
+    if live is None:
+        return fresh  # expired, ended or deleted since it was read: never resurrected
     return Plan(
         session=live, history=history, retire=None, retire_reason="", new_session=False, manifest=list(live.manifest)
     )
+
+
+def retire_reason(live: AgentSession, *, agent: Agent, run: HeartbeatRun, now: datetime, settings_) -> str:
+    """Why the live session cannot take this run ("" when it can). A session inserted by
+    raw SQL names no model or adapter: it continues with the agent's."""
+    if not live.is_live_at(now):
+        return "expired"
+    if run.force_fresh:
+        return "force_fresh"
+    if live.model not in ("", agent.model_name) or live.adapter_type not in ("", agent.adapter_type):
+        return "config_changed"
+    if rotation_due(live, settings_, now):
+        return "rotated"
+    return ""
+
+
+def _link_run(run: HeartbeatRun, session: AgentSession) -> bool:
+    """Mark `session` as in use by `run` (the sweeps skip sessions with a running run),
+    unless it is no longer live. False when it is gone or ended."""
+    still_live = AgentSession.objects.filter(pk=session.pk, status__in=LIVE_SESSION_STATUSES)
+    try:
+        return bool(HeartbeatRun.objects.filter(id=run.id).filter(Exists(still_live)).update(session=session))
+    except IntegrityError:
+        # A delete committed between the check and this update: the (deferred) foreign
+        # key fails when this one-statement transaction commits.
+        return False
+
+
+def _take_session(
+    live: AgentSession, *, agent: Agent, run: HeartbeatRun, history: list, now: datetime
+) -> AgentSession | None:
+    """Resume `live` for this run; None when it stopped being live after it was read.
+
+    The run is linked first, so from then on neither sweep expires or pauses the session;
+    a sweep that ended it before the link makes the conditional update below find
+    nothing, and the run starts a fresh session instead of resurrecting it.
+    """
+    if not _link_run(run, live):
+        return None
+    fields = {
+        "last_used": now,
+        "expires_at": max(now + agent.session_ttl, live.expires_at or now),
+        "status": SessionStatus.ACTIVE,
+        "paused_at": None,
+        "pause_at": now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS) + idle_pause(agent),
+        **_repairs(live, agent=agent, history=history),
+    }
+    if not AgentSession.objects.filter(pk=live.pk, status__in=LIVE_SESSION_STATUSES).update(**fields):
+        HeartbeatRun.objects.filter(id=run.id, session=live.pk).update(session=None)
+        return None
+    for name, value in fields.items():
+        setattr(live, name, value)
+    return live
+
+
+def _repairs(live: AgentSession, *, agent: Agent, history: list) -> dict:
+    """Fields a row inserted by raw SQL leaves at their defaults, derived from what it holds:
+    the agent's model and adapter, and the counts of the history in its `history` column."""
+    repairs = {}
+    if not live.model:
+        repairs["model"] = agent.model_name
+    if not live.adapter_type:
+        repairs["adapter_type"] = agent.adapter_type
+    if live.store == HistoryStore.DATABASE and live.message_count != len(history):
+        repairs["message_count"] = len(history)
+    numbered = live.archived_message_count + sum(1 for m in history if m.get("kind") not in SUMMARY_KINDS)
+    if live.next_seq < numbered:
+        repairs["next_seq"] = numbered
+    return repairs
 
 
 def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
@@ -381,7 +441,18 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     dispatch_next_queued(agent_id=run.agent_id)
     if not current:
         run.refresh_from_db()
+    if run.status == RunStatus.FAILED and run.session_id is not None:
+        session_release(session_id=run.session_id, agent=run.agent, finished=run.finished_at or now)
     return run
+
+
+def session_release(*, session_id, agent: Agent, finished: datetime) -> None:
+    """After a failed run: its session's TTL counts from the end of the run, as after a
+    committed answer (the sweep skipped it while the run was in progress)."""
+    until = finished + agent.session_ttl
+    AgentSession.objects.filter(pk=session_id, status__in=LIVE_SESSION_STATUSES, expires_at__lt=until).update(
+        expires_at=until
+    )
 
 
 def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
@@ -407,8 +478,6 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
     plan = None
     try:
         plan = plan_session(agent=agent, run=run, now=now, settings_=settings_)
-        if plan.session is not None:
-            HeartbeatRun.objects.filter(id=run.id).update(session=plan.session)
         if plan.retire_reason == "rotated":
             write_handoff(agent=agent, adapter=adapter, plan=plan, settings_=settings_, now=now, before_call=reserve)
             note = plan.handoff.reply
@@ -626,18 +695,18 @@ def _finish_succeeded(
 
 
 def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: datetime) -> AgentSession | None:
-    """Inside the commit transaction: the session row the answer goes to, locked."""
+    """Inside the commit transaction: the session row the answer goes to, locked.
+
+    The agent row is locked first, as `agent_delete` does: a deletion either commits
+    before this (the run fails `agent_deleted`) or waits and deletes the new session too.
+    """
+    status = Agent.objects.select_for_update(no_key=True).filter(pk=agent.pk).values_list("status", flat=True)
+    if status.first() in (None, AgentStatus.DELETED):
+        raise RunAbandoned("agent_deleted", "The agent was deleted while the model answered.")
     if not agent.is_persistent:
         return None
     if plan.retire is not None:
-        end_status = SessionStatus.EXPIRED if plan.retire_reason == "expired" else SessionStatus.ENDED
-        ended_at = min(now, plan.retire.expires_at) if plan.retire_reason == "expired" else now
-        retired = AgentSession.objects.filter(pk=plan.retire.pk, status__in=LIVE_SESSION_STATUSES).update(
-            status=end_status, ended_at=ended_at, end_reason=plan.retire_reason
-        )
-        if not retired and plan.handoff is not None:
-            raise RunAbandoned("session_conflict", "The session being rotated ended while the handoff was written.")
-        session_hours_bill(session_ids=[plan.retire.pk], now=now)
+        _session_retire(plan, now=now)
     if plan.new_session:
         return AgentSession.objects.create(
             agent=agent,
@@ -662,6 +731,22 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
         # broken (for example a run reaped while still alive). Refuse rather than lose a turn.
         raise RunAbandoned("session_conflict", "The session changed while the model answered.")
     return session
+
+
+def _session_retire(plan: Plan, *, now: datetime) -> None:
+    end_status = SessionStatus.EXPIRED if plan.retire_reason == "expired" else SessionStatus.ENDED
+    ended_at = min(now, plan.retire.expires_at) if plan.retire_reason == "expired" else now
+    retired = AgentSession.objects.filter(pk=plan.retire.pk, status__in=LIVE_SESSION_STATUSES).update(
+        status=end_status, ended_at=ended_at, end_reason=plan.retire_reason
+    )
+    if not retired and plan.handoff is not None:
+        if not AgentSession.objects.filter(pk=plan.retire.pk).exists():
+            raise RunAbandoned(
+                "session_deleted", "The session being rotated was deleted while the handoff was written."
+            )
+        raise RunAbandoned("session_conflict", "The session being rotated ended while the handoff was written.")
+    # Whoever ended it, its unbilled time is billed once (the bill zeroes what it bills).
+    session_hours_bill(session_ids=[plan.retire.pk], now=now)
 
 
 def _record_spend_only(

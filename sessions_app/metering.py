@@ -23,16 +23,19 @@ def hourly_rate() -> Decimal:
     return Decimal(str(settings.PAPERCLIP_SESSION_HOUR_USD))
 
 
-def session_hours_bill(*, session_ids, now: datetime) -> int:
-    """Write one session_hours event per session with unbilled active time."""
+def session_hours_bill(*, session_ids, now: datetime, statuses=None) -> int:
+    """Write one session_hours event per session with unbilled active time (of those in
+    `statuses`, when given). Billing zeroes the unbilled time under the row's lock, so
+    every path that ends a session can call this and each second is billed once."""
     rate = hourly_rate()
     billed = 0
     with transaction.atomic():
-        sessions = (
-            AgentSession.objects.select_for_update()
-            .filter(id__in=list(session_ids), unbilled_active_seconds__gt=0)
-            .only("id", "agent_id", "company_id", "unbilled_active_seconds", "total_cost_usd")
+        sessions = AgentSession.objects.select_for_update().filter(
+            id__in=list(session_ids), unbilled_active_seconds__gt=0
         )
+        if statuses is not None:
+            sessions = sessions.filter(status__in=statuses)
+        sessions = sessions.only("id", "agent_id", "company_id", "unbilled_active_seconds", "total_cost_usd")
         for session in sessions:
             seconds = Decimal(str(session.unbilled_active_seconds))
             cost = (seconds / SECONDS_PER_HOUR * rate).quantize(Decimal("0.0000000001"))

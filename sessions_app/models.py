@@ -104,6 +104,7 @@ class SessionStatus(models.TextChoices):
 
 
 LIVE_SESSION_STATUSES = (SessionStatus.ACTIVE, SessionStatus.PAUSED)
+ENDED_SESSION_STATUSES = (SessionStatus.EXPIRED, SessionStatus.ENDED)
 
 
 class HistoryStore(models.TextChoices):
@@ -172,6 +173,13 @@ class AgentSession(models.Model):
             ),
             # The idle-pause task: active sessions whose pause_at has passed.
             models.Index(fields=["pause_at"], name="sessions_active_pause_idx", condition=Q(status="active")),
+            # The billing catch-up of maintenance: ended sessions whose active time is
+            # still unbilled (normally none, so the index stays empty).
+            models.Index(
+                fields=["ended_at"],
+                name="sessions_unbilled_ended_idx",
+                condition=Q(unbilled_active_seconds__gt=0) & Q(status__in=["expired", "ended"]),
+            ),
             # The expiry task: live sessions whose expires_at has passed.
             models.Index(
                 fields=["expires_at"],

@@ -14,6 +14,7 @@ from django.db.models import QuerySet
 
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
+    LIVE_SESSION_STATUSES,
     UNFINISHED_RUN_STATUSES,
     Agent,
     AgentSession,
@@ -58,10 +59,14 @@ def session_delete(*, session: AgentSession, now: datetime) -> None:
 
 
 def session_expire(*, session: AgentSession, now: datetime) -> bool:
-    """Expire one live session now. False when it was no longer live (raced)."""
-    updated = AgentSession.objects.filter(
-        pk=session.pk, status__in=[SessionStatus.ACTIVE, SessionStatus.PAUSED]
-    ).update(status=SessionStatus.EXPIRED, expires_at=now, ended_at=now, end_reason="expired_by_operator")
+    """Expire one live session now and bill its active time. False when it was no longer
+    live (raced). A heartbeat that read it just before cannot resume it: its take is
+    conditional on the session still being live."""
+    with transaction.atomic():
+        updated = AgentSession.objects.filter(pk=session.pk, status__in=LIVE_SESSION_STATUSES).update(
+            status=SessionStatus.EXPIRED, expires_at=now, ended_at=now, end_reason="expired_by_operator"
+        )
+        session_hours_bill(session_ids=[session.pk], now=now)
     return bool(updated)
 
 

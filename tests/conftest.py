@@ -101,3 +101,16 @@ def fake_anthropic(monkeypatch):
     monkeypatch.setenv("ANTHROPIC_API_KEY", FAKE_API_KEY)
     yield fake
     fake.stop()
+
+
+def on_own_connection(action):
+    """`action` for `Reply.during`: it runs on the fake's thread, with that thread's own
+    database connection, closed afterwards (a second actor, as another process would be)."""
+
+    def run():
+        try:
+            action()
+        finally:
+            connection.close()
+
+    return run

@@ -11,11 +11,13 @@ Scripted reply kinds:
 - Reply.malformed(): status 200 with a body that is not JSON;
 - Reply.reset(): headers, half a body, then the connection is dropped;
 - Reply.message(text=..., usage=..., content=..., message_id=...): a chosen answer;
-- Reply.no_usage(): an answer without a `usage` object.
+- Reply.no_usage(): an answer without a `usage` object;
+- Reply.during(action): the default answer, with `action` as its `before`.
 
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
-arrives, before the answer, so a test can put a second actor (the reaper, an operator)
-at the moment a call is in flight.
+arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
+operator, a delete) at the moment a call is in flight. An exception from it is kept in
+`fake.action_errors`, not sent to the client.
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ class Reply:
         return cls(kind="no_usage")
 
     @classmethod
+    def during(cls, action) -> Reply:
+        return cls(before=action)
+
+    @classmethod
     def message(cls, text: str | None = None, **kwargs) -> Reply:
         return cls(kind="message", text=text, **kwargs)
 
@@ -146,6 +152,7 @@ class FakeAnthropic:
         # Prompt cache: hashes of request prefixes written at cache_control breakpoints.
         self.cache: set[str] = set()
         self.answer_padding = ""
+        self.action_errors: list[BaseException] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -332,7 +339,10 @@ class FakeAnthropic:
                     return
                 reply = fake._next_reply()
                 if reply.before is not None:
-                    reply.before()
+                    try:
+                        reply.before()
+                    except BaseException as exc:  # reported to the test, not to the client
+                        fake.action_errors.append(exc)
                 if reply.kind == "error":
                     headers = {}
                     if reply.retry_after_ms is not None:

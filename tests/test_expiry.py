@@ -11,13 +11,15 @@ from django.utils import timezone
 from django_q.models import Schedule
 
 from sessions_app.expiry import histories_purge, maintenance_pass, runs_reap, sessions_expire
-from sessions_app.heartbeat import heartbeat_enqueue
-from sessions_app.models import AgentSession, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
+from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
 from sessions_app.schedules import agent_schedule_sync, schedule_name
 from sessions_app.services import agent_delete, agent_pause, agent_resume
 from sessions_app.stores import store_for
 from sessions_app.tasks import scheduled_heartbeat
+from tests.conftest import on_own_connection
 from tests.fake_anthropic import Reply
+from tests.test_unexpected_failures import refuse_writes
 
 
 def make_session(agent, *, last_used, ttl_hours=24, store=HistoryStore.DATABASE, messages=None):
@@ -114,7 +116,7 @@ def test_retention_purges_history_of_long_ended_sessions_only(settings, persiste
 
 def test_maintenance_pass_runs_everything(persistent_agent):
     result = maintenance_pass(now=timezone.now())
-    assert set(result) == {"paused", "expired", "reaped_agents", "purged", "unstuck", "budget_resumed"}
+    assert set(result) == {"paused", "expired", "billed", "reaped_agents", "purged", "unstuck", "budget_resumed"}
 
 
 def test_maintenance_schedule_exists_after_migrate(db):
@@ -173,3 +175,95 @@ def test_heartbeat_command_errors_are_clear(persistent_agent, fake_anthropic):
     with pytest.raises(CommandError, match="invalid_idempotency_key"):
         call_command("heartbeat", str(persistent_agent.id), "--task", "x", "--idempotency-key", "k" * 256)
     assert not HeartbeatRun.objects.filter(task__startswith="caf").exists()
+
+
+def beat(agent, task, *, now):
+    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now)
+    return heartbeat_execute(run_id=run.id, now=now)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_in_use_session_is_not_expired_and_its_ttl_counts_from_the_end_of_the_run(company, fake_anthropic):
+    """A TTL shorter than a call (0.05 h is valid): the sweep runs while the model answers."""
+    agent = Agent.objects.create(
+        company=company, name="brief", adapter_config={"session_mode": "persistent", "session_ttl_hours": 0.05}
+    )
+    start = timezone.now()
+    first = beat(agent, "one", now=start)
+    during = start + timedelta(minutes=2)
+    results = []
+    fake_anthropic.push(
+        Reply.during(on_own_connection(lambda: results.append(maintenance_pass(now=during + timedelta(minutes=8)))))
+    )
+
+    second = beat(agent, "two", now=during)
+
+    assert fake_anthropic.action_errors == []
+    assert results[0]["expired"] == 0 and results[0]["paused"] == 0
+    assert (second.status, second.error_code, second.session_id) == (RunStatus.SUCCEEDED, "", first.session_id)
+    session = AgentSession.objects.get(id=first.session_id)
+    assert (session.status, session.message_count) == (SessionStatus.ACTIVE, 4)
+    assert session.expires_at == second.finished_at + timedelta(hours=0.05)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_run_leaves_its_session_a_full_ttl_from_its_end(company, fake_anthropic):
+    agent = Agent.objects.create(
+        company=company, name="brief", adapter_config={"session_mode": "persistent", "session_ttl_hours": 0.05}
+    )
+    start = timezone.now()
+    first = beat(agent, "one", now=start)
+    during = start + timedelta(minutes=2)
+    fake_anthropic.push(Reply.error(400, "refused"))
+
+    second = beat(agent, "two", now=during)
+
+    assert (second.status, second.session_id) == (RunStatus.FAILED, first.session_id)
+    session = AgentSession.objects.get(id=first.session_id)
+    assert session.expires_at == second.finished_at + timedelta(hours=0.05)
+    assert sessions_expire(now=second.finished_at + timedelta(minutes=2)) == 0
+
+
+def test_an_undeletable_history_file_skips_only_its_own_session(settings, persistent_agent, other_agent, caplog):
+    """The history path is a directory: unlink fails (as a read-only folder would, for a
+    user who is not root), the rest of the pass runs, and the next pass retries it."""
+    settings.PAPERCLIP_RETENTION_DAYS = 30
+    now = timezone.now()
+    long_ago = now - timedelta(days=40)
+    stuck = make_session(persistent_agent, last_used=long_ago, store=HistoryStore.FILE, messages=[{"role": "user"}])
+    fine = make_session(other_agent, last_used=long_ago, store=HistoryStore.FILE, messages=[{"role": "user"}])
+    sessions_expire(now=now)
+    stuck_path = store_for(stuck).path_for(stuck)
+    stuck_path.unlink()
+    stuck_path.mkdir()
+    queued, _ = heartbeat_enqueue(agent=other_agent, task="waiting", now=now)
+
+    result = maintenance_pass(now=now)
+
+    assert (result["purged"], result["unstuck"]) == (1, 1)
+    assert "Could not delete the history file" in caplog.text
+    assert AgentSession.objects.get(id=fine.id).history_purged_at == now
+    assert AgentSession.objects.get(id=stuck.id).history_purged_at is None
+    stuck_path.rmdir()
+    assert maintenance_pass(now=now)["purged"] == 1
+
+
+def test_a_failing_maintenance_step_does_not_stop_the_others(settings, persistent_agent, other_agent, caplog):
+    """A database fault in one step (the expiry refused by a trigger) is logged; the steps
+    after it still run."""
+    settings.PAPERCLIP_RETENTION_DAYS = 30
+    now = timezone.now()
+    make_session(persistent_agent, last_used=now - timedelta(days=2))
+    make_session(other_agent, last_used=now - timedelta(days=40), store=HistoryStore.FILE, messages=[{"role": "u"}])
+    AgentSession.objects.filter(agent=other_agent).update(
+        status=SessionStatus.EXPIRED, ended_at=now - timedelta(days=39)
+    )
+    heartbeat_enqueue(agent=other_agent, task="waiting", now=now)
+    refuse_writes("agent_sessions", when="NEW.status = 'expired' AND OLD.status = 'active'")
+
+    result = maintenance_pass(now=now)
+
+    assert result["expired"] is None
+    assert (result["purged"], result["unstuck"]) == (1, 1)
+    assert "Maintenance step 'expired' failed" in caplog.text
+    assert AgentSession.objects.get(agent=persistent_agent).status == SessionStatus.ACTIVE

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent
+from sessions_app.expiry import sessions_expire
 from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute
 from sessions_app.models import AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
-from sessions_app.services import agent_pause, session_delete
-from sessions_app.stores import store_for
+from sessions_app.services import agent_delete, agent_pause, session_delete, session_expire
+from sessions_app.stores import STORES, store_for
+from tests.conftest import on_own_connection
 from tests.fake_anthropic import Reply, plain_messages, plain_system, text_turn
 
 
@@ -373,10 +377,10 @@ def test_a_heartbeat_makes_the_same_few_queries_however_long_the_session(
     agent = persistent_agent if mode == "persistent" else stateless_agent
     for i in range(20):
         beat(agent, f"turn {i}")
-    # Budgets (at enqueue), claim, session read and touch, price, ledger row, session and
-    # run updates, next queued run, and the savepoints around them: none of it per
-    # message of history.
-    with django_assert_max_num_queries(14 if mode == "stateless" else 19):
+    # Budgets (at enqueue), claim, session read, link and touch, the agent's lock, price,
+    # ledger row, session and run updates, next queued run, and the savepoints around them:
+    # none of it per message of history.
+    with django_assert_max_num_queries(15 if mode == "stateless" else 20):
         assert beat(agent, "turn 20").status == RunStatus.SUCCEEDED
 
 
@@ -438,3 +442,108 @@ def test_each_later_call_of_a_run_moves_its_deadline_and_a_reaped_run_calls_no_m
         calls.call(request)
     assert abandoned.value.code == "run_timeout"
     assert len(fake_anthropic.message_requests) == 2
+
+
+def act_after_read(monkeypatch, action):
+    """Run `action` once, right after the heartbeat read the session's history and before
+    it takes the session for its run: the worst moment for an expiry or an operator."""
+    pending = [action]
+    for store in {type(s) for s in STORES.values()}:
+        read = store.read
+
+        def read_then_act(self, session, read=read):
+            history = read(self, session)
+            while pending:
+                pending.pop()(session)
+            return history
+
+        monkeypatch.setattr(store, "read", read_then_act)
+
+
+@pytest.mark.parametrize("actor", ["operator", "maintenance"])
+def test_expired_session_is_never_resumed(persistent_agent, fake_anthropic, monkeypatch, actor):
+    start = timezone.now()
+    first = beat(persistent_agent, "remember 42", now=start)
+    later = start + timedelta(hours=23)
+
+    def expire(session):
+        if actor == "operator":
+            assert session_expire(session=session, now=later)
+        else:
+            assert sessions_expire(now=start + timedelta(hours=30)) == 1
+
+    act_after_read(monkeypatch, expire)
+    second = beat(persistent_agent, "what did I say?", now=later)
+
+    assert second.status == RunStatus.SUCCEEDED
+    assert second.session_id != first.session_id
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "what did I say?")]
+    old = AgentSession.objects.get(id=first.session_id)
+    assert old.status == SessionStatus.EXPIRED and old.message_count == 2
+    assert AgentSession.objects.get(id=second.session_id).status == SessionStatus.ACTIVE
+
+
+def test_session_deleted_before_it_is_taken_starts_a_fresh_one(
+    persistent_agent, fake_anthropic, monkeypatch, django_capture_on_commit_callbacks
+):
+    first = beat(persistent_agent, "one")
+
+    def delete(session):
+        with django_capture_on_commit_callbacks(execute=True):
+            session_delete(session=session, now=timezone.now())
+
+    act_after_read(monkeypatch, delete)
+    second = beat(persistent_agent, "two")
+
+    assert (second.status, second.error_code) == (RunStatus.SUCCEEDED, "")
+    assert second.session_id != first.session_id
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "two")]
+
+
+@pytest.mark.parametrize(
+    "named",
+    [{}, {"model": "claude-opus-4-5"}, {"model": "claude-opus-4-5", "adapter_type": "claude-code"}],
+    ids=["contract-columns", "with-model", "with-model-and-adapter"],
+)
+def test_a_session_inserted_by_raw_sql_is_continued(persistent_agent, fake_anthropic, named):
+    """The contract's raw INSERT leaves model, adapter and message_count to their defaults."""
+    history = [text_turn("user", "remember 42"), text_turn("assistant", "noted: 42")]
+    columns = ", ".join(["id", "agent_id", "company_id", "history", "expires_at", *named])
+    params = [uuid.uuid4().hex, persistent_agent.id.hex, persistent_agent.company_id.hex, json.dumps(history)]
+    params += [timezone.now() + timedelta(hours=1), *named.values()]
+    values = ", ".join(["%s"] * len(params))
+    with connection.cursor() as cursor:
+        cursor.execute(f"INSERT INTO agent_sessions ({columns}) VALUES ({values})", params)  # noqa: S608
+    costs = CostEvent.objects.count()
+
+    run = beat(persistent_agent, "what did I say?")
+
+    assert (run.status, run.error_code) == (RunStatus.SUCCEEDED, "")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    assert run.session_id == session.id
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [*history, text_turn("user", "what did I say?")]
+    assert (session.model, session.adapter_type) == ("claude-opus-4-5", "claude-code")
+    assert session.message_count == 4 and len(store_for(session).read(session)) == 4
+    assert [m.get("seq") for m in store_for(session).read(session)[2:]] == [2, 3]
+    assert CostEvent.objects.count() == costs + 1
+    assert beat(persistent_agent, "and again?").session_id == session.id
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("resumed", [False, True], ids=["new-session", "resumed-session"])
+def test_an_agent_deleted_during_its_heartbeat_gains_no_session(
+    persistent_agent, fake_anthropic, paperclip_home, resumed
+):
+    if resumed:
+        beat(persistent_agent, "zero")
+    fake_anthropic.push(
+        Reply.during(on_own_connection(lambda: agent_delete(agent=persistent_agent, now=timezone.now())))
+    )
+
+    run = beat(persistent_agent, "one")
+
+    assert fake_anthropic.action_errors == []
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "agent_deleted")
+    assert not AgentSession.objects.filter(agent=persistent_agent).exists()
+    assert list(paperclip_home.rglob("*.json")) == []
+    assert CostEvent.objects.get(run=run).kind == "message"  # billed, so recorded

@@ -11,6 +11,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
+from costs_app.models import CostEvent, CostKind
 from sessions_app.admin import humane_expiry
 from sessions_app.models import Agent, AgentSession, HistoryStore, SessionStatus
 from sessions_app.stores import STORES, store_for
@@ -236,13 +237,16 @@ def test_single_delete_removes_the_history_file(admin_client, file_session, djan
 
 
 def test_expire_now_action(admin_client, persistent_agent):
-    session = make_session(persistent_agent, history=[], status=SessionStatus.ACTIVE)
+    session = make_session(persistent_agent, history=[], status=SessionStatus.ACTIVE, unbilled_active_seconds=90)
     data = {"action": "expire_now", "_selected_action": [str(session.pk)]}
     response = admin_client.post(reverse(CHANGELIST), data, follow=True)
     assert "Expired 1 session(s)." in response.content.decode()
     session.refresh_from_db()
     assert session.status == SessionStatus.EXPIRED
     assert session.end_reason == "expired_by_operator"
+    # Its active time is billed once: by the action, not again by a second one.
+    admin_client.post(reverse(CHANGELIST), data)
+    assert CostEvent.objects.get(kind=CostKind.SESSION_HOURS, session_id=session.id).session_seconds == 90
 
 
 def test_clear_history_action_keeps_the_row(admin_client, file_session):
@@ -260,8 +264,10 @@ def test_expire_and_clear_buttons_on_the_session_page(admin_client, persistent_a
     assert "Expire now" in page and "Clear history" in page
     expire = reverse("admin:sessions_app_agentsession_expire", args=[session.pk])
     assert admin_client.get(expire).status_code == 403  # POST only
+    AgentSession.objects.filter(pk=session.pk).update(unbilled_active_seconds=60)
     response = admin_client.post(expire, follow=True)
     assert f"Session {session.public_id} expired." in response.content.decode()
+    assert CostEvent.objects.get(kind=CostKind.SESSION_HOURS, session_id=session.id).session_seconds == 60
     admin_client.post(reverse("admin:sessions_app_agentsession_clear_history", args=[session.pk]))
     session.refresh_from_db()
     assert (session.status, session.message_count) == (SessionStatus.EXPIRED, 0)

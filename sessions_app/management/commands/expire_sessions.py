@@ -17,3 +17,6 @@ class Command(BaseCommand):
             f"expired {result['expired']} session(s); reaped runs of {result['reaped_agents']} agent(s); "
             f"purged {result['purged']} history(ies); re-dispatched {result['unstuck']} queue(s)"
         )
+        failed = [name for name, value in result.items() if value is None]
+        if failed:
+            self.stderr.write(f"failed steps (see the log): {', '.join(failed)}")
