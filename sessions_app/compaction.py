@@ -41,7 +41,7 @@ from sessions_app.models import (
     RunStatus,
     SessionCompaction,
 )
-from sessions_app.stores import store_for
+from sessions_app.stores import NOTHING_STAGED, store_for
 
 if TYPE_CHECKING:
     from sessions_app.heartbeat import Plan
@@ -219,11 +219,11 @@ def compaction_commit(
     at: datetime,
 ) -> AgentSession:
     """Swap in the compacted history, archive the replaced turns, record the compaction
-    and its cost: all in one transaction, so a failure leaves the session as it was."""
-    store = store_for(session)
-    store.prepare(session, new_history)
+    and its cost: all in one transaction, so a failure leaves the session as it was. The
+    new history is published only after the COMMIT (see `sessions_app.stores`)."""
+    staged = NOTHING_STAGED
     try:
-        with transaction.atomic():
+        with transaction.atomic(durable=True):
             locked = AgentSession.objects.select_for_update().defer("history").filter(pk=session.pk).first()
             if locked is None:
                 raise StepFailed("session_deleted", "The session was deleted while it was being summarised.")
@@ -244,22 +244,21 @@ def compaction_commit(
                 tokens=(tokens_before, tokens_after),
                 at=at,
             )
-            locked._staged_history_file = getattr(session, "_staged_history_file", None)
-            locked.history = new_history
+            staged = store_for(locked).stage(locked, new_history)
             locked.message_count = len(new_history)
             locked.archived_message_count += sum(1 for m in archived if m.get("kind") not in SUMMARY_KINDS)
             locked.compaction_count += 1
             if event is not None:
                 locked.total_cost_usd += event.cost_usd
             locked.save()
-            store.commit(locked)
     except Exception:
-        store.discard(session)
+        staged.discard()
         billed_call_record(**summary_cost(session, run, reply, at))  # billed, though not kept
         raise
     except BaseException:
-        store.discard(session)
+        staged.discard()
         raise
+    staged.publish()
     return locked
 
 

@@ -588,10 +588,10 @@ def _finish_succeeded(
 ) -> bool:
     """Commit the answer; True when it committed and `run` was brought up to date."""
     counts = token_counts(reply.usage) if reply.usage is not None else None
-    store = None
-    session = None
+    staged = None
     try:
-        with transaction.atomic():
+        # Durable: its end is the COMMIT, and the history is published only after it.
+        with transaction.atomic(durable=True):
             session = _session_for_answer(agent=agent, run=run, plan=plan, now=now)
             cost_event = None
             if reply.usage is not None:
@@ -637,9 +637,9 @@ def _finish_succeeded(
                 if plan.handoff is not None:
                     handoff_record(session, run=run, handoff=plan.handoff, at=now)
                 if turns is new_turns or plan.new_session:
-                    store.prepare(session, turns)
+                    staged = store.stage(session, turns)
                 else:
-                    store.append(session, plan.history, new_turns)
+                    staged = store.stage_append(session, plan.history, new_turns)
                 session.message_count = len(turns)
                 session.next_seq += 2
                 session.turn_count += 1
@@ -679,16 +679,16 @@ def _finish_succeeded(
             updated = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(**outcome)
             if not updated:
                 raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
-            if store is not None:
-                store.commit(session)
     except Exception as exc:
-        if store is not None:
-            store.discard(session)
+        if staged is not None:
+            staged.discard()
         _record_discarded_calls(run, agent=agent, plan=plan, reply=reply, finished=finished)
         if not isinstance(exc, (RunAbandoned, HistoryUnavailable)):
             raise
         _finish_failed(run, code=exc.code, message=exc.message, now=finished)
         return False
+    if staged is not None:
+        staged.publish()
     for name, value in outcome.items():
         setattr(run, name, value)
     return True

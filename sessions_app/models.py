@@ -132,6 +132,10 @@ class AgentSession(models.Model):
     store = models.CharField(
         max_length=16, choices=HistoryStore.choices, default=HistoryStore.DATABASE, db_default=HistoryStore.DATABASE
     )
+    # The file store's name for the history version this row committed (its file says the
+    # same): a read that finds the file and the row disagreeing picks the file that names the
+    # row's version. Empty for the database store and for files written before it existed.
+    history_version = models.CharField(max_length=32, blank=True, default="", db_default="")
     adapter_type = models.TextField(blank=True, default="", db_default="")
     model = models.TextField(blank=True, default="", db_default="")
     last_input_tokens = models.PositiveIntegerField(null=True, blank=True)

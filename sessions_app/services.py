@@ -25,7 +25,7 @@ from sessions_app.models import (
     SessionStatus,
 )
 from sessions_app.schedules import agent_schedule_sync
-from sessions_app.stores import STORES, store_for
+from sessions_app.stores import NOTHING_STAGED, STORES, store_for
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +72,20 @@ def session_expire(*, session: AgentSession, now: datetime) -> bool:
 
 def session_clear_history(*, session: AgentSession) -> None:
     """Empty a session's history but keep its row (and its place in the ledger)."""
-    with transaction.atomic():
-        # The old turns are never read: only the row is locked and replaced.
-        locked = AgentSession.objects.select_for_update().defer("history").get(pk=session.pk)
-        store = store_for(locked)
-        store.prepare(locked, [])
-        locked.message_count = 0
-        locked.last_input_tokens = None
-        locked.save(update_fields=["history", "message_count", "last_input_tokens"])
-        store.commit(locked)
+    staged = NOTHING_STAGED
+    try:
+        # Durable: its end is the COMMIT, and the empty history is published only after it.
+        with transaction.atomic(durable=True):
+            # The old turns are never read: only the row is locked and replaced.
+            locked = AgentSession.objects.select_for_update().defer("history").get(pk=session.pk)
+            staged = store_for(locked).stage(locked, [])
+            locked.message_count = 0
+            locked.last_input_tokens = None
+            locked.save(update_fields=["message_count", "last_input_tokens", *staged.fields])
+    except BaseException:
+        staged.discard()
+        raise
+    staged.publish()
 
 
 def agent_pause(*, agent: Agent, reason: str = "manual") -> None:

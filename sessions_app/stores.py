@@ -4,7 +4,17 @@ Two interchangeable backends behind one small interface, chosen per session when
 created (`agent_sessions.store`), so changing PAPERCLIP_SESSION_STORE later never strands
 existing sessions:
 - `database`: the `agent_sessions.history` column (jsonb on PostgreSQL);
-- `file`: `PAPERCLIP_HOME/sessions/{agent_id}/{sess_id}.json`, replaced atomically.
+- `file`: `PAPERCLIP_HOME/sessions/{agent_id}/{sess_id}.json`.
+
+Every writer follows the same three steps, so that the file and the row never disagree
+for good whichever of the two systems fails:
+1. `stage()` writes the new history where no reader looks yet (flushed to disk) and sets
+   the row fields that name it (`StagedHistory.fields`);
+2. the caller saves the row and COMMITs;
+3. after the COMMIT, `publish()` puts the history in place; after a failed transaction,
+   `discard()` drops it.
+A crash or a failing rename after the COMMIT leaves the row naming a version only the
+staged file holds: the next read publishes it. A failed COMMIT leaves the old file.
 
 A missing or unreadable file is an error for that session, never an empty history: an
 agent resumed with no memory would silently redo (and re-bill) its work.
@@ -13,16 +23,19 @@ agent resumed with no memory would silently redo (and re-bill) its work.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import tempfile
+import uuid
 from pathlib import Path
 
 from django.conf import settings
-from django.db import connection, models
+from django.db import DatabaseError, connection, models, transaction
 from django.db.models import F, Func, Value
 
 from sessions_app.adapters.base import HistoryMessage
 from sessions_app.models import AgentSession, HistoryStore
+
+logger = logging.getLogger(__name__)
 
 FILE_FORMAT_VERSION = 1
 
@@ -44,6 +57,32 @@ class HistoryUnavailable(Exception):
         self.message = message
 
 
+class StagedHistory:
+    """A new history that is written but not yet the one readers see.
+
+    `fields` are the row fields `stage()` set; the caller saves them in its transaction.
+    `publish()` runs after the COMMIT and never raises (a failure is left for the next
+    read to repair); `discard()` runs after a failed transaction.
+    """
+
+    fields: tuple[str, ...] = ()
+
+    def publish(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass
+
+
+NOTHING_STAGED = StagedHistory()
+
+
+class InRow(StagedHistory):
+    """The database store's history travels with the row: the COMMIT is the publication."""
+
+    fields = ("history",)
+
+
 class DatabaseStore:
     name = HistoryStore.DATABASE
 
@@ -53,11 +92,13 @@ class DatabaseStore:
             raise HistoryUnavailable("history_corrupt", f"Session {session.public_id} history is not a list.")
         return history
 
-    def prepare(self, session: AgentSession, history: list[HistoryMessage]) -> None:
-        """Stage a new history on the row; the caller saves the row in its transaction."""
+    def stage(self, session: AgentSession, history: list[HistoryMessage]) -> StagedHistory:
         session.history = history
+        return InRow()
 
-    def append(self, session: AgentSession, history: list[HistoryMessage], new: list[HistoryMessage]) -> None:
+    def stage_append(
+        self, session: AgentSession, history: list[HistoryMessage], new: list[HistoryMessage]
+    ) -> StagedHistory:
         """Stage `new` at the end of the history. On PostgreSQL only the new turns travel
         (`history || new`): rewriting a long history from Python on every heartbeat would
         make each turn cost as much as the whole session."""
@@ -65,15 +106,58 @@ class DatabaseStore:
             session.history = JSONAppend(F("history"), Value(new, output_field=models.JSONField()))
         else:
             session.history = history + new
-
-    def commit(self, session: AgentSession) -> None:
-        pass
-
-    def discard(self, session: AgentSession) -> None:
-        pass
+        return InRow()
 
     def delete(self, session: AgentSession) -> None:
         pass  # the row (or its cleared column) is the history
+
+
+class StagedFile(StagedHistory):
+    """A history file written beside the session's file under the name of its version."""
+
+    fields = ("history_version",)
+
+    def __init__(self, *, session: AgentSession, version: str, path: Path, target: Path, replaced: Path | None):
+        self.session_id = session.pk
+        self.public_id = session.public_id
+        self.version = version
+        self.path = path
+        self.target = target
+        self.replaced = replaced
+
+    def publish(self) -> None:
+        try:
+            os.replace(self.path, self.target)
+        except FileNotFoundError:
+            return  # a reader published it first (or the session was deleted meanwhile)
+        except OSError as exc:
+            # The row is committed and names this version; the staged file stays, and the
+            # next read puts it in place.
+            logger.warning("History of session %s stays staged until its next read: %s", self.public_id, exc)
+            return
+        try:
+            # The rename is durable only once the directory entry is on disk; if it is lost
+            # in a crash, the staged file is back and the next read publishes it again.
+            _fsync_directory(self.target.parent)
+        except OSError as exc:
+            logger.warning("History of session %s was published but not flushed: %s", self.public_id, exc)
+        if self.replaced is not None:
+            # The previous version's staged file, left by a publication that failed: the row
+            # no longer names it, so no read needs it.
+            _unlink_quietly(self.replaced)
+
+    def discard(self) -> None:
+        """After a failed transaction. A COMMIT that lost its connection may still have
+        committed on the server: the file goes only once the row provably does not name it."""
+        try:
+            committed = AgentSession.objects.filter(pk=self.session_id, history_version=self.version).exists()
+        except DatabaseError:
+            logger.warning("History of session %s stays staged: its commit's outcome is unknown", self.public_id)
+            return
+        if committed:
+            self.publish()
+        else:
+            _unlink_quietly(self.path)
 
 
 class FileStore:
@@ -82,90 +166,190 @@ class FileStore:
     def path_for(self, session: AgentSession) -> Path:
         return Path(settings.PAPERCLIP_HOME) / "sessions" / str(session.agent_id) / f"{session.public_id}.json"
 
+    def staged_path(self, session: AgentSession, version: str) -> Path:
+        return self.path_for(session).with_name(f".{session.public_id}.{version}.staged")
+
     def read(self, session: AgentSession) -> list[HistoryMessage]:
-        path = self.path_for(session)
         if session.history_purged_at is not None:
             return []
-        if session.message_count == 0 and not path.exists():
-            return []  # a new session whose first turn has not been written yet
+        path = self.path_for(session)
+        current = self._load(session, path)
+        if current is not None and _names_row(current, session):
+            return current["messages"]
+        repaired = self._repair(session, current)
+        if repaired is not None:
+            return repaired
+        if current is None:
+            if session.message_count == 0:
+                return []  # a new session whose first turn has not been written yet
+            raise HistoryUnavailable(
+                "history_missing", f"History file of session {session.public_id} is missing ({path})."
+            )
+        raise HistoryUnavailable(
+            "history_mismatch",
+            f"History file of session {session.public_id} holds {len(current['messages'])} messages "
+            f"(version {current.get('history_version') or 'none'}); the database expects "
+            f"{session.message_count} (version {session.history_version or 'none'}).",
+        )
+
+    def stage(self, session: AgentSession, history: list[HistoryMessage]) -> StagedHistory:
+        """Write the new history beside the real file, flushed to disk, under a new version."""
+        version = uuid.uuid4().hex
+        path = self.staged_path(session, version)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_durably(path, _document(session, version, history))
+        except OSError as exc:
+            _unlink_quietly(path)
+            raise HistoryUnavailable(
+                "history_unwritable", f"History of session {session.public_id} cannot be written: {exc.strerror}."
+            ) from None
+        except BaseException:
+            _unlink_quietly(path)  # half written: no row will ever name it
+            raise
+        replaced = self.staged_path(session, session.history_version) if session.history_version else None
+        session.history_version = version
+        return StagedFile(session=session, version=version, path=path, target=self.path_for(session), replaced=replaced)
+
+    def stage_append(
+        self, session: AgentSession, history: list[HistoryMessage], new: list[HistoryMessage]
+    ) -> StagedHistory:
+        return self.stage(session, history + new)
+
+    def delete(self, session: AgentSession) -> None:
+        path = self.path_for(session)
+        path.unlink(missing_ok=True)
+        # Versions staged by writes that failed or crashed (and temporary files of old versions).
+        for leftover in path.parent.glob(f".{session.public_id}.*"):
+            leftover.unlink(missing_ok=True)
+
+    def _load(self, session: AgentSession, path: Path) -> dict | None:
+        """The document in `path`, or None when there is no such file."""
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
-            raise HistoryUnavailable(
-                "history_missing", f"History file of session {session.public_id} is missing ({path})."
-            ) from None
+            return None
         except OSError as exc:
             raise HistoryUnavailable(
                 "history_unreadable", f"History file of session {session.public_id} cannot be read: {exc.strerror}."
             ) from None
         try:
             document = json.loads(raw)
-            messages = document["messages"]
-            if not isinstance(messages, list):
+            if not isinstance(document["messages"], list):
                 raise TypeError("messages is not a list")
         except (ValueError, KeyError, TypeError) as exc:
             raise HistoryUnavailable(
                 "history_corrupt", f"History file of session {session.public_id} is corrupt ({exc})."
             ) from None
-        if len(messages) != session.message_count:
-            raise HistoryUnavailable(
-                "history_mismatch",
-                f"History file of session {session.public_id} holds {len(messages)} messages; "
-                f"the database expects {session.message_count}.",
-            )
-        return messages
+        return document
 
-    def append(self, session: AgentSession, history: list[HistoryMessage], new: list[HistoryMessage]) -> None:
-        self.prepare(session, history + new)
+    def _repair(self, session: AgentSession, current: dict | None) -> list[HistoryMessage] | None:
+        """The history the row names when the file does not hold it, put back in place;
+        None when nothing on disk provably is that history."""
+        if not session.history_version:
+            return self._drop_uncommitted_turn(session, current)
+        staged = StagedFile(
+            session=session,
+            version=session.history_version,
+            path=self.staged_path(session, session.history_version),
+            target=self.path_for(session),
+            replaced=None,
+        )
+        document = self._load(session, staged.path)
+        if document is not None and _names_row(document, session):
+            # Committed but never published (a crash or a failed rename after the COMMIT).
+            # Under the row's lock, which every writer takes, and only while the row still
+            # names this version: a newer version published meanwhile is never replaced.
+            with transaction.atomic():
+                if _row_unchanged(session, "history_version"):
+                    staged.publish()
+            return document["messages"]
+        # Its writer may have published it since the file was first read.
+        document = self._load(session, staged.target)
+        return document["messages"] if document is not None and _names_row(document, session) else None
 
-    def prepare(self, session: AgentSession, history: list[HistoryMessage]) -> None:
-        """Write the new history to a temporary file beside the real one, flushed to disk."""
+    def _drop_uncommitted_turn(self, session: AgentSession, current: dict | None) -> list[HistoryMessage] | None:
+        """A file ahead of its row by one turn, as versions before `history_version` left it
+        when a heartbeat's COMMIT failed after the rename. The turn's sequence numbers are the
+        ones the row still has to give out, so the row never committed it: the file's
+        previous version, the row's, is the history without it."""
+        if current is None or "history_version" in current:
+            return None
+        messages = current["messages"]
+        extra = messages[session.message_count :]
+        seqs = [m.get("seq") if isinstance(m, dict) else None for m in extra]
+        if seqs != [session.next_seq, session.next_seq + 1]:
+            return None
+        kept = messages[: session.message_count]
         path = self.path_for(session)
+        temporary = path.with_name(f".{session.public_id}.{uuid.uuid4().hex}.repair")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(
-                    {
-                        "version": FILE_FORMAT_VERSION,
-                        "session_id": session.public_id,
-                        "agent_id": str(session.agent_id),
-                        "messages": history,
-                    },
-                    handle,
-                    ensure_ascii=False,
-                )
-                handle.flush()
-                os.fsync(handle.fileno())
+            with transaction.atomic():  # as in _repair: never over a version written meanwhile
+                if _row_unchanged(session, "history_version", "message_count", "next_seq"):
+                    _write_durably(temporary, {**current, "messages": kept})
+                    _replace_durably(temporary, path)
+                    logger.warning(
+                        "History file of session %s was ahead of its row by an uncommitted turn", session.public_id
+                    )
         except OSError as exc:
-            raise HistoryUnavailable(
-                "history_unwritable", f"History of session {session.public_id} cannot be written: {exc.strerror}."
-            ) from None
-        session._staged_history_file = temp_name
+            _unlink_quietly(temporary)
+            logger.warning("History file of session %s could not be cut back to its row: %s", session.public_id, exc)
+        return kept
 
-    def commit(self, session: AgentSession) -> None:
-        """Swap the staged file in. A crash before this leaves the old file whole."""
-        temp_name = getattr(session, "_staged_history_file", None)
-        if not temp_name:
-            return
-        path = self.path_for(session)
-        os.replace(temp_name, path)
-        session._staged_history_file = None
-        # The rename is durable only once the directory entry is on disk.
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
-    def discard(self, session: AgentSession) -> None:
-        temp_name = getattr(session, "_staged_history_file", None)
-        if temp_name:
-            Path(temp_name).unlink(missing_ok=True)
-            session._staged_history_file = None
+def _document(session: AgentSession, version: str, history: list[HistoryMessage]) -> dict:
+    return {
+        "version": FILE_FORMAT_VERSION,
+        "session_id": session.public_id,
+        "agent_id": str(session.agent_id),
+        "history_version": version,
+        "messages": history,
+    }
 
-    def delete(self, session: AgentSession) -> None:
-        self.path_for(session).unlink(missing_ok=True)
+
+def _row_unchanged(session: AgentSession, *fields: str) -> bool:
+    """Lock the session's row and say whether `fields` still hold what `session` read."""
+    values = {name: getattr(session, name) for name in fields}
+    return AgentSession.objects.select_for_update().filter(pk=session.pk, **values).exists()
+
+
+def _names_row(document: dict, session: AgentSession) -> bool:
+    return (
+        document.get("history_version", "") == session.history_version
+        and len(document["messages"]) == session.message_count
+    )
+
+
+def _write_durably(path: Path, document: dict) -> None:
+    """Create `path` (never over another file) with the document, flushed to disk with its
+    directory entry: once the COMMIT names it, a crash cannot take it away."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(document, handle, ensure_ascii=False)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync_directory(path.parent)
+
+
+def _replace_durably(source: Path, target: Path) -> None:
+    os.replace(source, target)
+    # The rename is durable only once the directory entry is on disk.
+    _fsync_directory(target.parent)
+
+
+def _fsync_directory(folder: Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("Could not remove %s: %s", path, exc)
 
 
 STORES = {HistoryStore.DATABASE: DatabaseStore(), HistoryStore.FILE: FileStore()}

@@ -52,6 +52,62 @@ def postgres_only():
 
 
 @pytest.fixture
+def refuse_at_commit(transactional_db):
+    """Make the COMMIT of a transaction fail when it made a chosen write.
+
+    A deferred check runs only at COMMIT, after every statement succeeded: the failure a
+    caller cannot see coming (a deferred constraint). On PostgreSQL a deferred constraint
+    trigger raises; SQLite has none, so its trigger leaves a dangling deferred foreign key.
+    Call it with a table and a WHEN condition; it is removed after the test (and by calling
+    the returned function).
+    """
+    installed = []
+
+    def install(table: str, *, when: str, event: str = "UPDATE"):
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute(
+                    "CREATE FUNCTION paperclip_test_refuse_commit() RETURNS trigger LANGUAGE plpgsql AS "
+                    "$$ BEGIN RAISE EXCEPTION 'refused at commit by a test trigger'; END $$"
+                )
+                cursor.execute(
+                    f"CREATE CONSTRAINT TRIGGER paperclip_test_refuse_commit AFTER {event} ON {table} "
+                    f"DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN ({when}) "
+                    "EXECUTE FUNCTION paperclip_test_refuse_commit()"
+                )
+            else:
+                cursor.execute("CREATE TABLE paperclip_test_parent (id INTEGER PRIMARY KEY)")
+                cursor.execute(
+                    "CREATE TABLE paperclip_test_dangling (parent_id INTEGER "
+                    "REFERENCES paperclip_test_parent (id) DEFERRABLE INITIALLY DEFERRED)"
+                )
+                dangle = "INSERT INTO paperclip_test_dangling VALUES (-1);"
+                cursor.execute(
+                    f"CREATE TRIGGER paperclip_test_refuse_commit AFTER {event} ON {table} FOR EACH ROW "
+                    f"WHEN {when} BEGIN {dangle} END"
+                )
+        installed.append(table)
+        return lambda: remove(table)
+
+    def remove(table: str) -> None:
+        if table not in installed:
+            return
+        installed.remove(table)
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute(f"DROP TRIGGER IF EXISTS paperclip_test_refuse_commit ON {table}")
+                cursor.execute("DROP FUNCTION IF EXISTS paperclip_test_refuse_commit()")
+            else:
+                cursor.execute("DROP TRIGGER IF EXISTS paperclip_test_refuse_commit")
+                cursor.execute("DROP TABLE IF EXISTS paperclip_test_dangling")
+                cursor.execute("DROP TABLE IF EXISTS paperclip_test_parent")
+
+    yield install
+    for table in list(installed):
+        remove(table)
+
+
+@pytest.fixture
 def company(db):
     return Company.objects.create(name="Acme")
 

@@ -33,11 +33,10 @@ def make_session(agent, *, last_used, ttl_hours=24, store=HistoryStore.DATABASE,
         adapter_type=agent.adapter_type,
     )
     if messages:
-        store_impl = store_for(session)
-        store_impl.prepare(session, messages)
-        store_impl.commit(session)
+        staged = store_for(session).stage(session, messages)
         session.message_count = len(messages)
         session.save()
+        staged.publish()
     return session
 
 

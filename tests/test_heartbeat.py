@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from datetime import timedelta
 from decimal import Decimal
@@ -140,11 +141,11 @@ def test_crash_between_write_and_rename_leaves_the_old_file_whole(settings, pers
     store = store_for(session)
     before = store.path_for(session).read_bytes()
 
-    store.prepare(session, [{"role": "user", "content": "half-written"}])  # temp file written
-    # ...the process dies here: no rename.
+    store.stage(session, [{"role": "user", "content": "half-written"}])  # staged file written
+    # ...the process dies here: no COMMIT, no rename.
 
     assert store.path_for(session).read_bytes() == before
-    assert [m["content"] for m in store.read(session)][0] == "one"
+    assert [m["content"] for m in store.read(AgentSession.objects.get(pk=session.pk))][0] == "one"
 
 
 def test_corrupt_history_file_fails_the_heartbeat_clearly_without_calling_the_model(
@@ -547,3 +548,74 @@ def test_an_agent_deleted_during_its_heartbeat_gains_no_session(
     assert not AgentSession.objects.filter(agent=persistent_agent).exists()
     assert list(paperclip_home.rglob("*.json")) == []
     assert CostEvent.objects.get(run=run).kind == "message"  # billed, so recorded
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_answer_whose_commit_fails_leaves_the_old_file_and_the_next_heartbeat_resumes(
+    settings, persistent_agent, fake_anthropic, refuse_at_commit
+):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    beat(persistent_agent, "one")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    before = store_for(session).path_for(session).read_bytes()
+    allow = refuse_at_commit("agent_sessions", when="NEW.message_count > OLD.message_count")
+
+    failed = beat(persistent_agent, "two")
+
+    assert (failed.status, failed.error_code) == (RunStatus.FAILED, "internal_error")
+    assert store_for(session).path_for(session).read_bytes() == before
+    allow()
+    run = beat(persistent_agent, "three")
+    assert (run.status, run.error_code) == (RunStatus.SUCCEEDED, ""), run.error
+    session.refresh_from_db()
+    assert [m["content"] for m in store_for(session).read(session) if m["role"] == "user"] == ["one", "three"]
+    assert plain_messages(fake_anthropic.message_requests[-1])[:2] == [
+        text_turn("user", "one"),
+        text_turn("assistant", "answer 1: one"),
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_first_answer_whose_commit_fails_leaves_no_session_and_no_file(
+    settings, persistent_agent, fake_anthropic, refuse_at_commit
+):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    refuse_at_commit("agent_sessions", when="1 = 1", event="INSERT")
+
+    failed = beat(persistent_agent, "one")
+
+    assert (failed.status, failed.error_code) == (RunStatus.FAILED, "internal_error")
+    assert not AgentSession.objects.exists()
+    folder = settings.PAPERCLIP_HOME / "sessions" / str(persistent_agent.id)
+    assert not folder.exists() or list(folder.iterdir()) == []
+
+
+def test_an_answer_whose_rename_fails_after_the_commit_is_published_by_the_next_read(
+    settings, persistent_agent, fake_anthropic, monkeypatch
+):
+    """The COMMIT succeeded, then the rename (or the directory's fsync) failed: the run is
+    answered, and the staged file the row names is put in place by the next reader."""
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    beat(persistent_agent, "one")
+    real_replace = os.replace
+    failures = []
+
+    def replace_fails_once(*args, **kwargs):
+        if not failures:
+            failures.append(args)
+            raise OSError(5, "Input/output error")
+        return real_replace(*args, **kwargs)
+
+    monkeypatch.setattr("sessions_app.stores.os.replace", replace_fails_once)
+
+    answered = beat(persistent_agent, "two")
+
+    assert (answered.status, answered.error_code) == (RunStatus.SUCCEEDED, ""), answered.error
+    assert failures, "the rename was never attempted"
+    session = AgentSession.objects.get(agent=persistent_agent)
+    assert len(json.loads(store_for(session).path_for(session).read_text())["messages"]) == 2
+    run = beat(persistent_agent, "three")
+    assert (run.status, run.error_code) == (RunStatus.SUCCEEDED, ""), run.error
+    session.refresh_from_db()
+    assert [m["content"] for m in store_for(session).read(session) if m["role"] == "user"] == ["one", "two", "three"]
+    assert len(json.loads(store_for(session).path_for(session).read_text())["messages"]) == 6

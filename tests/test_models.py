@@ -65,10 +65,10 @@ def test_session_ids_parse_in_both_forms():
 def _session_with_file(agent, messages):
     session = AgentSession.objects.create(agent=agent, company=agent.company, store=HistoryStore.FILE)
     store = store_for(session)
-    store.prepare(session, messages)
-    store.commit(session)
+    staged = store.stage(session, messages)
     session.message_count = len(messages)
-    session.save(update_fields=["message_count"])
+    session.save(update_fields=["message_count", *staged.fields])
+    staged.publish()
     return session, store.path_for(session)
 
 

@@ -106,7 +106,7 @@ def test_file_store_faults_fail_only_their_own_session(settings, company, fake_a
 
 
 def test_unwritable_history_leaves_the_old_file_and_row(settings, company, fake_anthropic, monkeypatch):
-    """What root cannot be made to fail by permissions, a full disk does: ENOSPC on write."""
+    """What root cannot be made to fail by permissions, a full disk does: ENOSPC when the file is flushed."""
     settings.PAPERCLIP_SESSION_STORE = "file"
     agent = Agent.objects.create(company=company, name="full", adapter_config={"session_mode": "persistent"})
     beat(agent, "hello")
@@ -117,7 +117,7 @@ def test_unwritable_history_leaves_the_old_file_and_row(settings, company, fake_
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("sessions_app.stores.tempfile.mkstemp", disk_full)
+    monkeypatch.setattr("sessions_app.stores.os.fsync", disk_full)
     run = beat(agent, "again")
 
     assert (run.status, run.error_code) == (RunStatus.FAILED, "history_unwritable")
@@ -149,9 +149,11 @@ def test_api_keys_never_reach_logs_history_or_runs(persistent_agent, fake_anthro
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("store", ["database", "file"])
 def test_terminated_connection_mid_commit_leaves_history_whole_and_still_bills(
-    postgres_only, persistent_agent, fake_anthropic
+    postgres_only, settings, persistent_agent, fake_anthropic, store
 ):
+    settings.PAPERCLIP_SESSION_STORE = store
     beat(persistent_agent, "first")
     count, history, costs = snapshot(persistent_agent)
     with connection.cursor() as cursor:
@@ -174,20 +176,7 @@ def test_terminated_connection_mid_commit_leaves_history_whole_and_still_bills(
     thread = threading.Thread(target=run_heartbeat)
     thread.start()
     try:
-        victim = None
-        deadline = time.monotonic() + 15
-        while victim is None and time.monotonic() < deadline:
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    "SELECT pid FROM pg_stat_activity WHERE query LIKE %s AND state = 'active' AND pid <> pg_backend_pid()",
-                    ['%INSERT INTO "cost_events"%'],
-                )
-                row = cursor.fetchone()
-            victim = row[0] if row else None
-            time.sleep(0.05)
-        assert victim, "the commit transaction was never seen"
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s)", [victim])
+        terminate_backend_running('%INSERT INTO "cost_events"%')
         thread.join(timeout=30)
     finally:
         with connection.cursor() as cursor:
@@ -203,6 +192,63 @@ def test_terminated_connection_mid_commit_leaves_history_whole_and_still_bills(
     assert HeartbeatRun.objects.get(task="second").status == RunStatus.FAILED
     assert beat(persistent_agent, "third").status == RunStatus.SUCCEEDED
     assert snapshot(persistent_agent)[0] == count + 2
+    assert [m["content"] for m in snapshot(persistent_agent)[1] if m["role"] == "user"] == ["first", "third"]
+
+
+def terminate_backend_running(statement_like: str) -> None:
+    """Wait until another connection runs a statement like `statement_like`, and kill it."""
+    victim = None
+    deadline = time.monotonic() + 15
+    while victim is None and time.monotonic() < deadline:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pid FROM pg_stat_activity WHERE query LIKE %s AND state = 'active' AND pid <> pg_backend_pid()",
+                [statement_like],
+            )
+            row = cursor.fetchone()
+        victim = row[0] if row else None
+        time.sleep(0.05)
+    assert victim, f"no connection was seen running {statement_like}"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [victim])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
+    postgres_only, settings, persistent_agent, fake_anthropic
+):
+    """Killed in the COMMIT itself, after every statement (and the staged history file)
+    succeeded: the transaction never commits, so the file must not move either."""
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    beat(persistent_agent, "first")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    before = store_for(session).path_for(session).read_bytes()
+    with connection.cursor() as cursor:
+        # A deferred constraint trigger runs inside the COMMIT: it holds the COMMIT open.
+        cursor.execute(
+            "CREATE FUNCTION slow_commit() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(5); RETURN NULL; END $$ "
+            "LANGUAGE plpgsql; CREATE CONSTRAINT TRIGGER slow_commit AFTER UPDATE ON agent_sessions "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.message_count > OLD.message_count) "
+            "EXECUTE FUNCTION slow_commit();"
+        )
+    thread = threading.Thread(target=lambda: (beat(persistent_agent, "second"), connection.close()))
+    thread.start()
+    try:
+        terminate_backend_running("COMMIT%")
+        thread.join(timeout=30)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER IF EXISTS slow_commit ON agent_sessions; DROP FUNCTION IF EXISTS slow_commit();"
+            )
+
+    assert store_for(session).path_for(session).read_bytes() == before
+    session.refresh_from_db()
+    assert session.message_count == 2
+    runs_reap(now=timezone.now() + timedelta(hours=1))
+    assert HeartbeatRun.objects.get(task="second").status == RunStatus.FAILED
+    assert beat(persistent_agent, "third").status == RunStatus.SUCCEEDED
+    assert [m["content"] for m in snapshot(persistent_agent)[1] if m["role"] == "user"] == ["first", "third"]
 
 
 @pytest.mark.django_db(transaction=True)

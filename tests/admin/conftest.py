@@ -44,11 +44,10 @@ def make_session(agent, *, history: list[dict], store: str = HistoryStore.FILE, 
         model=agent.model_name,
         **fields,
     )
-    backend = store_for(session)
-    backend.prepare(session, history)
+    staged = store_for(session).stage(session, history)
     session.message_count = len(history)
-    session.save(update_fields=["history", "message_count"])
-    backend.commit(session)
+    session.save(update_fields=["message_count", *staged.fields])
+    staged.publish()
     return session
 
 

@@ -127,9 +127,9 @@ def file_session(agent, messages):
     session = AgentSession.objects.create(
         agent=agent, company_id=agent.company_id, store="file", message_count=len(messages)
     )
-    store = STORES["file"]
-    store.prepare(session, messages)
-    store.commit(session)
+    staged = STORES["file"].stage(session, messages)
+    session.save(update_fields=staged.fields)
+    staged.publish()
     return session
 
 

@@ -1,0 +1,225 @@
+"""The history stores, and the file store against the database COMMIT.
+
+A file rename and a COMMIT are never one transaction: whichever of the two fails (or a
+crash between them), the file and the row must agree, or the next read must put them back
+in agreement by itself, never by losing or inventing a turn.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+from django.utils import timezone
+
+from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.models import AgentSession, HistoryStore, RunStatus
+from sessions_app.services import session_clear_history
+from sessions_app.stores import STORES, HistoryUnavailable, store_for
+
+
+@pytest.fixture(autouse=True)
+def file_store(settings):
+    settings.PAPERCLIP_SESSION_STORE = HistoryStore.FILE
+
+
+def beat(agent, task):
+    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
+    return heartbeat_execute(run_id=run.id)
+
+
+def user_turns(session) -> list:
+    session.refresh_from_db()
+    return [m["content"] for m in store_for(session).read(session) if m["role"] == "user"]
+
+
+def file_messages(session) -> list:
+    return json.loads(store_for(session).path_for(session).read_text())["messages"]
+
+
+def write(store, session, history: list) -> None:
+    """A history written as every writer does: staged, its row saved, then published."""
+    staged = store.stage(session, history)
+    session.message_count = len(history)
+    session.save()
+    staged.publish()
+
+
+def failing_once(monkeypatch, name: str, error: int = errno.EIO):
+    """Make the next `os.<name>` call of the store fail, as a disk or filesystem fault would."""
+    real = getattr(os, name)
+    calls = []
+
+    def fail_once(*args, **kwargs):
+        if not calls:
+            calls.append(args)
+            raise OSError(error, os.strerror(error))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(f"sessions_app.stores.os.{name}", fail_once)
+    return calls
+
+
+@pytest.mark.django_db(transaction=True)
+def test_clearing_a_history_whose_commit_fails_leaves_the_file(persistent_agent, fake_anthropic, refuse_at_commit):
+    beat(persistent_agent, "one")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    refuse_at_commit("agent_sessions", when="NEW.message_count < OLD.message_count")
+
+    with pytest.raises(Exception, match="refused at commit|FOREIGN KEY"):
+        session_clear_history(session=session)
+
+    assert user_turns(session) == ["one"]
+    assert len(file_messages(session)) == 2
+
+
+def test_a_clear_whose_rename_fails_after_the_commit_is_repaired_by_the_next_read(
+    persistent_agent, fake_anthropic, monkeypatch
+):
+    beat(persistent_agent, "one")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    failed = failing_once(monkeypatch, "replace")
+
+    session_clear_history(session=session)
+
+    assert failed, "the rename was never attempted"
+    session.refresh_from_db()
+    assert session.message_count == 0
+    assert store_for(session).read(session) == []
+    assert file_messages(session) == []
+    assert beat(persistent_agent, "two").status == RunStatus.SUCCEEDED
+    assert user_turns(session) == ["two"]
+
+
+def test_a_file_ahead_of_its_row_by_a_failed_heartbeat_commit_is_cut_back_to_the_row(persistent_agent, fake_anthropic):
+    """The state the previous version left behind: its heartbeat renamed the file with the new
+    turn, then its COMMIT failed. The turn was never committed (the row's next_seq did not
+    move past it), so the file's previous version is the row's: the turn is dropped."""
+    beat(persistent_agent, "one")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    path = store_for(session).path_for(session)
+    document = json.loads(path.read_text())
+    document.pop("history_version", None)
+    seq = session.next_seq
+    document["messages"] += [
+        {"role": "user", "content": "lost", "seq": seq},
+        {"role": "assistant", "content": "never committed", "seq": seq + 1},
+    ]
+    path.write_text(json.dumps(document))
+    AgentSession.objects.filter(pk=session.pk).update(history_version="")
+
+    assert user_turns(session) == ["one"]
+    assert len(file_messages(session)) == 2
+    run = beat(persistent_agent, "two")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert user_turns(session) == ["one", "two"]
+    assert [m["seq"] for m in store_for(session).read(session)] == [0, 1, 2, 3]
+
+
+def test_a_file_ahead_of_its_row_by_turns_the_row_already_counted_is_not_cut(persistent_agent, fake_anthropic):
+    """Extra turns whose sequence numbers the row has already given out are not an
+    uncommitted append: nothing proves which version is right, so the read refuses."""
+    beat(persistent_agent, "one")
+    beat(persistent_agent, "two")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    AgentSession.objects.filter(pk=session.pk).update(message_count=2, history_version="")
+    path = store_for(session).path_for(session)
+    document = json.loads(path.read_text())
+    document.pop("history_version", None)
+    path.write_text(json.dumps(document))
+    session.refresh_from_db()
+
+    with pytest.raises(HistoryUnavailable) as failure:
+        store_for(session).read(session)
+
+    assert failure.value.code == "history_mismatch"
+    assert len(file_messages(session)) == 4
+
+
+def test_a_version_staged_and_committed_but_never_published_is_published_by_the_next_read(persistent_agent):
+    """A crash between the COMMIT and the rename: the row names a version only the staged
+    file holds."""
+    session = AgentSession.objects.create(
+        agent=persistent_agent, company=persistent_agent.company, store=HistoryStore.FILE
+    )
+    store = store_for(session)
+    first = [{"role": "user", "content": "a", "seq": 0}, {"role": "assistant", "content": "b", "seq": 1}]
+    write(store, session, first)
+    second = first + [{"role": "user", "content": "c", "seq": 2}, {"role": "assistant", "content": "d", "seq": 3}]
+    staged = store.stage(session, second)
+    session.message_count = 4
+    session.save()
+    # ...the process dies here: the row is committed, the rename never happened.
+    del staged
+    assert len(file_messages(session)) == 2
+
+    fresh = AgentSession.objects.get(pk=session.pk)
+    assert store.read(fresh) == second
+    assert file_messages(session) == second
+    assert not list(store.path_for(session).parent.glob(f".{session.public_id}.*"))
+
+
+def test_a_version_staged_but_never_committed_is_ignored_and_removed_with_its_session(
+    persistent_agent, django_capture_on_commit_callbacks
+):
+    """A crash before the COMMIT: the staged file names a version no row has."""
+    session = AgentSession.objects.create(
+        agent=persistent_agent, company=persistent_agent.company, store=HistoryStore.FILE
+    )
+    store = store_for(session)
+    first = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    write(store, session, first)
+    store.stage(AgentSession.objects.get(pk=session.pk), first + first)  # ...and the process dies
+
+    fresh = AgentSession.objects.get(pk=session.pk)
+    assert store.read(fresh) == first
+    folder = store.path_for(session).parent
+    assert len(list(folder.glob(f".{session.public_id}.*"))) == 1
+
+    from sessions_app.services import session_delete
+
+    with django_capture_on_commit_callbacks(execute=True):
+        session_delete(session=fresh, now=timezone.now())
+    assert list(folder.iterdir()) == []
+
+
+def test_the_database_store_keeps_the_history_in_its_row(persistent_agent):
+    session = AgentSession.objects.create(
+        agent=persistent_agent, company=persistent_agent.company, store=HistoryStore.DATABASE
+    )
+    history = [{"role": "user", "content": "a"}]
+
+    write(STORES[HistoryStore.DATABASE], session, history)
+
+    fresh = AgentSession.objects.get(pk=session.pk)
+    assert (fresh.history, fresh.history_version) == (history, "")
+    assert store_for(fresh).read(fresh) == history
+
+
+def test_a_reader_with_an_older_row_never_publishes_over_a_newer_version(persistent_agent):
+    """A reader read the row while it named a version still staged; by the time it repairs,
+    a writer has committed and published the next one. The stale version must not land on
+    top of it (the writer would lose its history for good)."""
+    session = AgentSession.objects.create(
+        agent=persistent_agent, company=persistent_agent.company, store=HistoryStore.FILE
+    )
+    store = store_for(session)
+    first = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    write(store, session, first)
+    store.stage(session, first + first)
+    session.message_count = 4
+    session.save()  # committed; its publication crashed
+    stale = AgentSession.objects.get(pk=session.pk)
+    writer = AgentSession.objects.get(pk=session.pk)
+    third = [{"role": "user", "content": "cleared and started again"}]
+    staged = store.stage(writer, third)
+    writer.message_count = 1
+    writer.save()
+    os.replace(staged.path, staged.target)  # the writer's publication, half done
+
+    assert store.read(stale) == first + first  # what the stale row named, as it was
+
+    assert store.read(AgentSession.objects.get(pk=session.pk)) == third
+    assert file_messages(session) == third
