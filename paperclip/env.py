@@ -122,3 +122,14 @@ def secret_key(*, deployment_mode: str, home: Path) -> str:
     with os.fdopen(fd, "w") as handle:
         handle.write(key)
     return key
+
+
+def env_url(name: str, default: str) -> str:
+    """An absolute http:// or https:// URL with a host (and no trailing slash)."""
+    from urllib.parse import urlsplit
+
+    value = env_str(name, default).rstrip("/")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ImproperlyConfigured(f"{name} must be an http:// or https:// URL with a host name, got {value!r}")
+    return value

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
-from paperclip.env import env_bool, env_choice, env_database, env_decimal, env_int, env_str, secret_key
+from paperclip.env import env_bool, env_choice, env_database, env_decimal, env_int, env_str, env_url, secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -196,19 +197,34 @@ LOGGING = {
     },
 }
 
-if PAPERCLIP_DEPLOYMENT_MODE == "authenticated":
-    SESSION_COOKIE_SECURE = env_bool("DJANGO_SECURE_COOKIES", True)
-    CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
-    SECURE_CONTENT_TYPE_NOSNIFF = True
+# HTTPS is on when (and only when) the URL users reach the service at is https://: then plain
+# HTTP is redirected (not the load balancer's health probe), cookies are Secure and browsers
+# are told to stay on HTTPS. Authenticated mode is often served over HTTP on a private
+# network, where a redirect to an HTTPS port nothing serves would break every call.
+PAPERCLIP_PUBLIC_URL = env_url("PAPERCLIP_PUBLIC_URL", f"http://localhost:{PAPERCLIP_PORT}")
+PAPERCLIP_HTTPS = PAPERCLIP_PUBLIC_URL.startswith("https://")
+if urlsplit(PAPERCLIP_PUBLIC_URL).hostname not in ALLOWED_HOSTS:
+    ALLOWED_HOSTS.append(urlsplit(PAPERCLIP_PUBLIC_URL).hostname)
+if PAPERCLIP_HTTPS:
+    CSRF_TRUSTED_ORIGINS.append(PAPERCLIP_PUBLIC_URL)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = PAPERCLIP_HTTPS
+# Behind a proxy that terminates TLS, requests arrive as HTTP and only the proxy's
+# X-Forwarded-Proto says they were HTTPS (without it the redirect would loop). Trusted only
+# when configured: any client can send that header to a server it reaches directly.
+if env_bool("PAPERCLIP_TRUST_X_FORWARDED_PROTO", False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
-    # Served behind TLS in production: redirect plain HTTP (but not the load balancer's
-    # health probe) and tell browsers to stay on HTTPS.
-    SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", True)
-    SECURE_REDIRECT_EXEMPT = [r"^api/health$"]
-    SECURE_HSTS_SECONDS = env_int("DJANGO_HSTS_SECONDS", 31_536_000, minimum=0)
-    # The preload directive alone submits nothing: the domain owner must apply to the list.
-    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", True)
-    SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", True)
+SECURE_SSL_REDIRECT = PAPERCLIP_HTTPS and env_bool("DJANGO_SECURE_SSL_REDIRECT", True)
+SECURE_REDIRECT_EXEMPT = [r"^api/health$"]
+SECURE_HSTS_SECONDS = env_int("DJANGO_HSTS_SECONDS", 31_536_000, minimum=0) if PAPERCLIP_HTTPS else 0
+# Both reach beyond this service (every subdomain; a browser list that is slow to leave),
+# so they are never on unless asked for, and Django's checks advising them stay quiet.
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", False)
+SILENCED_SYSTEM_CHECKS = ["security.W005", "security.W021"]
+if not PAPERCLIP_HTTPS:
+    # Served over plain HTTP on purpose: paperclip.W003 says so once, instead of Django's
+    # four warnings advising HTTPS settings this deployment cannot use.
+    SILENCED_SYSTEM_CHECKS += ["security.W004", "security.W008", "security.W012", "security.W016"]
 
 if PAPERCLIP_DEPLOYMENT_MODE == "local_trusted" and PAPERCLIP_HOST not in ("127.0.0.1", "localhost", "::1"):
     raise ImproperlyConfigured(
