@@ -37,10 +37,13 @@ PAPERCLIP_MAX_TASK_CHARS = env_int("PAPERCLIP_MAX_TASK_CHARS", 100_000, minimum=
 PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES = env_int("PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES", 16 * 1024 * 1024, minimum=1024)
 PAPERCLIP_SESSION_HOUR_USD = env_decimal("PAPERCLIP_SESSION_HOUR_USD", "0.08")
 PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
-# Heartbeat API calls per key (or per client address in local_trusted mode): "N/s|min|hour|day".
-PAPERCLIP_HEARTBEAT_RATE = env_str("PAPERCLIP_HEARTBEAT_RATE", "60/min")
+# A generous ceiling on heartbeats that queue work, per API key, in authenticated mode only
+# ("N/s|min|hour|day"); what needs a bound is one agent's queue (below).
+PAPERCLIP_HEARTBEAT_RATE = env_str("PAPERCLIP_HEARTBEAT_RATE", "1000/min")
 if not re.fullmatch(r"[1-9][0-9]*/(s|sec|second|m|min|minute|h|hour|d|day)", PAPERCLIP_HEARTBEAT_RATE):
     raise ImproperlyConfigured(f"PAPERCLIP_HEARTBEAT_RATE must look like 60/min, got {PAPERCLIP_HEARTBEAT_RATE!r}")
+# Queued runs one agent may have; another heartbeat is refused 429 `queue_full`.
+PAPERCLIP_MAX_QUEUED_RUNS = env_int("PAPERCLIP_MAX_QUEUED_RUNS", 100, minimum=1)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
 DEBUG = env_bool("DJANGO_DEBUG", False)

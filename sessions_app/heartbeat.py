@@ -153,16 +153,43 @@ def heartbeat_enqueue(
         "trigger": trigger,
         "created_at": now,
     }
-    if not idempotency_key:
-        return HeartbeatRun.objects.create(**fields), True
     try:
         with transaction.atomic():
-            run = HeartbeatRun.objects.create(**fields)
+            _refuse_when_queue_full(agent)
+            # A savepoint of its own, so that a duplicate key leaves the transaction usable.
+            with transaction.atomic():
+                run = HeartbeatRun.objects.create(**fields)
     except IntegrityError:
+        if not idempotency_key:
+            raise
         # Another request with the same key won the race; theirs is the run.
         earlier = HeartbeatRun.objects.get(agent=agent, idempotency_key=idempotency_key)
         return _same_request(earlier, task), False
     return run, True
+
+
+# Keys of the transaction-level advisory lock that makes an agent's queue bound exact.
+QUEUE_LOCK_NAMESPACE = 7_301
+
+
+def _refuse_when_queue_full(agent: Agent) -> None:
+    """Refuse `queue_full` when the agent already has PAPERCLIP_MAX_QUEUED_RUNS queued runs.
+
+    Called inside the enqueue's transaction. Two enqueues of one agent must not both see
+    room for one: on PostgreSQL they take an advisory lock on the agent until commit (not
+    the agent's row, whose lock would queue behind budget reservations that hold the
+    company); SQLite's IMMEDIATE transactions already run one writer at a time. The count
+    reads runs_unfinished_idx and stops at the bound.
+    """
+    bound = settings.PAPERCLIP_MAX_QUEUED_RUNS
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [QUEUE_LOCK_NAMESPACE, str(agent.pk)])
+    queued = HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).values("pk")[:bound].count()
+    if queued >= bound:
+        raise HeartbeatRefused(
+            "queue_full", f"The agent already has {bound} queued runs (PAPERCLIP_MAX_QUEUED_RUNS); try again later."
+        )
 
 
 def _same_request(earlier: HeartbeatRun, task: str) -> HeartbeatRun:
