@@ -156,8 +156,8 @@ def heartbeat_enqueue(
     try:
         with transaction.atomic():
             _refuse_when_queue_full(agent)
-            # A savepoint of its own, so that a duplicate key leaves the transaction usable.
-            with transaction.atomic():
+            # A duplicate key needs a savepoint of its own to leave the transaction usable.
+            with transaction.atomic() if idempotency_key else nullcontext():
                 run = HeartbeatRun.objects.create(**fields)
     except IntegrityError:
         if not idempotency_key:
