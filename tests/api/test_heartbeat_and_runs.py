@@ -230,9 +230,12 @@ def test_sequential_waiting_heartbeats_from_one_client_are_never_throttled(
     assert HeartbeatRun.objects.filter(status=RunStatus.SUCCEEDED).count() == 2 * SEQUENTIAL_HEARTBEATS
 
 
-def test_waking_300_agents_without_waiting_from_one_client_is_not_throttled(api, company):
+@pytest.mark.parametrize("mode", ["local_trusted", "authenticated"])
+def test_waking_300_agents_without_waiting_from_one_client_is_not_throttled(settings, mode, company):
+    settings.PAPERCLIP_DEPLOYMENT_MODE = mode
+    client = Api(api_key_create(company=company)[1] if mode == "authenticated" else None)
     for agent in stateless_agents(company, SEQUENTIAL_HEARTBEATS):
-        assert api.post(agent_url(agent, "/heartbeat"), {"task": "wake up"}).status_code == 202
+        assert client.post(agent_url(agent, "/heartbeat"), {"task": "wake up"}).status_code == 202
     assert HeartbeatRun.objects.filter(status=RunStatus.QUEUED).count() == SEQUENTIAL_HEARTBEATS
 
 
