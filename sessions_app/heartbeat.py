@@ -176,15 +176,17 @@ def _refuse_when_queue_full(agent: Agent) -> None:
     """Refuse `queue_full` when the agent already has PAPERCLIP_MAX_QUEUED_RUNS queued runs.
 
     Called inside the enqueue's transaction. Two enqueues of one agent must not both see
-    room for one: on PostgreSQL they take an advisory lock on the agent until commit (not
-    the agent's row, whose lock would queue behind budget reservations that hold the
-    company); SQLite's IMMEDIATE transactions already run one writer at a time. The count
-    reads runs_unfinished_idx and stops at the bound.
+    room for one: on PostgreSQL they take an advisory lock on the agent until commit, which
+    only enqueues take (a lock on the agent's row would also stall, and be stalled by, every
+    update of the agent and every insert that references it). SQLite's IMMEDIATE
+    transactions already run one writer at a time. The count
+    reads runs_unfinished_idx and stops at the bound. Two agents whose ids share 31 bits
+    share a lock, which only makes their enqueues wait for each other.
     """
     bound = settings.PAPERCLIP_MAX_QUEUED_RUNS
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [QUEUE_LOCK_NAMESPACE, str(agent.pk)])
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [QUEUE_LOCK_NAMESPACE, agent.pk.int % 2**31])
     queued = HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).values("pk")[:bound].count()
     if queued >= bound:
         raise HeartbeatRefused(
