@@ -179,9 +179,9 @@ def _refuse_when_queue_full(agent: Agent) -> None:
     room for one: on PostgreSQL they take an advisory lock on the agent until commit, which
     only enqueues take (a lock on the agent's row would also stall, and be stalled by, every
     update of the agent and every insert that references it). SQLite's IMMEDIATE
-    transactions already run one writer at a time. The count
-    reads runs_unfinished_idx and stops at the bound. Two agents whose ids share 31 bits
-    share a lock, which only makes their enqueues wait for each other.
+    transactions already run one writer at a time. The count reads runs_unfinished_idx and
+    stops at the bound. Two agents whose ids share 31 bits share a lock, which only makes
+    their enqueues wait for each other.
     """
     bound = settings.PAPERCLIP_MAX_QUEUED_RUNS
     if connection.vendor == "postgresql":
