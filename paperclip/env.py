@@ -192,3 +192,14 @@ def _strings(value: object, *, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(item, str) and "\x00" not in item for item in value):
         raise ImproperlyConfigured(f"{where} must be a list of strings")
     return value
+
+
+def env_url(name: str, default: str) -> str:
+    """An absolute http:// or https:// URL with a host (and no trailing slash)."""
+    from urllib.parse import urlsplit
+
+    value = env_str(name, default).rstrip("/")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ImproperlyConfigured(f"{name} must be an http:// or https:// URL with a host name, got {value!r}")
+    return value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -14,6 +15,7 @@ from paperclip.env import (
     env_decimal,
     env_int,
     env_str,
+    env_url,
     parse_process_commands,
     secret_key,
 )
@@ -47,10 +49,13 @@ PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES = env_int("PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES
 PAPERCLIP_PROCESS_COMMANDS = parse_process_commands(env_str("PAPERCLIP_PROCESS_COMMANDS", ""))
 PAPERCLIP_SESSION_HOUR_USD = env_decimal("PAPERCLIP_SESSION_HOUR_USD", "0.08")
 PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
-# Heartbeat API calls per key (or per client address in local_trusted mode): "N/s|min|hour|day".
-PAPERCLIP_HEARTBEAT_RATE = env_str("PAPERCLIP_HEARTBEAT_RATE", "60/min")
+# A generous ceiling on heartbeats that queue work, per API key, in authenticated mode only
+# ("N/s|min|hour|day"); what needs a bound is one agent's queue (below).
+PAPERCLIP_HEARTBEAT_RATE = env_str("PAPERCLIP_HEARTBEAT_RATE", "1000/min")
 if not re.fullmatch(r"[1-9][0-9]*/(s|sec|second|m|min|minute|h|hour|d|day)", PAPERCLIP_HEARTBEAT_RATE):
     raise ImproperlyConfigured(f"PAPERCLIP_HEARTBEAT_RATE must look like 60/min, got {PAPERCLIP_HEARTBEAT_RATE!r}")
+# Queued runs one agent may have; another heartbeat is refused 429 `queue_full`.
+PAPERCLIP_MAX_QUEUED_RUNS = env_int("PAPERCLIP_MAX_QUEUED_RUNS", 100, minimum=1)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
 DEBUG = env_bool("DJANGO_DEBUG", False)
@@ -214,19 +219,34 @@ LOGGING = {
     },
 }
 
-if PAPERCLIP_DEPLOYMENT_MODE == "authenticated":
-    SESSION_COOKIE_SECURE = env_bool("DJANGO_SECURE_COOKIES", True)
-    CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
-    SECURE_CONTENT_TYPE_NOSNIFF = True
+# HTTPS is on when (and only when) the URL users reach the service at is https://: then plain
+# HTTP is redirected (not the load balancer's health probe), cookies are Secure and browsers
+# are told to stay on HTTPS. Authenticated mode is often served over HTTP on a private
+# network, where a redirect to an HTTPS port nothing serves would break every call.
+PAPERCLIP_PUBLIC_URL = env_url("PAPERCLIP_PUBLIC_URL", f"http://localhost:{PAPERCLIP_PORT}")
+PAPERCLIP_HTTPS = PAPERCLIP_PUBLIC_URL.startswith("https://")
+if urlsplit(PAPERCLIP_PUBLIC_URL).hostname not in ALLOWED_HOSTS:
+    ALLOWED_HOSTS.append(urlsplit(PAPERCLIP_PUBLIC_URL).hostname)
+if PAPERCLIP_HTTPS:
+    CSRF_TRUSTED_ORIGINS.append(PAPERCLIP_PUBLIC_URL)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = PAPERCLIP_HTTPS
+# Behind a proxy that terminates TLS, requests arrive as HTTP and only the proxy's
+# X-Forwarded-Proto says they were HTTPS (without it the redirect would loop). Trusted only
+# when configured: any client can send that header to a server it reaches directly.
+if env_bool("PAPERCLIP_TRUST_X_FORWARDED_PROTO", False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
-    # Served behind TLS in production: redirect plain HTTP (but not the load balancer's
-    # health probe) and tell browsers to stay on HTTPS.
-    SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", True)
-    SECURE_REDIRECT_EXEMPT = [r"^api/health$"]
-    SECURE_HSTS_SECONDS = env_int("DJANGO_HSTS_SECONDS", 31_536_000, minimum=0)
-    # The preload directive alone submits nothing: the domain owner must apply to the list.
-    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", True)
-    SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", True)
+SECURE_SSL_REDIRECT = PAPERCLIP_HTTPS and env_bool("DJANGO_SECURE_SSL_REDIRECT", True)
+SECURE_REDIRECT_EXEMPT = [r"^api/health$"]
+SECURE_HSTS_SECONDS = env_int("DJANGO_HSTS_SECONDS", 31_536_000, minimum=0) if PAPERCLIP_HTTPS else 0
+# Both reach beyond this service (every subdomain; a browser list that is slow to leave),
+# so they are never on unless asked for, and Django's checks advising them stay quiet.
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", False)
+SILENCED_SYSTEM_CHECKS = ["security.W005", "security.W021"]
+if not PAPERCLIP_HTTPS:
+    # Served over plain HTTP on purpose: paperclip.W003 says so once, instead of Django's
+    # four warnings advising HTTPS settings this deployment cannot use.
+    SILENCED_SYSTEM_CHECKS += ["security.W004", "security.W008", "security.W012", "security.W016"]
 
 if PAPERCLIP_DEPLOYMENT_MODE == "local_trusted" and PAPERCLIP_HOST not in ("127.0.0.1", "localhost", "::1"):
     raise ImproperlyConfigured(

@@ -19,6 +19,17 @@ def check_deployment(app_configs, **kwargs):
                 id="paperclip.W002",
             )
         )
+    if not settings.PAPERCLIP_HTTPS:
+        errors.append(
+            Warning(
+                f"PAPERCLIP_PUBLIC_URL ({settings.PAPERCLIP_PUBLIC_URL}) is not https://: no HTTPS redirect, "
+                "cookies are not Secure and no HSTS header is sent.",
+                hint="Fine on a private network served over HTTP. When users reach the service over TLS, set "
+                "PAPERCLIP_PUBLIC_URL=https://...; behind a proxy that terminates TLS, also "
+                "PAPERCLIP_TRUST_X_FORWARDED_PROTO=true.",
+                id="paperclip.W003",
+            )
+        )
     return errors
 
 
@@ -56,7 +67,7 @@ def check_process_commands(app_configs, **kwargs):
                     + "; ".join(f"adapter_config.{key}: {message}" for key, message in problems.items()),
                     hint="List the command in PAPERCLIP_PROCESS_COMMANDS, or point the agent at a listed one; "
                     "until then its runs fail process_command_not_allowed.",
-                    id="paperclip.W003",
+                    id="paperclip.W004",
                 )
             )
     return warnings

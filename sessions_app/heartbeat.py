@@ -176,16 +176,45 @@ def heartbeat_enqueue(
         "trigger": trigger,
         "created_at": now,
     }
-    if not idempotency_key:
-        return HeartbeatRun.objects.create(**fields), True
     try:
         with transaction.atomic():
-            run = HeartbeatRun.objects.create(**fields)
+            _refuse_when_queue_full(agent)
+            # A duplicate key needs a savepoint of its own to leave the transaction usable.
+            with transaction.atomic() if idempotency_key else nullcontext():
+                run = HeartbeatRun.objects.create(**fields)
     except IntegrityError:
+        if not idempotency_key:
+            raise
         # Another request with the same key won the race; theirs is the run.
         earlier = HeartbeatRun.objects.get(agent=agent, idempotency_key=idempotency_key)
         return _same_request(earlier, task), False
     return run, True
+
+
+# Keys of the transaction-level advisory lock that makes an agent's queue bound exact.
+QUEUE_LOCK_NAMESPACE = 7_301
+
+
+def _refuse_when_queue_full(agent: Agent) -> None:
+    """Refuse `queue_full` when the agent already has PAPERCLIP_MAX_QUEUED_RUNS queued runs.
+
+    Called inside the enqueue's transaction. Two enqueues of one agent must not both see
+    room for one: on PostgreSQL they take an advisory lock on the agent until commit, which
+    only enqueues take (a lock on the agent's row would also stall, and be stalled by, every
+    update of the agent and every insert that references it). SQLite's IMMEDIATE
+    transactions already run one writer at a time. The count reads runs_unfinished_idx and
+    stops at the bound. Two agents whose ids share 31 bits share a lock, which only makes
+    their enqueues wait for each other.
+    """
+    bound = settings.PAPERCLIP_MAX_QUEUED_RUNS
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [QUEUE_LOCK_NAMESPACE, agent.pk.int % 2**31])
+    queued = HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).values("pk")[:bound].count()
+    if queued >= bound:
+        raise HeartbeatRefused(
+            "queue_full", f"The agent already has {bound} queued runs (PAPERCLIP_MAX_QUEUED_RUNS); try again later."
+        )
 
 
 def _same_request(earlier: HeartbeatRun, task: str) -> HeartbeatRun:

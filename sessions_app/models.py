@@ -1,6 +1,6 @@
 """Companies, agents, their sessions and heartbeat runs, and API keys.
 
-Table and column names are the public contract (`shared/CONTRACT.md`): SQL from the docs
+Table and column names are public (docs/data-model.md): SQL from the docs
 runs against them verbatim, so every model sets `db_table`.
 """
 

@@ -1,4 +1,4 @@
-"""Request and response shapes of the API (`shared/CONTRACT.md`, REST API).
+"""Request and response shapes of the API (documented in docs/api.md).
 
 Input fields are strict: a number is not a string, "yes" is not a boolean, and an unknown
 key is an error (a typo such as `"wiat": true` must not silently queue a run).

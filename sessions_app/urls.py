@@ -1,4 +1,4 @@
-"""The REST API under /api/ (`shared/CONTRACT.md`). Ids in paths that are not UUIDs match
+"""The REST API under /api/ (docs/api.md). Ids in paths that are not UUIDs match
 nothing and answer the JSON 404 of `paperclip.urls.handler404`."""
 
 from django.urls import include, path

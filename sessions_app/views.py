@@ -170,7 +170,11 @@ REFUSALS = {
     "budget_exceeded": TooManyRequests,
     # The agent's configuration and the price list disagree: fixed by a price, not by waiting.
     "model_unpriced": Conflict,
+    "queue_full": TooManyRequests,
 }
+
+# A full queue drains one run at a time; a few seconds is a fair first wait.
+QUEUE_FULL_RETRY_AFTER_SECONDS = 5
 
 
 def seconds_until_next_utc_month(now: datetime) -> int:
@@ -181,7 +185,7 @@ def seconds_until_next_utc_month(now: datetime) -> int:
 def refusal_error(exc: heartbeat.HeartbeatRefused, now: datetime) -> Exception:
     error_class = REFUSALS.get(exc.code, Conflict)
     if error_class is TooManyRequests:
-        retry_after = getattr(exc, "retry_after", None) or seconds_until_next_utc_month(now)
+        retry_after = QUEUE_FULL_RETRY_AFTER_SECONDS if exc.code == "queue_full" else seconds_until_next_utc_month(now)
         return TooManyRequests(exc.message, code=exc.code, retry_after=retry_after)
     return error_class(exc.message, code=exc.code)
 

@@ -30,6 +30,8 @@ def run_check(tmp_path, **env):
         ({"PAPERCLIP_DEPLOYMENT_MODE": "open"}, "PAPERCLIP_DEPLOYMENT_MODE"),
         ({"PAPERCLIP_SESSION_STORE": "s3"}, "PAPERCLIP_SESSION_STORE"),
         ({"PAPERCLIP_HOST": "0.0.0.0"}, "PAPERCLIP_HOST"),
+        ({"PAPERCLIP_PUBLIC_URL": "paperclip.example.com"}, "PAPERCLIP_PUBLIC_URL"),
+        ({"PAPERCLIP_TRUST_X_FORWARDED_PROTO": "maybe"}, "PAPERCLIP_TRUST_X_FORWARDED_PROTO"),
     ],
 )
 def test_bad_configuration_stops_with_one_clear_line(tmp_path, env, mentions):
@@ -81,9 +83,16 @@ def test_deploy_checks_are_clean_with_production_settings(tmp_path):
             "PAPERCLIP_DEPLOYMENT_MODE": "authenticated",
             "DJANGO_SECRET_KEY": "x" * 20 + "-production-secret-key-with-enough-entropy-0123456789",
             "DJANGO_ALLOWED_HOSTS": "paperclip.example.com",
+            "PAPERCLIP_PUBLIC_URL": "https://paperclip.example.com",
         }
     )
-    result = subprocess.run(
+    result = deploy_check(environment)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no issues" in result.stdout
+
+
+def deploy_check(environment: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
         cwd=ROOT,
         env=environment,
@@ -91,5 +100,99 @@ def test_deploy_checks_are_clean_with_production_settings(tmp_path):
         text=True,
         timeout=60,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "no issues" in result.stdout
+
+
+def test_deploy_checks_say_once_that_plain_http_has_no_https_protections(tmp_path):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
+    environment.update(
+        {
+            "PAPERCLIP_HOME": str(tmp_path),
+            "PAPERCLIP_DEPLOYMENT_MODE": "authenticated",
+            "DJANGO_SECRET_KEY": "x" * 20 + "-production-secret-key-with-enough-entropy-0123456789",
+            "DJANGO_ALLOWED_HOSTS": "10.0.0.5",
+            "PAPERCLIP_PUBLIC_URL": "http://10.0.0.5:3100",
+        }
+    )
+    result = deploy_check(environment)
+    assert result.returncode == 1
+    output = result.stdout + result.stderr
+    assert "paperclip.W003" in output and "no HTTPS redirect" in output
+    assert "security.W0" not in output, output
+
+
+TRANSPORT_PROBE = """
+import django, json, os, sys
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "paperclip.settings")
+django.setup()
+from django.test import Client
+answers = {}
+for name, secure, headers in (("http", False, {}), ("https", True, {}), ("forwarded", False, {"X-Forwarded-Proto": "https"})):
+    client = Client(HTTP_HOST="localhost", headers=headers)
+    company = client.get("/api/companies/00000000-0000-0000-0000-000000000001", secure=secure)
+    schema = client.get("/api/schema/", secure=secure)
+    answers[name] = {
+        "company": company.status_code,
+        "schema": schema.status_code,
+        "location": company.get("Location"),
+        "hsts": schema.get("Strict-Transport-Security"),
+    }
+print(json.dumps(answers))
+"""
+
+
+def transport(tmp_path, **env):
+    """How the real settings answer plain HTTP, HTTPS, and HTTP claiming to be forwarded HTTPS."""
+    import json
+
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
+    environment.update(
+        {
+            "PAPERCLIP_HOME": str(tmp_path),
+            "PAPERCLIP_DEPLOYMENT_MODE": "authenticated",
+            "DJANGO_SECRET_KEY": "a-test-secret-key-that-is-long-enough-0123456789-abcdefghij",
+            **env,
+        }
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", TRANSPORT_PROBE],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_authenticated_mode_over_plain_http_answers_401_and_200_not_a_redirect(tmp_path):
+    answers = transport(tmp_path)
+    assert answers["http"] == {"company": 401, "schema": 200, "location": None, "hsts": None}
+    # Without an https:// public URL nothing claims HTTPS: no HSTS, and the proxy header is not trusted.
+    assert answers["https"]["hsts"] is None
+    assert answers["forwarded"] == answers["http"]
+
+
+def test_an_https_public_url_turns_on_the_redirect_and_a_plain_hsts(tmp_path):
+    answers = transport(tmp_path, PAPERCLIP_PUBLIC_URL="https://paperclip.example.com")
+    assert answers["http"]["company"] == 301
+    assert answers["http"]["location"] == "https://localhost/api/companies/00000000-0000-0000-0000-000000000001"
+    assert answers["https"] == {"company": 401, "schema": 200, "location": None, "hsts": "max-age=31536000"}
+    # X-Forwarded-Proto comes from anyone until the operator says a proxy sets it.
+    assert answers["forwarded"]["company"] == 301
+
+
+def test_a_trusted_proxy_header_marks_forwarded_requests_secure(tmp_path):
+    answers = transport(
+        tmp_path,
+        PAPERCLIP_PUBLIC_URL="https://paperclip.example.com",
+        PAPERCLIP_TRUST_X_FORWARDED_PROTO="true",
+        DJANGO_HSTS_INCLUDE_SUBDOMAINS="true",
+        DJANGO_HSTS_PRELOAD="true",
+    )
+    assert answers["forwarded"] == {
+        "company": 401,
+        "schema": 200,
+        "location": None,
+        "hsts": "max-age=31536000; includeSubDomains; preload",
+    }

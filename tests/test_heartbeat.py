@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import uuid
 from datetime import timedelta
 from decimal import Decimal
@@ -378,10 +380,11 @@ def test_a_heartbeat_makes_the_same_few_queries_however_long_the_session(
     agent = persistent_agent if mode == "persistent" else stateless_agent
     for i in range(20):
         beat(agent, f"turn {i}")
-    # Budgets (at enqueue), claim, session read, link and touch, the agent's lock, price,
-    # ledger row, session and run updates, next queued run, and the savepoints around them:
-    # none of it per message of history.
-    with django_assert_max_num_queries(15 if mode == "stateless" else 20):
+    # Budgets and the queue bound's count (and, on PostgreSQL, its advisory lock) at enqueue,
+    # claim, session read, link and touch, the agent's lock, price, ledger row, session and
+    # run updates, next queued run, and the savepoints around them: none of it per message
+    # of history.
+    with django_assert_max_num_queries(19 if mode == "stateless" else 24):
         assert beat(agent, "turn 20").status == RunStatus.SUCCEEDED
 
 
@@ -619,3 +622,54 @@ def test_an_answer_whose_rename_fails_after_the_commit_is_published_by_the_next_
     session.refresh_from_db()
     assert [m["content"] for m in store_for(session).read(session) if m["role"] == "user"] == ["one", "two", "three"]
     assert len(json.loads(store_for(session).path_for(session).read_text())["messages"]) == 6
+
+
+def test_the_queue_bound_refuses_with_queue_full_and_a_used_key_still_answers(settings, persistent_agent):
+    settings.PAPERCLIP_MAX_QUEUED_RUNS = 2
+    now = timezone.now()
+    first, _ = heartbeat_enqueue(agent=persistent_agent, task="one", now=now, idempotency_key="k1")
+    heartbeat_enqueue(agent=persistent_agent, task="two", now=now)
+    with pytest.raises(HeartbeatRefused) as refused:
+        heartbeat_enqueue(agent=persistent_agent, task="three", now=now)
+    assert refused.value.code == "queue_full"
+    assert heartbeat_enqueue(agent=persistent_agent, task="one", now=now, idempotency_key="k1") == (first, False)
+    # Running and finished runs take no place in the queue.
+    HeartbeatRun.objects.filter(pk=first.pk).update(status=RunStatus.SUCCEEDED)
+    assert heartbeat_enqueue(agent=persistent_agent, task="three", now=now)[1] is True
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_enqueues_racing_for_the_last_place_in_the_queue_let_one_in(postgres_only, settings, persistent_agent):
+    """The second enqueue counts while the first's insert is still uncommitted (held by a
+    sleeping trigger): without serialization both would see room for one."""
+    settings.PAPERCLIP_MAX_QUEUED_RUNS = 2
+    heartbeat_enqueue(agent=persistent_agent, task="already queued", now=timezone.now())
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION slow_run_insert() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$ "
+            "LANGUAGE plpgsql; CREATE TRIGGER slow_run_insert BEFORE INSERT ON heartbeat_runs "
+            "FOR EACH ROW EXECUTE FUNCTION slow_run_insert();"
+        )
+    outcomes = {}
+
+    def enqueue(name):
+        try:
+            outcomes[name] = heartbeat_enqueue(agent=persistent_agent, task=name, now=timezone.now())[1]
+        except HeartbeatRefused as exc:
+            outcomes[name] = exc.code
+        finally:
+            connection.close()
+
+    try:
+        first = threading.Thread(target=enqueue, args=("first",))
+        first.start()
+        time.sleep(0.3)  # the first is inside its insert
+        enqueue_second = threading.Thread(target=enqueue, args=("second",))
+        enqueue_second.start()
+        first.join(10)
+        enqueue_second.join(10)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER slow_run_insert ON heartbeat_runs; DROP FUNCTION slow_run_insert();")
+    assert outcomes == {"first": True, "second": "queue_full"}
+    assert HeartbeatRun.objects.filter(agent=persistent_agent, status=RunStatus.QUEUED).count() == 2

@@ -250,5 +250,5 @@ def test_a_system_check_names_agents_whose_command_may_no_longer_run(company, co
     settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
 
     (warning,) = check_process_commands(None)
-    assert warning.id == "paperclip.W003"
+    assert warning.id == "paperclip.W004"
     assert "'raw'" in warning.msg and str(raw.id) in warning.msg and "adapter_config.command" in warning.msg

@@ -1,13 +1,15 @@
-"""The contract's tables answer the SQL in the docs verbatim (PostgreSQL)."""
+"""The tables answer the SQL of docs/data-model.md verbatim (PostgreSQL)."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, datetime
 from decimal import Decimal
 
 import pytest
 from django.apps import apps
+from django.conf import settings
 from django.db import connection
 
 from costs_app.models import CostEvent, ModelPrice
@@ -213,3 +215,21 @@ def test_every_declared_index_and_constraint_exists():
             declared = [*model._meta.indexes, *model._meta.constraints]
             missing += [f"{model._meta.db_table}.{item.name}" for item in declared if item.name not in existing]
     assert missing == []
+
+
+def test_the_sql_in_docs_data_model_runs_verbatim(persistent_agent):
+    text = (settings.BASE_DIR / "docs" / "data-model.md").read_text()
+    blocks = re.findall(r"```sql\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2
+    names = {
+        "the-agent-id": persistent_agent.id,
+        "your-agent-id": persistent_agent.id,
+        "the-company-id": persistent_agent.company_id,
+    }
+    with connection.cursor() as cursor:
+        for block in blocks:
+            for placeholder, value in names.items():
+                block = block.replace(placeholder, str(value))
+            cursor.execute(block)
+    session = AgentSession.objects.get(agent=persistent_agent)
+    assert (session.status, session.store, session.history, session.message_count) == ("active", "database", [], 0)

@@ -24,7 +24,7 @@ ERROR_DESCRIPTIONS = {
     404: "Unknown object, another company's object, or an id that is not a UUID.",
     409: "Conflicts with the object's state.",
     413: "The request body is over PAPERCLIP_MAX_BODY_BYTES.",
-    429: "Rate limit or budget exceeded; see Retry-After.",
+    429: "A key over its heartbeat ceiling, a budget spent, or the agent's queue full; see Retry-After.",
     503: "A dependency (database, history file store) is unavailable.",
 }
 

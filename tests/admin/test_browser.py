@@ -181,3 +181,52 @@ def operator_journey(live_server, page, django_user_model, persistent_agent, sta
     page.click("a:text-is('Run a heartbeat now')")
     page.wait_for_selector("textarea[name=task]")
     shot(page, "08-heartbeat-form")
+
+
+@pytest.fixture
+def laptop_page(browser_page):
+    browser_page.set_viewport_size({"width": 1366, "height": 768})
+    return browser_page
+
+
+def test_sessions_list_keeps_the_columns_an_operator_scans_inside_a_1366_pixel_screen(
+    live_server, laptop_page, django_user_model, persistent_agent
+):
+    try:
+        django_user_model.objects.create_superuser("operator", "op@example.com", "correct horse battery")
+        persistent_agent.name = "Quarterly planning researcher"
+        persistent_agent.save(update_fields=["name"])
+        now = timezone.now()
+        # The widest values each column shows: a live session past its expiry not yet swept,
+        # an expiry long ago, a five-digit message count.
+        make_session(
+            persistent_agent,
+            history=conversation(6, text="Plan"),
+            status=SessionStatus.ACTIVE,
+            expires_at=now - timedelta(days=2),
+        )
+        for status in (SessionStatus.EXPIRED, SessionStatus.ENDED):
+            session = make_session(persistent_agent, history=conversation(6, text="Plan"), status=status)
+            AgentSession.objects.filter(pk=session.pk).update(message_count=12_345, expires_at=now - timedelta(days=40))
+        page = laptop_page
+        page.goto(f"{live_server.url}/admin/login/?next=/admin/sessions_app/agentsession/")
+        page.fill("#id_username", "operator")
+        page.fill("#id_password", "correct horse battery")
+        page.click("input[type=submit]")
+        page.wait_for_selector("#result_list")
+        shot(page, "09-sessions-1366")
+        for column in ("status_now", "message_count", "expires"):
+            cells = page.locator(f"#result_list .field-{column}, #result_list th.column-{column}")
+            assert cells.count() == 4, column
+            # Visible means inside the window and inside the list's scrolling box, which
+            # clips what is wider than the space the sidebars leave.
+            overflow = cells.evaluate_all(
+                """cells => cells.map(cell => {
+                    const box = cell.closest('.results').getBoundingClientRect();
+                    const right = cell.getBoundingClientRect().right;
+                    return right - Math.min(box.right, window.innerWidth);
+                })"""
+            )
+            assert max(overflow) <= 0, (column, overflow)
+    finally:
+        connections.close_all()

@@ -9,9 +9,10 @@ from django_q.models import OrmQ
 
 from costs_app.models import CostEvent
 from sessions_app import heartbeat
-from sessions_app.models import AgentStatus, HeartbeatRun, RunStatus
+from sessions_app.api_keys import api_key_create
+from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus
 from sessions_app.views import refusal_error, seconds_until_next_utc_month
-from tests.api.conftest import agent_url, assert_error, make_run
+from tests.api.conftest import Api, agent_url, assert_error, make_run
 from tests.fake_anthropic import Reply
 
 pytestmark = pytest.mark.django_db
@@ -145,15 +146,6 @@ def test_heartbeat_body_that_is_not_an_object_is_400(api, persistent_agent):
     assert_error(api.post(agent_url(persistent_agent, "/heartbeat"), ["task"]), 400)
 
 
-def test_heartbeats_are_rate_limited_with_retry_after(api, persistent_agent, settings, fake_anthropic):
-    settings.PAPERCLIP_HEARTBEAT_RATE = "2/min"
-    for _ in range(2):
-        assert api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"}).status_code == 202
-    response = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"})
-    assert_error(response, 429, "rate_limited")
-    assert 1 <= int(response["Retry-After"]) <= 60
-
-
 def test_budget_refusal_is_429_with_retry_after_until_the_month_turns():
     now = datetime(2026, 11, 30, 23, 0, tzinfo=UTC)
     error = refusal_error(heartbeat.HeartbeatRefused("budget_exceeded", "Monthly budget spent."), now)
@@ -209,3 +201,61 @@ def test_heartbeat_of_an_agent_paused_by_its_budget_is_429_with_retry_after(api,
     response = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"})
     assert_error(response, 429, "budget_exceeded")
     assert 1 <= int(response["Retry-After"]) <= 31 * 24 * 3600
+
+
+SEQUENTIAL_HEARTBEATS = 300
+
+
+def stateless_agents(company, count: int) -> list[Agent]:
+    return Agent.objects.bulk_create(
+        Agent(
+            company=company, name=f"Waker {n}", adapter_type="claude-code", adapter_config={"model": "claude-haiku-4-5"}
+        )
+        for n in range(count)
+    )
+
+
+@pytest.mark.parametrize("mode", ["local_trusted", "authenticated"])
+def test_sequential_waiting_heartbeats_from_one_client_are_never_throttled(
+    settings, mode, company, stateless_agent, fake_anthropic
+):
+    """300 `"wait": true` heartbeats one after another, on one agent and then over 300
+    agents, with the default rate setting: each waited for its answer, so none is a 429."""
+    settings.PAPERCLIP_DEPLOYMENT_MODE = mode
+    client = Api(api_key_create(company=company)[1] if mode == "authenticated" else None)
+    one_agent = [stateless_agent] * SEQUENTIAL_HEARTBEATS
+    for agent in one_agent + stateless_agents(company, SEQUENTIAL_HEARTBEATS):
+        response = client.post(agent_url(agent, "/heartbeat"), {"task": "hi", "wait": True})
+        assert response.status_code == 200, response.json()
+    assert HeartbeatRun.objects.filter(status=RunStatus.SUCCEEDED).count() == 2 * SEQUENTIAL_HEARTBEATS
+
+
+@pytest.mark.parametrize("mode", ["local_trusted", "authenticated"])
+def test_waking_300_agents_without_waiting_from_one_client_is_not_throttled(settings, mode, company):
+    settings.PAPERCLIP_DEPLOYMENT_MODE = mode
+    client = Api(api_key_create(company=company)[1] if mode == "authenticated" else None)
+    for agent in stateless_agents(company, SEQUENTIAL_HEARTBEATS):
+        assert client.post(agent_url(agent, "/heartbeat"), {"task": "wake up"}).status_code == 202
+    assert HeartbeatRun.objects.filter(status=RunStatus.QUEUED).count() == SEQUENTIAL_HEARTBEATS
+
+
+def test_a_flood_of_queued_heartbeats_on_one_agent_stops_at_its_queue_bound(api, settings, persistent_agent):
+    settings.PAPERCLIP_MAX_QUEUED_RUNS = 100
+    for n in range(100):
+        assert api.post(agent_url(persistent_agent, "/heartbeat"), {"task": f"job {n}"}).status_code == 202
+    response = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "one too many"})
+    error = assert_error(response, 429, "queue_full")
+    assert "100" in error["message"]
+    assert int(response["Retry-After"]) >= 1
+    assert HeartbeatRun.objects.filter(agent=persistent_agent, status=RunStatus.QUEUED).count() == 100
+    # A waiting heartbeat joins the same queue, so it is refused alike; a used key still answers.
+    assert_error(api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "x", "wait": True}), 429, "queue_full")
+
+
+def test_heartbeats_of_one_key_have_a_ceiling_in_authenticated_mode(settings, key_api, persistent_agent):
+    settings.PAPERCLIP_HEARTBEAT_RATE = "2/min"
+    for n in range(2):
+        assert key_api.post(agent_url(persistent_agent, "/heartbeat"), {"task": f"{n}"}).status_code == 202
+    response = key_api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "third"})
+    assert_error(response, 429, "rate_limited")
+    assert 1 <= int(response["Retry-After"]) <= 60

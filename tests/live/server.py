@@ -108,9 +108,6 @@ class LiveServer:
             "PAPERCLIP_Q_WORKERS": str(self.q_workers),
             "ANTHROPIC_BASE_URL": self.anthropic_base_url,
             "ANTHROPIC_API_KEY": "sk-ant-live-test",
-            # Every client here shares 127.0.0.1; the per-address heartbeat limit is not
-            # what these runs measure.
-            "PAPERCLIP_HEARTBEAT_RATE": "100000/min",
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
         }

@@ -123,11 +123,6 @@ def assert_json_answer(response, allowed: set[int]) -> None:
         assert error["code"] and error["message"]
 
 
-@pytest.fixture(autouse=True)
-def unthrottled(settings):
-    settings.PAPERCLIP_HEARTBEAT_RATE = "100000/min"
-
-
 @FUZZ
 @given(adapter_type=adapter_types, config=adapter_configs)
 # Found by this corpus: math.isfinite(10**400) raised OverflowError (a 500 on save), and an
