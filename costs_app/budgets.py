@@ -1,12 +1,11 @@
 """Budgets that stop spend before it happens.
 
-Before each model call the heartbeat estimates the most it can cost (every input token at
-the dearest rate it can be billed at, a 1-hour cache write being 2x input, read twice under
-server compaction; every output token used) and reserves it against every limit that
-applies, under a lock on the company row. Running runs' reservations count as spent, so
-concurrent heartbeats near a limit cannot all pass: at most one call's estimate error can
-overshoot. Paperclip's original checked only after a run ended, which let a $0.50 cap
-spend $5.11.
+Before each model call the heartbeat reserves the most it can cost (its input sized by its
+byte bound, or measured with count_tokens near a limit; every input token at the dearest
+rate it can be billed at, a 1-hour cache write being 2x input, read twice under server
+compaction; every output token used) against every limit that applies, under a lock on
+the company row. Running runs' reservations count as spent, so concurrent heartbeats near
+a limit cannot all pass: at most the error of one count_tokens measurement can overshoot.
 """
 
 from __future__ import annotations

@@ -93,6 +93,13 @@ def estimate_tokens(payload: object) -> int:
     return len(json.dumps(payload, ensure_ascii=False)) // 4 + 1
 
 
+def input_tokens_bound(payload: object) -> int:
+    """The most tokens `payload` can be: no token covers less than one byte of UTF-8 (the
+    JSON's keys and quotes more than pay for the few tokens the API adds per message).
+    About four times the estimate for English; exact enough to reserve against."""
+    return len(json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+
+
 def request_size(adapter, request: AdapterRequest, budget: int) -> int:
     estimate = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
     if estimate < MEASURE_ABOVE * budget or not hasattr(adapter, "count_tokens"):

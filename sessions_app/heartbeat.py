@@ -53,7 +53,7 @@ from sessions_app.context import (
     SUMMARY_KINDS,
     ContextSettings,
     context_settings,
-    estimate_tokens,
+    input_tokens_bound,
     manifest_merge,
     reported_artifacts,
     rotation_due,
@@ -553,14 +553,16 @@ def idle_pause(agent: Agent) -> timedelta:
 def reserve_budget(
     *, run: HeartbeatRun, agent: Agent, adapter, request: AdapterRequest, now: datetime, held: Decimal = Decimal(0)
 ) -> None:
-    """Refuse before the call when it could cross a hard limit; hold its estimate otherwise.
+    """Refuse before the call when it could cross a hard limit; hold its most possible cost.
 
-    The size comes from a character estimate; only when that lands near the money left is
-    it measured with count_tokens, so a call far over (or far under) a limit costs no
-    extra request. `held` is what this run already spent outside the ledger.
+    The input is sized by its byte bound (no token is shorter than a byte), so what is held
+    is never less than what the call can cost, whatever the text's language. When that
+    bound comes near the money left, the input is measured with count_tokens instead, so
+    a call that fits is not refused on the bound alone; a call far under every limit, or
+    over one even with no input at all, costs no extra request. `held` is what this run already spent outside the ledger.
     """
     max_output = request.max_tokens or int(agent.adapter_config.get("max_tokens") or 4096)
-    size = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
+    size = input_tokens_bound({"system": request.system_blocks or request.system, "messages": request.messages})
     pricing = {
         "model": request.model,
         "max_output_tokens": max_output,
@@ -571,11 +573,13 @@ def reserve_budget(
     estimate = estimate_call_cost(input_tokens=size, **pricing)
     if estimate is not None and hasattr(adapter, "count_tokens"):
         headroom = budget_headroom(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
-        if headroom is not None and headroom / 2 <= estimate + held <= headroom * Decimal("1.5"):
+        # Measuring helps only between "fits by the bound" and "over even with no input".
+        floor = estimate_call_cost(input_tokens=0, **pricing)
+        if headroom is not None and estimate + held > headroom / 2 and floor + held <= headroom:
             try:
                 estimate = estimate_call_cost(input_tokens=adapter.count_tokens(request), **pricing)
             except AdapterError:
-                pass  # the character estimate is conservative enough to decide on
+                pass  # the byte bound stands: it may refuse a call that would fit, never pass one that cannot
     total = estimate + held if estimate is not None else None
     warning = budget_reserve(run=run, agent=agent, estimate=total, now=now, model=request.model)
     if warning:

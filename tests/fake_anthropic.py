@@ -40,6 +40,14 @@ def estimate_tokens(payload: Any) -> int:
     return len(json.dumps(payload, ensure_ascii=False)) // 4 + 1
 
 
+def dense_tokens(payload: Any) -> int:
+    """A tokenizer for text denser than English, as real ones are for CJK: four ASCII
+    characters per token, one token for every other character."""
+    text = json.dumps(payload, ensure_ascii=False)
+    wide = sum(1 for char in text if not char.isascii())
+    return (len(text) - wide) // 4 + wide + 1
+
+
 def strip_markers(value):
     if isinstance(value, list):
         return [strip_markers(v) for v in value]
@@ -143,6 +151,8 @@ class FakeAnthropic:
     def __init__(self, *, latency: float = 0.0) -> None:
         # Seconds every default (unscripted) answer waits, like a model thinking.
         self.latency = latency
+        # How the fake counts tokens, for usage and count_tokens alike.
+        self.tokens: Callable[[Any], int] = estimate_tokens
         self.requests: list[dict] = []
         self.scripted: list[Reply] = []
         self.lock = threading.Lock()
@@ -196,8 +206,8 @@ class FakeAnthropic:
         system = body.get("system")
         messages = effective_messages(body.get("messages", []))
         segments = ([system] if system else []) + messages
-        sizes = [estimate_tokens(strip_markers(segment)) for segment in segments]
-        total = estimate_tokens({"system": system, "messages": messages})
+        sizes = [self.tokens(strip_markers(segment)) for segment in segments]
+        total = self.tokens({"system": system, "messages": messages})
         breakpoints = [i for i, segment in enumerate(segments) if has_marker(segment)]
         read = 0
         written_by_ttl = {"5m": 0, "1h": 0}
@@ -238,11 +248,11 @@ class FakeAnthropic:
             return None
         trigger = ((edit.get("trigger") or {}).get("value")) or 150_000
         messages = effective_messages(body.get("messages", []))
-        before = estimate_tokens({"system": body.get("system"), "messages": messages})
+        before = self.tokens({"system": body.get("system"), "messages": messages})
         if before < trigger:
             return None
         block = {"type": "compaction", "content": f"Summary of {len(messages)} earlier messages."}
-        after = estimate_tokens({"system": body.get("system"), "messages": [block, messages[-1]]})
+        after = self.tokens({"system": body.get("system"), "messages": [block, messages[-1]]})
         usage = {
             "input_tokens": after,
             "output_tokens": 12,
@@ -326,7 +336,7 @@ class FakeAnthropic:
                 with fake.lock:
                     fake.requests.append({"path": path, "headers": dict(self.headers), "body": body})
                 if path == "/v1/messages/count_tokens":
-                    size = estimate_tokens({"system": body.get("system"), "messages": body.get("messages")})
+                    size = fake.tokens({"system": body.get("system"), "messages": body.get("messages")})
                     self._send_json(200, {"input_tokens": size})
                     return
                 if path != "/v1/messages":

@@ -17,7 +17,7 @@ from sessions_app.context import build_request, context_settings, estimate_token
 from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute, heartbeat_wait
 from sessions_app.models import Agent, AgentSession, RunStatus
 from sessions_app.stores import store_for
-from tests.fake_anthropic import Reply
+from tests.fake_anthropic import Reply, dense_tokens
 
 
 def beat(agent, task):
@@ -155,3 +155,34 @@ def test_a_zero_limit_refuses_every_call(company, fake_anthropic, model):
     assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded")
     assert "$0" in run.error
     assert fake_anthropic.message_requests == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_denser_than_the_character_estimate_is_measured_and_refused(company, fake_anthropic):
+    # 20,000 CJK characters: about 5,000 tokens by four characters a token, 20,000 as the
+    # API counts them. Far under the limit by the estimate, over it in truth.
+    fake_anthropic.tokens = dense_tokens
+    agent = Agent.objects.create(
+        company=company, name="dense", adapter_config={"model": "claude-opus-4-5", "max_tokens": 16}
+    )
+    task = "語" * 20_000
+    Budget.objects.create(company=company, agent=agent, monthly_limit_usd=Decimal("0.10"))
+
+    run = beat(agent, task)
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded"), run.error
+    assert fake_anthropic.message_requests == []  # refused before the call was sent
+    assert spent() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_that_fits_by_its_byte_bound_is_reserved_at_that_bound_without_a_count(company, fake_anthropic):
+    agent = Agent.objects.create(
+        company=company, name="small", adapter_config={"model": "claude-opus-4-5", "max_tokens": 16}
+    )
+    Budget.objects.create(company=company, agent=agent, monthly_limit_usd=Decimal("100"))
+
+    run = beat(agent, "a short task")
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert [r["path"] for r in fake_anthropic.requests] == ["/v1/messages"]  # no count_tokens request
