@@ -37,8 +37,9 @@ from costs_app.budgets import (
     estimate_call_cost,
     money_limits_of,
 )
+from costs_app.ledger import billed_call_record, cost_event_record
 from costs_app.models import CostKind
-from costs_app.pricing import billed_call_record, call_cost, cost_event_record, price_for, token_counts
+from costs_app.pricing import call_cost, price_for, token_counts
 from sessions_app.adapters import ADAPTERS, AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.compaction import (
     Handoff,
