@@ -17,12 +17,16 @@ from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     ENDED_SESSION_STATUSES,
     LIVE_SESSION_STATUSES,
+    Agent,
     AgentSession,
+    AgentStatus,
     HeartbeatRun,
     HistoryStore,
+    PausedReason,
     RunStatus,
     SessionStatus,
 )
+from sessions_app.services import budgets_release
 from sessions_app.stores import STORES
 
 logger = logging.getLogger(__name__)
@@ -149,10 +153,7 @@ def queues_unstick(*, agent_ids=None) -> int:
 
 def budget_pauses_release(*, now: datetime) -> int:
     """A new month (or a raised budget) lets agents paused by budget run again."""
-    from costs_app.budgets import budgets_release
-    from sessions_app.models import Agent, AgentStatus
-
-    companies = Agent.objects.filter(status=AgentStatus.PAUSED, paused_reason="budget").values_list(
+    companies = Agent.objects.filter(status=AgentStatus.PAUSED, paused_reason=PausedReason.BUDGET).values_list(
         "company_id", flat=True
     )
     return sum(budgets_release(company_id=company_id, now=now) for company_id in set(companies))

@@ -31,7 +31,6 @@ from costs_app.budgets import (
     BudgetExceeded,
     budget_headroom,
     budget_reserve,
-    budgets_enforce,
     budgets_exist,
     budgets_for,
     estimate_call_cost,
@@ -72,6 +71,7 @@ from sessions_app.models import (
     RunTrigger,
     SessionStatus,
 )
+from sessions_app.services import budgets_enforce
 from sessions_app.stores import HistoryUnavailable, configured_store_name, store_for
 from sessions_app.text import is_storable, storable
 

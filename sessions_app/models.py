@@ -38,6 +38,15 @@ class AgentStatus(models.TextChoices):
     DELETED = "deleted"
 
 
+class PausedReason(models.TextChoices):
+    """Why an agent is paused. Not declared as the field's choices: rows written before
+    it may hold other text, and an operator-set reason is shown as it is."""
+
+    MANUAL = "manual"  # the admin
+    API = "api"
+    BUDGET = "budget"  # cleared by budgets_release when the budget allows again
+
+
 class SessionMode(models.TextChoices):
     STATELESS = "stateless"
     PERSISTENT = "persistent"
@@ -94,6 +103,25 @@ class Agent(models.Model):
     @property
     def model_name(self) -> str:
         return str(self.adapter_config.get("model", ""))
+
+    @property
+    def paused_by_budget(self) -> bool:
+        return self.status == AgentStatus.PAUSED and self.paused_reason == PausedReason.BUDGET
+
+    def refusal(self) -> tuple[str, str] | None:
+        """Why this agent may not run now, as (code, message); None when it is active.
+
+        The codes are the API's: `budget_exceeded` is a 429 until the budget allows
+        again, `agent_paused` and `agent_deleted` are 409s.
+        """
+        if self.status == AgentStatus.DELETED:
+            return "agent_deleted", "The agent was deleted."
+        if self.paused_by_budget:
+            return "budget_exceeded", "The agent is paused: its budget is spent. Raise the budget to resume."
+        if self.status == AgentStatus.PAUSED:
+            reason = f" ({self.paused_reason})" if self.paused_reason else ""
+            return "agent_paused", f"The agent is paused{reason}; resume it first."
+        return None
 
 
 class SessionStatus(models.TextChoices):
@@ -206,12 +234,17 @@ class AgentSession(models.Model):
 
     @property
     def public_id(self) -> str:
-        return SESSION_ID_PREFIX + self.id.hex
+        return session_public_id(self.id)
 
     def is_live_at(self, now: datetime) -> bool:
         if self.status not in LIVE_SESSION_STATUSES:
             return False
         return self.expires_at is None or self.expires_at > now
+
+
+def session_public_id(session_id: uuid.UUID | None) -> str | None:
+    """The id the API and the admin show (`sess_` + 32 hex digits); None for no session."""
+    return SESSION_ID_PREFIX + session_id.hex if session_id else None
 
 
 def parse_session_id(value: str) -> uuid.UUID | None:

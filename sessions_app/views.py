@@ -32,6 +32,7 @@ from sessions_app.models import (
     AgentSession,
     AgentStatus,
     HeartbeatRun,
+    PausedReason,
     RunStatus,
     SessionStatus,
     parse_session_id,
@@ -89,7 +90,7 @@ class CompanyDetailView(ApiView):
 
 def agent_apply_status(*, agent: Agent, wanted: str | None) -> None:
     if wanted == AgentStatus.PAUSED and agent.status == AgentStatus.ACTIVE:
-        agent_pause(agent=agent, reason="api")
+        agent_pause(agent=agent, reason=PausedReason.API)
     elif wanted == AgentStatus.ACTIVE and agent.status == AgentStatus.PAUSED:
         agent_resume(agent=agent)
 

@@ -26,9 +26,15 @@ from sessions_app.admin.common import (
     changelist_url,
     deletion_summary,
     humane_expiry,
+)
+from sessions_app.models import (
+    LIVE_SESSION_STATUSES,
+    AgentSession,
+    HeartbeatRun,
+    SessionCompaction,
+    parse_session_id,
     session_public_id,
 )
-from sessions_app.models import LIVE_SESSION_STATUSES, AgentSession, HeartbeatRun, SessionCompaction, parse_session_id
 from sessions_app.stores import HistoryUnavailable, store_for
 from sessions_app.transcript import transcript
 
