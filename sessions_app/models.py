@@ -14,6 +14,8 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from sessions_app.text import MESSAGE_ID_MAX_LENGTH, STOP_REASON_MAX_LENGTH
+
 SESSION_ID_PREFIX = "sess_"
 
 
@@ -293,8 +295,8 @@ class HeartbeatRun(models.Model):
     error_code = models.CharField(max_length=64, blank=True, default="")
     error = models.TextField(blank=True, default="")
     model = models.TextField(blank=True, default="")
-    message_id = models.CharField(max_length=255, blank=True, default="")
-    stop_reason = models.CharField(max_length=64, blank=True, default="")
+    message_id = models.CharField(max_length=MESSAGE_ID_MAX_LENGTH, blank=True, default="")
+    stop_reason = models.CharField(max_length=STOP_REASON_MAX_LENGTH, blank=True, default="")
     input_tokens = models.PositiveIntegerField(null=True, blank=True)
     output_tokens = models.PositiveIntegerField(null=True, blank=True)
     cache_creation_input_tokens = models.PositiveIntegerField(null=True, blank=True)
