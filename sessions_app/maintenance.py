@@ -1,6 +1,9 @@
-"""Time-driven state changes, each one set-based query on an indexed column.
+"""Maintenance: the time-driven state changes, each a set-based query on an indexed column.
 
-Run every minute by the `maintenance` schedule and by `manage.py expire_sessions`.
+Idle sessions are paused, stale ones expired and billed, dead runs reaped, old histories
+purged, stuck queues re-dispatched and budget pauses released. Run every minute by the
+`paperclip:maintenance` schedule (`sessions_app.tasks.maintenance`) and by
+`manage.py expire_sessions`.
 """
 
 from __future__ import annotations
