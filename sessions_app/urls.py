@@ -5,7 +5,7 @@ from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from sessions_app import views
-from sessions_app.context_views import AgentGrowthView, SessionArchiveView
+from sessions_app.api.history_views import AgentGrowthView, SessionArchiveView
 
 app_name = "api"
 

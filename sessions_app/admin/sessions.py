@@ -27,6 +27,7 @@ from sessions_app.admin.common import (
     deletion_summary,
     humane_expiry,
 )
+from sessions_app.admin.transcript import transcript
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     AgentSession,
@@ -36,7 +37,6 @@ from sessions_app.models import (
     session_public_id,
 )
 from sessions_app.stores import HistoryUnavailable, store_for
-from sessions_app.transcript import transcript
 
 # The raw JSON toggle shows at most this much; the export has the whole history.
 RAW_HISTORY_MAX_CHARS = 500_000
