@@ -117,7 +117,7 @@ class CostEvent(models.Model):
         db_table = "cost_events"
         ordering = ["-created_at"]
         indexes = [
-            # Daily spend of one agent (the seed's monitoring query, cost_report --agent).
+            # Daily spend of one agent (monitoring SQL, cost_report --agent).
             models.Index(fields=["agent", "created_at"], name="cost_events_agent_day_idx"),
             # Daily spend of a company (costs API, admin costs page, budgets).
             models.Index(fields=["company", "created_at"], name="cost_events_company_day_idx"),

@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F
 
+from sessions_app.heartbeat import dispatch_next_queued
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     ENDED_SESSION_STATUSES,
@@ -79,8 +80,8 @@ def sessions_pause_idle(*, now: datetime) -> int:
 
 
 def sessions_bill_ended(*, now: datetime) -> int:
-    """Bill ended sessions that still carry unbilled active time (ended by a path that
-    did not bill before it was fixed, or by a process that died before its bill)."""
+    """Bill ended sessions that still carry unbilled active time: a process that died
+    between ending a session and billing it, or a row ended by raw SQL."""
     ids = AgentSession.objects.filter(unbilled_active_seconds__gt=0, status__in=ENDED_SESSION_STATUSES).values_list(
         "id", flat=True
     )
@@ -142,8 +143,6 @@ def _history_file_delete(session: AgentSession, *, failed: set) -> bool:
 
 def queues_unstick(*, agent_ids=None) -> int:
     """Dispatch the oldest queued run of agents with nothing running (lost tasks, reaped runs)."""
-    from sessions_app.heartbeat import dispatch_next_queued
-
     waiting = HeartbeatRun.objects.filter(status=RunStatus.QUEUED)
     if agent_ids is not None:
         waiting = waiting.filter(agent_id__in=agent_ids)

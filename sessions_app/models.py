@@ -14,6 +14,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from sessions_app.adapters import validate_agent_config
 from sessions_app.text import MESSAGE_ID_MAX_LENGTH, STOP_REASON_MAX_LENGTH
 
 SESSION_ID_PREFIX = "sess_"
@@ -86,8 +87,6 @@ class Agent(models.Model):
         super().save(*args, **kwargs)
 
     def clean(self) -> None:
-        from sessions_app.adapters import validate_agent_config
-
         self.adapter_config = validate_agent_config(self.adapter_type, self.adapter_config)
 
     @property
@@ -178,13 +177,13 @@ class AgentSession(models.Model):
     history_purged_at = models.DateTimeField(null=True, blank=True)
     # Context management: turns moved to the archive by compaction, the sequence number
     # the next message gets (archive + active history = every message, in order), the
-    # heartbeats answered, and the artifacts the agent reported (seed 003's manifest).
+    # heartbeats answered, and the artifacts the agent reported (sent with every request).
     archived_message_count = models.PositiveIntegerField(default=0, db_default=0)
     next_seq = models.PositiveIntegerField(default=0, db_default=0)
     turn_count = models.PositiveIntegerField(default=0, db_default=0)
     compaction_count = models.PositiveIntegerField(default=0, db_default=0)
     manifest = models.JSONField(default=list, blank=True, db_default=models.Value([], output_field=models.JSONField()))
-    # Economics (seed 003): an idle session is paused at `pause_at`; only seconds with a
+    # Economics: an idle session is paused at `pause_at`; only seconds with a
     # run in progress count as active, billed as session hours at pause, expiry or end.
     pause_at = models.DateTimeField(null=True, blank=True)
     paused_at = models.DateTimeField(null=True, blank=True)
