@@ -21,8 +21,8 @@ from costs_app.charts import Series, limit_series, stacked_bar_chart
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import model_family
 from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
-from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist, session_public_id
-from sessions_app.models import Agent, Company
+from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist
+from sessions_app.models import Agent, Company, session_public_id
 
 REPORT_DAYS = 30
 # Growth is one query per agent: computed for the biggest spenders of the window only.

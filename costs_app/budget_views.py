@@ -10,8 +10,9 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
-from costs_app.budgets import budget_uses, budgets_release
+from costs_app.budgets import budget_uses
 from costs_app.models import Budget
+from costs_app.signals import budget_changed
 from sessions_app.api.base import ApiView, error_responses
 
 SET_DESCRIPTION = (
@@ -101,13 +102,13 @@ class BudgetView(ApiView):
             serializer = BudgetSerializer(budget, data=request.data, partial=True)
             serializer.is_valid(raise_exception=True)
             budget = serializer.save(company=company, agent=agent)
-        budgets_release(company_id=company.id, now=timezone.now())
+        budget_changed.send(sender=Budget, company_id=company.id, now=timezone.now())
         return self.answer(company, agent, budget)
 
     def delete(self, request, company_id: UUID, agent_id: UUID | None = None):
         company, agent = self.scope(company_id, agent_id)
         Budget.objects.filter(company=company, agent=agent).delete()
-        budgets_release(company_id=company.id, now=timezone.now())
+        budget_changed.send(sender=Budget, company_id=company.id, now=timezone.now())
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

@@ -6,6 +6,9 @@ rate it can be billed at, a 1-hour cache write being 2x input, read twice under 
 compaction; every output token used) against every limit that applies, under a lock on
 the company row. Running runs' reservations count as spent, so concurrent heartbeats near
 a limit cannot all pass: at most the error of one count_tokens measurement can overshoot.
+
+This module decides and reserves; it never pauses or resumes agents. `budgets_crossed`
+and `budgets_releasable` return a verdict, and sessions_app.services acts on it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from django.db.models.functions import Coalesce
 
 from costs_app.models import Budget, CostEvent
 from costs_app.pricing import MILLION, price_for
+from sessions_app.models import Company, HeartbeatRun, RunStatus
 
 ZERO = Decimal(0)
 PERIOD_NAMES = {"day": "daily", "month": "monthly", "lifetime": "lifetime", "day_runs": "daily run"}
@@ -116,8 +120,6 @@ def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> 
     spent, money held by calls in flight and runs started today, each summed for every
     scope and period at once.
     """
-    from sessions_app.models import HeartbeatRun, RunStatus
-
     budgets = budgets_for(company_id=company_id, agent_id=agent_id)
     money_budgets = [b for b in budgets if money_limits_of(b)]
     run_budgets = [b for b in budgets if b.daily_run_limit is not None]
@@ -237,8 +239,6 @@ def budget_reserve(*, run, agent, estimate: Decimal | None, now: datetime, model
     `estimate` None means the call's model has no price: refused (ModelUnpriced) when any
     money limit applies. Returns a soft-warning text (empty when no limit is near).
     """
-    from sessions_app.models import Company, HeartbeatRun
-
     with transaction.atomic():
         # One reservation at a time per company: the lock makes check-then-reserve atomic
         # across processes (on SQLite the IMMEDIATE transaction does the same).
@@ -279,42 +279,25 @@ def _refusal(uses: list[BudgetUse], estimate: Decimal | None, model: str) -> Bud
     return None
 
 
-def budgets_enforce(*, agent, now: datetime) -> bool:
-    """Pause agents whose hard limit is reached (reason `budget`). True when paused."""
-    from sessions_app.models import Agent, AgentStatus
-    from sessions_app.services import agent_pause
+HARD_PERIODS = ("month", "lifetime")
 
-    reached = [
-        use
-        for use in budget_uses(company_id=agent.company_id, agent_id=agent.id, now=now)
-        if use.exceeded and use.period in ("month", "lifetime")
+
+def budgets_crossed(*, company_id, agent_id, now: datetime) -> set[str]:
+    """The scopes (`agent`, `company`) whose monthly or lifetime limit is spent.
+
+    A verdict only: what to do about it (pause the agent, or all of the company's agents)
+    is the caller's. Daily limits and the run cap refuse calls but pause no one: they
+    clear themselves at midnight.
+    """
+    uses = budget_uses(company_id=company_id, agent_id=agent_id, now=now)
+    return {use.scope for use in uses if use.exceeded and use.period in HARD_PERIODS}
+
+
+def budgets_releasable(*, company_id, agent_ids, now: datetime) -> list:
+    """Of `agent_ids` (paused by budget), those no monthly or lifetime limit holds back now."""
+    return [
+        agent_id for agent_id in agent_ids if not budgets_crossed(company_id=company_id, agent_id=agent_id, now=now)
     ]
-    if not reached:
-        return False
-    if any(use.scope == "company" for use in reached):
-        targets = Agent.objects.filter(company_id=agent.company_id, status=AgentStatus.ACTIVE)
-    else:
-        targets = Agent.objects.filter(id=agent.id, status=AgentStatus.ACTIVE)
-    for target in targets:
-        agent_pause(agent=target, reason="budget")
-    return True
-
-
-def budgets_release(*, company_id, now: datetime) -> int:
-    """After a budget changed: resume agents paused by budget that are now under it."""
-    from sessions_app.models import Agent, AgentStatus
-    from sessions_app.services import agent_resume
-
-    resumed = 0
-    for agent in Agent.objects.filter(company_id=company_id, status=AgentStatus.PAUSED, paused_reason="budget"):
-        still = any(
-            use.exceeded and use.period in ("month", "lifetime")
-            for use in budget_uses(company_id=company_id, agent_id=agent.id, now=now)
-        )
-        if not still:
-            agent_resume(agent=agent)
-            resumed += 1
-    return resumed
 
 
 def next_month(now: datetime) -> datetime:

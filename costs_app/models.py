@@ -12,6 +12,8 @@ from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from sessions_app.text import MESSAGE_ID_MAX_LENGTH
+
 MONEY = {"max_digits": 20, "decimal_places": 10}
 PRICE = {"max_digits": 12, "decimal_places": 6}
 
@@ -107,7 +109,7 @@ class CostEvent(models.Model):
     # call, so a retried write of it is refused, never billed twice.
     call_number = models.PositiveSmallIntegerField(null=True, blank=True)
     # The id the API (or an agent command) reported, for display: not unique, not ours.
-    message_id = models.CharField(max_length=255, null=True, blank=True)
+    message_id = models.CharField(max_length=MESSAGE_ID_MAX_LENGTH, null=True, blank=True)
     raw_usage = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now, db_default=Now())
 
@@ -115,7 +117,7 @@ class CostEvent(models.Model):
         db_table = "cost_events"
         ordering = ["-created_at"]
         indexes = [
-            # Daily spend of one agent (the seed's monitoring query, cost_report --agent).
+            # Daily spend of one agent (monitoring SQL, cost_report --agent).
             models.Index(fields=["agent", "created_at"], name="cost_events_agent_day_idx"),
             # Daily spend of a company (costs API, admin costs page, budgets).
             models.Index(fields=["company", "created_at"], name="cost_events_company_day_idx"),

@@ -1,4 +1,4 @@
-"""Turning the usage the API reported into ledger rows priced in Decimal.
+"""Prices, and what a call's reported usage costs, in exact Decimal.
 
 Token classes are priced separately: uncached input, output, cache writes (5-minute and
 1-hour lifetimes differ) and cache reads. With server-side compaction the API reports the
@@ -8,19 +8,17 @@ counts (the `message` iteration mirrors the top level and is not added twice).
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import ROUND_HALF_UP, Decimal
 
-from django.db import IntegrityError, transaction
+from django.conf import settings
 from django.db.models import Case, IntegerField, Value, When
 
-from costs_app.models import CostEvent, CostKind, ModelPrice
+from costs_app.models import CostEvent, ModelPrice
 
 MILLION = Decimal(1_000_000)
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,84 +122,6 @@ def call_cost(*, usage: dict, model: str, at: datetime) -> Decimal:
     return ledger_usd(cost_of(token_counts(usage), price)) if price else Decimal(0)
 
 
-def cost_event_record(
-    *,
-    usage: dict,
-    model: str,
-    company_id,
-    agent_id,
-    at: datetime,
-    session_id=None,
-    run_id=None,
-    call_number: int | None = None,
-    message_id: str | None = None,
-    kind: str = CostKind.MESSAGE,
-) -> CostEvent:
-    """Write one ledger row for a call's usage, priced by `model` (the model requested).
-
-    A call is identified by our own ids: its run and its number within the run, in its
-    company. A retried write of the same call returns the row already recorded instead
-    of billing twice. The message id the API or an agent command reports is kept for
-    display only: it is not ours, and two calls (of one agent or of two companies) may
-    report the same one, so it never decides whether a row is written.
-    """
-    counts = token_counts(usage)
-    price = price_for(model=model, at=at)
-    event = CostEvent(
-        kind=kind,
-        company_id=company_id,
-        agent_id=agent_id,
-        session_id=session_id,
-        run_id=run_id,
-        call_number=call_number,
-        model=model,
-        input_tokens=counts.input_tokens,
-        output_tokens=counts.output_tokens,
-        cache_creation_input_tokens=counts.cache_creation_input_tokens,
-        cache_creation_5m_input_tokens=counts.cache_creation_5m_input_tokens,
-        cache_creation_1h_input_tokens=counts.cache_creation_1h_input_tokens,
-        cache_read_input_tokens=counts.cache_read_input_tokens,
-        cost_usd=ledger_usd(cost_of(counts, price)) if price else Decimal(0),
-        unpriced=price is None,
-        price=price,
-        message_id=message_id or None,
-        raw_usage=usage,
-        created_at=at,
-    )
-    if run_id is None or call_number is None:
-        event.save(force_insert=True)
-        return event
-    try:
-        # The unique (company, run, call) index decides, in the same round trip as the
-        # insert; a lookup first would cost one more query on every call.
-        with transaction.atomic():
-            event.save(force_insert=True)
-    except IntegrityError:
-        existing = CostEvent.objects.filter(company_id=company_id, run_id=run_id, call_number=call_number).first()
-        if existing is None:
-            raise
-        return existing
-    return event
-
-
-def billed_call_record(**fields) -> None:
-    """The ledger row of a call whose result an error is throwing away: it was billed.
-
-    Best effort, for error paths: the error may be the database itself, and it is the
-    original error the caller goes on to report. The savepoint keeps a caller's
-    transaction usable when this write fails too.
-    """
-    if fields.get("usage") is None:
-        return
-    try:
-        with transaction.atomic():
-            cost_event_record(**fields)
-    except Exception:
-        logger.exception(
-            "Could not record the cost of call %s of run %s", fields.get("call_number"), fields.get("run_id")
-        )
-
-
 LEDGER_QUANTUM = Decimal(1).scaleb(-CostEvent._meta.get_field("cost_usd").decimal_places)
 
 
@@ -209,3 +129,15 @@ def ledger_usd(amount: Decimal) -> Decimal:
     """An amount as the ledger column stores it, rounded here rather than by the database
     so that the run, the session and the ledger row all carry the very same figure."""
     return amount.quantize(LEDGER_QUANTUM, rounding=ROUND_HALF_UP)
+
+
+SECONDS_PER_HOUR = Decimal(3600)
+
+
+def session_hour_rate() -> Decimal:
+    """USD per active session hour (PAPERCLIP_SESSION_HOUR_USD); 0 turns metering off."""
+    return Decimal(str(settings.PAPERCLIP_SESSION_HOUR_USD))
+
+
+def session_hours_cost(seconds: float, *, rate: Decimal) -> Decimal:
+    return (Decimal(str(seconds)) / SECONDS_PER_HOUR * rate).quantize(Decimal("0.0000000001"))

@@ -1,10 +1,18 @@
-"""Cost endpoints, included under /api/companies/<company_id>/costs/ by sessions_app.urls."""
+"""The budget and cost endpoints, included under /api/ by paperclip.urls (docs/api.md)."""
 
 from django.urls import path
 
 from costs_app import views
+from costs_app.budget_views import AgentBudgetView, CompanyBudgetView
+
+app_name = "costs"
+
+company = "companies/<uuid:company_id>"
+agent = f"{company}/agents/<uuid:agent_id>"
 
 urlpatterns = [
-    path("daily", views.DailyCostsView.as_view(), name="costs-daily"),
-    path("summary", views.CostSummaryView.as_view(), name="costs-summary"),
+    path(f"{agent}/budget", AgentBudgetView.as_view(), name="agent-budget"),
+    path(f"{company}/budget", CompanyBudgetView.as_view(), name="company-budget"),
+    path(f"{company}/costs/daily", views.DailyCostsView.as_view(), name="costs-daily"),
+    path(f"{company}/costs/summary", views.CostSummaryView.as_view(), name="costs-summary"),
 ]

@@ -6,6 +6,7 @@ from paperclip.health import health
 urlpatterns = [
     path("api/health", health, name="health"),
     path("api/", include("sessions_app.urls")),
+    path("api/", include("costs_app.urls")),
     path("admin/", admin.site.urls),
 ]
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
+from costs_app.ledger import billed_call_record, cost_event_record
 from costs_app.models import CostKind
-from costs_app.pricing import billed_call_record, cost_event_record
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest
 from sessions_app.context import (
     HANDOFF_SYSTEM,

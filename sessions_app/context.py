@@ -214,7 +214,8 @@ def choose_split(history: list, keep_recent_turns: int) -> int | None:
     return split
 
 
-def transcript(messages: list) -> str:
+def summary_input_text(messages: list) -> str:
+    """The turns a summary replaces, as the text the summary model reads."""
     lines = []
     for message in messages:
         content = message["content"]
@@ -255,7 +256,7 @@ def summary_request(*, agent: Agent, settings: ContextSettings, messages: list, 
     return AdapterRequest(
         model=settings.summary_model,
         system=system,
-        messages=[{"role": "user", "content": clipped(transcript(messages), summary_input_chars(settings))}],
+        messages=[{"role": "user", "content": clipped(summary_input_text(messages), summary_input_chars(settings))}],
         config={**agent.adapter_config, "context_strategy": "none"},
         max_tokens=SUMMARY_MAX_TOKENS,
     )

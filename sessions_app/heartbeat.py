@@ -31,14 +31,14 @@ from costs_app.budgets import (
     BudgetExceeded,
     budget_headroom,
     budget_reserve,
-    budgets_enforce,
     budgets_exist,
     budgets_for,
     estimate_call_cost,
     money_limits_of,
 )
+from costs_app.ledger import billed_call_record, cost_event_record
 from costs_app.models import CostKind
-from costs_app.pricing import billed_call_record, call_cost, cost_event_record, price_for, token_counts
+from costs_app.pricing import call_cost, price_for, token_counts
 from sessions_app.adapters import ADAPTERS, AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.compaction import (
     Handoff,
@@ -71,6 +71,7 @@ from sessions_app.models import (
     RunTrigger,
     SessionStatus,
 )
+from sessions_app.services import budgets_enforce
 from sessions_app.stores import HistoryUnavailable, configured_store_name, store_for
 from sessions_app.text import is_storable, storable
 

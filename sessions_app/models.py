@@ -14,6 +14,9 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from sessions_app.adapters import validate_agent_config
+from sessions_app.text import MESSAGE_ID_MAX_LENGTH, STOP_REASON_MAX_LENGTH
+
 SESSION_ID_PREFIX = "sess_"
 
 
@@ -36,6 +39,15 @@ class AgentStatus(models.TextChoices):
     PAUSED = "paused"
     # Deleted agents keep their row so that runs and the cost ledger still name them.
     DELETED = "deleted"
+
+
+class PausedReason(models.TextChoices):
+    """Why an agent is paused. Not declared as the field's choices: rows written before
+    it may hold other text, and an operator-set reason is shown as it is."""
+
+    MANUAL = "manual"  # the admin
+    API = "api"
+    BUDGET = "budget"  # cleared by budgets_release when the budget allows again
 
 
 class SessionMode(models.TextChoices):
@@ -75,8 +87,6 @@ class Agent(models.Model):
         super().save(*args, **kwargs)
 
     def clean(self) -> None:
-        from sessions_app.adapters import validate_agent_config
-
         self.adapter_config = validate_agent_config(self.adapter_type, self.adapter_config)
 
     @property
@@ -94,6 +104,25 @@ class Agent(models.Model):
     @property
     def model_name(self) -> str:
         return str(self.adapter_config.get("model", ""))
+
+    @property
+    def paused_by_budget(self) -> bool:
+        return self.status == AgentStatus.PAUSED and self.paused_reason == PausedReason.BUDGET
+
+    def refusal(self) -> tuple[str, str] | None:
+        """Why this agent may not run now, as (code, message); None when it is active.
+
+        The codes are the API's: `budget_exceeded` is a 429 until the budget allows
+        again, `agent_paused` and `agent_deleted` are 409s.
+        """
+        if self.status == AgentStatus.DELETED:
+            return "agent_deleted", "The agent was deleted."
+        if self.paused_by_budget:
+            return "budget_exceeded", "The agent is paused: its budget is spent. Raise the budget to resume."
+        if self.status == AgentStatus.PAUSED:
+            reason = f" ({self.paused_reason})" if self.paused_reason else ""
+            return "agent_paused", f"The agent is paused{reason}; resume it first."
+        return None
 
 
 class SessionStatus(models.TextChoices):
@@ -148,13 +177,13 @@ class AgentSession(models.Model):
     history_purged_at = models.DateTimeField(null=True, blank=True)
     # Context management: turns moved to the archive by compaction, the sequence number
     # the next message gets (archive + active history = every message, in order), the
-    # heartbeats answered, and the artifacts the agent reported (seed 003's manifest).
+    # heartbeats answered, and the artifacts the agent reported (sent with every request).
     archived_message_count = models.PositiveIntegerField(default=0, db_default=0)
     next_seq = models.PositiveIntegerField(default=0, db_default=0)
     turn_count = models.PositiveIntegerField(default=0, db_default=0)
     compaction_count = models.PositiveIntegerField(default=0, db_default=0)
     manifest = models.JSONField(default=list, blank=True, db_default=models.Value([], output_field=models.JSONField()))
-    # Economics (seed 003): an idle session is paused at `pause_at`; only seconds with a
+    # Economics: an idle session is paused at `pause_at`; only seconds with a
     # run in progress count as active, billed as session hours at pause, expiry or end.
     pause_at = models.DateTimeField(null=True, blank=True)
     paused_at = models.DateTimeField(null=True, blank=True)
@@ -206,12 +235,17 @@ class AgentSession(models.Model):
 
     @property
     def public_id(self) -> str:
-        return SESSION_ID_PREFIX + self.id.hex
+        return session_public_id(self.id)
 
     def is_live_at(self, now: datetime) -> bool:
         if self.status not in LIVE_SESSION_STATUSES:
             return False
         return self.expires_at is None or self.expires_at > now
+
+
+def session_public_id(session_id: uuid.UUID | None) -> str | None:
+    """The id the API and the admin show (`sess_` + 32 hex digits); None for no session."""
+    return SESSION_ID_PREFIX + session_id.hex if session_id else None
 
 
 def parse_session_id(value: str) -> uuid.UUID | None:
@@ -260,8 +294,8 @@ class HeartbeatRun(models.Model):
     error_code = models.CharField(max_length=64, blank=True, default="")
     error = models.TextField(blank=True, default="")
     model = models.TextField(blank=True, default="")
-    message_id = models.CharField(max_length=255, blank=True, default="")
-    stop_reason = models.CharField(max_length=64, blank=True, default="")
+    message_id = models.CharField(max_length=MESSAGE_ID_MAX_LENGTH, blank=True, default="")
+    stop_reason = models.CharField(max_length=STOP_REASON_MAX_LENGTH, blank=True, default="")
     input_tokens = models.PositiveIntegerField(null=True, blank=True)
     output_tokens = models.PositiveIntegerField(null=True, blank=True)
     cache_creation_input_tokens = models.PositiveIntegerField(null=True, blank=True)

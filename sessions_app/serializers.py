@@ -14,13 +14,13 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from sessions_app.models import (
-    SESSION_ID_PREFIX,
     Agent,
     AgentSession,
     AgentStatus,
     Company,
     HeartbeatRun,
     RunStatus,
+    session_public_id,
 )
 
 
@@ -61,10 +61,6 @@ class NoUnknownFieldsMixin:
         if unknown:
             raise serializers.ValidationError({name: ["Unknown field."] for name in unknown})
         return super().to_internal_value(data)
-
-
-def session_public_id(session_id) -> str | None:
-    return SESSION_ID_PREFIX + session_id.hex if session_id else None
 
 
 # Companies
@@ -181,7 +177,7 @@ def iso_time(value: datetime | None) -> str | None:
 
 def session_list_item(row: dict) -> dict:
     return {
-        "id": SESSION_ID_PREFIX + row["id"].hex,
+        "id": session_public_id(row["id"]),
         "agent_id": str(row["agent_id"]),
         "status": row["status"],
         "message_count": row["message_count"],

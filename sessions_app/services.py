@@ -12,6 +12,7 @@ from datetime import datetime
 from django.db import transaction
 from django.db.models import QuerySet
 
+from costs_app.budgets import budgets_crossed, budgets_releasable
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -21,6 +22,7 @@ from sessions_app.models import (
     AgentStatus,
     HeartbeatRun,
     HistoryStore,
+    PausedReason,
     RunStatus,
     SessionStatus,
 )
@@ -88,7 +90,7 @@ def session_clear_history(*, session: AgentSession) -> None:
     staged.publish()
 
 
-def agent_pause(*, agent: Agent, reason: str = "manual") -> None:
+def agent_pause(*, agent: Agent, reason: str = PausedReason.MANUAL) -> None:
     Agent.objects.filter(pk=agent.pk, status=AgentStatus.ACTIVE).update(status=AgentStatus.PAUSED, paused_reason=reason)
     agent.refresh_from_db(fields=["status", "paused_reason"])
     agent_schedule_sync(agent=agent)
@@ -98,6 +100,40 @@ def agent_resume(*, agent: Agent) -> None:
     Agent.objects.filter(pk=agent.pk, status=AgentStatus.PAUSED).update(status=AgentStatus.ACTIVE, paused_reason="")
     agent.refresh_from_db(fields=["status", "paused_reason"])
     agent_schedule_sync(agent=agent)
+
+
+def budgets_enforce(*, agent: Agent, now: datetime) -> bool:
+    """Pause the agents a spent monthly or lifetime limit covers: the agent, or every
+    active agent of its company for a company limit. True when any limit is spent."""
+    crossed = budgets_crossed(company_id=agent.company_id, agent_id=agent.id, now=now)
+    if not crossed:
+        return False
+    targets = Agent.objects.filter(status=AgentStatus.ACTIVE)
+    if "company" in crossed:
+        targets = targets.filter(company_id=agent.company_id)
+    else:
+        targets = targets.filter(id=agent.id)
+    for target in targets:
+        agent_pause(agent=target, reason=PausedReason.BUDGET)
+    return True
+
+
+def budgets_release(*, company_id, now: datetime) -> int:
+    """Resume the company's agents paused by budget that no limit holds back any more
+    (a budget raised or removed, a new month). Returns how many were resumed."""
+    paused = list(
+        Agent.objects.filter(company_id=company_id, status=AgentStatus.PAUSED, paused_reason=PausedReason.BUDGET)
+    )
+    released = set(budgets_releasable(company_id=company_id, agent_ids=[agent.id for agent in paused], now=now))
+    for agent in paused:
+        if agent.id in released:
+            agent_resume(agent=agent)
+    return len(released)
+
+
+def budget_changed_release(sender, *, company_id, now: datetime, **kwargs) -> None:
+    """costs_app's `budget_changed`: a raised or removed budget resumes the agents it paused."""
+    budgets_release(company_id=company_id, now=now)
 
 
 def agent_delete(*, agent: Agent, now: datetime) -> None:
@@ -131,6 +167,8 @@ __all__ = [
     "agent_pause",
     "agent_resume",
     "agents_hard_delete",
+    "budgets_enforce",
+    "budgets_release",
     "session_clear_history",
     "session_delete",
     "session_expire",

@@ -30,6 +30,6 @@ def scheduled_heartbeat(agent_id: str) -> str:
 
 
 def maintenance() -> dict:
-    from sessions_app.expiry import maintenance_pass
+    from sessions_app.maintenance import maintenance_pass
 
     return maintenance_pass(now=timezone.now())

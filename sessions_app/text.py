@@ -12,6 +12,12 @@ from typing import Any
 
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
+# The longest message id and stop reason a run (and a ledger row) stores. Here rather than
+# read off the models, so that the adapters, which validate what an agent reports, import
+# no model; PostgreSQL would refuse a longer value only at commit time.
+MESSAGE_ID_MAX_LENGTH = 255
+STOP_REASON_MAX_LENGTH = 64
+
 
 def storable(value: Any) -> Any:
     """`value` with NUL and lone surrogates replaced by U+FFFD, in strings at any depth.

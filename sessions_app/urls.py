@@ -1,12 +1,11 @@
 """The REST API under /api/ (docs/api.md). Ids in paths that are not UUIDs match
 nothing and answer the JSON 404 of `paperclip.urls.handler404`."""
 
-from django.urls import include, path
+from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from costs_app.budget_views import AgentBudgetView, CompanyBudgetView
 from sessions_app import views
-from sessions_app.context_views import AgentGrowthView, SessionArchiveView
+from sessions_app.api.history_views import AgentGrowthView, SessionArchiveView
 
 app_name = "api"
 
@@ -27,7 +26,4 @@ urlpatterns = [
     path(f"{agent}/sessions/<str:session_id>", views.SessionDetailView.as_view(), name="session-detail"),
     path(f"{agent}/sessions/<str:session_id>/archive", SessionArchiveView.as_view(), name="session-archive"),
     path(f"{agent}/growth", AgentGrowthView.as_view(), name="agent-growth"),
-    path(f"{agent}/budget", AgentBudgetView.as_view(), name="agent-budget"),
-    path(f"{company}/budget", CompanyBudgetView.as_view(), name="company-budget"),
-    path(f"{company}/costs/", include("costs_app.urls")),
 ]

@@ -27,11 +27,13 @@ from sessions_app.api.authentication import HeartbeatRateThrottle, is_authentica
 from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
 from sessions_app.api.exceptions import BadRequest, Conflict, NotFound, ServiceUnavailable, TooManyRequests
 from sessions_app.api.pagination import Keyset, parse_limit
+from sessions_app.api.session_list import SESSION_ORDER, session_list_page
 from sessions_app.models import (
     Agent,
     AgentSession,
     AgentStatus,
     HeartbeatRun,
+    PausedReason,
     RunStatus,
     SessionStatus,
     parse_session_id,
@@ -48,7 +50,6 @@ from sessions_app.serializers import (
     SessionListSerializer,
 )
 from sessions_app.services import agent_delete, agent_pause, agent_resume, session_delete
-from sessions_app.session_list import SESSION_ORDER, session_list_page
 from sessions_app.stores import HistoryUnavailable, store_for
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class CompanyDetailView(ApiView):
 
 def agent_apply_status(*, agent: Agent, wanted: str | None) -> None:
     if wanted == AgentStatus.PAUSED and agent.status == AgentStatus.ACTIVE:
-        agent_pause(agent=agent, reason="api")
+        agent_pause(agent=agent, reason=PausedReason.API)
     elif wanted == AgentStatus.ACTIVE and agent.status == AgentStatus.PAUSED:
         agent_resume(agent=agent)
 
@@ -308,7 +309,7 @@ class SessionListView(ApiView):
         )
         if page.empty:
             self.get_agent(company_id, agent_id)
-        # Already JSON (see sessions_app.session_list); auth, permissions and the error
+        # Already JSON (see sessions_app.api.session_list); auth, permissions and the error
         # handler ran as for any view, only the renderer is skipped.
         return HttpResponse(page.body, content_type="application/json")
 

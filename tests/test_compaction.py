@@ -13,8 +13,8 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
-from sessions_app.expiry import runs_reap
 from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus
 from sessions_app.services import session_delete
 from sessions_app.stores import store_for

@@ -10,11 +10,12 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from costs_app.budgets import budget_uses, budgets_release
+from costs_app.budgets import budget_uses
 from costs_app.models import Budget, CostEvent, CostKind
-from sessions_app.expiry import maintenance_pass, sessions_pause_idle
 from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute, heartbeat_wait
+from sessions_app.maintenance import maintenance_pass, sessions_pause_idle
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
+from sessions_app.services import budgets_release
 from tests.fake_anthropic import Reply
 
 

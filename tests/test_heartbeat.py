@@ -15,8 +15,8 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent
-from sessions_app.expiry import sessions_expire
 from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute
+from sessions_app.maintenance import sessions_expire
 from sessions_app.models import AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.services import agent_delete, agent_pause, session_delete, session_expire
 from sessions_app.stores import STORES, store_for
@@ -392,7 +392,7 @@ def test_a_heartbeat_makes_the_same_few_queries_however_long_the_session(
 def test_a_run_answering_within_its_agents_timeout_is_not_reaped(company, fake_anthropic):
     from django.db import connection
 
-    from sessions_app.expiry import runs_reap
+    from sessions_app.maintenance import runs_reap
     from sessions_app.models import Agent
 
     agent = Agent.objects.create(
@@ -421,8 +421,8 @@ def test_a_run_answering_within_its_agents_timeout_is_not_reaped(company, fake_a
 def test_each_later_call_of_a_run_moves_its_deadline_and_a_reaped_run_calls_no_more(stateless_agent, fake_anthropic):
     from sessions_app.adapters import get_adapter
     from sessions_app.context import build_request, context_settings
-    from sessions_app.expiry import runs_reap
     from sessions_app.heartbeat import RunAbandoned, RunCalls, claim_run
+    from sessions_app.maintenance import runs_reap
 
     start = timezone.now()
     queued, _ = heartbeat_enqueue(agent=stateless_agent, task="many calls", now=start)

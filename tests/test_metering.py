@@ -9,8 +9,8 @@ import pytest
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
-from sessions_app.expiry import maintenance_pass
 from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.maintenance import maintenance_pass
 from sessions_app.models import AgentSession, SessionStatus
 from sessions_app.services import agent_delete, session_delete, session_expire
 

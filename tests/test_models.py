@@ -8,7 +8,15 @@ from django.utils import timezone
 
 from costs_app.models import CostEvent
 from sessions_app.adapters import AgentConfigError, validate_agent_config
-from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, HistoryStore, parse_session_id
+from sessions_app.models import (
+    Agent,
+    AgentSession,
+    AgentStatus,
+    HeartbeatRun,
+    HistoryStore,
+    PausedReason,
+    parse_session_id,
+)
 from sessions_app.services import agent_delete, agents_hard_delete
 from sessions_app.stores import store_for
 
@@ -109,3 +117,20 @@ def test_hard_deleting_agents_removes_history_files_and_keeps_cost_events(
     assert not Agent.objects.filter(pk=persistent_agent.pk).exists()
     assert not path.exists()
     assert CostEvent.objects.filter(agent_id=persistent_agent.id).count() == 1
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "code"),
+    [
+        (AgentStatus.ACTIVE, "", None),
+        (AgentStatus.PAUSED, PausedReason.BUDGET, "budget_exceeded"),
+        (AgentStatus.PAUSED, PausedReason.API, "agent_paused"),
+        (AgentStatus.PAUSED, "", "agent_paused"),
+        (AgentStatus.DELETED, "", "agent_deleted"),
+    ],
+)
+def test_an_agent_names_why_it_may_not_run(stateless_agent, status, reason, code):
+    stateless_agent.status, stateless_agent.paused_reason = status, reason
+    refusal = stateless_agent.refusal()
+    assert (refusal[0] if refusal else None) == code
+    assert stateless_agent.paused_by_budget is (code == "budget_exceeded")

@@ -9,8 +9,9 @@ from decimal import Decimal
 from django.utils import timezone
 
 from costs_app.budgets import budget_uses
+from costs_app.ledger import cost_event_record
 from costs_app.models import Budget, CostEvent, ModelPrice
-from costs_app.pricing import cost_event_record, price_for
+from costs_app.pricing import price_for
 from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
 from sessions_app.models import Agent, HeartbeatRun, RunStatus
 from tests.fake_anthropic import Reply

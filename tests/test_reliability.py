@@ -17,8 +17,8 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent
-from sessions_app.expiry import runs_reap
 from sessions_app.heartbeat import heartbeat_dispatch, heartbeat_enqueue, heartbeat_execute
+from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus
 from sessions_app.stores import store_for
 from tests.conftest import FAKE_API_KEY

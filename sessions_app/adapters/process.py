@@ -25,14 +25,12 @@ from typing import Any
 from django.conf import settings
 
 from sessions_app.adapters.base import AdapterError, AdapterReply, AdapterRequest, usage_error, validate_timeout
-from sessions_app.models import HeartbeatRun
+from sessions_app.text import MESSAGE_ID_MAX_LENGTH, STOP_REASON_MAX_LENGTH
 
 DEFAULT_TIMEOUT_SECONDS = 600
 STDERR_TAIL_BYTES = 4000
 READ_CHUNK_BYTES = 65536
-# The run columns these go to (the ledger's message_id is as long); PostgreSQL refuses
-# longer values at commit time.
-FIELD_LENGTHS = {name: HeartbeatRun._meta.get_field(name).max_length for name in ("message_id", "stop_reason")}
+FIELD_LENGTHS = {"message_id": MESSAGE_ID_MAX_LENGTH, "stop_reason": STOP_REASON_MAX_LENGTH}
 # What every agent command gets from the worker's environment; its entry's `env` adds more.
 # Never the worker's secrets (DJANGO_SECRET_KEY, DATABASE_URL, REDIS_URL, ANTHROPIC_API_KEY).
 BASE_ENVIRONMENT = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")

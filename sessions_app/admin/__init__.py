@@ -20,7 +20,6 @@ from sessions_app.admin.common import (
     admin_link,
     humane_expiry,
     is_changelist,
-    session_public_id,
 )
 from sessions_app.admin.companies import CompanyAdmin
 from sessions_app.admin.runs import HeartbeatRunAdmin
@@ -38,5 +37,4 @@ __all__ = [
     "admin_link",
     "humane_expiry",
     "is_changelist",
-    "session_public_id",
 ]

@@ -166,7 +166,7 @@ class AgentAdmin(admin.ModelAdmin):
 
     @admin.display(description="status", ordering="status")
     def status_flag(self, obj: Agent) -> str:
-        if obj.status == "paused" and obj.paused_reason == "budget":
+        if obj.paused_by_budget:
             # The one pause an operator must act on: raise the budget (or wait for the month).
             return format_html(
                 '<strong class="budget-paused" style="color:#ba2121">{}</strong>', "paused: budget spent"

@@ -20,7 +20,7 @@ from django.utils.text import capfirst
 from django.utils.timesince import timesince, timeuntil
 
 from sessions_app.adapters import ADAPTERS
-from sessions_app.models import Agent, AgentSession
+from sessions_app.models import Agent
 
 RECENT_INLINE_ROWS = 10
 
@@ -74,10 +74,6 @@ def humane_expiry(expires_at: datetime | None, *, now: datetime) -> str:
     if expires_at > now:
         return f"in {timeuntil(expires_at, now, depth=1)}"
     return f"expired {timesince(expires_at, now, depth=1)} ago"
-
-
-def session_public_id(session_id) -> str:
-    return AgentSession(id=session_id).public_id if session_id else ""
 
 
 def is_changelist(request: HttpRequest) -> bool:

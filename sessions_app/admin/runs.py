@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from sessions_app.admin.common import LargeTableAdmin, admin_link, is_changelist, session_public_id
-from sessions_app.models import HeartbeatRun, parse_session_id
+from sessions_app.admin.common import LargeTableAdmin, admin_link, is_changelist
+from sessions_app.models import HeartbeatRun, parse_session_id, session_public_id
 
 
 @admin.register(HeartbeatRun)

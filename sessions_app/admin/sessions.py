@@ -26,11 +26,18 @@ from sessions_app.admin.common import (
     changelist_url,
     deletion_summary,
     humane_expiry,
+)
+from sessions_app.admin.transcript import transcript
+from sessions_app.models import (
+    LIVE_SESSION_STATUSES,
+    AgentSession,
+    HeartbeatRun,
+    SessionCompaction,
+    parse_session_id,
     session_public_id,
 )
-from sessions_app.models import LIVE_SESSION_STATUSES, AgentSession, HeartbeatRun, SessionCompaction, parse_session_id
+from sessions_app.serializers import SessionSerializer
 from sessions_app.stores import HistoryUnavailable, store_for
-from sessions_app.transcript import transcript
 
 # The raw JSON toggle shows at most this much; the export has the whole history.
 RAW_HISTORY_MAX_CHARS = 500_000
@@ -268,26 +275,9 @@ class AgentSessionAdmin(LargeTableAdmin):
         except HistoryUnavailable as exc:
             self.message_user(request, f"Cannot export: {exc.message}", messages.ERROR)
             return HttpResponseRedirect(reverse("admin:sessions_app_agentsession_change", args=[session.pk]))
+        # The session as the API shows it, so an export reads like GET .../sessions/<id>.
         document = {
-            "session": {
-                "id": session.public_id,
-                "agent_id": str(session.agent_id),
-                "company_id": str(session.company_id),
-                "status": session.status,
-                "store": session.store,
-                "message_count": session.message_count,
-                "created_at": session.created_at,
-                "last_used": session.last_used,
-                "expires_at": session.expires_at,
-                "ended_at": session.ended_at,
-                "end_reason": session.end_reason,
-                "adapter_type": session.adapter_type,
-                "model": session.model,
-                "last_input_tokens": session.last_input_tokens,
-                "total_input_tokens": session.total_input_tokens,
-                "total_output_tokens": session.total_output_tokens,
-                "total_cost_usd": str(session.total_cost_usd),
-            },
+            "session": {**SessionSerializer(session).data, "company_id": str(session.company_id)},
             "history": history,
         }
         response = JsonResponse(document, json_dumps_params={"indent": 2, "ensure_ascii": False})

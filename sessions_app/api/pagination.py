@@ -71,7 +71,10 @@ class Keyset:
         return value, pk
 
     def after(self, queryset: QuerySet, cursor: str) -> QuerySet:
-        value, pk = self.decode(cursor, queryset.model)
+        return self.after_key(queryset, *self.decode(cursor, queryset.model))
+
+    def after_key(self, queryset: QuerySet, value, pk) -> QuerySet:
+        """The rows that come after (value, pk) in this ordering."""
         op = "lt" if self.descending else "gt"
         return queryset.filter(Q(**{f"{self.field}__{op}": value}) | Q(**{self.field: value, f"pk__{op}": pk}))
 

@@ -14,9 +14,9 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from rest_framework.renderers import JSONRenderer
 
+from sessions_app.api.session_list import SESSION_ORDER, python_page, sql_page, value_sql
 from sessions_app.models import AgentSession
 from sessions_app.serializers import SessionSerializer
-from sessions_app.session_list import SESSION_ORDER, python_page, sql_page, value_sql
 from tests.api.conftest import agent_url, make_session
 
 pytestmark = pytest.mark.django_db

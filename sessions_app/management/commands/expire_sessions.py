@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand
 from django.utils import timezone
 
-from sessions_app.expiry import maintenance_pass
+from sessions_app.maintenance import maintenance_pass
 
 
 class Command(BaseCommand):

@@ -1,4 +1,5 @@
-"""Context-management endpoints: a session's archive of compacted turns, an agent's growth."""
+"""What compaction did to history: a session's archive of compacted turns, and how much
+input an agent's calls carry over time (its growth)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from django.core.management.base import CommandError
 from django.utils import timezone
 from django_q.models import Schedule
 
-from sessions_app.expiry import histories_purge, maintenance_pass, runs_reap, sessions_expire
 from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.maintenance import histories_purge, maintenance_pass, runs_reap, sessions_expire
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
 from sessions_app.schedules import agent_schedule_sync, schedule_name
 from sessions_app.services import agent_delete, agent_pause, agent_resume

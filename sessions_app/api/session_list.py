@@ -70,8 +70,7 @@ def python_page(*, company_id, agent_id, limit, status, created_after, created_b
     if created_before:
         sessions = sessions.filter(created_at__lt=created_before)
     if after:
-        last_used, pk = after
-        sessions = sessions.filter(models.Q(last_used__lt=last_used) | models.Q(last_used=last_used, pk__lt=pk))
+        sessions = SESSION_ORDER.after_key(sessions, *after)
     rows = list(sessions.order_by(*SESSION_ORDER.order_by)[: limit + 1])
     cursor = SESSION_ORDER.encode(rows[limit - 1]) if len(rows) > limit else None
     data = {"sessions": [session_list_item(row) for row in rows[:limit]], "next": cursor}

@@ -1,6 +1,9 @@
-"""Time-driven state changes, each one set-based query on an indexed column.
+"""Maintenance: the time-driven state changes, each a set-based query on an indexed column.
 
-Run every minute by the `maintenance` schedule and by `manage.py expire_sessions`.
+Idle sessions are paused, stale ones expired and billed, dead runs reaped, old histories
+purged, stuck queues re-dispatched and budget pauses released. Run every minute by the
+`paperclip:maintenance` schedule (`sessions_app.tasks.maintenance`) and by
+`manage.py expire_sessions`.
 """
 
 from __future__ import annotations
@@ -13,16 +16,21 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F
 
+from sessions_app.heartbeat import dispatch_next_queued
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     ENDED_SESSION_STATUSES,
     LIVE_SESSION_STATUSES,
+    Agent,
     AgentSession,
+    AgentStatus,
     HeartbeatRun,
     HistoryStore,
+    PausedReason,
     RunStatus,
     SessionStatus,
 )
+from sessions_app.services import budgets_release
 from sessions_app.stores import STORES
 
 logger = logging.getLogger(__name__)
@@ -72,8 +80,8 @@ def sessions_pause_idle(*, now: datetime) -> int:
 
 
 def sessions_bill_ended(*, now: datetime) -> int:
-    """Bill ended sessions that still carry unbilled active time (ended by a path that
-    did not bill before it was fixed, or by a process that died before its bill)."""
+    """Bill ended sessions that still carry unbilled active time: a process that died
+    between ending a session and billing it, or a row ended by raw SQL."""
     ids = AgentSession.objects.filter(unbilled_active_seconds__gt=0, status__in=ENDED_SESSION_STATUSES).values_list(
         "id", flat=True
     )
@@ -135,8 +143,6 @@ def _history_file_delete(session: AgentSession, *, failed: set) -> bool:
 
 def queues_unstick(*, agent_ids=None) -> int:
     """Dispatch the oldest queued run of agents with nothing running (lost tasks, reaped runs)."""
-    from sessions_app.heartbeat import dispatch_next_queued
-
     waiting = HeartbeatRun.objects.filter(status=RunStatus.QUEUED)
     if agent_ids is not None:
         waiting = waiting.filter(agent_id__in=agent_ids)
@@ -149,10 +155,7 @@ def queues_unstick(*, agent_ids=None) -> int:
 
 def budget_pauses_release(*, now: datetime) -> int:
     """A new month (or a raised budget) lets agents paused by budget run again."""
-    from costs_app.budgets import budgets_release
-    from sessions_app.models import Agent, AgentStatus
-
-    companies = Agent.objects.filter(status=AgentStatus.PAUSED, paused_reason="budget").values_list(
+    companies = Agent.objects.filter(status=AgentStatus.PAUSED, paused_reason=PausedReason.BUDGET).values_list(
         "company_id", flat=True
     )
     return sum(budgets_release(company_id=company_id, now=now) for company_id in set(companies))

@@ -1,0 +1,124 @@
+"""Every row of the cost ledger is written here, through `ledger_write`.
+
+Two kinds of row: a model call's usage (`cost_event_record`, priced by pricing.py) and a
+session's active time (`session_hours_record`). Callers hand in what happened; how a row
+is priced, deduplicated and inserted is decided in this one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from decimal import Decimal
+
+from django.db import IntegrityError, transaction
+
+from costs_app.models import CostEvent, CostKind
+from costs_app.pricing import cost_of, ledger_usd, price_for, token_counts
+
+logger = logging.getLogger(__name__)
+
+
+def ledger_write(event: CostEvent) -> CostEvent:
+    """Insert one ledger row; for a call of a run, the row already recorded for it if any.
+
+    A call is identified by our own ids: its run and its number within the run, in its
+    company. A retried write of the same call returns the row already recorded instead
+    of billing twice.
+    """
+    if event.run_id is None or event.call_number is None:
+        event.save(force_insert=True)
+        return event
+    try:
+        # The unique (company, run, call) index decides, in the same round trip as the
+        # insert; a lookup first would cost one more query on every call.
+        with transaction.atomic():
+            event.save(force_insert=True)
+    except IntegrityError:
+        existing = CostEvent.objects.filter(
+            company_id=event.company_id, run_id=event.run_id, call_number=event.call_number
+        ).first()
+        if existing is None:
+            raise
+        return existing
+    return event
+
+
+def cost_event_record(
+    *,
+    usage: dict,
+    model: str,
+    company_id,
+    agent_id,
+    at: datetime,
+    session_id=None,
+    run_id=None,
+    call_number: int | None = None,
+    message_id: str | None = None,
+    kind: str = CostKind.MESSAGE,
+) -> CostEvent:
+    """Write one ledger row for a call's usage, priced by `model` (the model requested).
+
+    The message id the API or an agent command reports is kept for display only: it is
+    not ours, and two calls (of one agent or of two companies) may report the same one,
+    so it never decides whether a row is written.
+    """
+    counts = token_counts(usage)
+    price = price_for(model=model, at=at)
+    return ledger_write(
+        CostEvent(
+            kind=kind,
+            company_id=company_id,
+            agent_id=agent_id,
+            session_id=session_id,
+            run_id=run_id,
+            call_number=call_number,
+            model=model,
+            input_tokens=counts.input_tokens,
+            output_tokens=counts.output_tokens,
+            cache_creation_input_tokens=counts.cache_creation_input_tokens,
+            cache_creation_5m_input_tokens=counts.cache_creation_5m_input_tokens,
+            cache_creation_1h_input_tokens=counts.cache_creation_1h_input_tokens,
+            cache_read_input_tokens=counts.cache_read_input_tokens,
+            cost_usd=ledger_usd(cost_of(counts, price)) if price else Decimal(0),
+            unpriced=price is None,
+            price=price,
+            message_id=message_id or None,
+            raw_usage=usage,
+            created_at=at,
+        )
+    )
+
+
+def billed_call_record(**fields) -> None:
+    """The ledger row of a call whose result an error is throwing away: it was billed.
+
+    Best effort, for error paths: the error may be the database itself, and it is the
+    original error the caller goes on to report. The savepoint keeps a caller's
+    transaction usable when this write fails too.
+    """
+    if fields.get("usage") is None:
+        return
+    try:
+        with transaction.atomic():
+            cost_event_record(**fields)
+    except Exception:
+        logger.exception(
+            "Could not record the cost of call %s of run %s", fields.get("call_number"), fields.get("run_id")
+        )
+
+
+def session_hours_record(*, company_id, agent_id, session_id, seconds: float, cost: Decimal, at: datetime) -> CostEvent:
+    """Write the ledger row of a session's active time, priced by the caller's hourly rate."""
+    return ledger_write(
+        CostEvent(
+            kind=CostKind.SESSION_HOURS,
+            company_id=company_id,
+            agent_id=agent_id,
+            session_id=session_id,
+            model="",
+            session_seconds=round(seconds),
+            cost_usd=cost,
+            created_at=at,
+        )
+    )
