@@ -23,7 +23,6 @@ from sessions_app.context import (
     MAX_COMPACTIONS_PER_HEARTBEAT,
     SUMMARY_KINDS,
     SUMMARY_SYSTEM,
-    ContextBudgetExceeded,
     ContextSettings,
     build_request,
     choose_split,
@@ -32,6 +31,7 @@ from sessions_app.context import (
     summary_pair,
     summary_request,
 )
+from sessions_app.errors import StepFailed
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     Agent,
@@ -58,13 +58,6 @@ class Handoff:
     summary: str
     reply: AdapterReply
     predecessor: AgentSession
-
-
-class StepFailed(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def write_handoff(
@@ -144,7 +137,7 @@ def fit_budget(
         request = after
         keep //= 2
     raise StepFailed(
-        ContextBudgetExceeded.code,
+        "context_budget_exceeded",
         f"The request needs about {size} tokens, over the session's budget of {settings_.budget_tokens}, "
         "and compaction cannot reduce it further. Shorten the task or raise context_budget_tokens.",
     )

@@ -42,7 +42,6 @@ from costs_app.pricing import billed_call_record, call_cost, cost_event_record, 
 from sessions_app.adapters import ADAPTERS, AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.compaction import (
     Handoff,
-    StepFailed,
     fit_budget,
     handoff_record,
     server_compaction_archive,
@@ -59,6 +58,7 @@ from sessions_app.context import (
     rotation_due,
     user_turn_content,
 )
+from sessions_app.errors import HeartbeatRefused, RunAbandoned, RunFailure
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -71,7 +71,7 @@ from sessions_app.models import (
     RunTrigger,
     SessionStatus,
 )
-from sessions_app.stores import HistoryUnavailable, configured_store_name, store_for
+from sessions_app.stores import configured_store_name, store_for
 from sessions_app.text import is_storable, storable
 
 logger = logging.getLogger(__name__)
@@ -81,24 +81,6 @@ HOSTNAME = socket.gethostname()
 def worker_id() -> str:
     # Read at claim time: cluster workers are forked after this module may be imported.
     return f"{HOSTNAME}:{os.getpid()}"
-
-
-class HeartbeatRefused(Exception):
-    """The heartbeat cannot be queued. `code` maps to an API status."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class RunAbandoned(Exception):
-    """The run stopped being ours while the model answered (reaped, or session gone)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 IDEMPOTENCY_KEY_LENGTH = HeartbeatRun._meta.get_field("idempotency_key").max_length
@@ -528,7 +510,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
         reply = adapter.call(request)
     except Exception as exc:
         _record_discarded_handoff(run, agent=agent, plan=plan, finished=elapsed())
-        if not isinstance(exc, (HistoryUnavailable, StepFailed, BudgetExceeded, AdapterError, RunAbandoned)):
+        if not isinstance(exc, RunFailure):
             raise
         # Every step's failure carries a stable code and a message for the run row.
         _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
@@ -712,7 +694,7 @@ def _finish_succeeded(
         if staged is not None:
             staged.discard()
         _record_discarded_calls(run, agent=agent, plan=plan, reply=reply, finished=finished)
-        if not isinstance(exc, (RunAbandoned, HistoryUnavailable)):
+        if not isinstance(exc, RunFailure):
             raise
         _finish_failed(run, code=exc.code, message=exc.message, now=finished)
         return False

@@ -33,6 +33,7 @@ from django.db import DatabaseError, connection, models, transaction
 from django.db.models import F, Func, Value
 
 from sessions_app.adapters.base import HistoryMessage
+from sessions_app.errors import HistoryUnavailable
 from sessions_app.models import AgentSession, HistoryStore
 
 logger = logging.getLogger(__name__)
@@ -46,15 +47,6 @@ class JSONAppend(Func):
     template = "(%(expressions)s)"
     arg_joiner = " || "
     output_field = models.JSONField()
-
-
-class HistoryUnavailable(Exception):
-    """A session's history cannot be read or written. `code` is stored on the failed run."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class StagedHistory:

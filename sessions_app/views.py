@@ -27,6 +27,7 @@ from sessions_app.api.authentication import HeartbeatRateThrottle, is_authentica
 from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
 from sessions_app.api.exceptions import BadRequest, Conflict, NotFound, ServiceUnavailable, TooManyRequests
 from sessions_app.api.pagination import Keyset, parse_limit
+from sessions_app.errors import HistoryUnavailable
 from sessions_app.models import (
     Agent,
     AgentSession,
@@ -49,7 +50,7 @@ from sessions_app.serializers import (
 )
 from sessions_app.services import agent_delete, agent_pause, agent_resume, session_delete
 from sessions_app.session_list import SESSION_ORDER, session_list_page
-from sessions_app.stores import HistoryUnavailable, store_for
+from sessions_app.stores import store_for
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from typing import Any, Protocol, TypedDict
 
 from django.core.exceptions import ValidationError
 
+from sessions_app.errors import RunFailure
 from sessions_app.text import storable
 
 DEFAULT_SESSION_TTL_HOURS = 24
@@ -109,13 +110,11 @@ def usage_error(usage: dict | None) -> str | None:
     return None
 
 
-class AdapterError(Exception):
+class AdapterError(RunFailure):
     """A model call that failed. `code` is stable and stored on the run for operators."""
 
     def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
         self.retryable = retryable
 
 

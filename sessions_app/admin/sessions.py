@@ -28,8 +28,9 @@ from sessions_app.admin.common import (
     humane_expiry,
     session_public_id,
 )
+from sessions_app.errors import HistoryUnavailable
 from sessions_app.models import LIVE_SESSION_STATUSES, AgentSession, HeartbeatRun, SessionCompaction, parse_session_id
-from sessions_app.stores import HistoryUnavailable, store_for
+from sessions_app.stores import store_for
 from sessions_app.transcript import transcript
 
 # The raw JSON toggle shows at most this much; the export has the whole history.
