@@ -120,6 +120,10 @@ class AdapterError(RunFailure):
 
 class Adapter(Protocol):
     type_name: str
+    # False: the engine keeps the session's history and replays it with every request
+    # (planned, rotated, compacted to fit). True: the runtime resumes a session it keeps
+    # itself; the engine sends only the new turn and records the turn it reports back.
+    keeps_own_session: bool
 
     def validate_config(self, config: dict, errors: dict[str, str]) -> dict: ...
 
