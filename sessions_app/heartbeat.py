@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
+from typing import Protocol
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
@@ -523,6 +524,16 @@ def session_release(*, session_id, agent: Agent, finished: datetime) -> None:
 # Session strategies: steps 2-4, chosen by what the adapter declares.
 
 
+class SessionStrategy(Protocol):
+    def plan(self, beat: ClaimedRun) -> Plan: ...
+
+    def handoff(self, beat: ClaimedRun, plan: Plan, *, reserve: BeforeCall) -> Plan: ...
+
+    def fit(
+        self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall
+    ) -> tuple[Plan, AdapterRequest]: ...
+
+
 class ReplayedHistory:
     """The engine keeps the session's history and replays it with every request (today's
     `claude-code` and `process`): planned, rotated with a handoff note, compacted to fit."""
@@ -570,9 +581,6 @@ class OwnSession:
         return plan, build_request(agent=beat.agent, history=[], user_content=user_content, settings=beat.settings_)
 
 
-SessionStrategy = ReplayedHistory | OwnSession
-
-
 def session_strategy(adapter) -> SessionStrategy:
     """An adapter with `keeps_own_session` resumes its own session; the others are replayed."""
     return OwnSession() if getattr(adapter, "keeps_own_session", False) else ReplayedHistory()
@@ -580,10 +588,11 @@ def session_strategy(adapter) -> SessionStrategy:
 
 @dataclass(frozen=True)
 class Reservation:
-    """5. reserve. Called with every request a run sends, summaries included, before it is sent: a
-    budgeted run reserves its cost, so a budget is never crossed by a call nobody checked.
-    `held` is what the run's earlier calls spent outside the ledger (a handoff note is
-    recorded with the answer), held on top of each later reservation."""
+    """5. reserve: called with every request a run sends, summaries included, before it
+    is sent. A budgeted run reserves the call's most possible cost or is refused
+    (`BudgetExceeded`), so a budget is never crossed by a call nobody checked. `held` is
+    what the run's earlier calls spent outside the ledger (a handoff note is recorded
+    with the answer), held on top of each later reservation."""
 
     beat: ClaimedRun
     held: Decimal = Decimal(0)
