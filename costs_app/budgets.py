@@ -23,18 +23,18 @@ from django.db.models.functions import Coalesce
 
 from costs_app.models import Budget, CostEvent
 from costs_app.pricing import MILLION, price_for
+from paperclip.errors import RunFailure
 from sessions_app.models import Company, HeartbeatRun, RunStatus
 
 ZERO = Decimal(0)
 PERIOD_NAMES = {"day": "daily", "month": "monthly", "lifetime": "lifetime", "day_runs": "daily run"}
 
 
-class BudgetExceeded(Exception):
+class BudgetExceeded(RunFailure):
     code = "budget_exceeded"
 
     def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__(type(self).code, message)
 
 
 class ModelUnpriced(BudgetExceeded):

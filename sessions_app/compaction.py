@@ -9,9 +9,8 @@ The policy (budgets, splitting, prompts, caching markers) lives in `sessions_app
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from django.db import transaction
 
@@ -23,7 +22,6 @@ from sessions_app.context import (
     MAX_COMPACTIONS_PER_HEARTBEAT,
     SUMMARY_KINDS,
     SUMMARY_SYSTEM,
-    ContextBudgetExceeded,
     ContextSettings,
     build_request,
     choose_split,
@@ -32,6 +30,7 @@ from sessions_app.context import (
     summary_pair,
     summary_request,
 )
+from sessions_app.errors import StepFailed
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     Agent,
@@ -41,36 +40,19 @@ from sessions_app.models import (
     RunStatus,
     SessionCompaction,
 )
+from sessions_app.plan import Handoff, Plan
 from sessions_app.stores import NOTHING_STAGED, store_for
-
-if TYPE_CHECKING:
-    from sessions_app.heartbeat import Plan
 
 # Called with each summary request before it is sent: the heartbeat reserves its cost
 # against the budgets there, and refuses (BudgetExceeded) before any request is made.
 BeforeCall = Callable[[AdapterRequest], None]
 
 
-@dataclass
-class Handoff:
-    """The note that opens a rotated session, and what writing it cost."""
-
-    summary: str
-    reply: AdapterReply
-    predecessor: AgentSession
-
-
-class StepFailed(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def write_handoff(
     *, agent: Agent, adapter, plan: Plan, settings_: ContextSettings, now: datetime, before_call: BeforeCall
-) -> None:
-    """Rotation: summarise the ending session into the note that opens the next one."""
+) -> Plan:
+    """Rotation: summarise the ending session into the note that opens the next one; the
+    returned plan starts the new session with it."""
     predecessor = plan.retire
     old_history = store_for(predecessor).read(predecessor)
     request = summary_request(agent=agent, settings=settings_, messages=old_history, system=HANDOFF_SYSTEM)
@@ -79,9 +61,12 @@ def write_handoff(
         reply = adapter.call(request)
     except AdapterError as exc:
         raise StepFailed(f"handoff_{exc.code}", f"Writing the handoff note failed: {exc.message}") from None
-    plan.handoff = Handoff(summary=reply.text, reply=reply, predecessor=predecessor)
-    plan.history = summary_pair(reply.text, kind="handoff", at=now)
-    plan.manifest = list(predecessor.manifest)
+    return replace(
+        plan,
+        handoff=Handoff(summary=reply.text, reply=reply, predecessor=predecessor),
+        history=summary_pair(reply.text, kind="handoff", at=now),
+        manifest=list(predecessor.manifest),
+    )
 
 
 def fit_budget(
@@ -94,17 +79,18 @@ def fit_budget(
     settings_: ContextSettings,
     now: datetime,
     before_call: BeforeCall,
-) -> AdapterRequest:
-    """The request for this heartbeat, compacting the session first if it would not fit."""
+) -> tuple[Plan, AdapterRequest]:
+    """The request for this heartbeat, compacting the session first if it would not fit.
+    Returns it with the plan it was built from (a new one after each compaction)."""
     request = build_request(agent=agent, history=plan.history, user_content=user_content, settings=settings_)
     if not agent.is_persistent or settings_.strategy != "summarize":
-        return request
+        return plan, request
     keep = settings_.keep_recent_turns
     task_alone_fits = None  # measured once, the first time the request is over the budget
     for _ in range(MAX_COMPACTIONS_PER_HEARTBEAT + 1):
         size = request_size(adapter, request, settings_.budget_tokens)
         if size <= settings_.budget_tokens:
-            return request
+            return plan, request
         if plan.session is None:
             break
         if task_alone_fits is None:
@@ -129,7 +115,7 @@ def fit_budget(
             raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
         new_history = summary_pair(reply.text, kind="summary", at=now) + plan.history[split:]
         after = build_request(agent=agent, history=new_history, user_content=user_content, settings=settings_)
-        plan.session = compaction_commit(
+        session = compaction_commit(
             session=plan.session,
             run=run,
             old_history=plan.history,
@@ -140,11 +126,11 @@ def fit_budget(
             tokens_after=estimate_tokens({"system": after.system_blocks or after.system, "messages": after.messages}),
             at=now,
         )
-        plan.history = new_history
+        plan = replace(plan, session=session, history=new_history)
         request = after
         keep //= 2
     raise StepFailed(
-        ContextBudgetExceeded.code,
+        "context_budget_exceeded",
         f"The request needs about {size} tokens, over the session's budget of {settings_.budget_tokens}, "
         "and compaction cannot reduce it further. Shorten the task or raise context_budget_tokens.",
     )

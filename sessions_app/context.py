@@ -54,10 +54,6 @@ HANDOFF_SYSTEM = (
 ARTIFACT_LINE = re.compile(r"^\s*ARTIFACT\s+(\{.*\})\s*$", re.MULTILINE)
 
 
-class ContextBudgetExceeded(Exception):
-    code = "context_budget_exceeded"
-
-
 @dataclass(frozen=True)
 class ContextSettings:
     strategy: str

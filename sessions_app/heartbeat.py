@@ -1,14 +1,14 @@
 """One heartbeat, start to finish.
 
-1. `heartbeat_enqueue` records a queued run (or returns the earlier run for a reused
-   idempotency key).
-2. `heartbeat_execute` claims it — one running run per agent, decided under a short lock
-   on the agent row, never in process memory — then resolves the session, builds the
-   request and calls the adapter outside any transaction.
-3. The user turn, the answer, the session's clocks, the cost event and the run's completion
-   commit together. A failed call changes no history.
-
-The API, the `heartbeat` command, the admin and the django-q2 tasks all come through here.
+1. `heartbeat_start` is how the API, the admin, the `heartbeat` command and the scheduled
+   task wake an agent: `heartbeat_enqueue` validates the task and records a queued run (or
+   returns the earlier run of a reused idempotency key), which then runs here (`wait`) or
+   in the task cluster.
+2. `heartbeat_execute` runs it as its steps: claim -> plan -> (handoff) -> fit -> reserve
+   -> call -> commit -> release, each a function below with its own docstring. The claim
+   is decided by the database (one running run per agent), the model is called outside
+   any transaction, and the user turn, the answer, the session, the cost event and the
+   run's completion commit together; a failed call changes no history.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import os
 import socket
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
+from typing import Protocol
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Exists
 from django.utils import timezone
 
 from costs_app.budgets import (
@@ -41,8 +41,7 @@ from costs_app.models import CostKind
 from costs_app.pricing import call_cost, price_for, token_counts
 from sessions_app.adapters import ADAPTERS, AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.compaction import (
-    Handoff,
-    StepFailed,
+    BeforeCall,
     fit_budget,
     handoff_record,
     server_compaction_archive,
@@ -50,15 +49,15 @@ from sessions_app.compaction import (
     write_handoff,
 )
 from sessions_app.context import (
-    SUMMARY_KINDS,
     ContextSettings,
+    build_request,
     context_settings,
     input_tokens_bound,
     manifest_merge,
     reported_artifacts,
-    rotation_due,
     user_turn_content,
 )
+from sessions_app.errors import HeartbeatRefused, QueueUnavailable, RunAbandoned, RunFailure
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -66,13 +65,13 @@ from sessions_app.models import (
     AgentSession,
     AgentStatus,
     HeartbeatRun,
-    HistoryStore,
     RunStatus,
     RunTrigger,
     SessionStatus,
 )
+from sessions_app.plan import Plan, idle_pause, plan_session
 from sessions_app.services import budgets_enforce
-from sessions_app.stores import HistoryUnavailable, configured_store_name, store_for
+from sessions_app.stores import NOTHING_STAGED, StagedHistory, configured_store_name, store_for
 from sessions_app.text import is_storable, storable
 
 logger = logging.getLogger(__name__)
@@ -82,24 +81,6 @@ HOSTNAME = socket.gethostname()
 def worker_id() -> str:
     # Read at claim time: cluster workers are forked after this module may be imported.
     return f"{HOSTNAME}:{os.getpid()}"
-
-
-class HeartbeatRefused(Exception):
-    """The heartbeat cannot be queued. `code` maps to an API status."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class RunAbandoned(Exception):
-    """The run stopped being ours while the model answered (reaped, or session gone)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 IDEMPOTENCY_KEY_LENGTH = HeartbeatRun._meta.get_field("idempotency_key").max_length
@@ -118,15 +99,8 @@ def validate_task(task: object) -> str:
 
 
 def refuse_unless_active(agent: Agent) -> None:
-    if agent.status == AgentStatus.DELETED:
-        raise HeartbeatRefused("agent_deleted", "The agent was deleted.")
-    if agent.status == AgentStatus.PAUSED and agent.paused_reason == "budget":
-        raise HeartbeatRefused(
-            "budget_exceeded", "The agent is paused: its budget is spent. Raise the budget to resume."
-        )
-    if agent.status == AgentStatus.PAUSED:
-        reason = f" ({agent.paused_reason})" if agent.paused_reason else ""
-        raise HeartbeatRefused("agent_paused", f"The agent is paused{reason}; resume it first.")
+    if refusal := agent.refusal():
+        raise HeartbeatRefused(*refusal)
 
 
 def refuse_unpriced(agent: Agent, *, now: datetime) -> None:
@@ -146,6 +120,46 @@ def refuse_unpriced(agent: Agent, *, now: datetime) -> None:
         )
 
 
+def heartbeat_start(
+    *,
+    agent: Agent,
+    task: str,
+    trigger: str,
+    now: datetime,
+    wait: bool,
+    idempotency_key: str | None = None,
+    force_fresh: bool = False,
+    wait_seconds: float | None = None,
+) -> tuple[HeartbeatRun, bool]:
+    """Wake an agent with a task: the one path of the API, the admin, the `heartbeat`
+    command and the scheduled heartbeat.
+
+    Records a queued run (`heartbeat_enqueue`: the task is validated there, and refusals
+    raise `HeartbeatRefused`); a reused idempotency key returns the earlier run and False,
+    and starts nothing. With `wait`, the run is executed here, waiting up to
+    `wait_seconds` (PAPERCLIP_RUN_TIMEOUT_SECONDS by default) for the agent's current run
+    to finish; 0 tries once and leaves it queued while the agent is busy. Otherwise it is
+    handed to the task cluster when the current transaction commits (`QueueUnavailable`
+    when the queue refuses it: the run stays recorded).
+    """
+    run, created = heartbeat_enqueue(
+        agent=agent, task=task, now=now, idempotency_key=idempotency_key, force_fresh=force_fresh, trigger=trigger
+    )
+    if not created:
+        return run, False
+    if wait:
+        timeout = settings.PAPERCLIP_RUN_TIMEOUT_SECONDS if wait_seconds is None else wait_seconds
+        return heartbeat_wait(run_id=run.id, timeout_seconds=timeout), True
+    try:
+        heartbeat_dispatch(run=run)
+    except Exception as exc:  # the broker (Redis, or the database queue) is down
+        logger.exception("Could not hand run %s to the task queue", run.id)
+        raise QueueUnavailable(
+            "queue_unavailable", f"The task queue is unavailable; run {run.id} is recorded but not started."
+        ) from exc
+    return run, True
+
+
 def heartbeat_enqueue(
     *,
     agent: Agent,
@@ -155,7 +169,10 @@ def heartbeat_enqueue(
     force_fresh: bool = False,
     trigger: str = RunTrigger.API,
 ) -> tuple[HeartbeatRun, bool]:
-    """Create a queued run; with a used idempotency key, return the earlier run (False)."""
+    """Create a queued run; with a used idempotency key, return the earlier run (False).
+
+    The task is validated first, as input is everywhere (400 before any state's 409)."""
+    validate_task(task)
     if idempotency_key and (len(idempotency_key) > IDEMPOTENCY_KEY_LENGTH or not is_storable(idempotency_key)):
         raise HeartbeatRefused(
             "invalid_idempotency_key",
@@ -166,7 +183,6 @@ def heartbeat_enqueue(
         if earlier is not None:
             return _same_request(earlier, task), False
     refuse_unless_active(agent)
-    validate_task(task)
     refuse_unpriced(agent, now=now)
     fields = {
         "company_id": agent.company_id,
@@ -245,7 +261,7 @@ def dispatch_next_queued(*, agent_id) -> None:
 
 
 def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
-    """Move a queued run to running unless another run of its agent is running.
+    """1. claim: move a queued run to running unless another run of its agent is running.
 
     The database decides: a partial unique index allows one `running` row per agent, so
     of two processes claiming at once (any host, any worker) exactly one update succeeds;
@@ -260,10 +276,8 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     if run.status != RunStatus.QUEUED:
         return run, False
     agent = run.agent
-    if agent.status != AgentStatus.ACTIVE:
-        code = "agent_deleted" if agent.status == AgentStatus.DELETED else "agent_paused"
-        if agent.paused_reason == "budget":
-            code = "budget_exceeded"
+    if refusal := agent.refusal():
+        code, _ = refusal
         _finish_failed(run, code=code, message=f"The agent is {agent.status}.", now=now)
         run.refresh_from_db()
         return run, False
@@ -343,131 +357,145 @@ class RunCalls:
             raise RunAbandoned("run_timeout", "The run was reaped as timed out; it made no further call.")
 
 
-@dataclass
-class Plan:
-    """What the model will see, and where the answer will be written."""
-
-    session: AgentSession | None  # the live session resumed, if any
-    history: list
-    retire: AgentSession | None  # a live session that must end before a new one starts
-    retire_reason: str
-    new_session: bool
-    manifest: list = field(default_factory=list)
-    handoff: Handoff | None = None
-
-
-def plan_session(*, agent: Agent, run: HeartbeatRun, now: datetime, settings_: ContextSettings) -> Plan:
-    if not agent.is_persistent:
-        return Plan(session=None, history=[], retire=None, retire_reason="", new_session=False)
-    fresh = Plan(session=None, history=[], retire=None, retire_reason="", new_session=True)
-    live = AgentSession.objects.filter(agent=agent, status__in=LIVE_SESSION_STATUSES).first()
-    if live is None:
-        return fresh
-    reason = retire_reason(live, agent=agent, run=run, now=now, settings_=settings_)
-    if reason == "rotated" and not _link_run(run, live):
-        return fresh  # it ended (or was deleted) meanwhile: nothing is left to rotate
-    if reason:
-        return Plan(session=None, history=[], retire=live, retire_reason=reason, new_session=True)
-    history = store_for(live).read(live)
-    live = _take_session(live, agent=agent, run=run, history=history, now=now)
-    if live is None:
-        return fresh  # expired, ended or deleted since it was read: never resurrected
-    return Plan(
-        session=live, history=history, retire=None, retire_reason="", new_session=False, manifest=list(live.manifest)
-    )
-
-
-def retire_reason(live: AgentSession, *, agent: Agent, run: HeartbeatRun, now: datetime, settings_) -> str:
-    """Why the live session cannot take this run ("" when it can). A session inserted by
-    raw SQL names no model or adapter: it continues with the agent's."""
-    if not live.is_live_at(now):
-        return "expired"
-    if run.force_fresh:
-        return "force_fresh"
-    if live.model not in ("", agent.model_name) or live.adapter_type not in ("", agent.adapter_type):
-        return "config_changed"
-    if rotation_due(live, settings_, now):
-        return "rotated"
-    return ""
-
-
-def _link_run(run: HeartbeatRun, session: AgentSession) -> bool:
-    """Mark `session` as in use by `run` (the sweeps skip sessions with a running run),
-    unless it is no longer live. False when it is gone or ended."""
-    still_live = AgentSession.objects.filter(pk=session.pk, status__in=LIVE_SESSION_STATUSES)
-    try:
-        return bool(HeartbeatRun.objects.filter(id=run.id).filter(Exists(still_live)).update(session=session))
-    except IntegrityError:
-        # A delete committed between the check and this update: the (deferred) foreign
-        # key fails when this one-statement transaction commits.
-        return False
-
-
-def _take_session(
-    live: AgentSession, *, agent: Agent, run: HeartbeatRun, history: list, now: datetime
-) -> AgentSession | None:
-    """Resume `live` for this run; None when it stopped being live after it was read.
-
-    The run is linked first, so from then on neither sweep expires or pauses the session;
-    a sweep that ended it before the link makes the conditional update below find
-    nothing, and the run starts a fresh session instead of resurrecting it.
-    """
-    if not _link_run(run, live):
-        return None
-    fields = {
-        "last_used": now,
-        "expires_at": max(now + agent.session_ttl, live.expires_at or now),
-        "status": SessionStatus.ACTIVE,
-        "paused_at": None,
-        "pause_at": now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS) + idle_pause(agent),
-        **_repairs(live, agent=agent, history=history),
-    }
-    if not AgentSession.objects.filter(pk=live.pk, status__in=LIVE_SESSION_STATUSES).update(**fields):
-        HeartbeatRun.objects.filter(id=run.id, session=live.pk).update(session=None)
-        return None
-    for name, value in fields.items():
-        setattr(live, name, value)
-    return live
-
-
-def _repairs(live: AgentSession, *, agent: Agent, history: list) -> dict:
-    """Fields a row inserted by raw SQL leaves at their defaults, derived from what it holds:
-    the agent's model and adapter, and the counts of the history in its `history` column."""
-    repairs = {}
-    if not live.model:
-        repairs["model"] = agent.model_name
-    if not live.adapter_type:
-        repairs["adapter_type"] = agent.adapter_type
-    if live.store == HistoryStore.DATABASE and live.message_count != len(history):
-        repairs["message_count"] = len(history)
-    numbered = live.archived_message_count + sum(1 for m in history if m.get("kind") not in SUMMARY_KINDS)
-    if live.next_seq < numbered:
-        repairs["next_seq"] = numbered
-    return repairs
+# One run, as its steps.
 
 
 def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     """Run a queued run to a terminal state, or leave it queued while its agent is busy.
 
-    `now` is the heartbeat's logical time (expiry decisions, last_used); the finish time
-    adds the measured duration of the call to it.
+    1. claim: the run becomes `running` unless another run of its agent is;
+    2. plan: the session the answer goes to, and the history the model sees;
+    3. handoff: a rotated session's successor opens with a note the model writes;
+    4. fit: the request, the session compacted first when it would pass its budget;
+    5. reserve: a budgeted run holds the most the call can cost, or is refused;
+    6. call: the adapter, outside any transaction;
+    7. commit: the turns, the session, the ledger row and the run in one transaction;
+       the history file is published after the COMMIT;
+    8. release: the agent's next queued run is dispatched; a failed run's session counts
+       its TTL from the end of the run.
+
+    Steps 2-4 are the adapter's session strategy (`ReplayedHistory` or `OwnSession`). A
+    step that fails raises a `RunFailure`, whose code and message the run keeps; anything
+    else fails the run `internal_error`. `now` is the heartbeat's logical time (expiry
+    decisions, last_used); the finish time adds the measured duration of the run to it.
     """
     now = now or timezone.now()
-    run, claimed = claim_run(run_id=run_id, now=now)
+    run, claimed = claim_run(run_id=run_id, now=now)  # 1
     if not claimed:
         return run
-    started = time.monotonic()
+    clock = RunClock(now=now, started=time.monotonic())
     current = False
     try:
-        current = _run_claimed(run, now=now, started=started)
+        current = _run_claimed(run, now=now, clock=clock)  # 2-7
     except Exception:
         # Never leave a run `running` behind an unexpected error (a bug, a dropped
         # database connection): fail it with the class name and keep the traceback in logs.
         logger.exception("Heartbeat run %s failed unexpectedly", run.id)
-        finished = now + timedelta(seconds=time.monotonic() - started)
-        _finish_failed(
-            run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=finished
+        _finish_failed(run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=clock())
+    return _release(run, current=current, now=now)  # 8
+
+
+def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
+    """Steps 2-7. True when the run succeeded and `run` holds every value written to its row."""
+    beat = ClaimedRun.of(run, now=now, clock=clock)
+    plan = None
+    try:
+        plan = _plan(beat)  # 2
+        plan = _handoff(beat, plan)  # 3
+        reserve = _reservation_after(beat, plan)
+        user_content = user_turn_content(run.task, plan.manifest)
+        plan, request = _fit(beat, plan, user_content, reserve=reserve)  # 4
+        reserve(request)  # 5
+        reply = _call(beat, request)  # 6
+    except Exception as exc:
+        _record_discarded_handoff(run, agent=beat.agent, plan=plan, finished=clock())
+        if not isinstance(exc, RunFailure):
+            raise
+        _fail(beat, exc)
+        return False
+    succeeded = _commit(beat, plan, reply, user_content=user_content, finished=clock())  # 7
+    if beat.budgeted:
+        budgets_enforce(agent=beat.agent, now=now)
+    # A reservation wrote its warning and amount to the row; reading it back is simpler
+    # than tracking them.
+    return succeeded and not beat.budgeted
+
+
+@dataclass(frozen=True)
+class RunClock:
+    """The run's time: its logical start plus what was measured since the claim."""
+
+    now: datetime
+    started: float
+
+    def __call__(self) -> datetime:
+        return self.now + timedelta(seconds=time.monotonic() - self.started)
+
+
+@dataclass(frozen=True)
+class ClaimedRun:
+    """A claimed run and what its steps share; fixed for the whole run."""
+
+    run: HeartbeatRun
+    agent: Agent
+    adapter: RunCalls
+    strategy: SessionStrategy
+    settings_: ContextSettings
+    now: datetime
+    clock: RunClock
+    budgeted: bool  # any budget applies: every call is reserved before it is sent
+
+    @classmethod
+    def of(cls, run: HeartbeatRun, *, now: datetime, clock: RunClock) -> ClaimedRun:
+        agent = run.agent
+        settings_ = context_settings(agent)
+        adapter = get_adapter(agent.adapter_type)
+        return cls(
+            run=run,
+            agent=agent,
+            adapter=RunCalls(adapter, run=run, clock=clock),
+            strategy=session_strategy(adapter),
+            settings_=settings_,
+            now=now,
+            clock=clock,
+            budgeted=run.budgeted,
         )
+
+
+def _plan(beat: ClaimedRun) -> Plan:
+    """2. plan: resume the agent's live session or plan a new one (`sessions_app.plan`)."""
+    return beat.strategy.plan(beat)
+
+
+def _handoff(beat: ClaimedRun, plan: Plan) -> Plan:
+    """3. handoff: when the live session is rotated, the model writes the note that opens
+    its successor (reserved like any call); the plan returned carries it."""
+    return beat.strategy.handoff(beat, plan, reserve=Reservation(beat))
+
+
+def _fit(beat: ClaimedRun, plan: Plan, user_content, *, reserve: Reservation) -> tuple[Plan, AdapterRequest]:
+    """4. fit: the request for this turn. Over the session's budget, older turns are
+    summarised first (each summary reserved and committed on its own): the plan returned
+    is the one the request was built from."""
+    plan, request = beat.strategy.fit(beat, plan, user_content, reserve=reserve)
+    return plan, replace(request, metadata={"run_id": str(beat.run.id), "agent_id": str(beat.agent.id)})
+
+
+def _call(beat: ClaimedRun, request: AdapterRequest) -> AdapterReply:
+    """6. call: the model, outside any transaction (an `AdapterError` when it fails)."""
+    return beat.adapter.call(request)
+
+
+def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
+    """A step failed: the run keeps its code and message; a refused budget pauses agents."""
+    _finish_failed(beat.run, code=failure.code, message=failure.message, now=beat.clock())
+    if isinstance(failure, BudgetExceeded):
+        budgets_enforce(agent=beat.agent, now=beat.now)
+
+
+def _release(run: HeartbeatRun, *, current: bool, now: datetime) -> HeartbeatRun:
+    """8. release: dispatch the agent's next queued run; after a failure, the session's
+    TTL counts from the end of the run. Returns the run as its row says."""
     dispatch_next_queued(agent_id=run.agent_id)
     if not current:
         run.refresh_from_db()
@@ -485,70 +513,96 @@ def session_release(*, session_id, agent: Agent, finished: datetime) -> None:
     )
 
 
-def _run_claimed(run: HeartbeatRun, *, now: datetime, started: float) -> bool:
-    """True when the run succeeded and `run` holds every value written to its row."""
-    agent = run.agent
-    settings_ = context_settings(agent)
+# Session strategies: steps 2-4, chosen by what the adapter declares.
 
-    def elapsed() -> datetime:
-        return now + timedelta(seconds=time.monotonic() - started)
 
-    adapter = RunCalls(get_adapter(agent.adapter_type), run=run, clock=elapsed)
-    budgeted = run.budgeted
-    # Spent by this run's own earlier calls and not yet in the ledger (a handoff note is
-    # recorded with the answer): held on top of each later reservation.
-    unrecorded = Decimal(0)
+class SessionStrategy(Protocol):
+    def plan(self, beat: ClaimedRun) -> Plan: ...
 
-    def reserve(request: AdapterRequest) -> None:
-        # Every model call a budgeted run makes is reserved before it is sent, summaries
-        # included: a budget is never crossed by a call nobody checked.
-        if budgeted:
-            reserve_budget(run=run, agent=agent, adapter=adapter, request=request, now=now, held=unrecorded)
+    def handoff(self, beat: ClaimedRun, plan: Plan, *, reserve: BeforeCall) -> Plan: ...
 
-    plan = None
-    try:
-        plan = plan_session(agent=agent, run=run, now=now, settings_=settings_)
-        if plan.retire_reason == "rotated":
-            write_handoff(agent=agent, adapter=adapter, plan=plan, settings_=settings_, now=now, before_call=reserve)
-            note = plan.handoff.reply
-            if budgeted and note.usage is not None:
-                unrecorded = call_cost(usage=note.usage, model=note.priced_model, at=now)
-        user_content = user_turn_content(run.task, plan.manifest)
-        request = fit_budget(
-            agent=agent,
-            adapter=adapter,
-            run=run,
+    def fit(
+        self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall
+    ) -> tuple[Plan, AdapterRequest]: ...
+
+
+class ReplayedHistory:
+    """The engine keeps the session's history and replays it with every request (today's
+    `claude-code` and `process`): planned, rotated with a handoff note, compacted to fit."""
+
+    def plan(self, beat: ClaimedRun) -> Plan:
+        return plan_session(agent=beat.agent, run=beat.run, now=beat.now, settings_=beat.settings_)
+
+    def handoff(self, beat: ClaimedRun, plan: Plan, *, reserve: BeforeCall) -> Plan:
+        if plan.retire_reason != "rotated":
+            return plan
+        return write_handoff(
+            agent=beat.agent,
+            adapter=beat.adapter,
             plan=plan,
-            user_content=user_content,
-            settings_=settings_,
-            now=now,
+            settings_=beat.settings_,
+            now=beat.now,
             before_call=reserve,
         )
-        request.metadata = {"run_id": str(run.id), "agent_id": str(agent.id)}
-        reserve(request)
-        reply = adapter.call(request)
-    except Exception as exc:
-        _record_discarded_handoff(run, agent=agent, plan=plan, finished=elapsed())
-        if not isinstance(exc, (HistoryUnavailable, StepFailed, BudgetExceeded, AdapterError, RunAbandoned)):
-            raise
-        # Every step's failure carries a stable code and a message for the run row.
-        _finish_failed(run, code=exc.code, message=exc.message, now=elapsed())
-        if isinstance(exc, BudgetExceeded):
-            budgets_enforce(agent=agent, now=now)
-        return False
-    succeeded = _finish_succeeded(
-        run, agent=agent, plan=plan, reply=reply, user_content=user_content, now=now, finished=elapsed()
-    )
-    if budgeted:
-        budgets_enforce(agent=agent, now=now)
-    # A reservation wrote its warning and amount to the row; reading it back is simpler
-    # than tracking them.
-    return succeeded and not budgeted
+
+    def fit(self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall) -> tuple[Plan, AdapterRequest]:
+        return fit_budget(
+            agent=beat.agent,
+            adapter=beat.adapter,
+            run=beat.run,
+            plan=plan,
+            user_content=user_content,
+            settings_=beat.settings_,
+            now=beat.now,
+            before_call=reserve,
+        )
 
 
-def idle_pause(agent: Agent) -> timedelta:
-    minutes = agent.adapter_config.get("idle_pause_minutes") or settings.PAPERCLIP_IDLE_PAUSE_MINUTES
-    return timedelta(minutes=minutes)
+class OwnSession:
+    """The runtime resumes a session it keeps itself and only reports each turn back: the
+    engine still records the turn on the agent's session, but sends only the new one, and
+    never rotates or compacts (the runtime manages its own context)."""
+
+    def plan(self, beat: ClaimedRun) -> Plan:
+        return plan_session(agent=beat.agent, run=beat.run, now=beat.now, settings_=beat.settings_, rotates=False)
+
+    def handoff(self, beat: ClaimedRun, plan: Plan, *, reserve: BeforeCall) -> Plan:
+        return plan
+
+    def fit(self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall) -> tuple[Plan, AdapterRequest]:
+        return plan, build_request(agent=beat.agent, history=[], user_content=user_content, settings=beat.settings_)
+
+
+def session_strategy(adapter) -> SessionStrategy:
+    """An adapter with `keeps_own_session` resumes its own session; the others are replayed."""
+    return OwnSession() if getattr(adapter, "keeps_own_session", False) else ReplayedHistory()
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """5. reserve: called with every request a run sends, summaries included, before it
+    is sent. A budgeted run reserves the call's most possible cost or is refused
+    (`BudgetExceeded`), so a budget is never crossed by a call nobody checked. `held` is
+    what the run's earlier calls spent outside the ledger (a handoff note is recorded
+    with the answer), held on top of each later reservation."""
+
+    beat: ClaimedRun
+    held: Decimal = Decimal(0)
+
+    def __call__(self, request: AdapterRequest) -> None:
+        beat = self.beat
+        if beat.budgeted:
+            reserve_budget(
+                run=beat.run, agent=beat.agent, adapter=beat.adapter, request=request, now=beat.now, held=self.held
+            )
+
+
+def _reservation_after(beat: ClaimedRun, plan: Plan) -> Reservation:
+    """The reservation of the calls after the handoff: it holds the note's cost."""
+    note = plan.handoff.reply if plan.handoff is not None else None
+    if not beat.budgeted or note is None or note.usage is None:
+        return Reservation(beat)
+    return Reservation(beat, held=call_cost(usage=note.usage, model=note.priced_model, at=beat.now))
 
 
 def reserve_budget(
@@ -610,122 +664,137 @@ def _finish_failed(run: HeartbeatRun, *, code: str, message: str, now: datetime)
     )
 
 
-def _finish_succeeded(
-    run: HeartbeatRun,
-    *,
-    agent: Agent,
-    plan: Plan,
-    reply: AdapterReply,
-    user_content,
-    now: datetime,
-    finished: datetime,
-) -> bool:
-    """Commit the answer; True when it committed and `run` was brought up to date."""
+def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, finished: datetime) -> bool:
+    """7. commit: in one durable transaction, the agent row locked first, the session the
+    answer goes to (retiring or creating one as planned), the answer's ledger row, the turn
+    recorded on the session (`AgentSession.record_turn`) and the run's success. The new
+    history is published only after the COMMIT; after a failure it is discarded, and the
+    calls made are still billed.
+
+    True when it committed and `run` holds every value written to its row; False when the
+    run failed instead (a `RunFailure`, recorded on the run).
+    """
+    run, agent, now = beat.run, beat.agent, beat.now
     counts = token_counts(reply.usage) if reply.usage is not None else None
-    staged = None
+    staged = NOTHING_STAGED
     try:
         # Durable: its end is the COMMIT, and the history is published only after it.
         with transaction.atomic(durable=True):
             session = _session_for_answer(agent=agent, run=run, plan=plan, now=now)
-            cost_event = None
-            if reply.usage is not None:
-                cost_event = cost_event_record(
-                    usage=reply.usage,
-                    model=reply.priced_model,
-                    company_id=agent.company_id,
-                    agent_id=agent.id,
-                    session_id=session.id if session else None,
-                    run_id=run.id,
-                    call_number=reply.call_number,
-                    message_id=reply.message_id or None,
-                    at=finished,
-                )
+            cost_event = _answer_cost_event(beat, session, reply, at=finished)
             cost = cost_event.cost_usd if cost_event is not None else None
             if session is not None:
-                store = store_for(session)
-                new_turns = [
-                    {
-                        "role": "user",
-                        "content": user_content,
-                        "at": now.isoformat(),
-                        "run_id": str(run.id),
-                        "seq": session.next_seq,
-                    },
-                    {
-                        "role": "assistant",
-                        "content": reply.content,
-                        "at": finished.isoformat(),
-                        "run_id": str(run.id),
-                        "seq": session.next_seq + 1,
-                        "message_id": reply.message_id,
-                        "usage": counts.__dict__ if counts else None,
-                        "cost_usd": str(cost) if cost is not None else None,
-                    },
-                ]
-                turns = plan.history + new_turns
-                if starts_with_compaction(reply.content):
-                    # Server-side compaction: the API ignores everything before the
-                    # compaction block from now on, so those turns move to the archive.
-                    server_compaction_archive(session, run=run, archived=plan.history, reply=reply, at=finished)
-                    turns = new_turns
-                if plan.handoff is not None:
-                    handoff_record(session, run=run, handoff=plan.handoff, at=now)
-                if turns is new_turns or plan.new_session:
-                    staged = store.stage(session, turns)
-                else:
-                    staged = store.stage_append(session, plan.history, new_turns)
-                session.message_count = len(turns)
-                session.next_seq += 2
-                session.turn_count += 1
-                session.manifest = manifest_merge(
-                    plan.manifest, reported_artifacts(reply.text, reply.artifacts), at=finished
+                turns, staged = _stage_turns(beat, session, plan, reply, user_content, counts, cost, finished=finished)
+                session.record_turn(
+                    message_count=len(turns),
+                    manifest=manifest_merge(
+                        plan.manifest, reported_artifacts(reply.text, reply.artifacts), at=finished
+                    ),
+                    started=now,
+                    finished=finished,
+                    ttl=agent.session_ttl,
+                    idle_pause=idle_pause(agent),
+                    input_tokens=counts.total_input_tokens if counts is not None else None,
+                    output_tokens=counts.output_tokens if counts is not None else None,
+                    cost_usd=cost,
                 )
-                session.last_used = finished
-                session.expires_at = finished + agent.session_ttl
-                session.status = SessionStatus.ACTIVE
-                session.paused_at = None
-                session.pause_at = finished + idle_pause(agent)
-                active = max((finished - now).total_seconds(), 0.0)
-                session.active_seconds += active
-                session.unbilled_active_seconds += active
-                if counts is not None:
-                    session.last_input_tokens = counts.total_input_tokens
-                    session.total_input_tokens += counts.total_input_tokens
-                    session.total_output_tokens += counts.output_tokens
-                if cost is not None:
-                    session.total_cost_usd += cost
-                session.save()
-            outcome = {
-                "status": RunStatus.SUCCEEDED,
-                "session": session,
-                "output": reply.text,
-                "model": reply.model,
-                "message_id": reply.message_id,
-                "stop_reason": reply.stop_reason,
-                "input_tokens": counts.input_tokens if counts else None,
-                "output_tokens": counts.output_tokens if counts else None,
-                "cache_creation_input_tokens": counts.cache_creation_input_tokens if counts else None,
-                "cache_read_input_tokens": counts.cache_read_input_tokens if counts else None,
-                "cost_usd": cost,
-                "finished_at": finished,
-                "reserved_usd": Decimal(0),
-            }
-            updated = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(**outcome)
-            if not updated:
+            outcome = _run_outcome(session, reply, counts, cost, finished=finished)
+            if not HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(**outcome):
                 raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
     except Exception as exc:
-        if staged is not None:
-            staged.discard()
+        staged.discard()
         _record_discarded_calls(run, agent=agent, plan=plan, reply=reply, finished=finished)
-        if not isinstance(exc, (RunAbandoned, HistoryUnavailable)):
+        if not isinstance(exc, RunFailure):
             raise
         _finish_failed(run, code=exc.code, message=exc.message, now=finished)
         return False
-    if staged is not None:
-        staged.publish()
+    staged.publish()
     for name, value in outcome.items():
         setattr(run, name, value)
     return True
+
+
+def _answer_cost_event(beat: ClaimedRun, session: AgentSession | None, reply: AdapterReply, *, at: datetime):
+    """The answer's ledger row (None when the adapter reported no usage)."""
+    if reply.usage is None:
+        return None
+    return cost_event_record(
+        usage=reply.usage,
+        model=reply.priced_model,
+        company_id=beat.agent.company_id,
+        agent_id=beat.agent.id,
+        session_id=session.id if session else None,
+        run_id=beat.run.id,
+        call_number=reply.call_number,
+        message_id=reply.message_id or None,
+        at=at,
+    )
+
+
+def _stage_turns(
+    beat: ClaimedRun,
+    session: AgentSession,
+    plan: Plan,
+    reply: AdapterReply,
+    user_content,
+    counts,
+    cost: Decimal | None,
+    *,
+    finished: datetime,
+) -> tuple[list, StagedHistory]:
+    """The session's history with this turn, staged in its store (published after the
+    COMMIT), and the compaction and handoff records that go with it."""
+    run, now = beat.run, beat.now
+    new_turns = [
+        {
+            "role": "user",
+            "content": user_content,
+            "at": now.isoformat(),
+            "run_id": str(run.id),
+            "seq": session.next_seq,
+        },
+        {
+            "role": "assistant",
+            "content": reply.content,
+            "at": finished.isoformat(),
+            "run_id": str(run.id),
+            "seq": session.next_seq + 1,
+            "message_id": reply.message_id,
+            "usage": counts.__dict__ if counts else None,
+            "cost_usd": str(cost) if cost is not None else None,
+        },
+    ]
+    turns = plan.history + new_turns
+    if starts_with_compaction(reply.content):
+        # Server-side compaction: the API ignores everything before the compaction block
+        # from now on, so those turns move to the archive.
+        server_compaction_archive(session, run=run, archived=plan.history, reply=reply, at=finished)
+        turns = new_turns
+    if plan.handoff is not None:
+        handoff_record(session, run=run, handoff=plan.handoff, at=now)
+    store = store_for(session)
+    if turns is new_turns or plan.new_session:
+        return turns, store.stage(session, turns)
+    return turns, store.stage_append(session, plan.history, new_turns)
+
+
+def _run_outcome(session: AgentSession | None, reply: AdapterReply, counts, cost, *, finished: datetime) -> dict:
+    """The fields of a succeeded run."""
+    return {
+        "status": RunStatus.SUCCEEDED,
+        "session": session,
+        "output": reply.text,
+        "model": reply.model,
+        "message_id": reply.message_id,
+        "stop_reason": reply.stop_reason,
+        "input_tokens": counts.input_tokens if counts else None,
+        "output_tokens": counts.output_tokens if counts else None,
+        "cache_creation_input_tokens": counts.cache_creation_input_tokens if counts else None,
+        "cache_read_input_tokens": counts.cache_read_input_tokens if counts else None,
+        "cost_usd": cost,
+        "finished_at": finished,
+        "reserved_usd": Decimal(0),
+    }
 
 
 def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: datetime) -> AgentSession | None:

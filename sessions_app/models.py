@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime, timedelta
+from decimal import Decimal
 
 from django.db import models
 from django.db.models import Q
@@ -241,6 +242,43 @@ class AgentSession(models.Model):
         if self.status not in LIVE_SESSION_STATUSES:
             return False
         return self.expires_at is None or self.expires_at > now
+
+    def record_turn(
+        self,
+        *,
+        message_count: int,
+        manifest: list,
+        started: datetime,
+        finished: datetime,
+        ttl: timedelta,
+        idle_pause: timedelta,
+        input_tokens: int | None,
+        output_tokens: int | None,
+        cost_usd: Decimal | None,
+    ) -> None:
+        """A heartbeat's answer, committed to this session and saved: two more messages, the
+        clocks restarted from the end of the run (`finished`), the run's active time, tokens
+        and cost added. Called inside the heartbeat's commit, with the row locked and its
+        new history staged (`sessions_app.stores`)."""
+        self.message_count = message_count
+        self.next_seq += 2
+        self.turn_count += 1
+        self.manifest = manifest
+        self.last_used = finished
+        self.expires_at = finished + ttl
+        self.status = SessionStatus.ACTIVE
+        self.paused_at = None
+        self.pause_at = finished + idle_pause
+        active = max((finished - started).total_seconds(), 0.0)
+        self.active_seconds += active
+        self.unbilled_active_seconds += active
+        if input_tokens is not None:
+            self.last_input_tokens = input_tokens
+            self.total_input_tokens += input_tokens
+            self.total_output_tokens += output_tokens or 0
+        if cost_usd is not None:
+            self.total_cost_usd += cost_usd
+        self.save()
 
 
 def session_public_id(session_id: uuid.UUID | None) -> str | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from decimal import Decimal
 
-from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -313,6 +312,8 @@ class HeartbeatRequestSerializer(NoUnknownFieldsMixin, serializers.Serializer):
     task = StrictCharField(
         allow_blank=False,
         trim_whitespace=False,
+        # Its length and content are checked once, where every path checks them
+        # (`heartbeat.validate_task`); the view reports a refusal as this field's error.
         help_text="What the agent should do now. At most PAPERCLIP_MAX_TASK_CHARS characters.",
     )
     idempotency_key = StrictCharField(
@@ -329,14 +330,6 @@ class HeartbeatRequestSerializer(NoUnknownFieldsMixin, serializers.Serializer):
         default=False,
         help_text="true: run now and answer 200 with the finished run; false: 202 with the queued run.",
     )
-
-    def validate_task(self, task: str) -> str:
-        limit = settings.PAPERCLIP_MAX_TASK_CHARS
-        if len(task) > limit:
-            raise serializers.ValidationError(f"At most {limit} characters (got {len(task)}).")
-        if not task.strip():
-            raise serializers.ValidationError("Must not be blank.")
-        return task
 
 
 # Errors (documentation of the one shape every error takes)

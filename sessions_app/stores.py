@@ -1,8 +1,8 @@
 """History stores: where a session's turns live.
 
-Two interchangeable backends behind one small interface, chosen per session when it is
-created (`agent_sessions.store`), so changing PAPERCLIP_SESSION_STORE later never strands
-existing sessions:
+Two interchangeable backends behind one small interface (`HistoryBackend`), chosen per
+session when it is created (`agent_sessions.store`), so changing PAPERCLIP_SESSION_STORE
+later never strands existing sessions:
 - `database`: the `agent_sessions.history` column (jsonb on PostgreSQL);
 - `file`: `PAPERCLIP_HOME/sessions/{agent_id}/{sess_id}.json`.
 
@@ -33,6 +33,7 @@ from django.db import DatabaseError, connection, models, transaction
 from django.db.models import F, Func, Value
 
 from sessions_app.adapters.base import HistoryMessage
+from sessions_app.errors import HistoryUnavailable
 from sessions_app.models import AgentSession, HistoryStore
 
 logger = logging.getLogger(__name__)
@@ -46,15 +47,6 @@ class JSONAppend(Func):
     template = "(%(expressions)s)"
     arg_joiner = " || "
     output_field = models.JSONField()
-
-
-class HistoryUnavailable(Exception):
-    """A session's history cannot be read or written. `code` is stored on the failed run."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class StagedHistory:
@@ -77,13 +69,43 @@ class StagedHistory:
 NOTHING_STAGED = StagedHistory()
 
 
+class HistoryBackend:
+    """What every history store implements, as `SessionBase` is for the backends of
+    `django.contrib.sessions`. Stores are stateless: what one stages belongs to the
+    `StagedHistory` it returns; on the session it sets only the row fields that name the
+    staged history (`StagedHistory.fields`), which the caller saves in its transaction.
+    """
+
+    name: str
+
+    def read(self, session: AgentSession) -> list[HistoryMessage]:
+        """The session's history; `HistoryUnavailable` when it cannot be read."""
+        raise NotImplementedError
+
+    def stage(self, session: AgentSession, history: list[HistoryMessage]) -> StagedHistory:
+        """Step 1 of a write: `history` becomes the session's once the caller's COMMIT
+        names it and `publish()` has run; `HistoryUnavailable` when it cannot be written."""
+        raise NotImplementedError
+
+    def stage_append(
+        self, session: AgentSession, history: list[HistoryMessage], new: list[HistoryMessage]
+    ) -> StagedHistory:
+        """Stage `new` at the end of `history` (what `read` returned). A store that can
+        append without rewriting the history overrides this."""
+        return self.stage(session, history + new)
+
+    def delete(self, session: AgentSession) -> None:
+        """Remove the history kept outside the row (the row itself is the caller's)."""
+        raise NotImplementedError
+
+
 class InRow(StagedHistory):
     """The database store's history travels with the row: the COMMIT is the publication."""
 
     fields = ("history",)
 
 
-class DatabaseStore:
+class DatabaseStore(HistoryBackend):
     name = HistoryStore.DATABASE
 
     def read(self, session: AgentSession) -> list[HistoryMessage]:
@@ -160,7 +182,7 @@ class StagedFile(StagedHistory):
             _unlink_quietly(self.path)
 
 
-class FileStore:
+class FileStore(HistoryBackend):
     name = HistoryStore.FILE
 
     def path_for(self, session: AgentSession) -> Path:
@@ -210,11 +232,6 @@ class FileStore:
         replaced = self.staged_path(session, session.history_version) if session.history_version else None
         session.history_version = version
         return StagedFile(session=session, version=version, path=path, target=self.path_for(session), replaced=replaced)
-
-    def stage_append(
-        self, session: AgentSession, history: list[HistoryMessage], new: list[HistoryMessage]
-    ) -> StagedHistory:
-        return self.stage(session, history + new)
 
     def delete(self, session: AgentSession) -> None:
         path = self.path_for(session)
@@ -352,10 +369,10 @@ def _unlink_quietly(path: Path) -> None:
         logger.warning("Could not remove %s: %s", path, exc)
 
 
-STORES = {HistoryStore.DATABASE: DatabaseStore(), HistoryStore.FILE: FileStore()}
+STORES: dict[str, HistoryBackend] = {HistoryStore.DATABASE: DatabaseStore(), HistoryStore.FILE: FileStore()}
 
 
-def store_for(session: AgentSession) -> DatabaseStore | FileStore:
+def store_for(session: AgentSession) -> HistoryBackend:
     return STORES[HistoryStore(session.store)]
 
 

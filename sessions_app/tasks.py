@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.utils import timezone
 
-from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute
+from sessions_app.heartbeat import HeartbeatRefused, heartbeat_execute, heartbeat_start
 from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
 
 DEFAULT_SCHEDULED_TASK = "Heartbeat: review your assigned work and continue where you left off."
@@ -23,10 +23,15 @@ def scheduled_heartbeat(agent_id: str) -> str:
         return "skipped: a run is already queued"
     task = agent.adapter_config.get("heartbeat_task") or DEFAULT_SCHEDULED_TASK
     try:
-        run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now(), trigger=RunTrigger.SCHEDULE)
+        # The tick already runs in a cluster worker: it executes the run here when the
+        # agent is free and otherwise leaves it queued for the agent's next dispatch,
+        # never holding the worker while it waits.
+        run, _ = heartbeat_start(
+            agent=agent, task=task, trigger=RunTrigger.SCHEDULE, now=timezone.now(), wait=True, wait_seconds=0
+        )
     except HeartbeatRefused as exc:
         return f"skipped: {exc.code}"
-    return heartbeat_execute(run_id=run.id).status
+    return run.status
 
 
 def maintenance() -> dict:

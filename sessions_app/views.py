@@ -7,11 +7,9 @@ the admin and the commands (`sessions_app.services`, `sessions_app.heartbeat`).
 
 from __future__ import annotations
 
-import logging
 from datetime import datetime, timedelta
 from uuid import UUID
 
-from django.conf import settings
 from django.db import transaction
 from django.http import HttpResponse
 from django.urls import reverse
@@ -28,6 +26,7 @@ from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
 from sessions_app.api.exceptions import BadRequest, Conflict, NotFound, ServiceUnavailable, TooManyRequests
 from sessions_app.api.pagination import Keyset, parse_limit
 from sessions_app.api.session_list import SESSION_ORDER, session_list_page
+from sessions_app.errors import HeartbeatRefused, HistoryUnavailable, QueueUnavailable
 from sessions_app.models import (
     Agent,
     AgentSession,
@@ -35,6 +34,7 @@ from sessions_app.models import (
     HeartbeatRun,
     PausedReason,
     RunStatus,
+    RunTrigger,
     SessionStatus,
     parse_session_id,
 )
@@ -50,9 +50,7 @@ from sessions_app.serializers import (
     SessionListSerializer,
 )
 from sessions_app.services import agent_delete, agent_pause, agent_resume, session_delete
-from sessions_app.stores import HistoryUnavailable, store_for
-
-logger = logging.getLogger(__name__)
+from sessions_app.stores import store_for
 
 # Keyset orderings; each is served by an index named in the models.
 AGENT_ORDER = Keyset("name", descending=False)  # agents_company_status_idx
@@ -162,8 +160,6 @@ class AgentDetailView(ApiView):
 # Heartbeats and runs
 
 REFUSALS = {
-    "invalid_task": BadRequest,
-    "task_too_long": BadRequest,
     "invalid_idempotency_key": BadRequest,
     "agent_paused": Conflict,
     "idempotency_key_reused": Conflict,
@@ -183,7 +179,13 @@ def seconds_until_next_utc_month(now: datetime) -> int:
     return max(int((next_month(now) - now) / timedelta(seconds=1)), 1)
 
 
-def refusal_error(exc: heartbeat.HeartbeatRefused, now: datetime) -> Exception:
+# Refusals of the task itself answer as the body's field errors do: 400 `invalid`, naming it.
+TASK_REFUSALS = ("invalid_task", "task_too_long")
+
+
+def refusal_error(exc: HeartbeatRefused, now: datetime) -> Exception:
+    if exc.code in TASK_REFUSALS:
+        return BadRequest("Invalid input: task.", code="invalid", fields={"task": exc.message})
     error_class = REFUSALS.get(exc.code, Conflict)
     if error_class is TooManyRequests:
         retry_after = QUEUE_FULL_RETRY_AFTER_SECONDS if exc.code == "queue_full" else seconds_until_next_utc_month(now)
@@ -216,27 +218,19 @@ class HeartbeatView(ApiView):
         data = serializer.validated_data
         now = timezone.now()
         try:
-            run, created = heartbeat.heartbeat_enqueue(
+            run, _ = heartbeat.heartbeat_start(
                 agent=agent,
                 task=data["task"],
+                trigger=RunTrigger.API,
                 now=now,
+                wait=data["wait"],
                 idempotency_key=data.get("idempotency_key"),
                 force_fresh=data["force_fresh"],
             )
-        except heartbeat.HeartbeatRefused as exc:
+        except HeartbeatRefused as exc:
             raise refusal_error(exc, now) from None
-        if created:
-            if data["wait"]:
-                run = heartbeat.heartbeat_wait(run_id=run.id, timeout_seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
-            else:
-                try:
-                    heartbeat.heartbeat_dispatch(run=run)
-                except Exception as exc:  # the broker (Redis, or the database queue) is down
-                    logger.exception("Could not hand run %s to the task queue", run.id)
-                    raise ServiceUnavailable(
-                        f"The task queue is unavailable; run {run.id} is recorded but not started.",
-                        code="queue_unavailable",
-                    ) from exc
+        except QueueUnavailable as exc:
+            raise ServiceUnavailable(exc.message, code=exc.code) from exc
         answer = status.HTTP_200_OK if run.is_finished else status.HTTP_202_ACCEPTED
         headers = {"Location": run_url(run)} if answer == status.HTTP_202_ACCEPTED else None
         return Response(RunSerializer(run).data, status=answer, headers=headers)

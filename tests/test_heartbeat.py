@@ -673,3 +673,98 @@ def test_two_enqueues_racing_for_the_last_place_in_the_queue_let_one_in(postgres
             cursor.execute("DROP TRIGGER slow_run_insert ON heartbeat_runs; DROP FUNCTION slow_run_insert();")
     assert outcomes == {"first": True, "second": "queue_full"}
     assert HeartbeatRun.objects.filter(agent=persistent_agent, status=RunStatus.QUEUED).count() == 2
+
+
+class SessionKeepingAdapter:
+    """A runtime that resumes a session it keeps itself: it is sent only the new turn."""
+
+    type_name = "own-session-test"
+    keeps_own_session = True
+    config_keys = frozenset({"model"})
+
+    def __init__(self, *, keeps_own_session: bool = True) -> None:
+        self.keeps_own_session = keeps_own_session
+        self.requests = []
+
+    def validate_config(self, config, errors):
+        return {"model": config.get("model", "runtime-model")}
+
+    def call_seconds(self, config) -> float:
+        return 5
+
+    def call(self, request):
+        from sessions_app.adapters import AdapterReply
+
+        self.requests.append(request)
+        text = f"answer {len(self.requests)}"
+        return AdapterReply(text=text, content=text, model=request.model, usage={"input_tokens": 7, "output_tokens": 3})
+
+
+def runtime_agent(company, monkeypatch, adapter):
+    from sessions_app.adapters import ADAPTERS
+    from sessions_app.models import Agent
+
+    monkeypatch.setitem(ADAPTERS, adapter.type_name, adapter)
+    return Agent.objects.create(
+        company=company,
+        name="Runtime",
+        adapter_type=adapter.type_name,
+        # A budget far too small to replay anything, and a rotation after every turn: a
+        # runtime that keeps its own session is neither compacted nor rotated.
+        adapter_config={"session_mode": "persistent", "context_budget_tokens": 1000, "rotate_after_turns": 1},
+    )
+
+
+def test_a_runtime_that_keeps_its_own_session_gets_only_the_new_turn_and_reports_it_back(company, monkeypatch):
+    from sessions_app.models import SessionCompaction
+
+    adapter = SessionKeepingAdapter()
+    agent = runtime_agent(company, monkeypatch, adapter)
+    big = "x" * 6000  # alone over the 1000-token budget: a replayed session could not fit it twice
+
+    runs = [beat(agent, f"{big} task {n}") for n in range(3)]
+
+    assert [run.status for run in runs] == [RunStatus.SUCCEEDED] * 3, [run.error for run in runs]
+    assert [len(request.messages) for request in adapter.requests] == [1, 1, 1]
+    assert adapter.requests[2].messages[0]["content"] == f"{big} task 2"
+    session = AgentSession.objects.get(agent=agent)  # one session: never rotated
+    assert {run.session_id for run in runs} == {session.id}
+    assert (session.turn_count, session.message_count, session.total_output_tokens) == (3, 6, 9)
+    assert [m["content"] for m in store_for(session).read(session)][1::2] == ["answer 1", "answer 2", "answer 3"]
+    assert not SessionCompaction.objects.exists()
+    assert CostEvent.objects.filter(agent=agent).count() == 3
+
+
+def test_a_runtime_without_its_own_session_has_the_history_replayed(company, monkeypatch):
+    adapter = SessionKeepingAdapter(keeps_own_session=False)
+    agent = runtime_agent(company, monkeypatch, adapter)
+    agent.adapter_config = {"session_mode": "persistent"}
+    agent.save()
+
+    beat(agent, "one")
+    beat(agent, "two")
+
+    assert [len(request.messages) for request in adapter.requests] == [1, 3]
+
+
+def test_a_scheduled_tick_on_a_busy_agent_leaves_its_run_queued_without_waiting(persistent_agent, fake_anthropic):
+    from sessions_app.tasks import scheduled_heartbeat
+
+    now = timezone.now()
+    busy, _ = heartbeat_enqueue(agent=persistent_agent, task="busy", now=now)
+    HeartbeatRun.objects.filter(id=busy.id).update(status=RunStatus.RUNNING, started_at=now)
+
+    started = time.monotonic()
+    assert scheduled_heartbeat(str(persistent_agent.id)) == RunStatus.QUEUED
+    assert time.monotonic() - started < 5  # the cluster worker is not held while the agent is busy
+    assert fake_anthropic.message_requests == []
+
+
+def test_the_heartbeat_command_sees_the_run_of_a_repeated_key_through(persistent_agent, fake_anthropic, capsys):
+    from django.core.management import call_command
+
+    heartbeat_enqueue(agent=persistent_agent, task="queued earlier", now=timezone.now(), idempotency_key="k-cmd")
+    call_command("heartbeat", str(persistent_agent.id), "--task", "queued earlier", "--idempotency-key", "k-cmd")
+
+    assert "answer 1: queued earlier" in capsys.readouterr().out
+    assert HeartbeatRun.objects.get().status == RunStatus.SUCCEEDED

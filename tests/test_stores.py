@@ -223,3 +223,12 @@ def test_a_reader_with_an_older_row_never_publishes_over_a_newer_version(persist
 
     assert store.read(AgentSession.objects.get(pk=session.pk)) == third
     assert file_messages(session) == third
+
+
+def test_every_store_implements_the_history_backend_interface():
+    from sessions_app.stores import HistoryBackend
+
+    for name, store in STORES.items():
+        assert isinstance(store, HistoryBackend) and store.name == name
+        for operation in ("read", "stage", "delete"):
+            assert getattr(type(store), operation) is not getattr(HistoryBackend, operation), (name, operation)

@@ -8,6 +8,7 @@ from typing import Any, Protocol, TypedDict
 
 from django.core.exceptions import ValidationError
 
+from sessions_app.errors import RunFailure
 from sessions_app.text import storable
 
 DEFAULT_SESSION_TTL_HOURS = 24
@@ -109,18 +110,20 @@ def usage_error(usage: dict | None) -> str | None:
     return None
 
 
-class AdapterError(Exception):
+class AdapterError(RunFailure):
     """A model call that failed. `code` is stable and stored on the run for operators."""
 
     def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
         self.retryable = retryable
 
 
 class Adapter(Protocol):
     type_name: str
+    # False: the engine keeps the session's history and replays it with every request
+    # (planned, rotated, compacted to fit). True: the runtime resumes a session it keeps
+    # itself; the engine sends only the new turn and records the turn it reports back.
+    keeps_own_session: bool
 
     def validate_config(self, config: dict, errors: dict[str, str]) -> dict: ...
 

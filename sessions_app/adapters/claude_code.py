@@ -104,6 +104,7 @@ def compaction_edit(config: dict) -> dict:
 
 class ClaudeCodeAdapter:
     type_name = "claude-code"
+    keeps_own_session = False  # the engine replays the session's history with every request
     config_keys = {
         "model",
         "max_tokens",

@@ -127,6 +127,7 @@ def command_launch(config: dict, *, commands: Mapping[str, dict], environ: Mappi
 
 class ProcessAdapter:
     type_name = "process"
+    keeps_own_session = False  # the engine replays the session's history with every request
     config_keys = {"command", "args", "timeout_seconds", "model", "cwd"}
 
     def validate_config(self, config: dict, errors: dict[str, str]) -> dict:

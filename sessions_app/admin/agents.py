@@ -251,12 +251,13 @@ class AgentAdmin(admin.ModelAdmin):
             self.start_heartbeat(request, agent=agent, task=DEFAULT_HEARTBEAT_TASK)
 
     def start_heartbeat(self, request, *, agent: Agent, task: str) -> HeartbeatRun | None:
-        from sessions_app.heartbeat import HeartbeatRefused, heartbeat_dispatch, heartbeat_enqueue
+        from sessions_app.heartbeat import HeartbeatRefused, heartbeat_start
 
         try:
             with transaction.atomic():
-                run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now(), trigger=RunTrigger.ADMIN)
-                heartbeat_dispatch(run=run)
+                run, _ = heartbeat_start(
+                    agent=agent, task=task, trigger=RunTrigger.ADMIN, now=timezone.now(), wait=False
+                )
         except HeartbeatRefused as exc:
             self.message_user(request, f"{agent.name}: heartbeat refused ({exc.code}): {exc.message}", messages.ERROR)
             return None

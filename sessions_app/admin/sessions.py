@@ -28,6 +28,7 @@ from sessions_app.admin.common import (
     humane_expiry,
 )
 from sessions_app.admin.transcript import transcript
+from sessions_app.errors import HistoryUnavailable
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     AgentSession,
@@ -37,7 +38,7 @@ from sessions_app.models import (
     session_public_id,
 )
 from sessions_app.serializers import SessionSerializer
-from sessions_app.stores import HistoryUnavailable, store_for
+from sessions_app.stores import store_for
 
 # The raw JSON toggle shows at most this much; the export has the whole history.
 RAW_HISTORY_MAX_CHARS = 500_000

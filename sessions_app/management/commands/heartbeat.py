@@ -8,7 +8,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_wait
+from sessions_app.heartbeat import HeartbeatRefused, heartbeat_start, heartbeat_wait
 from sessions_app.models import Agent, AgentStatus, RunStatus, RunTrigger, parse_session_id
 
 
@@ -28,17 +28,20 @@ class Command(BaseCommand):
         if agent is None:
             raise CommandError(f"No agent with id {agent_id!r}.")
         try:
-            run, _ = heartbeat_enqueue(
+            run, created = heartbeat_start(
                 agent=agent,
                 task=task,
+                trigger=RunTrigger.COMMAND,
                 now=timezone.now(),
+                wait=True,
                 idempotency_key=idempotency_key,
                 force_fresh=force_fresh,
-                trigger=RunTrigger.COMMAND,
             )
         except HeartbeatRefused as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from None
-        run = heartbeat_wait(run_id=run.id, timeout_seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
+        if not created:
+            # A repeated key names an earlier run: the command sees that run through.
+            run = heartbeat_wait(run_id=run.id, timeout_seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
         usage = {
             "input_tokens": run.input_tokens,
             "output_tokens": run.output_tokens,

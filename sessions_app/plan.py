@@ -1,0 +1,155 @@
+"""Planning a heartbeat: which session the answer goes to and what history the model sees.
+
+`plan_session` returns a frozen `Plan`. Later steps (a rotation's handoff note, compaction
+in `sessions_app.compaction`) never change a plan they were handed: they return a new
+one (`dataclasses.replace`), so the engine always holds the plan the next step sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import IntegrityError
+from django.db.models import Exists
+
+from sessions_app.adapters import AdapterReply
+from sessions_app.context import SUMMARY_KINDS, ContextSettings, rotation_due
+from sessions_app.models import (
+    LIVE_SESSION_STATUSES,
+    Agent,
+    AgentSession,
+    HeartbeatRun,
+    HistoryStore,
+    SessionStatus,
+)
+from sessions_app.stores import store_for
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """The note that opens a rotated session, and what writing it cost."""
+
+    summary: str
+    reply: AdapterReply
+    predecessor: AgentSession
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the model will see, and where the answer will be written."""
+
+    session: AgentSession | None  # the live session resumed, if any
+    history: list
+    retire: AgentSession | None  # a live session that must end before a new one starts
+    retire_reason: str
+    new_session: bool
+    manifest: list = field(default_factory=list)
+    handoff: Handoff | None = None
+
+
+def fresh_plan(*, new_session: bool = True) -> Plan:
+    """A plan without a live session: a new one (or none, for a stateless agent)."""
+    return Plan(session=None, history=[], retire=None, retire_reason="", new_session=new_session)
+
+
+def plan_session(
+    *, agent: Agent, run: HeartbeatRun, now: datetime, settings_: ContextSettings, rotates: bool = True
+) -> Plan:
+    """Resume the agent's live session, or plan a new one (retiring the live one when it
+    cannot take this run). `rotates` False: the session is never rotated (its runtime
+    keeps its own context)."""
+    if not agent.is_persistent:
+        return fresh_plan(new_session=False)
+    live = AgentSession.objects.filter(agent=agent, status__in=LIVE_SESSION_STATUSES).first()
+    if live is None:
+        return fresh_plan()
+    reason = retire_reason(live, agent=agent, run=run, now=now, settings_=settings_, rotates=rotates)
+    if reason == "rotated" and not _link_run(run, live):
+        return fresh_plan()  # it ended (or was deleted) meanwhile: nothing is left to rotate
+    if reason:
+        return Plan(session=None, history=[], retire=live, retire_reason=reason, new_session=True)
+    history = store_for(live).read(live)
+    live = _take_session(live, agent=agent, run=run, history=history, now=now)
+    if live is None:
+        return fresh_plan()  # expired, ended or deleted since it was read: never resurrected
+    return Plan(
+        session=live, history=history, retire=None, retire_reason="", new_session=False, manifest=list(live.manifest)
+    )
+
+
+def retire_reason(
+    live: AgentSession, *, agent: Agent, run: HeartbeatRun, now: datetime, settings_, rotates: bool = True
+) -> str:
+    """Why the live session cannot take this run ("" when it can). A session inserted by
+    raw SQL names no model or adapter: it continues with the agent's."""
+    if not live.is_live_at(now):
+        return "expired"
+    if run.force_fresh:
+        return "force_fresh"
+    if live.model not in ("", agent.model_name) or live.adapter_type not in ("", agent.adapter_type):
+        return "config_changed"
+    if rotates and rotation_due(live, settings_, now):
+        return "rotated"
+    return ""
+
+
+def idle_pause(agent: Agent) -> timedelta:
+    minutes = agent.adapter_config.get("idle_pause_minutes") or settings.PAPERCLIP_IDLE_PAUSE_MINUTES
+    return timedelta(minutes=minutes)
+
+
+def _link_run(run: HeartbeatRun, session: AgentSession) -> bool:
+    """Mark `session` as in use by `run` (the sweeps skip sessions with a running run),
+    unless it is no longer live. False when it is gone or ended."""
+    still_live = AgentSession.objects.filter(pk=session.pk, status__in=LIVE_SESSION_STATUSES)
+    try:
+        return bool(HeartbeatRun.objects.filter(id=run.id).filter(Exists(still_live)).update(session=session))
+    except IntegrityError:
+        # A delete committed between the check and this update: the (deferred) foreign
+        # key fails when this one-statement transaction commits.
+        return False
+
+
+def _take_session(
+    live: AgentSession, *, agent: Agent, run: HeartbeatRun, history: list, now: datetime
+) -> AgentSession | None:
+    """Resume `live` for this run; None when it stopped being live after it was read.
+
+    The run is linked first, so from then on neither sweep expires or pauses the session;
+    a sweep that ended it before the link makes the conditional update below find
+    nothing, and the run starts a fresh session instead of resurrecting it.
+    """
+    if not _link_run(run, live):
+        return None
+    fields = {
+        "last_used": now,
+        "expires_at": max(now + agent.session_ttl, live.expires_at or now),
+        "status": SessionStatus.ACTIVE,
+        "paused_at": None,
+        "pause_at": now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS) + idle_pause(agent),
+        **_repairs(live, agent=agent, history=history),
+    }
+    if not AgentSession.objects.filter(pk=live.pk, status__in=LIVE_SESSION_STATUSES).update(**fields):
+        HeartbeatRun.objects.filter(id=run.id, session=live.pk).update(session=None)
+        return None
+    for name, value in fields.items():
+        setattr(live, name, value)
+    return live
+
+
+def _repairs(live: AgentSession, *, agent: Agent, history: list) -> dict:
+    """Fields a row inserted by raw SQL leaves at their defaults, derived from what it holds:
+    the agent's model and adapter, and the counts of the history in its `history` column."""
+    repairs = {}
+    if not live.model:
+        repairs["model"] = agent.model_name
+    if not live.adapter_type:
+        repairs["adapter_type"] = agent.adapter_type
+    if live.store == HistoryStore.DATABASE and live.message_count != len(history):
+        repairs["message_count"] = len(history)
+    numbered = live.archived_message_count + sum(1 for m in history if m.get("kind") not in SUMMARY_KINDS)
+    if live.next_seq < numbered:
+        repairs["next_seq"] = numbered
+    return repairs
