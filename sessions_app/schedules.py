@@ -126,8 +126,13 @@ class HeartbeatPlan:
 # The schedule rows.
 
 
-def agent_schedule_sync(*, agent: Agent, now: datetime | None = None) -> None:
-    """Make the agent's django-q2 schedule match its stored status and configuration."""
+def agent_schedule_sync(*, agent: Agent, now: datetime | None = None, fired: bool = False) -> None:
+    """Make the agent's django-q2 schedule match its stored status and configuration.
+
+    `fired`: called by the heartbeat a cron wake started. That wake is taken, so the next
+    one is armed even if the fired row is still there, due (with Redis the task can start
+    before the scheduler that fired it commits the row's deletion).
+    """
     now = now or timezone.now()
     name = schedule_name(agent.id)
     with transaction.atomic():
@@ -140,7 +145,7 @@ def agent_schedule_sync(*, agent: Agent, now: datetime | None = None) -> None:
         if plan is None or stored["status"] != AgentStatus.ACTIVE:
             Schedule.objects.filter(name=name).delete()
         elif plan.cron:
-            _arm_cron(name=name, agent_id=agent.pk, plan=plan, rows=rows, now=now)
+            _arm_cron(name=name, agent_id=agent.pk, plan=plan, rows=[] if fired else rows, now=now)
         else:
             _arm_interval(name=name, agent_id=agent.pk, plan=plan, rows=rows)
 

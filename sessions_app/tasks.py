@@ -21,7 +21,7 @@ def scheduled_heartbeat(agent_id: str) -> str:
         return "skipped: agent not active"
     # A cron schedule fires once: its next wake is armed before anything here can fail.
     if (plan := HeartbeatPlan.of(agent.adapter_config)) and plan.cron:
-        agent_schedule_sync(agent=agent, now=timezone.now())
+        agent_schedule_sync(agent=agent, now=timezone.now(), fired=True)
     # No pile-up: while a run waits, further ticks add nothing.
     if HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).exists():
         return "skipped: a run is already queued"

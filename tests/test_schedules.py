@@ -148,6 +148,21 @@ def test_a_fired_wake_is_re_armed_by_the_heartbeat_it_starts(persistent_agent, f
     assert row.next_run.minute % 5 == 0
 
 
+def test_a_heartbeat_that_starts_before_its_scheduler_commits_still_arms_the_next_wake(
+    persistent_agent, fake_anthropic
+):
+    """With Redis the task can run while the scheduler that fired it has not yet committed
+    the delete of the fired row: the heartbeat must not take that row, still due, for its
+    next wake, or the commit leaves the agent with no schedule at all."""
+    now = timezone.now()
+    make_cron_agent(persistent_agent, "*/5 * * * *", "UTC", now=now - timedelta(days=1))
+    (fired,) = armed(persistent_agent)
+    assert scheduled_heartbeat(str(persistent_agent.pk)) == RunStatus.SUCCEEDED
+    Schedule.objects.filter(pk=fired.pk).delete()  # the scheduler's commit
+    (row,) = armed(persistent_agent)
+    assert now < row.next_run <= timezone.now() + timedelta(minutes=5)
+
+
 def test_the_maintenance_pass_arms_a_scheduled_agent_left_without_its_row(persistent_agent, stateless_agent):
     now = timezone.now()
     make_cron_agent(persistent_agent, now=now)
