@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import zoneinfo
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -107,7 +108,11 @@ class HeartbeatPlan:
         if next_run is None:
             return []
         step = timedelta(minutes=self.interval_minutes)
-        return [next_run + step * index for index in range(count)]
+        # An overdue schedule (a cluster that was down) fires once, then moves past now.
+        skipped = max(0, math.ceil((now - next_run) / step)) if next_run <= now else 0
+        later = [next_run + step * (skipped + index) for index in range(count)]
+        wakes = ([next_run] if skipped else []) + [wake for wake in later if wake > now]
+        return wakes[:count]
 
     def next_cron_run(self, *, now: datetime, armed: datetime | None) -> datetime:
         """The wake a cron schedule is armed for: the first after `now`, except that an

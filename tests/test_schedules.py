@@ -69,6 +69,17 @@ def test_wakes_are_strictly_after_now_and_a_missing_zone_means_utc():
     assert plan.wakes(now=utc(2026, 5, 1, 9), count=2) == [utc(2026, 5, 2, 9), utc(2026, 5, 3, 9)]
 
 
+def test_an_overdue_interval_wakes_once_then_keeps_its_step():
+    plan = HeartbeatPlan.of({"heartbeat_interval_minutes": 60})
+    now = utc(2026, 5, 1, 12, 30)
+    assert plan.wakes(now=now, count=3, next_run=utc(2026, 5, 1, 9)) == [
+        utc(2026, 5, 1, 9),  # due: django-q2 fires it once (catch_up off) ...
+        utc(2026, 5, 1, 13),  # ... and moves past now on the same step
+        utc(2026, 5, 1, 14),
+    ]
+    assert plan.wakes(now=now, count=2, next_run=utc(2026, 5, 1, 13)) == [utc(2026, 5, 1, 13), utc(2026, 5, 1, 14)]
+
+
 def make_cron_agent(agent, expression: str = "0 9 * * 1-5", zone: str = BERLIN, *, now: datetime):
     config = {key: value for key, value in agent.adapter_config.items() if key != "heartbeat_interval_minutes"}
     agent.adapter_config = {**config, "heartbeat_cron": expression, "heartbeat_timezone": zone}

@@ -171,7 +171,8 @@ class AgentAdmin(admin.ModelAdmin):
 
     @admin.display(description="next wakes")
     def next_wakes(self, obj: Agent) -> str:
-        wakes = agent_next_wakes(agent=obj, now=timezone.now(), count=5)
+        now = timezone.now()
+        wakes = agent_next_wakes(agent=obj, now=now, count=5)
         if not wakes:
             return (
                 "none: no heartbeat schedule"
@@ -181,11 +182,14 @@ class AgentAdmin(admin.ModelAdmin):
         zone = ZoneInfo(HeartbeatPlan.of(obj.adapter_config).zone_name)
         return format_html_join(
             mark_safe("<br>"),
-            '<span class="next-wake">{} <span class="quiet">({} UTC)</span></span>',
+            '<span class="next-wake">{} <span class="quiet">({} UTC)</span>{}</span>',
             (
                 (
                     wake.astimezone(zone).strftime("%a %Y-%m-%d %H:%M %Z"),
                     wake.astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
+                    # An interval schedule past its time (a cluster that is down) fires on the
+                    # scheduler's next pass.
+                    ": due, waiting for the task cluster" if wake <= now else "",
                 )
                 for wake in wakes
             ),

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
 from django.urls import reverse
+from django.utils import timezone
+from django_q.models import Schedule
 
 from sessions_app import heartbeat, services
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, HistoryStore, RunTrigger
+from sessions_app.schedules import schedule_name
 from sessions_app.stores import STORES
 from tests.admin.conftest import conversation, make_run, make_session
 
@@ -311,6 +315,12 @@ def test_an_interval_agent_page_shows_its_wakes_and_a_paused_one_says_none(admin
     agent_schedule_sync(agent=persistent_agent)
     url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
     assert admin_client.get(url).content.decode().count('class="next-wake"') == 5
+    Schedule.objects.filter(name=schedule_name(persistent_agent.pk)).update(
+        next_run=timezone.now() - timedelta(hours=3)
+    )
+    page = admin_client.get(url).content.decode()
+    assert page.count('class="next-wake"') == 5
+    assert page.count(": due, waiting for the task cluster") == 1  # fired once, not replayed
     services.agent_pause(agent=persistent_agent)
     assert "none: the agent is paused" in admin_client.get(url).content.decode()
 
