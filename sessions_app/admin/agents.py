@@ -72,7 +72,9 @@ class AgentAdminForm(forms.ModelForm):
         widget=forms.Textarea(attrs={"rows": 10, "cols": 70, "class": "vLargeTextField", "spellcheck": "false"}),
         help_text=(
             'A JSON object, e.g. {"model": "claude-opus-4-5", "session_mode": "persistent", '
-            '"session_ttl_hours": 24}. Defaults are filled in when saved; unknown keys are refused.'
+            '"session_ttl_hours": 24}. Defaults are filled in when saved; unknown keys are refused. '
+            'Scheduled heartbeats: "heartbeat_interval_minutes": 60, or "heartbeat_cron": "0 9 * * 1-5" '
+            'with "heartbeat_timezone": "Europe/Berlin".'
         ),
     )
 
