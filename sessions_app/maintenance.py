@@ -30,6 +30,7 @@ from sessions_app.models import (
     RunStatus,
     SessionStatus,
 )
+from sessions_app.schedules import schedules_arm_missing
 from sessions_app.services import budgets_release
 from sessions_app.stores import STORES
 
@@ -169,6 +170,7 @@ MAINTENANCE_STEPS = {
     "purged": histories_purge,
     "unstuck": lambda *, now: queues_unstick(),
     "budget_resumed": budget_pauses_release,
+    "schedules_armed": schedules_arm_missing,
 }
 
 

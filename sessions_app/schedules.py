@@ -1,34 +1,120 @@
 """Per-agent heartbeat schedules in django-q2, kept in step with the agent row.
 
-Created, updated and removed idempotently by name whenever an agent is saved, paused or
-deleted; never from AppConfig.ready(). `catch_up` is off in settings, so a cluster that was
-down does not replay every missed tick at once.
+An agent wakes on `heartbeat_interval_minutes` (a django-q2 MINUTES schedule) or on
+`heartbeat_cron` read in `heartbeat_timezone` (default UTC). django-q2's own CRON type reads
+every expression in the server's zone, so a cron agent instead has a ONCE schedule whose
+`next_run` is its next local wake time converted to UTC. django-q2 deletes a ONCE schedule
+(repeats -1) when it fires; `scheduled_heartbeat` arms the following wake first thing, and
+the maintenance pass arms any agent left without its schedule (a task lost with Redis, a
+row deleted by hand). A cluster that was down fires an overdue wake once and re-arms to
+the next future one: no replay storm, like `catch_up` off for interval schedules.
+
+Created, replaced and removed by name whenever an agent is saved, paused or deleted;
+never from AppConfig.ready().
 """
 
 from __future__ import annotations
 
+from datetime import datetime
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
 from django_q.models import Schedule
 
 from sessions_app.models import Agent, AgentStatus
+from sessions_app.wakes import HeartbeatPlan
+
+HEARTBEAT_FUNC = "sessions_app.tasks.scheduled_heartbeat"
 
 
 def schedule_name(agent_id) -> str:
     return f"heartbeat:{agent_id}"
 
 
-def agent_schedule_sync(*, agent: Agent) -> None:
-    interval = (agent.adapter_config or {}).get("heartbeat_interval_minutes") if agent.adapter_config else None
+# The schedule rows.
+
+
+def agent_schedule_sync(*, agent: Agent, now: datetime | None = None, fired: bool = False) -> None:
+    """Make the agent's django-q2 schedule match its stored status and configuration.
+
+    `fired`: called by the heartbeat a cron wake started. That wake is taken, so the next
+    one is armed even if the fired row is still there, due (with Redis the task can start
+    before the scheduler that fired it commits the row's deletion).
+    """
+    now = now or timezone.now()
     name = schedule_name(agent.id)
-    if agent.status != AgentStatus.ACTIVE or not interval:
-        Schedule.objects.filter(name=name).delete()
+    with transaction.atomic():
+        # The agent row's lock serialises every arming of its schedule (a save, a fire's
+        # re-arm, the maintenance pass): two replacing the row at once would leave two rows,
+        # and the agent would wake twice. The row is read under it, not taken from the caller.
+        stored = Agent.objects.select_for_update().filter(pk=agent.pk).values("status", "adapter_config").first()
+        plan = HeartbeatPlan.of(stored["adapter_config"]) if stored else None
+        rows = list(Schedule.objects.filter(name=name))
+        if plan is None or stored["status"] != AgentStatus.ACTIVE:
+            Schedule.objects.filter(name=name).delete()
+        elif plan.cron:
+            _arm_cron(name=name, agent_id=agent.pk, plan=plan, rows=[] if fired else rows, now=now)
+        else:
+            _arm_interval(name=name, agent_id=agent.pk, plan=plan, rows=rows)
+
+
+def _arm_cron(*, name: str, agent_id, plan: HeartbeatPlan, rows: list[Schedule], now: datetime) -> None:
+    armed = rows[0].next_run if len(rows) == 1 and rows[0].schedule_type == Schedule.ONCE else None
+    next_run = plan.next_cron_run(now=now, armed=armed)
+    if armed == next_run:
         return
+    # Replaced, never updated: the scheduler that just fired the old row deletes it by its
+    # id when it commits, which must not take the new wake with it.
+    Schedule.objects.filter(name=name).delete()
+    Schedule.objects.create(
+        name=name,
+        func=HEARTBEAT_FUNC,
+        args=repr((str(agent_id),)),
+        schedule_type=Schedule.ONCE,
+        repeats=-1,
+        next_run=next_run,
+    )
+
+
+def _arm_interval(*, name: str, agent_id, plan: HeartbeatPlan, rows: list[Schedule]) -> None:
+    if any(row.schedule_type != Schedule.MINUTES for row in rows):
+        # Was a cron schedule: the interval starts now, not at the cron's next wake.
+        Schedule.objects.filter(name=name).delete()
     Schedule.objects.update_or_create(
         name=name,
         defaults={
-            "func": "sessions_app.tasks.scheduled_heartbeat",
-            "args": repr((str(agent.id),)),
+            "func": HEARTBEAT_FUNC,
+            "args": repr((str(agent_id),)),
             "schedule_type": Schedule.MINUTES,
-            "minutes": int(interval),
+            "minutes": plan.interval_minutes,
             "repeats": -1,
         },
     )
+
+
+def agent_next_wakes(*, agent: Agent, now: datetime, count: int = 5) -> list[datetime]:
+    """When the agent will wake next (empty when it has no schedule or is not active)."""
+    plan = HeartbeatPlan.of(agent.adapter_config)
+    if plan is None or agent.status != AgentStatus.ACTIVE:
+        return []
+    next_run = None
+    if plan.interval_minutes:
+        next_run = Schedule.objects.filter(name=schedule_name(agent.pk)).values_list("next_run", flat=True).first()
+    return plan.wakes(now=now, count=count, next_run=next_run)
+
+
+def schedules_arm_missing(*, now: datetime) -> int:
+    """Arm every active scheduled agent that has no schedule row; how many were armed."""
+    scheduled = Agent.objects.filter(status=AgentStatus.ACTIVE).filter(
+        Q(adapter_config__has_key="heartbeat_cron") | Q(adapter_config__has_key="heartbeat_interval_minutes")
+    )
+    armed = set(Schedule.objects.filter(name__startswith="heartbeat:").values_list("name", flat=True))
+    missing = [
+        agent
+        for agent in scheduled.only("id", "status", "adapter_config")
+        if schedule_name(agent.pk) not in armed and HeartbeatPlan.of(agent.adapter_config)
+    ]
+    for agent in missing:
+        agent_schedule_sync(agent=agent, now=now)
+    return len(missing)

@@ -6,6 +6,8 @@ from django.utils import timezone
 
 from sessions_app.heartbeat import HeartbeatRefused, heartbeat_execute, heartbeat_start
 from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.schedules import agent_schedule_sync
+from sessions_app.wakes import HeartbeatPlan
 
 DEFAULT_SCHEDULED_TASK = "Heartbeat: review your assigned work and continue where you left off."
 
@@ -18,6 +20,9 @@ def scheduled_heartbeat(agent_id: str) -> str:
     agent = Agent.objects.filter(id=agent_id, status=AgentStatus.ACTIVE).first()
     if agent is None:
         return "skipped: agent not active"
+    # A cron schedule fires once: its next wake is armed before anything here can fail.
+    if (plan := HeartbeatPlan.of(agent.adapter_config)) and plan.cron:
+        agent_schedule_sync(agent=agent, now=timezone.now(), fired=True)
     # No pile-up: while a run waits, further ticks add nothing.
     if HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).exists():
         return "skipped: a run is already queued"

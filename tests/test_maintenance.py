@@ -115,7 +115,16 @@ def test_retention_purges_history_of_long_ended_sessions_only(settings, persiste
 
 def test_maintenance_pass_runs_everything(persistent_agent):
     result = maintenance_pass(now=timezone.now())
-    assert set(result) == {"paused", "expired", "billed", "reaped_agents", "purged", "unstuck", "budget_resumed"}
+    assert set(result) == {
+        "paused",
+        "expired",
+        "billed",
+        "reaped_agents",
+        "purged",
+        "unstuck",
+        "budget_resumed",
+        "schedules_armed",
+    }
 
 
 def test_maintenance_schedule_exists_after_migrate(db):

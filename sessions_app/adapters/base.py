@@ -10,6 +10,7 @@ from django.core.exceptions import ValidationError
 
 from sessions_app.errors import RunFailure
 from sessions_app.text import storable
+from sessions_app.wakes import cron_error, zone_error
 
 DEFAULT_SESSION_TTL_HOURS = 24
 MAX_SESSION_TTL_HOURS = 24 * 366
@@ -152,6 +153,8 @@ COMMON_KEYS = {
     "session_mode",
     "session_ttl_hours",
     "heartbeat_interval_minutes",
+    "heartbeat_cron",
+    "heartbeat_timezone",
     "heartbeat_task",
     "idle_pause_minutes",
     # Context management (sessions_app/context.py)
@@ -197,6 +200,7 @@ def validate_common(config: dict, errors: dict[str, str]) -> dict:
                 f"must be a whole number of minutes (1..44640) or null, got {interval!r}"
             )
         clean["heartbeat_interval_minutes"] = interval
+    validate_cron(config, errors, clean)
     validate_context(config, errors, clean)
     _optional_int(config, "idle_pause_minutes", errors, clean, low=1, high=60 * 24 * 366)
     if "heartbeat_task" in config:
@@ -205,6 +209,26 @@ def validate_common(config: dict, errors: dict[str, str]) -> dict:
             errors["heartbeat_task"] = "must be the text of the scheduled task, or null"
         clean["heartbeat_task"] = task
     return clean
+
+
+def validate_cron(config: dict, errors: dict[str, str], clean: dict) -> None:
+    """`heartbeat_cron` read in `heartbeat_timezone`: instead of an interval, never with one.
+    A zone without an expression is refused rather than ignored: it would look like it
+    shifts an interval, which it cannot."""
+    cron = config.get("heartbeat_cron")
+    if "heartbeat_cron" in config:
+        if cron is not None and (message := cron_error(cron)):
+            errors["heartbeat_cron"] = message
+        elif cron is not None and config.get("heartbeat_interval_minutes") is not None:
+            errors["heartbeat_cron"] = "cannot be combined with heartbeat_interval_minutes: set one of them"
+        clean["heartbeat_cron"] = cron
+    if "heartbeat_timezone" in config:
+        zone = config["heartbeat_timezone"]
+        if zone is not None and (message := zone_error(zone)):
+            errors["heartbeat_timezone"] = message
+        elif zone is not None and cron is None:
+            errors["heartbeat_timezone"] = "applies only to heartbeat_cron: set a cron expression, or remove it"
+        clean["heartbeat_timezone"] = zone
 
 
 def validate_timeout(config: dict, errors: dict[str, str], clean: dict, *, default: float) -> None:

@@ -5,6 +5,8 @@ takes on them (pause, resume, retire, delete, a heartbeat now).
 from __future__ import annotations
 
 import json
+from datetime import UTC
+from zoneinfo import ZoneInfo
 
 from django import forms
 from django.conf import settings
@@ -17,7 +19,8 @@ from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 
 from costs_app.models import CostEvent
 from sessions_app import services
@@ -31,8 +34,9 @@ from sessions_app.admin.common import (
     humane_expiry,
 )
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunTrigger, SessionCompaction
-from sessions_app.schedules import agent_schedule_sync
+from sessions_app.schedules import agent_next_wakes, agent_schedule_sync
 from sessions_app.text import holds_unstorable
+from sessions_app.wakes import HeartbeatPlan
 
 DEFAULT_HEARTBEAT_TASK = "Heartbeat started by an operator from the admin."
 
@@ -69,7 +73,9 @@ class AgentAdminForm(forms.ModelForm):
         widget=forms.Textarea(attrs={"rows": 10, "cols": 70, "class": "vLargeTextField", "spellcheck": "false"}),
         help_text=(
             'A JSON object, e.g. {"model": "claude-opus-4-5", "session_mode": "persistent", '
-            '"session_ttl_hours": 24}. Defaults are filled in when saved; unknown keys are refused.'
+            '"session_ttl_hours": 24}. Defaults are filled in when saved; unknown keys are refused. '
+            'Scheduled heartbeats: "heartbeat_interval_minutes": 60, or "heartbeat_cron": "0 9 * * 1-5" '
+            'with "heartbeat_timezone": "Europe/Berlin".'
         ),
     )
 
@@ -158,7 +164,39 @@ class AgentAdmin(admin.ModelAdmin):
 
     def get_fields(self, request, obj=None):
         fields = ["company", "name", "system_prompt", "adapter_type", "adapter_config"]
-        return fields if obj is None else ["id", *fields, "status", "paused_reason", "created_at", "updated_at"]
+        if obj is None:
+            return fields
+        return ["id", *fields, "next_wakes", "status", "paused_reason", "created_at", "updated_at"]
+
+    def get_readonly_fields(self, request, obj=None):
+        # Only the change page shows wake times: one schedule lookup for one agent.
+        return [*self.readonly_fields, "next_wakes"] if obj is not None else self.readonly_fields
+
+    @admin.display(description="next wakes")
+    def next_wakes(self, obj: Agent) -> str:
+        now = timezone.now()
+        wakes = agent_next_wakes(agent=obj, now=now, count=5)
+        if not wakes:
+            return (
+                "none: no heartbeat schedule"
+                if obj.status == AgentStatus.ACTIVE
+                else f"none: the agent is {obj.status}"
+            )
+        zone = ZoneInfo(HeartbeatPlan.of(obj.adapter_config).zone_name)
+        return format_html_join(
+            mark_safe("<br>"),
+            '<span class="next-wake">{} <span class="quiet">({} UTC)</span>{}</span>',
+            (
+                (
+                    wake.astimezone(zone).strftime("%a %Y-%m-%d %H:%M %Z"),
+                    wake.astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
+                    # An interval schedule past its time (a cluster that is down) fires on the
+                    # scheduler's next pass.
+                    ": due, waiting for the task cluster" if wake <= now else "",
+                )
+                for wake in wakes
+            ),
+        )
 
     @admin.display(description="model")
     def model(self, obj: Agent) -> str:
@@ -200,7 +238,7 @@ class AgentAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
-        # A changed heartbeat_interval_minutes moves the django-q2 schedule with it.
+        # A changed heartbeat_interval_minutes or heartbeat_cron moves the django-q2 schedule with it.
         agent_schedule_sync(agent=obj)
 
     def get_deleted_objects(self, objs, request):

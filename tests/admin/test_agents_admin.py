@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import re
+from datetime import timedelta
+
 import pytest
 from django.urls import reverse
+from django.utils import timezone
+from django_q.models import Schedule
 
-from sessions_app import heartbeat
+from sessions_app import heartbeat, services
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, HistoryStore, RunTrigger
+from sessions_app.schedules import schedule_name
 from sessions_app.stores import STORES
 from tests.admin.conftest import conversation, make_run, make_session
 
@@ -280,6 +286,57 @@ def test_staff_choose_a_listed_command_for_a_process_agent(admin_client, company
 def test_staff_cannot_widen_the_command_list(admin_client, company, listed_commands_authenticated, config, message):
     response = admin_client.post(reverse(ADD), agent_form(company, adapter_type="process", adapter_config=config))
 
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors["adapter_config"]
+    assert any(message in error for error in errors), errors
+    assert not Agent.objects.filter(name="Writer").exists()
+
+
+def test_the_agent_page_shows_the_next_five_wakes_in_the_agents_zone_and_utc(admin_client, persistent_agent):
+    from sessions_app.schedules import agent_schedule_sync
+
+    config = {**persistent_agent.adapter_config, "heartbeat_cron": "30 2 * * *", "heartbeat_timezone": "Europe/Berlin"}
+    persistent_agent.adapter_config = config
+    persistent_agent.save()
+    agent_schedule_sync(agent=persistent_agent)
+    page = admin_client.get(reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])).content.decode()
+    wakes = re.findall(r'<span class="next-wake">(.*?) <span class="quiet">\((.*?) UTC\)</span>', page)
+    assert len(wakes) == 5
+    for local, in_utc in wakes:
+        assert re.fullmatch(r"\w{3} \d{4}-\d\d-\d\d 02:30 CES?T", local), local
+        assert in_utc.endswith(("00:30", "01:30")), in_utc
+
+
+def test_an_interval_agent_page_shows_its_wakes_and_a_paused_one_says_none(admin_client, persistent_agent):
+    from sessions_app.schedules import agent_schedule_sync
+
+    persistent_agent.adapter_config = {**persistent_agent.adapter_config, "heartbeat_interval_minutes": 60}
+    persistent_agent.save()
+    agent_schedule_sync(agent=persistent_agent)
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+    assert admin_client.get(url).content.decode().count('class="next-wake"') == 5
+    Schedule.objects.filter(name=schedule_name(persistent_agent.pk)).update(
+        next_run=timezone.now() - timedelta(hours=3)
+    )
+    page = admin_client.get(url).content.decode()
+    assert page.count('class="next-wake"') == 5
+    assert page.count(": due, waiting for the task cluster") == 1  # fired once, not replayed
+    services.agent_pause(agent=persistent_agent)
+    assert "none: the agent is paused" in admin_client.get(url).content.decode()
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ('{"model": "claude-opus-4-5", "heartbeat_cron": "0 9 * *"}', "heartbeat_cron: must have 5 fields"),
+        (
+            '{"model": "claude-opus-4-5", "heartbeat_cron": "0 9 * * *", "heartbeat_timezone": "Berlin"}',
+            "heartbeat_timezone: must be an IANA time zone",
+        ),
+    ],
+)
+def test_a_bad_cron_or_zone_is_a_field_error_in_the_admin(admin_client, company, config, message):
+    response = admin_client.post(reverse(ADD), agent_form(company, adapter_config=config))
     assert response.status_code == 200
     errors = response.context["adminform"].form.errors["adapter_config"]
     assert any(message in error for error in errors), errors

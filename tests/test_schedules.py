@@ -1,0 +1,274 @@
+"""Heartbeat schedules: cron wake times in the agent's zone, and the django-q2 row that follows them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+from django_q.brokers import get_broker
+from django_q.models import OrmQ, Schedule
+from django_q.scheduler import scheduler
+from django_q.signing import SignedPackage
+
+from sessions_app.maintenance import maintenance_pass
+from sessions_app.models import HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.schedules import agent_next_wakes, agent_schedule_sync, schedule_name
+from sessions_app.services import agent_delete, agent_pause, agent_resume
+from sessions_app.tasks import scheduled_heartbeat
+from sessions_app.wakes import HeartbeatPlan, cron_wakes
+
+BERLIN = "Europe/Berlin"
+
+
+def utc(*args) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+def berlin_wakes(expression: str, after: datetime, count: int) -> list[tuple[str, datetime]]:
+    wakes = cron_wakes(expression=expression, zone_name=BERLIN, after=after, count=count)
+    return [(wake.strftime("%a %m-%d %H:%M %Z"), wake.astimezone(UTC)) for wake in wakes]
+
+
+def test_a_wake_in_the_hour_skipped_in_spring_runs_once_at_the_first_minute_that_exists():
+    # 2026-03-29 02:00 CET becomes 03:00 CEST: 02:30 does not exist that night.
+    assert berlin_wakes("30 2 * * *", after=utc(2026, 3, 27, 12), count=3) == [
+        ("Sat 03-28 02:30 CET", utc(2026, 3, 28, 1, 30)),
+        ("Sun 03-29 03:00 CEST", utc(2026, 3, 29, 1, 0)),
+        ("Mon 03-30 02:30 CEST", utc(2026, 3, 30, 0, 30)),
+    ]
+
+
+def test_a_wake_in_the_hour_repeated_in_autumn_runs_once():
+    # 2026-10-25 03:00 CEST becomes 02:00 CET: 02:30 happens twice; cron runs the first.
+    assert berlin_wakes("30 2 * * *", after=utc(2026, 10, 23, 12), count=3) == [
+        ("Sat 10-24 02:30 CEST", utc(2026, 10, 24, 0, 30)),
+        ("Sun 10-25 02:30 CEST", utc(2026, 10, 25, 0, 30)),
+        ("Mon 10-26 02:30 CET", utc(2026, 10, 26, 1, 30)),
+    ]
+
+
+def test_weekdays_at_nine_stay_at_nine_local_across_both_changes():
+    # 09:00 in Berlin is 08:00 UTC in winter (CET, +1) and 07:00 UTC in summer (CEST, +2).
+    assert berlin_wakes("0 9 * * 1-5", after=utc(2026, 3, 26, 12), count=2) == [
+        ("Fri 03-27 09:00 CET", utc(2026, 3, 27, 8)),
+        ("Mon 03-30 09:00 CEST", utc(2026, 3, 30, 7)),
+    ]
+    assert berlin_wakes("0 9 * * 1-5", after=utc(2026, 10, 22, 12), count=2) == [
+        ("Fri 10-23 09:00 CEST", utc(2026, 10, 23, 7)),
+        ("Mon 10-26 09:00 CET", utc(2026, 10, 26, 8)),
+    ]
+
+
+def test_wakes_are_strictly_after_now_and_a_missing_zone_means_utc():
+    plan = HeartbeatPlan.of({"heartbeat_cron": "0 9 * * *"})
+    assert plan.zone_name == "UTC"
+    assert plan.wakes(now=utc(2026, 5, 1, 9), count=2) == [utc(2026, 5, 2, 9), utc(2026, 5, 3, 9)]
+
+
+def test_an_overdue_interval_wakes_once_then_keeps_its_step():
+    plan = HeartbeatPlan.of({"heartbeat_interval_minutes": 60})
+    now = utc(2026, 5, 1, 12, 30)
+    assert plan.wakes(now=now, count=3, next_run=utc(2026, 5, 1, 9)) == [
+        utc(2026, 5, 1, 9),  # due: django-q2 fires it once (catch_up off) ...
+        utc(2026, 5, 1, 13),  # ... and moves past now on the same step
+        utc(2026, 5, 1, 14),
+    ]
+    assert plan.wakes(now=now, count=2, next_run=utc(2026, 5, 1, 13)) == [utc(2026, 5, 1, 13), utc(2026, 5, 1, 14)]
+
+
+def make_cron_agent(agent, expression: str = "0 9 * * 1-5", zone: str = BERLIN, *, now: datetime):
+    config = {key: value for key, value in agent.adapter_config.items() if key != "heartbeat_interval_minutes"}
+    agent.adapter_config = {**config, "heartbeat_cron": expression, "heartbeat_timezone": zone}
+    agent.full_clean()
+    agent.save()
+    agent_schedule_sync(agent=agent, now=now)
+    return agent
+
+
+def armed(agent) -> list[Schedule]:
+    return list(Schedule.objects.filter(name=schedule_name(agent.pk)))
+
+
+def test_a_cron_agent_is_armed_for_its_next_local_wake(persistent_agent):
+    make_cron_agent(persistent_agent, now=utc(2026, 3, 27, 12))  # a Friday afternoon
+    (row,) = armed(persistent_agent)
+    assert (row.schedule_type, row.repeats, row.func) == (Schedule.ONCE, -1, "sessions_app.tasks.scheduled_heartbeat")
+    assert row.next_run == utc(2026, 3, 30, 7)  # Monday 09:00 CEST
+    assert row.args == repr((str(persistent_agent.pk),))
+
+
+def test_saving_the_agent_re_arms_it_and_keeps_a_wake_that_is_due(persistent_agent):
+    make_cron_agent(persistent_agent, now=utc(2026, 3, 27, 12))
+    # Saved again unchanged: the same wake, the same row.
+    (before,) = armed(persistent_agent)
+    agent_schedule_sync(agent=persistent_agent, now=utc(2026, 3, 28, 12))
+    assert [row.pk for row in armed(persistent_agent)] == [before.pk]
+    # Saved seconds after the wake, before the scheduler took it: that wake still fires.
+    agent_schedule_sync(agent=persistent_agent, now=utc(2026, 3, 30, 7, 0, 20))
+    assert [row.next_run for row in armed(persistent_agent)] == [utc(2026, 3, 30, 7)]
+    # A new expression is armed for its own next wake.
+    make_cron_agent(persistent_agent, "30 2 * * *", now=utc(2026, 3, 28, 12))
+    assert [row.next_run for row in armed(persistent_agent)] == [utc(2026, 3, 29, 1)]  # 03:00 CEST
+
+
+def test_the_schedule_follows_pause_resume_delete_and_a_cleared_cron(persistent_agent):
+    now = timezone.now()
+    make_cron_agent(persistent_agent, now=now)
+    agent_pause(agent=persistent_agent)
+    assert armed(persistent_agent) == []
+    agent_resume(agent=persistent_agent)
+    assert len(armed(persistent_agent)) == 1
+
+    persistent_agent.adapter_config = {**persistent_agent.adapter_config, "heartbeat_cron": None}
+    del persistent_agent.adapter_config["heartbeat_timezone"]
+    persistent_agent.full_clean()
+    persistent_agent.save()
+    agent_schedule_sync(agent=persistent_agent, now=now)
+    assert armed(persistent_agent) == []
+
+    make_cron_agent(persistent_agent, now=now)
+    agent_delete(agent=persistent_agent, now=now)
+    assert armed(persistent_agent) == []
+
+
+def test_switching_between_cron_and_interval_replaces_the_row(persistent_agent):
+    now = timezone.now()
+    make_cron_agent(persistent_agent, now=now)
+    config = {key: value for key, value in persistent_agent.adapter_config.items() if "heartbeat" not in key}
+    persistent_agent.adapter_config = {**config, "heartbeat_interval_minutes": 15}
+    persistent_agent.save()
+    agent_schedule_sync(agent=persistent_agent, now=now)
+    (row,) = armed(persistent_agent)
+    assert (row.schedule_type, row.minutes, row.repeats) == (Schedule.MINUTES, 15, -1)
+    assert row.next_run <= timezone.now()  # an interval starts now, not at the cron's wake
+    make_cron_agent(persistent_agent, now=now)
+    assert [row.schedule_type for row in armed(persistent_agent)] == [Schedule.ONCE]
+
+
+def test_a_fired_wake_is_re_armed_by_the_heartbeat_it_starts(persistent_agent, fake_anthropic):
+    make_cron_agent(persistent_agent, "*/5 * * * *", "UTC", now=timezone.now() - timedelta(days=1))
+    Schedule.objects.filter(name=schedule_name(persistent_agent.pk)).delete()  # as django-q2 does on firing
+    assert scheduled_heartbeat(str(persistent_agent.pk)) == RunStatus.SUCCEEDED
+    (row,) = armed(persistent_agent)
+    now = timezone.now()
+    assert now < row.next_run <= now + timedelta(minutes=5)
+    assert row.next_run.minute % 5 == 0
+
+
+def test_a_heartbeat_that_starts_before_its_scheduler_commits_still_arms_the_next_wake(
+    persistent_agent, fake_anthropic
+):
+    """With Redis the task can run while the scheduler that fired it has not yet committed
+    the delete of the fired row: the heartbeat must not take that row, still due, for its
+    next wake, or the commit leaves the agent with no schedule at all."""
+    now = timezone.now()
+    make_cron_agent(persistent_agent, "*/5 * * * *", "UTC", now=now - timedelta(days=1))
+    (fired,) = armed(persistent_agent)
+    assert scheduled_heartbeat(str(persistent_agent.pk)) == RunStatus.SUCCEEDED
+    Schedule.objects.filter(pk=fired.pk).delete()  # the scheduler's commit
+    (row,) = armed(persistent_agent)
+    assert now < row.next_run <= timezone.now() + timedelta(minutes=5)
+
+
+def test_the_maintenance_pass_arms_a_scheduled_agent_left_without_its_row(persistent_agent, stateless_agent):
+    now = timezone.now()
+    make_cron_agent(persistent_agent, now=now)
+    Schedule.objects.all().filter(name__startswith="heartbeat:").delete()  # a task lost with Redis
+    result = maintenance_pass(now=now)
+    assert result["schedules_armed"] == 1
+    assert len(armed(persistent_agent)) == 1 and armed(stateless_agent) == []
+    assert maintenance_pass(now=now)["schedules_armed"] == 0
+
+
+def run_queued_tasks() -> list[str]:
+    """What a cluster worker does with each queued task: call its function with its args."""
+    from django.utils.module_loading import import_string
+
+    broker = get_broker()
+    results = []
+    while tasks := broker.dequeue():
+        for ack_id, payload in tasks:
+            task = SignedPackage.loads(payload)
+            results.append(import_string(task["func"])(*task["args"], **task["kwargs"]))
+            broker.acknowledge(ack_id)
+    return results
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_real_scheduler_pass_fires_a_due_cron_wake_once_and_re_arms_the_next_future_one(
+    persistent_agent, fake_anthropic
+):
+    # (Transactional: the scheduler closes the connection it finds, as in a cluster.)
+    # Armed three days ago for the wakes of a cluster that was down since: one is due.
+    make_cron_agent(persistent_agent, "0 * * * *", BERLIN, now=timezone.now() - timedelta(days=3))
+    (due,) = armed(persistent_agent)
+    assert due.next_run < timezone.now()
+    Schedule.objects.exclude(pk=due.pk).update(next_run=timezone.now() + timedelta(days=1))  # maintenance
+
+    scheduler(broker=get_broker())
+    assert armed(persistent_agent) == []  # django-q2 deletes a ONCE schedule that fired
+    assert OrmQ.objects.count() == 1  # one tick, not a replay of 72 missed hours
+
+    assert run_queued_tasks() == [RunStatus.SUCCEEDED]
+    run = HeartbeatRun.objects.get(agent=persistent_agent)
+    assert run.trigger == RunTrigger.SCHEDULE
+    (row,) = armed(persistent_agent)
+    now = timezone.now()
+    assert now < row.next_run <= now + timedelta(hours=1)
+    assert row.next_run.astimezone(ZoneInfo(BERLIN)).minute == 0
+
+    scheduler(broker=get_broker())  # not due yet: nothing fires
+    assert OrmQ.objects.count() == 0 and len(armed(persistent_agent)) == 1
+
+
+def test_next_wakes_of_an_interval_count_from_its_schedule(persistent_agent):
+    persistent_agent.adapter_config = {**persistent_agent.adapter_config, "heartbeat_interval_minutes": 90}
+    persistent_agent.save()
+    agent_schedule_sync(agent=persistent_agent)
+    start = Schedule.objects.get(name=schedule_name(persistent_agent.pk)).next_run
+    wakes = agent_next_wakes(agent=persistent_agent, now=timezone.now(), count=3)
+    assert wakes == [start, start + timedelta(minutes=90), start + timedelta(minutes=180)]
+    agent_pause(agent=persistent_agent)
+    assert agent_next_wakes(agent=persistent_agent, now=timezone.now()) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_armings_at_once_leave_one_row(postgres_only, persistent_agent):
+    """A save and a fire's re-arm racing, the first one's insert still uncommitted (held by
+    a sleeping trigger): without the agent-row lock both find no row, both insert, and the
+    agent wakes twice at every wake."""
+    now = timezone.now()
+    make_cron_agent(persistent_agent, "0 9 * * *", now=now)
+    Schedule.objects.filter(name=schedule_name(persistent_agent.pk)).delete()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION slow_schedule_insert() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; "
+            "END $$ LANGUAGE plpgsql; CREATE TRIGGER slow_schedule_insert BEFORE INSERT ON django_q_schedule "
+            "FOR EACH ROW EXECUTE FUNCTION slow_schedule_insert();"
+        )
+
+    def arm():
+        try:
+            agent_schedule_sync(agent=persistent_agent, now=now)
+        finally:
+            connection.close()
+
+    try:
+        first = threading.Thread(target=arm)
+        first.start()
+        time.sleep(0.3)  # the first is inside its insert
+        second = threading.Thread(target=arm)
+        second.start()
+        first.join(10)
+        second.join(10)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER slow_schedule_insert ON django_q_schedule; DROP FUNCTION slow_schedule_insert();"
+            )
+    assert len(armed(persistent_agent)) == 1
