@@ -286,6 +286,14 @@ def session_public_id(session_id: uuid.UUID | None) -> str | None:
     return SESSION_ID_PREFIX + session_id.hex if session_id else None
 
 
+def parse_uuid(value: str) -> uuid.UUID | None:
+    """A plain UUID (companies, agents, runs); None if `value` is not one."""
+    try:
+        return uuid.UUID(str(value).strip())
+    except ValueError:
+        return None
+
+
 def parse_session_id(value: str) -> uuid.UUID | None:
     """A session id in either public form (`sess_<hex>`) or as a plain UUID; None if neither."""
     text = str(value).strip()
@@ -293,10 +301,7 @@ def parse_session_id(value: str) -> uuid.UUID | None:
         text = text[len(SESSION_ID_PREFIX) :]
         if len(text) != 32:
             return None
-    try:
-        return uuid.UUID(text)
-    except ValueError:
-        return None
+    return parse_uuid(text)
 
 
 class RunStatus(models.TextChoices):

@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from sessions_app.heartbeat import HeartbeatRefused, heartbeat_start, heartbeat_wait
-from sessions_app.models import Agent, AgentStatus, RunStatus, RunTrigger, parse_session_id
+from sessions_app.models import Agent, AgentStatus, RunStatus, RunTrigger, parse_uuid
 
 
 class Command(BaseCommand):
@@ -23,7 +23,7 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="Print the run as JSON.")
 
     def handle(self, *args, agent_id: str, task: str, idempotency_key, force_fresh: bool, **options):
-        agent_uuid = parse_session_id(agent_id)
+        agent_uuid = parse_uuid(agent_id)
         agent = Agent.objects.filter(id=agent_uuid).exclude(status=AgentStatus.DELETED).first() if agent_uuid else None
         if agent is None:
             raise CommandError(f"No agent with id {agent_id!r}.")
