@@ -153,11 +153,12 @@ def main() -> None:
     session = AgentSession.objects.get(agent=persistent, status="active")
     prior = session.message_count
     results[f"turn {HISTORY_TURNS + 1}+ (persistent, {prior} prior messages)"] = measure(persistent, PER_ROUND // 4)
+    latency = float(os.environ.get("FAKE_LATENCY_MS", "0"))
     commit_ms = committed_write_ms()
+    idle_commit_ms = committed_write_ms(n=25, idle_seconds=latency / 1000) if latency else None
     fake.terminate()
     fake.wait()
 
-    latency = float(os.environ.get("FAKE_LATENCY_MS", "0"))
     print(f"store={store_for(session).name} fake latency={latency:g} ms rounds={ROUNDS} per_round={PER_ROUND}")
     # The restated goals (issue 13): with a model's latency, the engine keeps 0.95 of the
     # bare rate; with none, what it adds per heartbeat is compared with what the floor adds.
@@ -180,6 +181,15 @@ def main() -> None:
         f"two such writes (the run before the call, the ledger after) cap any engine at ratio "
         f"{call_ms / (call_ms + 2 * commit_ms):.2f}"
     )
+    if latency:
+        # What the 0.95 goal leaves per heartbeat, and why the same statements cost more
+        # here than back to back: each one follows the call's idle wait, or a statement
+        # that did.
+        print(
+            f"allowance: ratio 0.95 leaves {call_ms * (1 / 0.95 - 1):.2f} ms beside a {call_ms:.1f} ms call; "
+            f"the floor uses {floor_.overhead_ms:.2f} ms of it. The same committed INSERT takes "
+            f"{idle_commit_ms:.3f} ms after {latency:g} ms idle (back to back: {commit_ms:.3f} ms)"
+        )
 
 
 class Figures:
@@ -195,8 +205,10 @@ class Figures:
         )
 
 
-def committed_write_ms(n: int = 2000) -> float:
-    """The cheapest durable write there is: one small row, its own transaction, no ORM."""
+def committed_write_ms(n: int = 2000, idle_seconds: float = 0) -> float:
+    """The cheapest durable write there is: one small row, its own transaction, no ORM.
+    With `idle_seconds`, each write follows that long a wait, as the engine's first
+    statements after a model call do (the median write; the waits are not counted)."""
     import uuid
 
     from django.db import connection
@@ -204,6 +216,14 @@ def committed_write_ms(n: int = 2000) -> float:
     with connection.cursor() as cursor:
         cursor.execute("CREATE TABLE bench_commit_probe (id uuid PRIMARY KEY, at timestamptz NOT NULL)")
         try:
+            if idle_seconds:
+                times = []
+                for _ in range(n):
+                    time.sleep(idle_seconds)
+                    start = time.perf_counter()
+                    cursor.execute("INSERT INTO bench_commit_probe VALUES (%s, now())", [uuid.uuid4()])
+                    times.append(time.perf_counter() - start)
+                return statistics.median(times) * 1000
             start = time.perf_counter()
             for _ in range(n):
                 cursor.execute("INSERT INTO bench_commit_probe VALUES (%s, now())", [uuid.uuid4()])
