@@ -13,6 +13,11 @@ The database named in DATABASE_URL is created when missing and migrated; its tab
 emptied first. Measured at turn 1 (stateless) and at turns 200+ of a persistent session
 (the bare SDK replays those very requests). FAKE_LATENCY_MS=200 makes the fake
 answer like a (fast) model would, for the overhead as an operator sees it.
+
+Each line also prints the overhead per heartbeat: the engine's time per call minus the
+bare SDK's, in the same round (median over rounds). The goals (issue 13): at 200 ms,
+engine/bare >= 0.95 at turn 1 and turn 200; at 0 ms, turn 1's overhead at most twice the
+floor's, and turn 200's at most twice turn 1's.
 """
 
 from __future__ import annotations
@@ -119,7 +124,7 @@ def main() -> None:
 
     bodies: list[dict] = []
 
-    def measure(agent, n: int) -> tuple[float, float]:
+    def measure(agent, n: int) -> Figures:
         nonlocal bodies
         engine_rates, bare_rates = [], []
         for _ in range(ROUNDS):
@@ -128,7 +133,7 @@ def main() -> None:
             bodies = engine_requests()
             assert len(bodies) == n, len(bodies)
             bare_rates.append(bare_sdk(bodies))
-        return statistics.median(engine_rates), statistics.median(bare_rates)
+        return Figures(engine_rates, bare_rates)
 
     # Warm both paths (connections, imports) before measuring.
     engine(stateless, 5)
@@ -142,30 +147,69 @@ def main() -> None:
         floor_rates.append(floor(stateless, bare, plain))
         bare_rates.append(bare_sdk(plain))
     floor_label = "turn 1, floor: the fewest statements any engine needs, hand-written SQL"
-    results[floor_label] = (statistics.median(floor_rates), statistics.median(bare_rates))
+    results[floor_label] = Figures(floor_rates, bare_rates)
     # Grow the persistent session to 199 turns through the engine itself.
     engine(persistent, HISTORY_TURNS)
     session = AgentSession.objects.get(agent=persistent, status="active")
     prior = session.message_count
     results[f"turn {HISTORY_TURNS + 1}+ (persistent, {prior} prior messages)"] = measure(persistent, PER_ROUND // 4)
+    latency = float(os.environ.get("FAKE_LATENCY_MS", "0"))
     commit_ms = committed_write_ms()
+    idle_commit_ms = committed_write_ms(n=25, idle_seconds=latency / 1000) if latency else None
     fake.terminate()
     fake.wait()
 
-    latency = os.environ.get("FAKE_LATENCY_MS", "0")
-    print(f"store={store_for(session).name} fake latency={latency} ms rounds={ROUNDS} per_round={PER_ROUND}")
-    for label, (ours, theirs) in results.items():
-        print(f"{label}: engine {ours:.1f}/s, bare SDK {theirs:.1f}/s, ratio {ours / theirs:.2f} (goal >= 0.80)")
-    call_ms = 1000 / results["turn 1 (stateless)"][1]
+    print(f"store={store_for(session).name} fake latency={latency:g} ms rounds={ROUNDS} per_round={PER_ROUND}")
+    # The restated goals (issue 13): with a model's latency, the engine keeps 0.95 of the
+    # bare rate; with none, what it adds per heartbeat is compared with what the floor adds.
+    goal = " (goal >= 0.95)" if latency else ""
+    for label, figures in results.items():
+        ours, theirs = figures.engine, figures.bare
+        print(
+            f"{label}: engine {ours:.1f}/s, bare SDK {theirs:.1f}/s, ratio {ours / theirs:.2f}"
+            f"{'' if 'floor' in label else goal}, overhead {figures.overhead_ms:.2f} ms/heartbeat"
+        )
+    turn_1, floor_, turn_200 = results.values()
+    goal = " (goal <= 2)" if not latency else ""  # these two goals are set at zero latency
+    print(
+        f"overhead: turn 1 {turn_1.overhead_ms:.2f} ms, floor {floor_.overhead_ms:.2f} ms, "
+        f"turn 200 {turn_200.overhead_ms:.2f} ms; turn 1 / floor {turn_1.overhead_ms / floor_.overhead_ms:.2f}"
+        f"{goal}, turn 200 / turn 1 {turn_200.overhead_ms / turn_1.overhead_ms:.2f}{goal}"
+    )
+    call_ms = 1000 / turn_1.bare
     print(
         f"bound: one committed single-row INSERT takes {commit_ms:.3f} ms, a bare call {call_ms:.3f} ms; "
         f"two such writes (the run before the call, the ledger after) cap any engine at ratio "
         f"{call_ms / (call_ms + 2 * commit_ms):.2f}"
     )
+    if latency:
+        # What the 0.95 goal leaves per heartbeat, and why the same statements cost more
+        # here than back to back: each one follows the call's idle wait, or a statement
+        # that did.
+        print(
+            f"allowance: ratio 0.95 leaves {call_ms * (1 / 0.95 - 1):.2f} ms beside a {call_ms:.1f} ms call; "
+            f"the floor uses {floor_.overhead_ms:.2f} ms of it. The same committed INSERT takes "
+            f"{idle_commit_ms:.3f} ms after {latency:g} ms idle (back to back: {commit_ms:.3f} ms)"
+        )
 
 
-def committed_write_ms(n: int = 2000) -> float:
-    """The cheapest durable write there is: one small row, its own transaction, no ORM."""
+class Figures:
+    """One line's rounds: heartbeats per second through the engine (or the floor) and the
+    bare SDK's replay of the same requests, round by round."""
+
+    def __init__(self, engine_rates: list[float], bare_rates: list[float]) -> None:
+        self.engine = statistics.median(engine_rates)
+        self.bare = statistics.median(bare_rates)
+        # What the engine adds to each call, per round (the same requests, moments apart).
+        self.overhead_ms = statistics.median(
+            1000 / ours - 1000 / theirs for ours, theirs in zip(engine_rates, bare_rates, strict=True)
+        )
+
+
+def committed_write_ms(n: int = 2000, idle_seconds: float = 0) -> float:
+    """The cheapest durable write there is: one small row, its own transaction, no ORM.
+    With `idle_seconds`, each write follows that long a wait, as the engine's first
+    statements after a model call do (the median write; the waits are not counted)."""
     import uuid
 
     from django.db import connection
@@ -173,6 +217,14 @@ def committed_write_ms(n: int = 2000) -> float:
     with connection.cursor() as cursor:
         cursor.execute("CREATE TABLE bench_commit_probe (id uuid PRIMARY KEY, at timestamptz NOT NULL)")
         try:
+            if idle_seconds:
+                times = []
+                for _ in range(n):
+                    time.sleep(idle_seconds)
+                    start = time.perf_counter()
+                    cursor.execute("INSERT INTO bench_commit_probe VALUES (%s, now())", [uuid.uuid4()])
+                    times.append(time.perf_counter() - start)
+                return statistics.median(times) * 1000
             start = time.perf_counter()
             for _ in range(n):
                 cursor.execute("INSERT INTO bench_commit_probe VALUES (%s, now())", [uuid.uuid4()])

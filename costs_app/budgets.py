@@ -196,6 +196,17 @@ def budgets_exist(*, company_id_ref: str, agent_id_ref: str) -> Exists:
     )
 
 
+def money_budgets_exist(*, company_id_ref: str, agent_id_ref: str) -> Exists:
+    """Whether a budget with a money limit applies to an agent, as an expression over
+    another query's columns (as `budgets_exist`): such an agent's model must have a price."""
+    money = Q(daily_limit_usd__isnull=False) | Q(monthly_limit_usd__isnull=False) | Q(lifetime_limit_usd__isnull=False)
+    return Exists(
+        Budget.objects.filter(
+            Q(agent__isnull=True) | Q(agent_id=OuterRef(agent_id_ref)), money, company_id=OuterRef(company_id_ref)
+        )
+    )
+
+
 def budget_headroom(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> Decimal | None:
     """The least money left under any limit (None without spending limits). Advisory:
     budget_reserve decides under the lock."""

@@ -411,10 +411,6 @@ def serve_forever() -> None:
         fake.server.server_close()
 
 
-if __name__ == "__main__":
-    serve_forever()
-
-
 def content_error(messages) -> str | None:
     """The real API's content rules, with its messages: what it refuses with a 400."""
     if not isinstance(messages, list) or not messages:
@@ -458,3 +454,8 @@ def plain_system(body: dict) -> str:
 
 def text_turn(role: str, text: str) -> dict:
     return {"role": role, "content": [{"type": "text", "text": text}]}
+
+
+# Last, so that every function the server calls is defined when it runs as a script.
+if __name__ == "__main__":
+    serve_forever()

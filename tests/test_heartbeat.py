@@ -380,11 +380,11 @@ def test_a_heartbeat_makes_the_same_few_queries_however_long_the_session(
     agent = persistent_agent if mode == "persistent" else stateless_agent
     for i in range(20):
         beat(agent, f"turn {i}")
-    # Budgets and the queue bound's count (and, on PostgreSQL, its advisory lock) at enqueue,
-    # claim, session read, link and touch, the agent's lock, price, ledger row, session and
-    # run updates, next queued run, and the savepoints around them: none of it per message
-    # of history.
-    with django_assert_max_num_queries(19 if mode == "stateless" else 24):
+    # The queue bound's count with the budget check in one query (and, on PostgreSQL, its
+    # advisory lock) at enqueue, claim, session read, link and touch, the agent's lock,
+    # price, ledger row, session and run updates, next queued run, and the savepoints
+    # around them: none of it per message of history.
+    with django_assert_max_num_queries(18 if mode == "stateless" else 23):
         assert beat(agent, "turn 20").status == RunStatus.SUCCEEDED
 
 
