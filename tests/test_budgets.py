@@ -17,12 +17,8 @@ from sessions_app.context import build_request, context_settings, estimate_token
 from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute, heartbeat_wait
 from sessions_app.models import Agent, AgentSession, RunStatus
 from sessions_app.stores import store_for
+from tests.conftest import beat
 from tests.fake_anthropic import Reply, dense_tokens
-
-
-def beat(agent, task):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
-    return heartbeat_execute(run_id=run.id)
 
 
 def plain_input_estimate(agent, task: str, history: list | None = None) -> Decimal:

@@ -13,23 +13,12 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
 from sessions_app.maintenance import runs_reap
-from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus
 from sessions_app.services import session_delete
 from sessions_app.stores import store_for
-from tests.conftest import on_own_connection
+from tests.conftest import beat, on_own_connection, user_turns
 from tests.fake_anthropic import Reply
-
-
-@pytest.fixture(autouse=True)
-def file_store(settings):
-    settings.PAPERCLIP_SESSION_STORE = HistoryStore.FILE
-
-
-def beat(agent, task):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
-    return heartbeat_execute(run_id=run.id)
 
 
 def compacting_agent(company) -> Agent:
@@ -49,14 +38,9 @@ def compacting_agent(company) -> Agent:
     return agent
 
 
-def user_turns(session) -> list:
-    session.refresh_from_db()
-    return [m["content"] for m in store_for(session).read(session) if m["role"] == "user"]
-
-
 @pytest.mark.django_db(transaction=True)
 def test_a_compaction_whose_commit_fails_leaves_the_old_file_and_the_next_heartbeat_compacts_again(
-    company, fake_anthropic, refuse_at_commit
+    file_store, company, fake_anthropic, refuse_at_commit
 ):
     agent = compacting_agent(company)
     session = AgentSession.objects.get(agent=agent)
@@ -78,7 +62,9 @@ def test_a_compaction_whose_commit_fails_leaves_the_old_file_and_the_next_heartb
     assert user_turns(session)[-1] == "z" * 2400
 
 
-def test_a_compaction_whose_rename_fails_after_the_commit_loses_nothing(company, fake_anthropic, monkeypatch):
+def test_a_compaction_whose_rename_fails_after_the_commit_loses_nothing(
+    file_store, company, fake_anthropic, monkeypatch
+):
     agent = compacting_agent(company)
     session = AgentSession.objects.get(agent=agent)
     real_replace = os.replace
@@ -107,7 +93,7 @@ def test_a_compaction_whose_rename_fails_after_the_commit_loses_nothing(company,
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_run_reaped_during_its_summary_commits_nothing_and_still_bills_it(company, fake_anthropic):
+def test_a_run_reaped_during_its_summary_commits_nothing_and_still_bills_it(file_store, company, fake_anthropic):
     agent = Agent.objects.create(
         company=company,
         name="long-running",
@@ -144,7 +130,7 @@ def test_a_run_reaped_during_its_summary_commits_nothing_and_still_bills_it(comp
 
 @pytest.mark.django_db(transaction=True)
 def test_a_session_deleted_during_its_summary_call_fails_the_run_as_session_deleted(
-    company, fake_anthropic, paperclip_home
+    file_store, company, fake_anthropic, paperclip_home
 ):
     agent = Agent.objects.create(
         company=company,

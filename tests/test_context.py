@@ -9,24 +9,10 @@ from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
 from sessions_app.context import SUMMARY_KINDS, SUMMARY_SYSTEM, estimate_tokens
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
 from sessions_app.models import Agent, AgentSession, RunStatus, SessionCompaction, SessionStatus
 from sessions_app.stores import store_for
+from tests.conftest import beat, context_agent
 from tests.fake_anthropic import Reply, plain_messages, plain_system
-
-
-def beat(agent, task, **kwargs):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now(), **kwargs)
-    return heartbeat_execute(run_id=run.id)
-
-
-def persistent(company, **config):
-    return Agent.objects.create(
-        company=company,
-        name="ctx",
-        system_prompt="You are a long-running agent.",
-        adapter_config={"model": "claude-opus-4-5", "session_mode": "persistent", **config},
-    )
 
 
 def is_summary_request(body):
@@ -42,7 +28,7 @@ def full_record(session):
 
 def test_300_heartbeats_never_exceed_the_budget_and_lose_nothing(company, fake_anthropic):
     budget = 2000
-    agent = persistent(company, context_budget_tokens=budget, keep_recent_turns=3)
+    agent = context_agent(company, context_budget_tokens=budget, keep_recent_turns=3)
     tasks = [f"step {i}: continue the migration of module {i % 17}" for i in range(300)]
 
     for task in tasks:
@@ -89,7 +75,7 @@ def test_summary_never_splits_a_tool_call_from_its_result():
 
 
 def test_failing_summary_changes_nothing(company, fake_anthropic):
-    agent = persistent(company, context_budget_tokens=1000, keep_recent_turns=1)
+    agent = context_agent(company, context_budget_tokens=1000, keep_recent_turns=1)
     for _ in range(3):
         beat(agent, "x" * 400)
     session = AgentSession.objects.get(agent=agent)
@@ -109,7 +95,7 @@ def test_failing_summary_changes_nothing(company, fake_anthropic):
 
 
 def test_a_task_that_cannot_fit_fails_clearly_instead_of_looping(company, fake_anthropic):
-    agent = persistent(company, context_budget_tokens=1000)
+    agent = context_agent(company, context_budget_tokens=1000)
     run = beat(agent, "z" * 8000)
     assert (run.status, run.error_code) == (RunStatus.FAILED, "context_budget_exceeded")
     assert "context_budget_tokens" in run.error
@@ -117,7 +103,7 @@ def test_a_task_that_cannot_fit_fails_clearly_instead_of_looping(company, fake_a
 
 
 def test_a_task_too_big_for_the_budget_pays_for_no_summary(company, fake_anthropic):
-    agent = persistent(company, context_budget_tokens=1000, keep_recent_turns=1)
+    agent = context_agent(company, context_budget_tokens=1000, keep_recent_turns=1)
     for i in range(3):
         beat(agent, f"step {i}")
     sent = len(fake_anthropic.message_requests)
@@ -130,14 +116,14 @@ def test_a_task_too_big_for_the_budget_pays_for_no_summary(company, fake_anthrop
 
 
 def test_count_tokens_measures_requests_near_the_budget(company, fake_anthropic):
-    agent = persistent(company, context_budget_tokens=1000)
+    agent = context_agent(company, context_budget_tokens=1000)
     for _ in range(6):
         beat(agent, "w" * 600)
     assert any(r["path"] == "/v1/messages/count_tokens" for r in fake_anthropic.requests)
 
 
 def test_rotation_starts_a_linked_session_with_a_handoff_note(company, fake_anthropic):
-    agent = persistent(company, rotate_after_turns=3)
+    agent = context_agent(company, rotate_after_turns=3)
     for i in range(3):
         beat(agent, f"turn {i}")
     first = AgentSession.objects.get(agent=agent)
@@ -160,7 +146,7 @@ def test_rotation_starts_a_linked_session_with_a_handoff_note(company, fake_anth
 
 
 def test_cache_markers_are_sent_and_cache_reads_are_priced_at_a_tenth(company, fake_anthropic):
-    agent = persistent(company)
+    agent = context_agent(company)
     for i in range(3):
         beat(agent, f"turn {i}")
     third = fake_anthropic.message_requests[2]
@@ -180,7 +166,7 @@ def test_cache_markers_are_sent_and_cache_reads_are_priced_at_a_tenth(company, f
 
 
 def test_one_hour_cache_is_requested_and_priced_at_twice_input(company, fake_anthropic):
-    agent = persistent(company, cache_ttl="1h")
+    agent = context_agent(company, cache_ttl="1h")
     usage = {
         "input_tokens": 10,
         "output_tokens": 0,
@@ -196,7 +182,7 @@ def test_one_hour_cache_is_requested_and_priced_at_twice_input(company, fake_ant
 
 def test_server_strategy_sends_the_compaction_edit_and_round_trips_the_block(settings, company, fake_anthropic):
     settings.PAPERCLIP_MAX_TASK_CHARS = 400_000
-    agent = persistent(company, context_strategy="server", compaction_trigger_tokens=50_000)
+    agent = context_agent(company, context_strategy="server", compaction_trigger_tokens=50_000)
     beat(agent, "small one")
     big = beat(agent, "data " * 45_000)
     assert big.status == RunStatus.SUCCEEDED, big.error
@@ -220,7 +206,7 @@ def test_server_strategy_sends_the_compaction_edit_and_round_trips_the_block(set
 
 
 def test_reported_artifacts_form_a_manifest_sent_with_every_request(company, fake_anthropic):
-    agent = persistent(company)
+    agent = context_agent(company)
     fake_anthropic.push(
         Reply.message('Wrote it.\nARTIFACT {"name": "report.md", "kind": "file", "checksum": "sha256:abc"}')
     )
@@ -238,7 +224,7 @@ def test_reported_artifacts_form_a_manifest_sent_with_every_request(company, fak
 
 @pytest.mark.parametrize("strategy", ["none"])
 def test_strategy_none_replays_everything(company, fake_anthropic, strategy):
-    agent = persistent(company, context_strategy=strategy, context_budget_tokens=1000)
+    agent = context_agent(company, context_strategy=strategy, context_budget_tokens=1000)
     for _ in range(6):
         assert beat(agent, "v" * 400).status == RunStatus.SUCCEEDED
     assert not SessionCompaction.objects.exists()
@@ -248,7 +234,7 @@ def test_strategy_none_replays_everything(company, fake_anthropic, strategy):
 def test_growth_signal_flags_a_session_that_accumulates_history(company, fake_anthropic):
     from costs_app.reports import daily_input_growth, input_growth
 
-    growing = persistent(company, context_strategy="none", prompt_caching=False)
+    growing = context_agent(company, context_strategy="none", prompt_caching=False)
     for i in range(8):
         beat(growing, f"step {i} " + "detail " * 40)
     flat = Agent.objects.create(company=company, name="flat", adapter_config={"model": "claude-opus-4-5"})
@@ -263,7 +249,7 @@ def test_growth_signal_flags_a_session_that_accumulates_history(company, fake_an
 
 
 def test_an_answer_bigger_than_the_budget_is_summarised_instead_of_blocking_the_session(company, fake_anthropic):
-    agent = persistent(company, context_budget_tokens=1000, keep_recent_turns=2)
+    agent = context_agent(company, context_budget_tokens=1000, keep_recent_turns=2)
     beat(agent, "first")
     fake_anthropic.push(Reply.message("report line\n" * 2000))  # ~6,000 tokens, in the newest turn
     assert beat(agent, "write the report").status == RunStatus.SUCCEEDED
@@ -281,7 +267,7 @@ def test_an_answer_bigger_than_the_budget_is_summarised_instead_of_blocking_the_
 
 
 def test_a_summary_request_never_exceeds_the_summary_model_window(company, fake_anthropic):
-    agent = persistent(company, context_budget_tokens=1000, summary_model="claude-haiku-4-5")
+    agent = context_agent(company, context_budget_tokens=1000, summary_model="claude-haiku-4-5")
     beat(agent, "first")
     fake_anthropic.push(Reply.message("x" * 1_000_000))  # ~250,000 tokens: over any model's window
     beat(agent, "dump everything")

@@ -12,16 +12,12 @@ from django.utils import timezone
 
 from costs_app.budgets import budget_uses
 from costs_app.models import Budget, CostEvent, CostKind
-from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute, heartbeat_wait
+from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_wait
 from sessions_app.maintenance import maintenance_pass, sessions_pause_idle
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.services import budgets_release
+from tests.conftest import beat, context_agent
 from tests.fake_anthropic import Reply
-
-
-def beat(agent, task, *, now=None):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now or timezone.now())
-    return heartbeat_execute(run_id=run.id, now=now)
 
 
 def test_idle_session_pauses_and_resumes_on_its_next_heartbeat(persistent_agent, fake_anthropic):
@@ -140,14 +136,6 @@ def test_hard_limit_pauses_the_agent_and_raising_the_budget_resumes_it(persisten
     persistent_agent.refresh_from_db()
     assert persistent_agent.status == AgentStatus.ACTIVE
     assert beat(persistent_agent, "back").status == RunStatus.SUCCEEDED
-
-
-def context_agent(company, **config):
-    return Agent.objects.create(
-        company=company,
-        name="long-running",
-        adapter_config={"model": "claude-opus-4-5", "session_mode": "persistent", **config},
-    )
 
 
 def test_a_summary_call_is_reserved_too_and_refused_before_any_request(company, fake_anthropic):

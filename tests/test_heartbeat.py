@@ -20,13 +20,8 @@ from sessions_app.maintenance import sessions_expire
 from sessions_app.models import AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.services import agent_delete, agent_pause, session_delete, session_expire
 from sessions_app.stores import STORES, store_for
-from tests.conftest import on_own_connection
+from tests.conftest import beat, on_own_connection
 from tests.fake_anthropic import Reply, plain_messages, plain_system, text_turn
-
-
-def beat(agent, task, *, now=None, **kwargs):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now or timezone.now(), **kwargs)
-    return heartbeat_execute(run_id=run.id, now=now)
 
 
 def test_stateless_request_carries_system_prompt_and_one_user_message(stateless_agent, fake_anthropic):

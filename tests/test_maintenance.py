@@ -10,16 +10,15 @@ from django.core.management.base import CommandError
 from django.utils import timezone
 from django_q.models import Schedule
 
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.heartbeat import heartbeat_enqueue
 from sessions_app.maintenance import histories_purge, maintenance_pass, runs_reap, sessions_expire
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
 from sessions_app.schedules import agent_schedule_sync, schedule_name
 from sessions_app.services import agent_delete, agent_pause, agent_resume
 from sessions_app.stores import store_for
 from sessions_app.tasks import scheduled_heartbeat
-from tests.conftest import on_own_connection
+from tests.conftest import beat, on_own_connection, refuse_writes
 from tests.fake_anthropic import Reply
-from tests.test_unexpected_failures import refuse_writes
 
 
 def make_session(agent, *, last_used, ttl_hours=24, store=HistoryStore.DATABASE, messages=None):
@@ -183,11 +182,6 @@ def test_heartbeat_command_errors_are_clear(persistent_agent, fake_anthropic):
     with pytest.raises(CommandError, match="invalid_idempotency_key"):
         call_command("heartbeat", str(persistent_agent.id), "--task", "x", "--idempotency-key", "k" * 256)
     assert not HeartbeatRun.objects.filter(task__startswith="caf").exists()
-
-
-def beat(agent, task, *, now):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now)
-    return heartbeat_execute(run_id=run.id, now=now)
 
 
 @pytest.mark.django_db(transaction=True)

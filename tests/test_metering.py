@@ -9,17 +9,12 @@ import pytest
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
 from sessions_app.maintenance import maintenance_pass
 from sessions_app.models import AgentSession, SessionStatus
 from sessions_app.services import agent_delete, session_delete, session_expire
+from tests.conftest import beat
 
 HALF_HOUR = 1800
-
-
-def beat(agent, task, *, now, **kwargs):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now, **kwargs)
-    return heartbeat_execute(run_id=run.id, now=now)
 
 
 def session_hours(session_id) -> list:

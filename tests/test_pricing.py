@@ -12,16 +12,11 @@ from costs_app.budgets import budget_uses
 from costs_app.ledger import cost_event_record
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import price_for
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
 from sessions_app.models import Agent, HeartbeatRun, RunStatus
+from tests.conftest import beat
 from tests.fake_anthropic import Reply
 
 NOW = datetime(2026, 11, 15, 12, 0, tzinfo=UTC)
-
-
-def beat(agent, task):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
-    return heartbeat_execute(run_id=run.id)
 
 
 def fixed_id_agent(company, tmp_path, name="cli"):

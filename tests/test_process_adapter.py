@@ -7,55 +7,19 @@ import json
 import sys
 
 import pytest
-from django.utils import timezone
 
 from costs_app.models import CostEvent
 from paperclip.env import parse_process_commands
 from sessions_app.adapters import AgentConfigError, validate_agent_config
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
 from sessions_app.models import Agent, RunStatus
+from tests.conftest import beat, listed_commands, reporter_script
 
-# Answers with what it was started with: its arguments, directory and environment names.
-REPORTER = (
-    "import json, os, sys\n"
-    "sys.stdin.read()\n"
-    "seen = {'args': sys.argv[1:], 'cwd': os.getcwd(), 'env': sorted(os.environ)}\n"
-    "print(json.dumps({'text': json.dumps(seen), 'usage': {'input_tokens': 3, 'output_tokens': 1}}))\n"
-)
 SECRETS = {
     "DJANGO_SECRET_KEY": "django-secret",
     "DATABASE_URL": "postgres://user:password@db/paperclip",
     "REDIS_URL": "redis://:password@cache:6379/0",
     "ANTHROPIC_API_KEY": "sk-ant-secret",
 }
-
-
-def reporter_script(tmp_path) -> str:
-    path = tmp_path / "reporter.py"
-    path.write_text(REPORTER)
-    return str(path)
-
-
-def listed_commands(tmp_path, **entries) -> dict:
-    """The allow-list as an operator writes it: `reporter` runs REPORTER; more entries may be added."""
-    reporter = {
-        "argv": [sys.executable, reporter_script(tmp_path)],
-        "allowed_args": ["--verbose"],
-        "allowed_arg_patterns": ["--topic=[a-z]{1,20}", "--topic=a+"],
-        "cwd": str(tmp_path),
-    }
-    return parse_process_commands(json.dumps({"reporter": reporter, **entries}))
-
-
-@pytest.fixture
-def commands(settings, tmp_path):
-    settings.PAPERCLIP_PROCESS_COMMANDS = listed_commands(tmp_path)
-    return settings.PAPERCLIP_PROCESS_COMMANDS
-
-
-def beat(agent, task="go"):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
-    return heartbeat_execute(run_id=run.id)
 
 
 def seen(run) -> dict:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,25 +16,15 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent
-from sessions_app.heartbeat import heartbeat_dispatch, heartbeat_enqueue, heartbeat_execute
+from sessions_app.heartbeat import heartbeat_dispatch, heartbeat_enqueue
 from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus
 from sessions_app.stores import store_for
-from tests.conftest import FAKE_API_KEY
+from tests.conftest import FAKE_API_KEY, beat, snapshot, terminate_backend_running
 from tests.fake_anthropic import Reply
 from tests.live.server import database_url, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def beat(agent, task, *, now=None):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now or timezone.now())
-    return heartbeat_execute(run_id=run.id, now=now)
-
-
-def snapshot(agent):
-    session = AgentSession.objects.get(agent=agent)
-    return session.message_count, store_for(session).read(session), CostEvent.objects.count()
 
 
 @pytest.mark.parametrize(
@@ -193,24 +182,6 @@ def test_terminated_connection_mid_commit_leaves_history_whole_and_still_bills(
     assert beat(persistent_agent, "third").status == RunStatus.SUCCEEDED
     assert snapshot(persistent_agent)[0] == count + 2
     assert [m["content"] for m in snapshot(persistent_agent)[1] if m["role"] == "user"] == ["first", "third"]
-
-
-def terminate_backend_running(statement_like: str) -> None:
-    """Wait until another connection runs a statement like `statement_like`, and kill it."""
-    victim = None
-    deadline = time.monotonic() + 15
-    while victim is None and time.monotonic() < deadline:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT pid FROM pg_stat_activity WHERE query LIKE %s AND state = 'active' AND pid <> pg_backend_pid()",
-                [statement_like],
-            )
-            row = cursor.fetchone()
-        victim = row[0] if row else None
-        time.sleep(0.05)
-    assert victim, f"no connection was seen running {statement_like}"
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_terminate_backend(%s)", [victim])
 
 
 @pytest.mark.django_db(transaction=True)

@@ -14,25 +14,12 @@ import os
 import pytest
 from django.utils import timezone
 
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
 from sessions_app.models import AgentSession, HistoryStore, RunStatus
 from sessions_app.services import session_clear_history
 from sessions_app.stores import STORES, HistoryUnavailable, store_for
+from tests.conftest import beat, user_turns
 
-
-@pytest.fixture(autouse=True)
-def file_store(settings):
-    settings.PAPERCLIP_SESSION_STORE = HistoryStore.FILE
-
-
-def beat(agent, task):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
-    return heartbeat_execute(run_id=run.id)
-
-
-def user_turns(session) -> list:
-    session.refresh_from_db()
-    return [m["content"] for m in store_for(session).read(session) if m["role"] == "user"]
+pytestmark = pytest.mark.usefixtures("file_store")
 
 
 def file_messages(session) -> list:

@@ -8,26 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from decimal import Decimal
 
 import pytest
-from django.db import connection
-from django.utils import timezone
 
 from costs_app.models import Budget, CostEvent, CostKind
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
 from sessions_app.models import Agent, AgentSession, RunStatus
 from sessions_app.stores import store_for
+from tests.conftest import beat, process_agent, refuse_writes
 from tests.fake_anthropic import Reply, strip_markers
 
 UNSTORABLE = "before\x00after \ud800 lone"  # NUL (PostgreSQL refuses it) and a lone surrogate
 STORED = "before\ufffdafter \ufffd lone"
-
-
-def beat(agent, task):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
-    return heartbeat_execute(run_id=run.id)
 
 
 def test_an_answer_with_nul_and_lone_surrogates_is_kept_with_replacement_marks(persistent_agent, fake_anthropic):
@@ -43,17 +35,6 @@ def test_an_answer_with_nul_and_lone_surrogates_is_kept_with_replacement_marks(p
     assert beat(persistent_agent, "second").status == RunStatus.SUCCEEDED
     replayed = strip_markers(fake_anthropic.message_requests[-1]["messages"][1]["content"])
     assert replayed == [{"type": "text", "text": STORED}]
-
-
-def process_agent(company, tmp_path, script: str, **config) -> Agent:
-    path = tmp_path / "agent.py"
-    path.write_text(script)
-    return Agent.objects.create(
-        company=company,
-        name="cli",
-        adapter_type="process",
-        adapter_config={"command": [sys.executable, str(path)], "session_mode": "persistent", **config},
-    )
 
 
 def test_an_agent_command_printing_nul_is_stored_and_its_failure_reported(company, tmp_path):
@@ -117,28 +98,6 @@ def assert_refused_as_malformed(company, tmp_path, answer: dict, mentioned: str)
     assert mentioned in run.error
     assert not CostEvent.objects.exists()
     assert not AgentSession.objects.filter(agent=agent, message_count__gt=0).exists()
-
-
-def refuse_writes(table: str, *, when: str, event: str = "UPDATE") -> None:
-    """Install a trigger that fails matching writes: a database fault no code path expects.
-
-    Created inside the test's transaction, so it disappears with it.
-    """
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(
-                "CREATE FUNCTION paperclip_test_refuse() RETURNS trigger LANGUAGE plpgsql AS "
-                "$$ BEGIN RAISE EXCEPTION 'refused by a test trigger'; END $$"
-            )
-            cursor.execute(
-                f"CREATE TRIGGER paperclip_test_refuse BEFORE {event} ON {table} FOR EACH ROW "
-                f"WHEN ({when}) EXECUTE FUNCTION paperclip_test_refuse()"
-            )
-        else:
-            cursor.execute(
-                f"CREATE TRIGGER paperclip_test_refuse BEFORE {event} ON {table} FOR EACH ROW "
-                f"WHEN {when} BEGIN SELECT RAISE(ABORT, 'refused by a test trigger'); END"
-            )
 
 
 def test_a_database_error_while_committing_the_answer_still_records_its_cost(persistent_agent, fake_anthropic):
