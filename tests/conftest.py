@@ -14,10 +14,11 @@ from django.utils import timezone
 
 from costs_app.models import CostEvent
 from paperclip.env import parse_process_commands
+from sessions_app.context import SUMMARY_SYSTEM
 from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
 from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, HistoryStore
 from sessions_app.stores import store_for
-from tests.fake_anthropic import FakeAnthropic
+from tests.fake_anthropic import FakeAnthropic, plain_messages, plain_system
 
 FAKE_API_KEY = "sk-ant-test-0000-secret-never-logged"
 
@@ -299,3 +300,14 @@ def terminate_backend_running(statement_like: str) -> None:
     assert victim, f"no connection was seen running {statement_like}"
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", [victim])
+
+
+def is_summary_request(body: dict) -> bool:
+    """A request the fake API received asks for a summary of the conversation."""
+    return plain_system(body) == SUMMARY_SYSTEM
+
+
+def summary_text(body: dict) -> str:
+    """The conversation text a summary request sends."""
+    content = plain_messages(body)[0]["content"]
+    return content if isinstance(content, str) else "".join(block["text"] for block in content)

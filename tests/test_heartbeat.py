@@ -14,13 +14,13 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from costs_app.models import CostEvent
-from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute
-from sessions_app.maintenance import sessions_expire
-from sessions_app.models import AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
+from costs_app.models import CostEvent, CostKind
+from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute, heartbeat_wait
+from sessions_app.maintenance import runs_reap, sessions_expire
+from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.services import agent_delete, agent_pause, session_delete, session_expire
 from sessions_app.stores import STORES, store_for
-from tests.conftest import beat, on_own_connection
+from tests.conftest import beat, on_own_connection, refuse_writes, snapshot, terminate_backend_running
 from tests.fake_anthropic import Reply, plain_messages, plain_system, text_turn
 
 
@@ -276,8 +276,6 @@ def test_a_call_without_usage_writes_no_cost_row(stateless_agent, fake_anthropic
 
 
 def test_unknown_model_is_recorded_unpriced_not_refused(company, fake_anthropic):
-    from sessions_app.models import Agent
-
     agent = Agent.objects.create(company=company, name="new", adapter_config={"model": "claude-future-9"})
     run = beat(agent, "hi")
     assert run.status == RunStatus.SUCCEEDED
@@ -314,8 +312,6 @@ def test_a_second_run_waits_while_the_agent_is_busy(persistent_agent, fake_anthr
 
 
 def test_process_adapter_runs_a_command_with_the_request_on_stdin(company, tmp_path):
-    from sessions_app.models import Agent
-
     script = tmp_path / "agent.py"
     script.write_text(
         "import json, sys\n"
@@ -339,8 +335,6 @@ def test_process_adapter_runs_a_command_with_the_request_on_stdin(company, tmp_p
 
 
 def test_process_adapter_kills_its_process_group_on_timeout(company, tmp_path):
-    from sessions_app.models import Agent
-
     marker = tmp_path / "child-alive"
     script = tmp_path / "slow.sh"
     script.write_text(f"#!/bin/sh\n(sleep 3; touch {marker}) &\nsleep 30\n")
@@ -388,7 +382,6 @@ def test_a_run_answering_within_its_agents_timeout_is_not_reaped(company, fake_a
     from django.db import connection
 
     from sessions_app.maintenance import runs_reap
-    from sessions_app.models import Agent
 
     agent = Agent.objects.create(
         company=company,
@@ -697,7 +690,6 @@ class SessionKeepingAdapter:
 
 def runtime_agent(company, monkeypatch, adapter):
     from sessions_app.adapters import ADAPTERS
-    from sessions_app.models import Agent
 
     monkeypatch.setitem(ADAPTERS, adapter.type_name, adapter)
     return Agent.objects.create(
@@ -763,3 +755,105 @@ def test_the_heartbeat_command_sees_the_run_of_a_repeated_key_through(persistent
 
     assert "answer 1: queued earlier" in capsys.readouterr().out
     assert HeartbeatRun.objects.get().status == RunStatus.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("store", ["database", "file"])
+def test_terminated_connection_mid_commit_leaves_history_whole_and_still_bills(
+    postgres_only, settings, persistent_agent, fake_anthropic, store
+):
+    settings.PAPERCLIP_SESSION_STORE = store
+    beat(persistent_agent, "first")
+    count, history, costs = snapshot(persistent_agent)
+    with connection.cursor() as cursor:
+        # Hold the commit transaction open: the ledger insert sleeps, so it can be killed.
+        cursor.execute(
+            "CREATE FUNCTION slow_ledger() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$ "
+            "LANGUAGE plpgsql; CREATE TRIGGER slow_ledger BEFORE INSERT ON cost_events "
+            "FOR EACH ROW EXECUTE FUNCTION slow_ledger();"
+        )
+    outcome = {}
+
+    def run_heartbeat():
+        try:
+            outcome["run"] = beat(persistent_agent, "second")
+        except Exception as exc:  # the connection dies under it
+            outcome["error"] = exc
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run_heartbeat)
+    thread.start()
+    try:
+        terminate_backend_running('%INSERT INTO "cost_events"%')
+        thread.join(timeout=30)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER IF EXISTS slow_ledger ON cost_events; DROP FUNCTION IF EXISTS slow_ledger();")
+
+    # Nothing of the answer's commit was written, but the answer was billed: the ledger
+    # records it on a new connection.
+    assert snapshot(persistent_agent) == (count, history, costs + 1)
+    stuck = HeartbeatRun.objects.get(task="second")
+    assert CostEvent.objects.get(run=stuck).kind == "message"
+    assert stuck.status in (RunStatus.RUNNING, RunStatus.FAILED)
+    runs_reap(now=timezone.now() + timedelta(hours=1))
+    assert HeartbeatRun.objects.get(task="second").status == RunStatus.FAILED
+    assert beat(persistent_agent, "third").status == RunStatus.SUCCEEDED
+    assert snapshot(persistent_agent)[0] == count + 2
+    assert [m["content"] for m in snapshot(persistent_agent)[1] if m["role"] == "user"] == ["first", "third"]
+
+
+def test_a_database_error_while_committing_the_answer_still_records_its_cost(persistent_agent, fake_anthropic):
+    beat(persistent_agent, "first")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    before = store_for(session).read(session)
+    refuse_writes("agent_sessions", when="NEW.message_count > OLD.message_count")
+
+    run = beat(persistent_agent, "second")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "internal_error")
+    billed = fake_anthropic.message_requests[-1]
+    event = CostEvent.objects.get(run=run)
+    assert (event.kind, event.input_tokens) == (CostKind.MESSAGE, fake_anthropic.default_usage(billed)["input_tokens"])
+    session.refresh_from_db()
+    assert (session.message_count, store_for(session).read(session)) == (2, before)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("postgres_only")
+def test_concurrent_heartbeats_lose_no_turn_and_never_interleave(persistent_agent, fake_anthropic):
+    """One writer per agent, proven with real threads and connections on PostgreSQL."""
+    # Each answer takes a moment, so the threads really overlap.
+    fake_anthropic.push(*[Reply.delay(0.05) for _ in range(12)])
+    tasks = [f"task {i}" for i in range(12)]
+    errors = []
+
+    def fire(task):
+        try:
+            run, _ = heartbeat_enqueue(agent=persistent_agent, task=task, now=timezone.now())
+            heartbeat_wait(run_id=run.id, timeout_seconds=60)
+        except Exception as exc:  # surfaced below; a thread's exception is otherwise lost
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=fire, args=(task,)) for task in tasks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+    assert errors == []
+    assert set(HeartbeatRun.objects.values_list("status", flat=True)) == {RunStatus.SUCCEEDED}
+    session = AgentSession.objects.get()
+    history = store_for(session).read(session)
+    assert len(history) == 24 == session.message_count
+    assert [m["role"] for m in history] == ["user", "assistant"] * 12
+    assert sorted(m["content"] for m in history if m["role"] == "user") == sorted(tasks)
+    # Never interleaved: each answer directly follows its own task, from the same run.
+    for user, assistant in zip(history[::2], history[1::2], strict=True):
+        assert user["run_id"] == assistant["run_id"]
+    # Request k saw exactly the 2k-1 messages that existed when it ran.
+    assert sorted(len(body["messages"]) for body in fake_anthropic.message_requests) == list(range(1, 24, 2))
+    assert CostEvent.objects.count() == 12

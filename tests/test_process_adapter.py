@@ -4,6 +4,7 @@ they run, and get only the environment they need."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -11,8 +12,8 @@ import pytest
 from costs_app.models import CostEvent
 from paperclip.env import parse_process_commands
 from sessions_app.adapters import AgentConfigError, validate_agent_config
-from sessions_app.models import Agent, RunStatus
-from tests.conftest import beat, listed_commands, reporter_script
+from sessions_app.models import Agent, AgentSession, RunStatus
+from tests.conftest import beat, listed_commands, process_agent, reporter_script
 
 SECRETS = {
     "DJANGO_SECRET_KEY": "django-secret",
@@ -216,3 +217,88 @@ def test_a_system_check_names_agents_whose_command_may_no_longer_run(company, co
     (warning,) = check_process_commands(None)
     assert warning.id == "paperclip.W004"
     assert "'raw'" in warning.msg and str(raw.id) in warning.msg and "adapter_config.command" in warning.msg
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"input_tokens": 10**20, "output_tokens": 1},
+        {"input_tokens": -5, "output_tokens": 1},
+        {"input_tokens": 1, "output_tokens": "many"},
+        {"input_tokens": 1, "output_tokens": 1, "iterations": [{"type": "compaction", "input_tokens": 10**12}]},
+        {"input_tokens": 1, "output_tokens": 1, "iterations": "all of them"},
+    ],
+    ids=["overflow", "negative", "not-a-number", "iteration-overflow", "iterations-not-a-list"],
+)
+def test_an_impossible_usage_report_fails_the_run_clearly(company, tmp_path, usage):
+    assert_refused_as_malformed(company, tmp_path, {"text": "done", "usage": usage}, "usage")
+
+
+@pytest.mark.parametrize("field", ["message_id", "stop_reason"])
+def test_an_identifier_longer_than_its_column_fails_the_run_clearly(company, tmp_path, field):
+    answer = {"text": "done", "usage": {"input_tokens": 1, "output_tokens": 1}, field: "x" * 300}
+    assert_refused_as_malformed(company, tmp_path, answer, field)
+
+
+def test_an_answer_nested_too_deep_to_parse_fails_the_run_clearly(company, tmp_path):
+    agent = process_agent(company, tmp_path, "import sys\nsys.stdin.read()\nprint('[' * 100000)\n")
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_malformed_response")
+
+
+def assert_refused_as_malformed(company, tmp_path, answer: dict, mentioned: str) -> None:
+    answer = json.dumps(answer)
+    agent = process_agent(company, tmp_path, f"import sys\nsys.stdin.read()\nprint({answer!r})\n")
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_malformed_response")
+    assert mentioned in run.error
+    assert not CostEvent.objects.exists()
+    assert not AgentSession.objects.filter(agent=agent, message_count__gt=0).exists()
+
+
+def test_an_agent_command_that_prints_without_end_is_killed_at_the_output_limit(settings, company, tmp_path):
+    settings.PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES = 200_000
+    pid_file = tmp_path / "pid"
+    agent = process_agent(
+        company,
+        tmp_path,
+        f"import os, sys\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "while True:\n    sys.stdout.write('x' * 65536)\n",
+    )
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_output_too_large")
+    assert "PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES" in run.error
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_an_agent_command_printing_bytes_that_are_not_utf8_is_read_with_replacement_marks(company, tmp_path):
+    agent = process_agent(
+        company,
+        tmp_path,
+        "import sys\nsys.stdin.read()\n"
+        'sys.stdout.buffer.write(b\'{"text": "caf\\xe9", "usage": {"input_tokens": 1, "output_tokens": 1}}\')\n',
+    )
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.output) == (RunStatus.SUCCEEDED, "caf\ufffd")
+
+
+def test_a_request_larger_than_a_pipe_reaches_a_slow_reader_whole(company, tmp_path):
+    agent = process_agent(
+        company,
+        tmp_path,
+        "import json, sys, time\ntime.sleep(0.3)\nrequest = json.load(sys.stdin)\n"
+        "print(json.dumps({'text': str(len(request['messages'][-1]['content']))}))\n",
+    )
+
+    run = beat(agent, "y" * 90_000)  # over the 64 KiB a pipe holds
+
+    assert (run.status, run.output) == (RunStatus.SUCCEEDED, "90000")

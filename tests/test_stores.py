@@ -10,14 +10,19 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
+from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
-from sessions_app.models import AgentSession, HistoryStore, RunStatus
+from costs_app.models import CostEvent
+from sessions_app.maintenance import runs_reap
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus
 from sessions_app.services import session_clear_history
 from sessions_app.stores import STORES, HistoryUnavailable, store_for
-from tests.conftest import beat, user_turns
+from tests.conftest import beat, snapshot, terminate_backend_running, user_turns
 
 pytestmark = pytest.mark.usefixtures("file_store")
 
@@ -219,3 +224,93 @@ def test_every_store_implements_the_history_backend_interface():
         assert isinstance(store, HistoryBackend) and store.name == name
         for operation in ("read", "stage", "delete"):
             assert getattr(type(store), operation) is not getattr(HistoryBackend, operation), (name, operation)
+
+
+def test_file_store_faults_fail_only_their_own_session(settings, company, fake_anthropic):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    agents = [
+        Agent.objects.create(company=company, name=f"a{i}", adapter_config={"session_mode": "persistent"})
+        for i in range(4)
+    ]
+    for agent in agents:
+        beat(agent, "hello")
+    corrupt, missing, readonly, healthy = (AgentSession.objects.get(agent=a) for a in agents)
+    store_for(corrupt).path_for(corrupt).write_text('{"messages": [truncated')
+    store_for(missing).path_for(missing).unlink()
+    folder = store_for(readonly).path_for(readonly).parent
+    folder.chmod(0o500)
+    try:
+        results = [beat(agent, "again") for agent in agents]
+    finally:
+        folder.chmod(0o700)
+
+    codes = [(r.status, r.error_code) for r in results]
+    assert codes[0] == (RunStatus.FAILED, "history_corrupt")
+    assert codes[1] == (RunStatus.FAILED, "history_missing")
+    if os.geteuid() != 0:  # root ignores directory permissions
+        assert codes[2] == (RunStatus.FAILED, "history_unwritable")
+        readonly.refresh_from_db()
+        assert readonly.message_count == 2
+    assert codes[3] == (RunStatus.SUCCEEDED, "")
+    healthy.refresh_from_db()
+    assert healthy.message_count == 4
+
+
+def test_unwritable_history_leaves_the_old_file_and_row(settings, company, fake_anthropic, monkeypatch):
+    """What root cannot be made to fail by permissions, a full disk does: ENOSPC when the file is flushed."""
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    agent = Agent.objects.create(company=company, name="full", adapter_config={"session_mode": "persistent"})
+    beat(agent, "hello")
+    session = AgentSession.objects.get(agent=agent)
+    before = store_for(session).path_for(session).read_bytes()
+    costs = CostEvent.objects.count()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("sessions_app.stores.os.fsync", disk_full)
+    run = beat(agent, "again")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "history_unwritable")
+    assert store_for(session).path_for(session).read_bytes() == before
+    session.refresh_from_db()
+    assert session.message_count == 2
+    assert CostEvent.objects.count() == costs + 1  # the call was made and billed: the ledger says so
+
+
+@pytest.mark.django_db(transaction=True)
+def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
+    postgres_only, settings, persistent_agent, fake_anthropic
+):
+    """Killed in the COMMIT itself, after every statement (and the staged history file)
+    succeeded: the transaction never commits, so the file must not move either."""
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    beat(persistent_agent, "first")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    before = store_for(session).path_for(session).read_bytes()
+    with connection.cursor() as cursor:
+        # A deferred constraint trigger runs inside the COMMIT: it holds the COMMIT open.
+        cursor.execute(
+            "CREATE FUNCTION slow_commit() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(5); RETURN NULL; END $$ "
+            "LANGUAGE plpgsql; CREATE CONSTRAINT TRIGGER slow_commit AFTER UPDATE ON agent_sessions "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.message_count > OLD.message_count) "
+            "EXECUTE FUNCTION slow_commit();"
+        )
+    thread = threading.Thread(target=lambda: (beat(persistent_agent, "second"), connection.close()))
+    thread.start()
+    try:
+        terminate_backend_running("COMMIT%")
+        thread.join(timeout=30)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER IF EXISTS slow_commit ON agent_sessions; DROP FUNCTION IF EXISTS slow_commit();"
+            )
+
+    assert store_for(session).path_for(session).read_bytes() == before
+    session.refresh_from_db()
+    assert session.message_count == 2
+    runs_reap(now=timezone.now() + timedelta(hours=1))
+    assert HeartbeatRun.objects.get(task="second").status == RunStatus.FAILED
+    assert beat(persistent_agent, "third").status == RunStatus.SUCCEEDED
+    assert [m["content"] for m in snapshot(persistent_agent)[1] if m["role"] == "user"] == ["first", "third"]
