@@ -69,3 +69,20 @@ def test_api_keys_never_reach_logs_history_or_runs(persistent_agent, fake_anthro
     # ...while the SDK did send it, to the fake.
     headers = {k.lower(): v for k, v in fake_anthropic.requests[-1]["headers"].items()}
     assert FAKE_API_KEY in (headers.get("x-api-key") or headers.get("authorization", ""))
+
+
+def test_rate_limit_is_retried_by_the_sdk_then_succeeds(persistent_agent, fake_anthropic):
+    fake_anthropic.push(Reply.error(429, "slow down", retry_after_ms=10), Reply.error(529, "overloaded", 10))
+    run = beat(persistent_agent, "hello")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert len(fake_anthropic.message_requests) == 3
+    assert CostEvent.objects.count() == 1
+
+
+def test_missing_credentials_fail_the_run_clearly(stateless_agent, fake_anthropic, monkeypatch):
+    monkeypatch.delenv("ANTHROPIC_API_KEY")
+    monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+    run = beat(stateless_agent, "hello")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "adapter_not_configured")
+    assert "ANTHROPIC_API_KEY" in run.error
+    assert fake_anthropic.message_requests == []

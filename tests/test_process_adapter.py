@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -302,3 +303,44 @@ def test_a_request_larger_than_a_pipe_reaches_a_slow_reader_whole(company, tmp_p
     run = beat(agent, "y" * 90_000)  # over the 64 KiB a pipe holds
 
     assert (run.status, run.output) == (RunStatus.SUCCEEDED, "90000")
+
+
+def test_process_adapter_runs_a_command_with_the_request_on_stdin(company, tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import json, sys\n"
+        "request = json.load(sys.stdin)\n"
+        "last = request['messages'][-1]['content']\n"
+        "print(json.dumps({'text': f'echo {len(request[\"messages\"])}: ' + last,\n"
+        "                  'usage': {'input_tokens': 10, 'output_tokens': 2}, 'message_id': 'proc-1'}))\n"
+    )
+    agent = Agent.objects.create(
+        company=company,
+        name="cli",
+        adapter_type="process",
+        adapter_config={"command": ["python3", str(script)], "model": "claude-haiku-4-5", "session_mode": "persistent"},
+    )
+    beat(agent, "ping")
+    run = beat(agent, "pong")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.output == "echo 3: pong"
+    # Both calls reported the same message id: two calls all the same, two ledger rows.
+    assert CostEvent.objects.filter(agent_id=agent.id).count() == 2
+
+
+def test_process_adapter_kills_its_process_group_on_timeout(company, tmp_path):
+    marker = tmp_path / "child-alive"
+    script = tmp_path / "slow.sh"
+    script.write_text(f"#!/bin/sh\n(sleep 3; touch {marker}) &\nsleep 30\n")
+    script.chmod(0o755)
+    agent = Agent.objects.create(
+        company=company,
+        name="slow",
+        adapter_type="process",
+        adapter_config={"command": [str(script)], "timeout_seconds": 0.5},
+    )
+    run = beat(agent, "hang")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_timeout")
+
+    time.sleep(3.5)
+    assert not marker.exists()

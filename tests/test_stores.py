@@ -20,7 +20,7 @@ from django.utils import timezone
 from costs_app.models import CostEvent
 from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus
-from sessions_app.services import session_clear_history
+from sessions_app.services import session_clear_history, session_delete
 from sessions_app.stores import STORES, HistoryUnavailable, store_for
 from tests.conftest import beat, snapshot, terminate_backend_running, user_turns
 
@@ -170,8 +170,6 @@ def test_a_version_staged_but_never_committed_is_ignored_and_removed_with_its_se
     folder = store.path_for(session).parent
     assert len(list(folder.glob(f".{session.public_id}.*"))) == 1
 
-    from sessions_app.services import session_delete
-
     with django_capture_on_commit_callbacks(execute=True):
         session_delete(session=fresh, now=timezone.now())
     assert list(folder.iterdir()) == []
@@ -314,3 +312,64 @@ def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
     assert HeartbeatRun.objects.get(task="second").status == RunStatus.FAILED
     assert beat(persistent_agent, "third").status == RunStatus.SUCCEEDED
     assert [m["content"] for m in snapshot(persistent_agent)[1] if m["role"] == "user"] == ["first", "third"]
+
+
+@pytest.mark.parametrize("store", ["file", "database"])
+def test_history_round_trips_through_each_store(settings, persistent_agent, fake_anthropic, store):
+    settings.PAPERCLIP_SESSION_STORE = store
+    beat(persistent_agent, "one")
+    run = beat(persistent_agent, "two")
+    session = AgentSession.objects.get(id=run.session_id)
+    assert session.store == store
+    history = store_for(session).read(session)
+    assert [m["content"] for m in history if m["role"] == "user"] == ["one", "two"]
+    if store == "file":
+        path = store_for(session).path_for(session)
+        assert path == settings.PAPERCLIP_HOME / "sessions" / str(persistent_agent.id) / f"{session.public_id}.json"
+        assert json.loads(path.read_text())["messages"] == history
+        assert session.history == []
+    else:
+        assert session.history == history
+
+
+def test_crash_between_write_and_rename_leaves_the_old_file_whole(settings, persistent_agent, fake_anthropic):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    run = beat(persistent_agent, "one")
+    session = AgentSession.objects.get(id=run.session_id)
+    store = store_for(session)
+    before = store.path_for(session).read_bytes()
+
+    store.stage(session, [{"role": "user", "content": "half-written"}])  # staged file written
+    # ...the process dies here: no COMMIT, no rename.
+
+    assert store.path_for(session).read_bytes() == before
+    assert [m["content"] for m in store.read(AgentSession.objects.get(pk=session.pk))][0] == "one"
+
+
+def test_corrupt_history_file_fails_the_heartbeat_clearly_without_calling_the_model(
+    settings, persistent_agent, fake_anthropic
+):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    run = beat(persistent_agent, "one")
+    session = AgentSession.objects.get(id=run.session_id)
+    store_for(session).path_for(session).write_text("{not json")
+    fake_anthropic.reset_log()
+
+    failed = beat(persistent_agent, "two")
+
+    assert failed.status == RunStatus.FAILED
+    assert failed.error_code == "history_corrupt"
+    assert session.public_id in failed.error
+    assert fake_anthropic.message_requests == []
+
+
+def test_missing_history_file_is_an_error_not_an_empty_history(settings, persistent_agent, fake_anthropic):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    run = beat(persistent_agent, "one")
+    session = AgentSession.objects.get(id=run.session_id)
+    store_for(session).path_for(session).unlink()
+
+    failed = beat(persistent_agent, "two")
+
+    assert (failed.status, failed.error_code) == (RunStatus.FAILED, "history_missing")
+    assert len(fake_anthropic.message_requests) == 1
