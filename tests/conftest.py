@@ -1,14 +1,24 @@
-"""The usual cast: a company, its stateless and persistent agents, and another company."""
+"""The usual cast: a company, its stateless and persistent agents, and another company; and the
+helpers tests share (a heartbeat run in the test's thread, faults staged in the database)."""
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 from importlib import import_module
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
-from sessions_app.models import Agent, Company
-from tests.fake_anthropic import FakeAnthropic
+from costs_app.models import CostEvent
+from paperclip.env import parse_process_commands
+from sessions_app.context import SUMMARY_SYSTEM
+from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, HistoryStore
+from sessions_app.stores import store_for
+from tests.fake_anthropic import FakeAnthropic, plain_messages, plain_system
 
 FAKE_API_KEY = "sk-ant-test-0000-secret-never-logged"
 
@@ -170,3 +180,134 @@ def on_own_connection(action):
             connection.close()
 
     return run
+
+
+@pytest.fixture
+def file_store(settings):
+    """History in files, whatever the database (the default store is the database on PostgreSQL)."""
+    settings.PAPERCLIP_SESSION_STORE = HistoryStore.FILE
+
+
+@pytest.fixture
+def commands(settings, tmp_path):
+    """The process-command allow-list of `listed_commands`, installed in the settings."""
+    settings.PAPERCLIP_PROCESS_COMMANDS = listed_commands(tmp_path)
+    return settings.PAPERCLIP_PROCESS_COMMANDS
+
+
+def beat(agent: Agent, task: str = "go", *, now=None, **kwargs) -> HeartbeatRun:
+    """One heartbeat, enqueued and executed in this thread. `now` (the clock when not given) is
+    the time of both steps; other keywords (`force_fresh`, `trigger`, ...) go to the enqueue."""
+    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now or timezone.now(), **kwargs)
+    return heartbeat_execute(run_id=run.id, now=now)
+
+
+def context_agent(company: Company, **config) -> Agent:
+    """A persistent agent with the context settings given (`context_budget_tokens`, ...)."""
+    return Agent.objects.create(
+        company=company,
+        name="long-running",
+        system_prompt="You are a long-running agent.",
+        adapter_config={"model": "claude-opus-4-5", "session_mode": "persistent", **config},
+    )
+
+
+def process_agent(company: Company, tmp_path, script: str, **config) -> Agent:
+    """A persistent `process` agent whose command runs `script` with this Python."""
+    path = tmp_path / "agent.py"
+    path.write_text(script)
+    return Agent.objects.create(
+        company=company,
+        name="cli",
+        adapter_type="process",
+        adapter_config={"command": [sys.executable, str(path)], "session_mode": "persistent", **config},
+    )
+
+
+# Answers with what it was started with: its arguments, directory and environment names.
+REPORTER = (
+    "import json, os, sys\n"
+    "sys.stdin.read()\n"
+    "seen = {'args': sys.argv[1:], 'cwd': os.getcwd(), 'env': sorted(os.environ)}\n"
+    "print(json.dumps({'text': json.dumps(seen), 'usage': {'input_tokens': 3, 'output_tokens': 1}}))\n"
+)
+
+
+def reporter_script(tmp_path) -> str:
+    path = tmp_path / "reporter.py"
+    path.write_text(REPORTER)
+    return str(path)
+
+
+def listed_commands(tmp_path, **entries) -> dict:
+    """The allow-list as an operator writes it: `reporter` runs REPORTER; more entries may be added."""
+    reporter = {
+        "argv": [sys.executable, reporter_script(tmp_path)],
+        "allowed_args": ["--verbose"],
+        "allowed_arg_patterns": ["--topic=[a-z]{1,20}", "--topic=a+"],
+        "cwd": str(tmp_path),
+    }
+    return parse_process_commands(json.dumps({"reporter": reporter, **entries}))
+
+
+def user_turns(session: AgentSession) -> list:
+    """The user turns of a session's history, as its store reads them now."""
+    session.refresh_from_db()
+    return [m["content"] for m in store_for(session).read(session) if m["role"] == "user"]
+
+
+def snapshot(agent: Agent) -> tuple:
+    """What a failed run must not change: the session's message count and history, and the ledger's size."""
+    session = AgentSession.objects.get(agent=agent)
+    return session.message_count, store_for(session).read(session), CostEvent.objects.count()
+
+
+def refuse_writes(table: str, *, when: str, event: str = "UPDATE") -> None:
+    """Install a trigger that fails matching writes: a database fault no code path expects.
+
+    Created inside the test's transaction, so it disappears with it.
+    """
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "CREATE FUNCTION paperclip_test_refuse() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN RAISE EXCEPTION 'refused by a test trigger'; END $$"
+            )
+            cursor.execute(
+                f"CREATE TRIGGER paperclip_test_refuse BEFORE {event} ON {table} FOR EACH ROW "
+                f"WHEN ({when}) EXECUTE FUNCTION paperclip_test_refuse()"
+            )
+        else:
+            cursor.execute(
+                f"CREATE TRIGGER paperclip_test_refuse BEFORE {event} ON {table} FOR EACH ROW "
+                f"WHEN {when} BEGIN SELECT RAISE(ABORT, 'refused by a test trigger'); END"
+            )
+
+
+def terminate_backend_running(statement_like: str) -> None:
+    """Wait until another connection runs a statement like `statement_like`, and kill it (PostgreSQL)."""
+    victim = None
+    deadline = time.monotonic() + 15
+    while victim is None and time.monotonic() < deadline:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pid FROM pg_stat_activity WHERE query LIKE %s AND state = 'active' AND pid <> pg_backend_pid()",
+                [statement_like],
+            )
+            row = cursor.fetchone()
+        victim = row[0] if row else None
+        time.sleep(0.05)
+    assert victim, f"no connection was seen running {statement_like}"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [victim])
+
+
+def is_summary_request(body: dict) -> bool:
+    """A request the fake API received asks for a summary of the conversation."""
+    return plain_system(body) == SUMMARY_SYSTEM
+
+
+def summary_text(body: dict) -> str:
+    """The conversation text a summary request sends."""
+    content = plain_messages(body)[0]["content"]
+    return content if isinstance(content, str) else "".join(block["text"] for block in content)

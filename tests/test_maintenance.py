@@ -1,8 +1,14 @@
-"""Expiry, the reaper, retention, schedules and the commands that drive them."""
+"""Idle pauses, expiry, the reaper (SIGKILLed workers included), retention, schedules and the
+commands that drive them."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.core.management import call_command
@@ -10,16 +16,19 @@ from django.core.management.base import CommandError
 from django.utils import timezone
 from django_q.models import Schedule
 
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
-from sessions_app.maintenance import histories_purge, maintenance_pass, runs_reap, sessions_expire
+from costs_app.models import CostEvent
+from sessions_app.heartbeat import heartbeat_dispatch, heartbeat_enqueue
+from sessions_app.maintenance import histories_purge, maintenance_pass, runs_reap, sessions_expire, sessions_pause_idle
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
 from sessions_app.schedules import agent_schedule_sync, schedule_name
 from sessions_app.services import agent_delete, agent_pause, agent_resume
 from sessions_app.stores import store_for
 from sessions_app.tasks import scheduled_heartbeat
-from tests.conftest import on_own_connection
+from tests.conftest import beat, on_own_connection, refuse_writes
 from tests.fake_anthropic import Reply
-from tests.test_unexpected_failures import refuse_writes
+from tests.live.server import database_url, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_session(agent, *, last_used, ttl_hours=24, store=HistoryStore.DATABASE, messages=None):
@@ -185,11 +194,6 @@ def test_heartbeat_command_errors_are_clear(persistent_agent, fake_anthropic):
     assert not HeartbeatRun.objects.filter(task__startswith="caf").exists()
 
 
-def beat(agent, task, *, now):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now)
-    return heartbeat_execute(run_id=run.id, now=now)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_an_in_use_session_is_not_expired_and_its_ttl_counts_from_the_end_of_the_run(company, fake_anthropic):
     """A TTL shorter than a call (0.05 h is valid): the sweep runs while the model answers."""
@@ -275,3 +279,101 @@ def test_a_failing_maintenance_step_does_not_stop_the_others(settings, persisten
     assert (result["purged"], result["unstuck"]) == (1, 1)
     assert "Maintenance step 'expired' failed" in caplog.text
     assert AgentSession.objects.get(agent=persistent_agent).status == SessionStatus.ACTIVE
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sigkilled_cluster_workers_leave_no_run_running(
+    postgres_only, settings, persistent_agent, fake_anthropic, tmp_path
+):
+    kills = int(os.environ.get("RELIABILITY_KILLS", "20"))
+    fake_anthropic.push(*[Reply.delay(1.5) for _ in range(kills)])
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "PAPERCLIP_HOME": str(tmp_path),
+        # Queued tasks are signed: the cluster must share this process's key.
+        "DJANGO_SECRET_KEY": settings.SECRET_KEY,
+        "PAPERCLIP_RUN_TIMEOUT_SECONDS": "5",
+        "PAPERCLIP_Q_WORKERS": "2",
+    }
+    env.pop("REDIS_URL", None)
+    cluster = subprocess.Popen(
+        [sys.executable, "manage.py", "qcluster"],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=(tmp_path / "qcluster.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        for _ in range(kills):
+            run, _ = heartbeat_enqueue(agent=persistent_agent, task="doomed", now=timezone.now())
+            heartbeat_dispatch(run=run)
+            running = wait_until(
+                lambda run=run: (
+                    HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).exclude(claimed_by="").first()
+                ),
+                60,
+                "a worker to claim the run",
+            )
+            os.kill(int(running.claimed_by.rsplit(":", 1)[1]), signal.SIGKILL)
+            # The reaper, past the run's deadline (its call's limit, 3 x 600 s with the
+            # waits between attempts, plus the 5 s run timeout), fails what the dead worker
+            # left behind.
+            runs_reap(now=timezone.now() + timedelta(hours=1))
+        assert not HeartbeatRun.objects.filter(status=RunStatus.RUNNING).exists()
+        assert set(HeartbeatRun.objects.values_list("error_code", flat=True)) == {"run_timeout"}
+
+        run, _ = heartbeat_enqueue(agent=persistent_agent, task="survivor", now=timezone.now())
+        heartbeat_dispatch(run=run)
+        done = wait_until(
+            lambda: HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.SUCCEEDED, RunStatus.FAILED]).first(),
+            60,
+            "the survivor run",
+        )
+        assert done.status == RunStatus.SUCCEEDED, done.error
+        session = AgentSession.objects.get(agent=persistent_agent)
+        history = store_for(session).read(session)
+        assert [m["content"] for m in history if m["role"] == "user"] == ["survivor"]
+        assert CostEvent.objects.count() == 1
+    finally:
+        # SIGTERM to the cluster's parent only: it stops its own workers. (Signalling the
+        # whole group makes django-q2 hang in shutdown.)
+        cluster.terminate()
+        try:
+            cluster.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(cluster.pid, signal.SIGKILL)  # whatever is left of the group
+        except ProcessLookupError:
+            pass
+        cluster.wait()
+
+
+def test_idle_session_pauses_and_resumes_on_its_next_heartbeat(persistent_agent, fake_anthropic):
+    start = timezone.now()
+    first = beat(persistent_agent, "one", now=start)
+    session = AgentSession.objects.get(id=first.session_id)
+    assert session.pause_at == session.last_used + timedelta(minutes=30)
+
+    assert sessions_pause_idle(now=start + timedelta(minutes=29)) == 0
+    assert sessions_pause_idle(now=start + timedelta(minutes=31)) == 1
+    session.refresh_from_db()
+    assert (session.status, session.paused_at) == (SessionStatus.PAUSED, start + timedelta(minutes=31))
+
+    second = beat(persistent_agent, "two", now=start + timedelta(hours=2))
+
+    assert second.session_id == session.id
+    session.refresh_from_db()
+    assert session.status == SessionStatus.ACTIVE and session.paused_at is None
+    assert session.message_count == 4
+
+
+def test_a_paused_session_past_its_ttl_expires_instead(persistent_agent, fake_anthropic):
+    start = timezone.now()
+    first = beat(persistent_agent, "one", now=start)
+    maintenance_pass(now=start + timedelta(hours=1))
+    maintenance_pass(now=start + timedelta(hours=25))
+    assert AgentSession.objects.get(id=first.session_id).status == SessionStatus.EXPIRED
+    assert beat(persistent_agent, "two", now=start + timedelta(hours=26)).session_id != first.session_id

@@ -9,17 +9,12 @@ import pytest
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
-from sessions_app.maintenance import maintenance_pass
-from sessions_app.models import AgentSession, SessionStatus
+from sessions_app.maintenance import maintenance_pass, sessions_pause_idle
+from sessions_app.models import Agent, AgentSession, SessionStatus
 from sessions_app.services import agent_delete, session_delete, session_expire
+from tests.conftest import beat
 
 HALF_HOUR = 1800
-
-
-def beat(agent, task, *, now, **kwargs):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=now, **kwargs)
-    return heartbeat_execute(run_id=run.id, now=now)
 
 
 def session_hours(session_id) -> list:
@@ -100,3 +95,43 @@ def test_a_later_pass_bills_a_session_ended_without_its_bill(settings, persisten
     assert maintenance_pass(now=now)["billed"] == 1
     assert maintenance_pass(now=now)["billed"] == 0
     assert len(session_hours(first.session_id)) == 1
+
+
+def test_metering_bills_only_active_seconds(settings, company, tmp_path):
+    settings.PAPERCLIP_SESSION_HOUR_USD = Decimal("0.08")
+    script = tmp_path / "slow_agent.py"
+    script.write_text(
+        "import json, sys, time\njson.load(sys.stdin)\ntime.sleep(0.6)\n"
+        "print(json.dumps({'text': 'done', 'usage': {'input_tokens': 1, 'output_tokens': 1}}))\n"
+    )
+    agent = Agent.objects.create(
+        company=company,
+        name="metered",
+        adapter_type="process",
+        adapter_config={"command": ["python3", str(script)], "session_mode": "persistent"},
+    )
+    start = timezone.now()
+    beat(agent, "one", now=start)
+    beat(agent, "two", now=start + timedelta(hours=3))  # three idle hours in between
+    session = AgentSession.objects.get(agent=agent)
+    assert 1.2 <= session.active_seconds < 10
+
+    sessions_pause_idle(now=start + timedelta(hours=4))
+
+    event = CostEvent.objects.get(kind=CostKind.SESSION_HOURS)
+    assert event.session_seconds == round(session.active_seconds)
+    assert event.cost_usd == (Decimal(str(session.active_seconds)) / 3600 * Decimal("0.08")).quantize(
+        Decimal("0.0000000001")
+    )
+    session.refresh_from_db()
+    assert session.unbilled_active_seconds == 0
+    sessions_pause_idle(now=start + timedelta(hours=5))
+    assert CostEvent.objects.filter(kind=CostKind.SESSION_HOURS).count() == 1  # billed once
+
+
+def test_zero_rate_turns_metering_off(settings, persistent_agent, fake_anthropic):
+    settings.PAPERCLIP_SESSION_HOUR_USD = Decimal(0)
+    start = timezone.now()
+    beat(persistent_agent, "one", now=start)
+    sessions_pause_idle(now=start + timedelta(hours=1))
+    assert not CostEvent.objects.filter(kind=CostKind.SESSION_HOURS).exists()

@@ -1,90 +1,17 @@
-"""The ledger: one row per billed call, priced by the model requested."""
+"""Prices: what a call's reported usage costs, to the micro-dollar, priced by the model requested."""
 
 from __future__ import annotations
 
-import sys
 from datetime import UTC, date, datetime
 from decimal import Decimal
 
-from django.utils import timezone
-
-from costs_app.budgets import budget_uses
-from costs_app.ledger import cost_event_record
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import price_for
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
-from sessions_app.models import Agent, HeartbeatRun, RunStatus
+from sessions_app.models import Agent, AgentSession, RunStatus
+from tests.conftest import beat
 from tests.fake_anthropic import Reply
 
 NOW = datetime(2026, 11, 15, 12, 0, tzinfo=UTC)
-
-
-def beat(agent, task):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
-    return heartbeat_execute(run_id=run.id)
-
-
-def fixed_id_agent(company, tmp_path, name="cli"):
-    """A `process` agent whose command reports the same message id on every call."""
-    script = tmp_path / f"{name}.py"
-    script.write_text(
-        "import json, sys\n"
-        "json.load(sys.stdin)\n"
-        "print(json.dumps({'text': 'done', 'message_id': 'msg_fixed',\n"
-        "                  'usage': {'input_tokens': 1000, 'output_tokens': 1000}}))\n"
-    )
-    return Agent.objects.create(
-        company=company,
-        name=name,
-        adapter_type="process",
-        adapter_config={"command": [sys.executable, str(script)], "model": "claude-haiku-4-5"},
-    )
-
-
-def test_calls_reporting_one_message_id_are_each_in_the_ledger(company, tmp_path):
-    agent = fixed_id_agent(company, tmp_path)
-
-    runs = [beat(agent, f"call {i}") for i in range(3)]
-
-    assert [run.status for run in runs] == [RunStatus.SUCCEEDED] * 3
-    events = CostEvent.objects.filter(agent_id=agent.id)
-    assert sorted(e.run_id for e in events) == sorted(run.id for run in runs)
-    assert {e.message_id for e in events} == {"msg_fixed"}  # kept, for display
-    assert sum(e.cost_usd for e in events) == 3 * runs[0].cost_usd > 0
-
-
-def test_an_id_reported_in_another_company_is_charged_to_each_company(company, other_company, tmp_path):
-    ours, theirs = fixed_id_agent(company, tmp_path, "ours"), fixed_id_agent(other_company, tmp_path, "theirs")
-    Budget.objects.create(company=other_company, monthly_limit_usd=Decimal("10"))
-
-    assert beat(ours, "first").status == RunStatus.SUCCEEDED
-    assert beat(theirs, "second").status == RunStatus.SUCCEEDED
-
-    assert CostEvent.objects.filter(company=company).count() == 1
-    assert CostEvent.objects.filter(company=other_company).count() == 1
-    [use] = budget_uses(company_id=other_company.id, agent_id=theirs.id, now=timezone.now())
-    assert use.spent == HeartbeatRun.objects.get(agent=theirs).cost_usd > 0
-
-
-def test_a_retried_write_of_one_call_bills_it_once(stateless_agent):
-    run = HeartbeatRun.objects.create(company=stateless_agent.company, agent=stateless_agent, task="t")
-    usage = {"input_tokens": 10, "output_tokens": 5}
-    call = {
-        "usage": usage,
-        "model": "claude-opus-4-5",
-        "company_id": stateless_agent.company_id,
-        "agent_id": stateless_agent.id,
-        "run_id": run.id,
-        "at": NOW,
-    }
-
-    first = cost_event_record(**call, call_number=1, message_id="msg_a")
-    again = cost_event_record(**call, call_number=1, message_id="msg_a")
-    second_call = cost_event_record(**call, call_number=2, message_id="msg_a")
-
-    assert again.pk == first.pk
-    assert second_call.pk != first.pk
-    assert CostEvent.objects.filter(run=run).count() == 2
 
 
 def test_a_snapshot_id_is_priced_as_its_family_unless_it_has_a_price_of_its_own(db):
@@ -113,3 +40,56 @@ def test_an_answer_naming_a_snapshot_is_priced_and_trips_the_budget(stateless_ag
     assert (event.model, event.unpriced) == ("claude-opus-4-5", False)
     assert event.cost_usd == Decimal("0.1005")
     assert runs[0].model == "claude-opus-4-5-20251101"  # the run shows what answered
+
+
+def test_cost_rows_match_the_usage_to_the_micro_dollar(persistent_agent, fake_anthropic):
+    usage = {
+        "input_tokens": 1234,
+        "output_tokens": 567,
+        "cache_creation_input_tokens": 3000,
+        "cache_creation": {"ephemeral_5m_input_tokens": 2000, "ephemeral_1h_input_tokens": 1000},
+        "cache_read_input_tokens": 45678,
+    }
+    fake_anthropic.push(Reply.message("priced", usage=usage, message_id="msg_priced"))
+
+    run = beat(persistent_agent, "price me")
+
+    event = CostEvent.objects.get()
+    # claude-opus-4-5: $5 in, $25 out, $6.25 5-minute write, $10 1-hour write, $0.50 read per MTok.
+    expected = (
+        Decimal(1234) * 5 + Decimal(567) * 25 + Decimal(2000) * Decimal("6.25") + Decimal(1000) * 10
+    ) / 1_000_000 + Decimal(45678) * Decimal("0.5") / 1_000_000
+    assert event.cost_usd == expected
+    assert (event.input_tokens, event.output_tokens) == (1234, 567)
+    assert (event.cache_creation_5m_input_tokens, event.cache_creation_1h_input_tokens) == (2000, 1000)
+    assert event.cache_read_input_tokens == 45678
+    assert event.message_id == "msg_priced"
+    assert event.raw_usage == usage
+    assert (event.session_id, event.run_id) == (run.session_id, run.id)
+    assert run.cost_usd == expected
+    assert run.cache_read_input_tokens == 45678
+    assert AgentSession.objects.get().total_cost_usd == expected
+
+
+def test_iterations_beyond_the_top_level_are_billed(stateless_agent, fake_anthropic):
+    usage = {
+        "input_tokens": 23000,
+        "output_tokens": 1000,
+        "iterations": [
+            {"type": "compaction", "input_tokens": 180000, "output_tokens": 3500},
+            {"type": "message", "input_tokens": 23000, "output_tokens": 1000},
+        ],
+    }
+    fake_anthropic.push(Reply.message("compacted", usage=usage))
+    beat(stateless_agent, "long")
+    event = CostEvent.objects.get()
+    assert (event.input_tokens, event.output_tokens) == (203000, 4500)
+    assert event.cost_usd == (Decimal(203000) * 5 + Decimal(4500) * 25) / 1_000_000
+
+
+def test_unknown_model_is_recorded_unpriced_not_refused(company, fake_anthropic):
+    agent = Agent.objects.create(company=company, name="new", adapter_config={"model": "claude-future-9"})
+    run = beat(agent, "hi")
+    assert run.status == RunStatus.SUCCEEDED
+    event = CostEvent.objects.get()
+    assert event.unpriced and event.cost_usd == 0 and event.input_tokens > 0

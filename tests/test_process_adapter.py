@@ -4,58 +4,24 @@ they run, and get only the environment they need."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import pytest
-from django.utils import timezone
 
 from costs_app.models import CostEvent
 from paperclip.env import parse_process_commands
 from sessions_app.adapters import AgentConfigError, validate_agent_config
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
-from sessions_app.models import Agent, RunStatus
+from sessions_app.models import Agent, AgentSession, RunStatus
+from tests.conftest import beat, listed_commands, process_agent, reporter_script
 
-# Answers with what it was started with: its arguments, directory and environment names.
-REPORTER = (
-    "import json, os, sys\n"
-    "sys.stdin.read()\n"
-    "seen = {'args': sys.argv[1:], 'cwd': os.getcwd(), 'env': sorted(os.environ)}\n"
-    "print(json.dumps({'text': json.dumps(seen), 'usage': {'input_tokens': 3, 'output_tokens': 1}}))\n"
-)
 SECRETS = {
     "DJANGO_SECRET_KEY": "django-secret",
     "DATABASE_URL": "postgres://user:password@db/paperclip",
     "REDIS_URL": "redis://:password@cache:6379/0",
     "ANTHROPIC_API_KEY": "sk-ant-secret",
 }
-
-
-def reporter_script(tmp_path) -> str:
-    path = tmp_path / "reporter.py"
-    path.write_text(REPORTER)
-    return str(path)
-
-
-def listed_commands(tmp_path, **entries) -> dict:
-    """The allow-list as an operator writes it: `reporter` runs REPORTER; more entries may be added."""
-    reporter = {
-        "argv": [sys.executable, reporter_script(tmp_path)],
-        "allowed_args": ["--verbose"],
-        "allowed_arg_patterns": ["--topic=[a-z]{1,20}", "--topic=a+"],
-        "cwd": str(tmp_path),
-    }
-    return parse_process_commands(json.dumps({"reporter": reporter, **entries}))
-
-
-@pytest.fixture
-def commands(settings, tmp_path):
-    settings.PAPERCLIP_PROCESS_COMMANDS = listed_commands(tmp_path)
-    return settings.PAPERCLIP_PROCESS_COMMANDS
-
-
-def beat(agent, task="go"):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
-    return heartbeat_execute(run_id=run.id)
 
 
 def seen(run) -> dict:
@@ -252,3 +218,129 @@ def test_a_system_check_names_agents_whose_command_may_no_longer_run(company, co
     (warning,) = check_process_commands(None)
     assert warning.id == "paperclip.W004"
     assert "'raw'" in warning.msg and str(raw.id) in warning.msg and "adapter_config.command" in warning.msg
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"input_tokens": 10**20, "output_tokens": 1},
+        {"input_tokens": -5, "output_tokens": 1},
+        {"input_tokens": 1, "output_tokens": "many"},
+        {"input_tokens": 1, "output_tokens": 1, "iterations": [{"type": "compaction", "input_tokens": 10**12}]},
+        {"input_tokens": 1, "output_tokens": 1, "iterations": "all of them"},
+    ],
+    ids=["overflow", "negative", "not-a-number", "iteration-overflow", "iterations-not-a-list"],
+)
+def test_an_impossible_usage_report_fails_the_run_clearly(company, tmp_path, usage):
+    assert_refused_as_malformed(company, tmp_path, {"text": "done", "usage": usage}, "usage")
+
+
+@pytest.mark.parametrize("field", ["message_id", "stop_reason"])
+def test_an_identifier_longer_than_its_column_fails_the_run_clearly(company, tmp_path, field):
+    answer = {"text": "done", "usage": {"input_tokens": 1, "output_tokens": 1}, field: "x" * 300}
+    assert_refused_as_malformed(company, tmp_path, answer, field)
+
+
+def test_an_answer_nested_too_deep_to_parse_fails_the_run_clearly(company, tmp_path):
+    agent = process_agent(company, tmp_path, "import sys\nsys.stdin.read()\nprint('[' * 100000)\n")
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_malformed_response")
+
+
+def assert_refused_as_malformed(company, tmp_path, answer: dict, mentioned: str) -> None:
+    answer = json.dumps(answer)
+    agent = process_agent(company, tmp_path, f"import sys\nsys.stdin.read()\nprint({answer!r})\n")
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_malformed_response")
+    assert mentioned in run.error
+    assert not CostEvent.objects.exists()
+    assert not AgentSession.objects.filter(agent=agent, message_count__gt=0).exists()
+
+
+def test_an_agent_command_that_prints_without_end_is_killed_at_the_output_limit(settings, company, tmp_path):
+    settings.PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES = 200_000
+    pid_file = tmp_path / "pid"
+    agent = process_agent(
+        company,
+        tmp_path,
+        f"import os, sys\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "while True:\n    sys.stdout.write('x' * 65536)\n",
+    )
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_output_too_large")
+    assert "PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES" in run.error
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_an_agent_command_printing_bytes_that_are_not_utf8_is_read_with_replacement_marks(company, tmp_path):
+    agent = process_agent(
+        company,
+        tmp_path,
+        "import sys\nsys.stdin.read()\n"
+        'sys.stdout.buffer.write(b\'{"text": "caf\\xe9", "usage": {"input_tokens": 1, "output_tokens": 1}}\')\n',
+    )
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.output) == (RunStatus.SUCCEEDED, "caf\ufffd")
+
+
+def test_a_request_larger_than_a_pipe_reaches_a_slow_reader_whole(company, tmp_path):
+    agent = process_agent(
+        company,
+        tmp_path,
+        "import json, sys, time\ntime.sleep(0.3)\nrequest = json.load(sys.stdin)\n"
+        "print(json.dumps({'text': str(len(request['messages'][-1]['content']))}))\n",
+    )
+
+    run = beat(agent, "y" * 90_000)  # over the 64 KiB a pipe holds
+
+    assert (run.status, run.output) == (RunStatus.SUCCEEDED, "90000")
+
+
+def test_process_adapter_runs_a_command_with_the_request_on_stdin(company, tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import json, sys\n"
+        "request = json.load(sys.stdin)\n"
+        "last = request['messages'][-1]['content']\n"
+        "print(json.dumps({'text': f'echo {len(request[\"messages\"])}: ' + last,\n"
+        "                  'usage': {'input_tokens': 10, 'output_tokens': 2}, 'message_id': 'proc-1'}))\n"
+    )
+    agent = Agent.objects.create(
+        company=company,
+        name="cli",
+        adapter_type="process",
+        adapter_config={"command": ["python3", str(script)], "model": "claude-haiku-4-5", "session_mode": "persistent"},
+    )
+    beat(agent, "ping")
+    run = beat(agent, "pong")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.output == "echo 3: pong"
+    # Both calls reported the same message id: two calls all the same, two ledger rows.
+    assert CostEvent.objects.filter(agent_id=agent.id).count() == 2
+
+
+def test_process_adapter_kills_its_process_group_on_timeout(company, tmp_path):
+    marker = tmp_path / "child-alive"
+    script = tmp_path / "slow.sh"
+    script.write_text(f"#!/bin/sh\n(sleep 3; touch {marker}) &\nsleep 30\n")
+    script.chmod(0o755)
+    agent = Agent.objects.create(
+        company=company,
+        name="slow",
+        adapter_type="process",
+        adapter_config={"command": [str(script)], "timeout_seconds": 0.5},
+    )
+    run = beat(agent, "hang")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "process_timeout")
+
+    time.sleep(3.5)
+    assert not marker.exists()

@@ -10,29 +10,21 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
+from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
-from sessions_app.models import AgentSession, HistoryStore, RunStatus
-from sessions_app.services import session_clear_history
+from costs_app.models import CostEvent
+from sessions_app.maintenance import runs_reap
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus
+from sessions_app.services import session_clear_history, session_delete
 from sessions_app.stores import STORES, HistoryUnavailable, store_for
+from tests.conftest import beat, snapshot, terminate_backend_running, user_turns
 
-
-@pytest.fixture(autouse=True)
-def file_store(settings):
-    settings.PAPERCLIP_SESSION_STORE = HistoryStore.FILE
-
-
-def beat(agent, task):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
-    return heartbeat_execute(run_id=run.id)
-
-
-def user_turns(session) -> list:
-    session.refresh_from_db()
-    return [m["content"] for m in store_for(session).read(session) if m["role"] == "user"]
+pytestmark = pytest.mark.usefixtures("file_store")
 
 
 def file_messages(session) -> list:
@@ -178,8 +170,6 @@ def test_a_version_staged_but_never_committed_is_ignored_and_removed_with_its_se
     folder = store.path_for(session).parent
     assert len(list(folder.glob(f".{session.public_id}.*"))) == 1
 
-    from sessions_app.services import session_delete
-
     with django_capture_on_commit_callbacks(execute=True):
         session_delete(session=fresh, now=timezone.now())
     assert list(folder.iterdir()) == []
@@ -232,3 +222,154 @@ def test_every_store_implements_the_history_backend_interface():
         assert isinstance(store, HistoryBackend) and store.name == name
         for operation in ("read", "stage", "delete"):
             assert getattr(type(store), operation) is not getattr(HistoryBackend, operation), (name, operation)
+
+
+def test_file_store_faults_fail_only_their_own_session(settings, company, fake_anthropic):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    agents = [
+        Agent.objects.create(company=company, name=f"a{i}", adapter_config={"session_mode": "persistent"})
+        for i in range(4)
+    ]
+    for agent in agents:
+        beat(agent, "hello")
+    corrupt, missing, readonly, healthy = (AgentSession.objects.get(agent=a) for a in agents)
+    store_for(corrupt).path_for(corrupt).write_text('{"messages": [truncated')
+    store_for(missing).path_for(missing).unlink()
+    folder = store_for(readonly).path_for(readonly).parent
+    folder.chmod(0o500)
+    try:
+        results = [beat(agent, "again") for agent in agents]
+    finally:
+        folder.chmod(0o700)
+
+    codes = [(r.status, r.error_code) for r in results]
+    assert codes[0] == (RunStatus.FAILED, "history_corrupt")
+    assert codes[1] == (RunStatus.FAILED, "history_missing")
+    if os.geteuid() != 0:  # root ignores directory permissions
+        assert codes[2] == (RunStatus.FAILED, "history_unwritable")
+        readonly.refresh_from_db()
+        assert readonly.message_count == 2
+    assert codes[3] == (RunStatus.SUCCEEDED, "")
+    healthy.refresh_from_db()
+    assert healthy.message_count == 4
+
+
+def test_unwritable_history_leaves_the_old_file_and_row(settings, company, fake_anthropic, monkeypatch):
+    """What root cannot be made to fail by permissions, a full disk does: ENOSPC when the file is flushed."""
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    agent = Agent.objects.create(company=company, name="full", adapter_config={"session_mode": "persistent"})
+    beat(agent, "hello")
+    session = AgentSession.objects.get(agent=agent)
+    before = store_for(session).path_for(session).read_bytes()
+    costs = CostEvent.objects.count()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("sessions_app.stores.os.fsync", disk_full)
+    run = beat(agent, "again")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "history_unwritable")
+    assert store_for(session).path_for(session).read_bytes() == before
+    session.refresh_from_db()
+    assert session.message_count == 2
+    assert CostEvent.objects.count() == costs + 1  # the call was made and billed: the ledger says so
+
+
+@pytest.mark.django_db(transaction=True)
+def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
+    postgres_only, settings, persistent_agent, fake_anthropic
+):
+    """Killed in the COMMIT itself, after every statement (and the staged history file)
+    succeeded: the transaction never commits, so the file must not move either."""
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    beat(persistent_agent, "first")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    before = store_for(session).path_for(session).read_bytes()
+    with connection.cursor() as cursor:
+        # A deferred constraint trigger runs inside the COMMIT: it holds the COMMIT open.
+        cursor.execute(
+            "CREATE FUNCTION slow_commit() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(5); RETURN NULL; END $$ "
+            "LANGUAGE plpgsql; CREATE CONSTRAINT TRIGGER slow_commit AFTER UPDATE ON agent_sessions "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.message_count > OLD.message_count) "
+            "EXECUTE FUNCTION slow_commit();"
+        )
+    thread = threading.Thread(target=lambda: (beat(persistent_agent, "second"), connection.close()))
+    thread.start()
+    try:
+        terminate_backend_running("COMMIT%")
+        thread.join(timeout=30)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER IF EXISTS slow_commit ON agent_sessions; DROP FUNCTION IF EXISTS slow_commit();"
+            )
+
+    assert store_for(session).path_for(session).read_bytes() == before
+    session.refresh_from_db()
+    assert session.message_count == 2
+    runs_reap(now=timezone.now() + timedelta(hours=1))
+    assert HeartbeatRun.objects.get(task="second").status == RunStatus.FAILED
+    assert beat(persistent_agent, "third").status == RunStatus.SUCCEEDED
+    assert [m["content"] for m in snapshot(persistent_agent)[1] if m["role"] == "user"] == ["first", "third"]
+
+
+@pytest.mark.parametrize("store", ["file", "database"])
+def test_history_round_trips_through_each_store(settings, persistent_agent, fake_anthropic, store):
+    settings.PAPERCLIP_SESSION_STORE = store
+    beat(persistent_agent, "one")
+    run = beat(persistent_agent, "two")
+    session = AgentSession.objects.get(id=run.session_id)
+    assert session.store == store
+    history = store_for(session).read(session)
+    assert [m["content"] for m in history if m["role"] == "user"] == ["one", "two"]
+    if store == "file":
+        path = store_for(session).path_for(session)
+        assert path == settings.PAPERCLIP_HOME / "sessions" / str(persistent_agent.id) / f"{session.public_id}.json"
+        assert json.loads(path.read_text())["messages"] == history
+        assert session.history == []
+    else:
+        assert session.history == history
+
+
+def test_crash_between_write_and_rename_leaves_the_old_file_whole(settings, persistent_agent, fake_anthropic):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    run = beat(persistent_agent, "one")
+    session = AgentSession.objects.get(id=run.session_id)
+    store = store_for(session)
+    before = store.path_for(session).read_bytes()
+
+    store.stage(session, [{"role": "user", "content": "half-written"}])  # staged file written
+    # ...the process dies here: no COMMIT, no rename.
+
+    assert store.path_for(session).read_bytes() == before
+    assert [m["content"] for m in store.read(AgentSession.objects.get(pk=session.pk))][0] == "one"
+
+
+def test_corrupt_history_file_fails_the_heartbeat_clearly_without_calling_the_model(
+    settings, persistent_agent, fake_anthropic
+):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    run = beat(persistent_agent, "one")
+    session = AgentSession.objects.get(id=run.session_id)
+    store_for(session).path_for(session).write_text("{not json")
+    fake_anthropic.reset_log()
+
+    failed = beat(persistent_agent, "two")
+
+    assert failed.status == RunStatus.FAILED
+    assert failed.error_code == "history_corrupt"
+    assert session.public_id in failed.error
+    assert fake_anthropic.message_requests == []
+
+
+def test_missing_history_file_is_an_error_not_an_empty_history(settings, persistent_agent, fake_anthropic):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    run = beat(persistent_agent, "one")
+    session = AgentSession.objects.get(id=run.session_id)
+    store_for(session).path_for(session).unlink()
+
+    failed = beat(persistent_agent, "two")
+
+    assert (failed.status, failed.error_code) == (RunStatus.FAILED, "history_missing")
+    assert len(fake_anthropic.message_requests) == 1

@@ -259,7 +259,7 @@ def test_agent_page_query_count_does_not_grow_with_sessions_and_runs(admin_clien
 
 @pytest.fixture
 def listed_commands_authenticated(settings, tmp_path):
-    from tests.test_process_adapter import listed_commands
+    from tests.conftest import listed_commands
 
     settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
     settings.PAPERCLIP_PROCESS_COMMANDS = listed_commands(tmp_path)

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from django.utils import timezone
-
 from costs_app.models import Budget, CostEvent
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
 from sessions_app.models import Agent, AgentSession, AgentStatus
 from sessions_app.services import agent_pause
-
-
-def beat(agent, task):
-    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
-    return heartbeat_execute(run_id=run.id)
+from tests.conftest import beat
 
 
 def test_company_budget_is_read_set_and_reported_with_its_use(client, company, persistent_agent):

@@ -3,11 +3,4 @@ server (gunicorn workers and a qcluster, as in production) for the live tests.""
 
 from __future__ import annotations
 
-import pytest
-
-from tests.api.conftest import Api
-
-
-@pytest.fixture
-def api(db):
-    return Api()
+from tests.api.conftest import api  # noqa: F401 (the API tests' JSON client fixture, shared)

@@ -1,0 +1,156 @@
+"""Planning a heartbeat: which session the answer goes to. Expired, ended, deleted or stale
+sessions are never resumed, even when the expiry or the delete lands right after the read."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from costs_app.models import CostEvent
+from sessions_app.maintenance import sessions_expire
+from sessions_app.models import AgentSession, RunStatus, SessionStatus
+from sessions_app.services import session_delete, session_expire
+from sessions_app.stores import STORES, store_for
+from tests.conftest import beat
+from tests.fake_anthropic import plain_messages, text_turn
+
+
+def test_session_unused_past_its_ttl_is_not_resumed(persistent_agent, fake_anthropic):
+    start = timezone.now()
+    first = beat(persistent_agent, "remember 42", now=start)
+    later = start + timedelta(hours=24, minutes=1)
+
+    second = beat(persistent_agent, "what did I say?", now=later)
+
+    assert second.status == RunStatus.SUCCEEDED
+    assert second.session_id != first.session_id
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "what did I say?")]
+    old = AgentSession.objects.get(id=first.session_id)
+    assert old.status == SessionStatus.EXPIRED
+    assert old.end_reason == "expired"
+
+
+def test_expiry_slides_forward_with_every_use(persistent_agent, fake_anthropic):
+    start = timezone.now()
+    beat(persistent_agent, "one", now=start)
+    beat(persistent_agent, "two", now=start + timedelta(hours=20))
+    third = beat(persistent_agent, "three", now=start + timedelta(hours=40))
+
+    session = AgentSession.objects.get(id=third.session_id)
+    assert AgentSession.objects.count() == 1
+    assert session.message_count == 6
+    assert session.expires_at == session.last_used + timedelta(hours=24)
+    assert session.last_used >= start + timedelta(hours=40)
+
+
+def test_force_fresh_and_model_change_start_new_sessions(persistent_agent, fake_anthropic):
+    first = beat(persistent_agent, "one")
+    fresh = beat(persistent_agent, "two", force_fresh=True)
+    assert fresh.session_id != first.session_id
+    assert AgentSession.objects.get(id=first.session_id).end_reason == "force_fresh"
+
+    persistent_agent.adapter_config = {**persistent_agent.adapter_config, "model": "claude-haiku-4-5"}
+    persistent_agent.save()
+    changed = beat(persistent_agent, "three")
+    assert changed.session_id not in (first.session_id, fresh.session_id)
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "three")]
+    assert AgentSession.objects.filter(status=SessionStatus.ACTIVE).count() == 1
+
+
+def test_deleted_session_is_never_resumed(persistent_agent, fake_anthropic, django_capture_on_commit_callbacks):
+    first = beat(persistent_agent, "one")
+    with django_capture_on_commit_callbacks(execute=True):
+        session_delete(session=AgentSession.objects.get(id=first.session_id), now=timezone.now())
+    second = beat(persistent_agent, "two")
+    assert second.session_id != first.session_id
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "two")]
+
+
+def act_after_read(monkeypatch, action):
+    """Run `action` once, right after the heartbeat read the session's history and before
+    it takes the session for its run: the worst moment for an expiry or an operator."""
+    pending = [action]
+    for store in {type(s) for s in STORES.values()}:
+        read = store.read
+
+        def read_then_act(self, session, read=read):
+            history = read(self, session)
+            while pending:
+                pending.pop()(session)
+            return history
+
+        monkeypatch.setattr(store, "read", read_then_act)
+
+
+@pytest.mark.parametrize("actor", ["operator", "maintenance"])
+def test_expired_session_is_never_resumed(persistent_agent, fake_anthropic, monkeypatch, actor):
+    start = timezone.now()
+    first = beat(persistent_agent, "remember 42", now=start)
+    later = start + timedelta(hours=23)
+
+    def expire(session):
+        if actor == "operator":
+            assert session_expire(session=session, now=later)
+        else:
+            assert sessions_expire(now=start + timedelta(hours=30)) == 1
+
+    act_after_read(monkeypatch, expire)
+    second = beat(persistent_agent, "what did I say?", now=later)
+
+    assert second.status == RunStatus.SUCCEEDED
+    assert second.session_id != first.session_id
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "what did I say?")]
+    old = AgentSession.objects.get(id=first.session_id)
+    assert old.status == SessionStatus.EXPIRED and old.message_count == 2
+    assert AgentSession.objects.get(id=second.session_id).status == SessionStatus.ACTIVE
+
+
+def test_session_deleted_before_it_is_taken_starts_a_fresh_one(
+    persistent_agent, fake_anthropic, monkeypatch, django_capture_on_commit_callbacks
+):
+    first = beat(persistent_agent, "one")
+
+    def delete(session):
+        with django_capture_on_commit_callbacks(execute=True):
+            session_delete(session=session, now=timezone.now())
+
+    act_after_read(monkeypatch, delete)
+    second = beat(persistent_agent, "two")
+
+    assert (second.status, second.error_code) == (RunStatus.SUCCEEDED, "")
+    assert second.session_id != first.session_id
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "two")]
+
+
+@pytest.mark.parametrize(
+    "named",
+    [{}, {"model": "claude-opus-4-5"}, {"model": "claude-opus-4-5", "adapter_type": "claude-code"}],
+    ids=["contract-columns", "with-model", "with-model-and-adapter"],
+)
+def test_a_session_inserted_by_raw_sql_is_continued(persistent_agent, fake_anthropic, named):
+    """The contract's raw INSERT leaves model, adapter and message_count to their defaults."""
+    history = [text_turn("user", "remember 42"), text_turn("assistant", "noted: 42")]
+    columns = ", ".join(["id", "agent_id", "company_id", "history", "expires_at", *named])
+    params = [uuid.uuid4().hex, persistent_agent.id.hex, persistent_agent.company_id.hex, json.dumps(history)]
+    params += [timezone.now() + timedelta(hours=1), *named.values()]
+    values = ", ".join(["%s"] * len(params))
+    with connection.cursor() as cursor:
+        cursor.execute(f"INSERT INTO agent_sessions ({columns}) VALUES ({values})", params)  # noqa: S608
+    costs = CostEvent.objects.count()
+
+    run = beat(persistent_agent, "what did I say?")
+
+    assert (run.status, run.error_code) == (RunStatus.SUCCEEDED, "")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    assert run.session_id == session.id
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [*history, text_turn("user", "what did I say?")]
+    assert (session.model, session.adapter_type) == ("claude-opus-4-5", "claude-code")
+    assert session.message_count == 4 and len(store_for(session).read(session)) == 4
+    assert [m.get("seq") for m in store_for(session).read(session)[2:]] == [2, 3]
+    assert CostEvent.objects.count() == costs + 1
+    assert beat(persistent_agent, "and again?").session_id == session.id
