@@ -38,23 +38,9 @@ def spent() -> Decimal:
     return CostEvent.objects.aggregate(total=Sum("cost_usd"))["total"] or Decimal(0)
 
 
-@pytest.mark.django_db(transaction=True)
-def test_concurrent_cached_calls_cannot_cross_the_limit(postgres_only, company, fake_anthropic):
-    # Four agents whose input is nearly all system prompt, written to the 1-hour cache at
-    # 2x the input price (each its own prompt, so no call reads another's cache).
-    agents = [
-        Agent.objects.create(
-            company=company,
-            name=f"a{i}",
-            system_prompt=f"Agent {i}. " + "Background material. " * 4000,
-            adapter_config={"model": "claude-opus-4-5", "max_tokens": 16, "cache_ttl": "1h"},
-        )
-        for i in range(4)
-    ]
-    limit = (4 * plain_input_estimate(agents[0], "go")).quantize(Decimal("0.000001"), rounding=ROUND_DOWN)
-    Budget.objects.create(company=company, monthly_limit_usd=limit)
-    # Answers take long enough that every reservation happens while the others are in flight.
-    fake_anthropic.push(*[Reply.delay(2) for _ in range(4)])
+def race(agents: list[Agent]) -> list:
+    """One heartbeat per agent, each in its own thread and connection, all reserving at
+    once (a barrier after the enqueue); the finished runs."""
     barrier = threading.Barrier(len(agents))
     results = []
 
@@ -71,6 +57,27 @@ def test_concurrent_cached_calls_cannot_cross_the_limit(postgres_only, company, 
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
+    return results
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_cached_calls_cannot_cross_the_limit(postgres_only, company, fake_anthropic):
+    # Four agents whose input is nearly all system prompt, written to the 1-hour cache at
+    # 2x the input price (each its own prompt, so no call reads another's cache).
+    agents = [
+        Agent.objects.create(
+            company=company,
+            name=f"a{i}",
+            system_prompt=f"Agent {i}. " + "Background material. " * 4000,
+            adapter_config={"model": "claude-opus-4-5", "max_tokens": 16, "cache_ttl": "1h"},
+        )
+        for i in range(4)
+    ]
+    limit = (4 * plain_input_estimate(agents[0], "go")).quantize(Decimal("0.000001"), rounding=ROUND_DOWN)
+    Budget.objects.create(company=company, monthly_limit_usd=limit)
+    # Answers take long enough that every reservation happens while the others are in flight.
+    fake_anthropic.push(*[Reply.delay(2) for _ in range(len(agents))])
+    results = race(agents)
 
     assert len(results) == 4
     assert {run.error_code for run in results if run.status == RunStatus.FAILED} <= {"budget_exceeded"}
@@ -306,23 +313,8 @@ def test_concurrent_heartbeats_near_the_limit_cannot_both_pass(postgres_only, co
     # Each call can cost up to ~$0.005 (1000 output tokens at $5/MTok): room for one only.
     Budget.objects.create(company=company, monthly_limit_usd=Decimal("0.008"))
     # Answers take long enough that all four reservations happen while one call is in flight.
-    fake_anthropic.push(*[Reply.delay(2) for _ in range(4)])
-    barrier = threading.Barrier(len(agents))
-    results = []
-
-    def fire(agent):
-        try:
-            run, _ = heartbeat_enqueue(agent=agent, task="go", now=timezone.now())
-            barrier.wait()
-            results.append(heartbeat_wait(run_id=run.id, timeout_seconds=30))
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=fire, args=(agent,)) for agent in agents]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    fake_anthropic.push(*[Reply.delay(2) for _ in range(len(agents))])
+    results = race(agents)
 
     statuses = sorted(run.status for run in results)
     assert statuses == ["failed", "failed", "failed", "succeeded"]

@@ -144,13 +144,7 @@ def test_a_run_reaped_during_its_summary_commits_nothing_and_still_bills_it(file
 def test_a_session_deleted_during_its_summary_call_fails_the_run_as_session_deleted(
     file_store, company, fake_anthropic, paperclip_home
 ):
-    agent = Agent.objects.create(
-        company=company,
-        name="ctx",
-        adapter_config={"session_mode": "persistent", "context_budget_tokens": 1000, "keep_recent_turns": 1},
-    )
-    for _ in range(3):
-        beat(agent, "x" * 400)
+    agent = compacting_agent(company)
     session = AgentSession.objects.get(agent=agent)
     fake_anthropic.push(Reply.during(on_own_connection(lambda: session_delete(session=session, now=timezone.now()))))
 
@@ -206,18 +200,7 @@ def test_a_handoff_note_is_recorded_when_the_run_breaks_before_its_turn_is_sent(
 
 
 def test_a_summary_whose_compaction_cannot_be_written_is_still_in_the_ledger(company, fake_anthropic):
-    agent = Agent.objects.create(
-        company=company,
-        name="summarising",
-        adapter_config={
-            "model": "claude-opus-4-5",
-            "session_mode": "persistent",
-            "context_budget_tokens": 1000,
-            "keep_recent_turns": 1,
-        },
-    )
-    for _ in range(3):
-        assert beat(agent, "x" * 400).status == RunStatus.SUCCEEDED
+    agent = compacting_agent(company)
     session = AgentSession.objects.get(agent=agent)
     before = store_for(session).read(session)
     refuse_writes("session_compactions", when="1 = 1", event="INSERT")
