@@ -416,19 +416,6 @@ def test_a_runtime_without_its_own_session_has_the_history_replayed(company, mon
     assert [len(request.messages) for request in adapter.requests] == [1, 3]
 
 
-def test_a_scheduled_tick_on_a_busy_agent_leaves_its_run_queued_without_waiting(persistent_agent, fake_anthropic):
-    from sessions_app.tasks import scheduled_heartbeat
-
-    now = timezone.now()
-    busy, _ = heartbeat_enqueue(agent=persistent_agent, task="busy", now=now)
-    HeartbeatRun.objects.filter(id=busy.id).update(status=RunStatus.RUNNING, started_at=now)
-
-    started = time.monotonic()
-    assert scheduled_heartbeat(str(persistent_agent.id)) == RunStatus.QUEUED
-    assert time.monotonic() - started < 5  # the cluster worker is not held while the agent is busy
-    assert fake_anthropic.message_requests == []
-
-
 def test_the_heartbeat_command_sees_the_run_of_a_repeated_key_through(persistent_agent, fake_anthropic, capsys):
     from django.core.management import call_command
 
