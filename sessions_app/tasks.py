@@ -28,9 +28,9 @@ def scheduled_heartbeat(agent_id: str) -> str:
         return f"merged into run {merged}"
     task = agent.adapter_config.get("heartbeat_task") or DEFAULT_SCHEDULED_TASK
     try:
-        # The tick already runs in a cluster worker: it executes the run here when the
-        # agent is free and otherwise leaves it queued for the agent's next dispatch,
-        # never holding the worker while it waits.
+        # The tick already runs in a cluster worker: it executes the run here when it can
+        # be claimed and otherwise (PAPERCLIP_MAX_CONCURRENT_RUNS reached) leaves it queued
+        # for the next dispatch, never holding the worker while it waits.
         run, _ = heartbeat_start(
             agent=agent, task=task, trigger=RunTrigger.SCHEDULE, now=timezone.now(), wait=True, wait_seconds=0
         )

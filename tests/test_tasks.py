@@ -40,3 +40,17 @@ def test_a_tick_on_an_idle_agent_runs_with_nothing_merged(persistent_agent, fake
     assert scheduled_heartbeat(str(persistent_agent.id)) == RunStatus.SUCCEEDED
     (run,) = HeartbeatRun.objects.filter(agent=persistent_agent)
     assert run.merged_ticks == 0
+
+
+def test_a_tick_held_by_the_cap_on_runs_in_progress_stays_queued_without_waiting(
+    settings, persistent_agent, stateless_agent, fake_anthropic
+):
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
+    now = timezone.now()
+    other, _ = heartbeat_enqueue(agent=stateless_agent, task="busy", now=now)
+    HeartbeatRun.objects.filter(id=other.id).update(status=RunStatus.RUNNING, started_at=now)
+
+    started = time.monotonic()
+    assert scheduled_heartbeat(str(persistent_agent.id)) == RunStatus.QUEUED
+    assert time.monotonic() - started < 5  # the cluster worker is not held while the cap is full
+    assert fake_anthropic.message_requests == []
