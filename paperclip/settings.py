@@ -56,6 +56,9 @@ if not re.fullmatch(r"[1-9][0-9]*/(s|sec|second|m|min|minute|h|hour|d|day)", PAP
     raise ImproperlyConfigured(f"PAPERCLIP_HEARTBEAT_RATE must look like 60/min, got {PAPERCLIP_HEARTBEAT_RATE!r}")
 # Queued runs one agent may have; another heartbeat is refused 429 `queue_full`.
 PAPERCLIP_MAX_QUEUED_RUNS = env_int("PAPERCLIP_MAX_QUEUED_RUNS", 100, minimum=1)
+# Runs in progress across the whole deployment (every host; the database decides); 0 = no cap.
+# The rest wait queued and start oldest first as runs finish.
+PAPERCLIP_MAX_CONCURRENT_RUNS = env_int("PAPERCLIP_MAX_CONCURRENT_RUNS", 0, minimum=0)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
 DEBUG = env_bool("DJANGO_DEBUG", False)

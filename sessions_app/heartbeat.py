@@ -25,7 +25,7 @@ from typing import Protocol
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, OuterRef, Subquery
+from django.db.models import Count, Min, OuterRef, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -281,13 +281,54 @@ def dispatch_next_queued(*, agent_id) -> None:
         heartbeat_dispatch(run=nxt)
 
 
+def dispatch_waiting(*, agent_ids=None) -> int:
+    """Wake the oldest queued run of each agent with nothing running, oldest first; under
+    PAPERCLIP_MAX_CONCURRENT_RUNS only as many active agents' runs as there are free places
+    (a paused or deleted agent's run is woken regardless: its claim fails it). Returns how
+    many agents were woken. Used after a run finishes and by the maintenance pass."""
+    free = free_run_places()
+    waiting = HeartbeatRun.objects.filter(status=RunStatus.QUEUED)
+    if agent_ids is not None:
+        waiting = waiting.filter(agent_id__in=agent_ids)
+    running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
+    heads = (
+        waiting.exclude(agent_id__in=running)
+        .values("agent_id", "agent__status")
+        .annotate(first=Min("created_at"))
+        .order_by("first")
+    )
+    woken = 0
+    for head in heads.iterator():
+        if free is not None and head["agent__status"] == AgentStatus.ACTIVE:
+            if free <= 0:
+                continue
+            free -= 1
+        dispatch_next_queued(agent_id=head["agent_id"])
+        woken += 1
+    return woken
+
+
+def free_run_places() -> int | None:
+    """Places left under PAPERCLIP_MAX_CONCURRENT_RUNS (None: no cap)."""
+    cap = settings.PAPERCLIP_MAX_CONCURRENT_RUNS
+    if not cap:
+        return None
+    return cap - HeartbeatRun.objects.filter(status=RunStatus.RUNNING).count()
+
+
+# Key of the transaction-level advisory lock that makes the deployment's run cap exact.
+RUN_CAP_LOCK = (7_302, 0)
+
+
 def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
-    """1. claim: move a queued run to running unless another run of its agent is running.
+    """1. claim: move a queued run to running unless another run of its agent is running,
+    or the deployment's runs in progress are at PAPERCLIP_MAX_CONCURRENT_RUNS.
 
     The database decides: a partial unique index allows one `running` row per agent, so
     of two processes claiming at once (any host, any worker) exactly one update succeeds;
-    the other gets an IntegrityError and leaves its run queued. The run comes back with
-    its agent and `budgeted` (whether any budget applies), all read in one query.
+    the other gets an IntegrityError and leaves its run queued. The cap is checked in the
+    claim's transaction (`_claim_under_cap`). The run comes back with its agent and
+    `budgeted` (whether any budget applies), all read in one query.
     """
     run = (
         HeartbeatRun.objects.select_related("agent")
@@ -303,10 +344,13 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         run.refresh_from_db()
         return run, False
     deadline = run_deadline(ADAPTERS.get(agent.adapter_type), agent.adapter_config, at=now)
+    capped = bool(settings.PAPERCLIP_MAX_CONCURRENT_RUNS)
     try:
         # One statement is its own transaction; only inside a caller's transaction does
         # the refusal need a savepoint to leave that transaction usable.
-        with transaction.atomic() if connection.in_atomic_block else nullcontext():
+        with transaction.atomic() if capped or connection.in_atomic_block else nullcontext():
+            if capped and not _run_place_free(run):
+                return run, False
             claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
                 status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id()
             )
@@ -317,6 +361,37 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         return run, False
     run.status, run.started_at, run.deadline_at = RunStatus.RUNNING, now, deadline
     return run, True
+
+
+def _run_place_free(run: HeartbeatRun) -> bool:
+    """Whether `run` may start under PAPERCLIP_MAX_CONCURRENT_RUNS: a place is free and no
+    older run waits for it (each agent with nothing running counts its oldest queued run).
+
+    Called inside the claim's transaction. Two claims must not both take the last place:
+    on PostgreSQL they take one advisory lock until commit (only claims under a cap take
+    it, and hold it for two queries, never across a model call); SQLite's IMMEDIATE
+    transactions run one writer at a time. A run deferring to older ones wakes them, in
+    case nobody else will (their waiter timed out, their task was lost)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(RUN_CAP_LOCK))
+    free = free_run_places()
+    if free <= 0:
+        return False
+    running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
+    ahead = list(
+        HeartbeatRun.objects.filter(
+            status=RunStatus.QUEUED, created_at__lt=run.created_at, agent__status=AgentStatus.ACTIVE
+        )
+        .exclude(agent_id=run.agent_id)
+        .exclude(agent_id__in=running)
+        .values("agent_id")
+        .annotate(first=Min("created_at"))
+        .order_by("first")[:free]
+    )
+    for older in ahead if len(ahead) >= free else ():
+        dispatch_next_queued(agent_id=older["agent_id"])
+    return len(ahead) < free
 
 
 def run_deadline(adapter, config: dict, *, at: datetime) -> datetime:
@@ -515,9 +590,13 @@ def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
 
 
 def _release(run: HeartbeatRun, *, current: bool, now: datetime) -> HeartbeatRun:
-    """8. release: dispatch the agent's next queued run; after a failure, the session's
-    TTL counts from the end of the run. Returns the run as its row says."""
-    dispatch_next_queued(agent_id=run.agent_id)
+    """8. release: dispatch the agent's next queued run and, under a cap on runs in
+    progress, the oldest runs of other agents waiting for the place; after a failure, the
+    session's TTL counts from the end of the run. Returns the run as its row says."""
+    if settings.PAPERCLIP_MAX_CONCURRENT_RUNS:
+        dispatch_waiting()
+    else:
+        dispatch_next_queued(agent_id=run.agent_id)
     if not current:
         run.refresh_from_db()
     if run.status == RunStatus.FAILED and run.session_id is not None:

@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F
 
-from sessions_app.heartbeat import dispatch_next_queued
+from sessions_app.heartbeat import dispatch_waiting
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     ENDED_SESSION_STATUSES,
@@ -143,15 +143,9 @@ def _history_file_delete(session: AgentSession, *, failed: set) -> bool:
 
 
 def queues_unstick(*, agent_ids=None) -> int:
-    """Dispatch the oldest queued run of agents with nothing running (lost tasks, reaped runs)."""
-    waiting = HeartbeatRun.objects.filter(status=RunStatus.QUEUED)
-    if agent_ids is not None:
-        waiting = waiting.filter(agent_id__in=agent_ids)
-    running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
-    agents = set(waiting.exclude(agent_id__in=running).values_list("agent_id", flat=True).distinct())
-    for agent_id in agents:
-        dispatch_next_queued(agent_id=agent_id)
-    return len(agents)
+    """Dispatch the oldest queued run of agents with nothing running (lost tasks, reaped
+    runs), oldest first and within PAPERCLIP_MAX_CONCURRENT_RUNS (`dispatch_waiting`)."""
+    return dispatch_waiting(agent_ids=agent_ids)
 
 
 def budget_pauses_release(*, now: datetime) -> int:

@@ -355,6 +355,9 @@ class HeartbeatRun(models.Model):
     warning = models.TextField(blank=True, default="")
     # host:pid of the process running it, so an operator can find (or a test can kill) it.
     claimed_by = models.CharField(max_length=255, blank=True, default="")
+    # Scheduled ticks that found this run queued or running and were served by it instead
+    # of queueing another run (no pile-up behind a busy agent).
+    merged_ticks = models.PositiveIntegerField(default=0, db_default=0)
 
     class Meta:
         db_table = "heartbeat_runs"

@@ -273,6 +273,7 @@ class RunSerializer(serializers.ModelSerializer):
             "model",
             "message_id",
             "stop_reason",
+            "merged_ticks",
         ]
         read_only_fields = fields
 

@@ -13,9 +13,15 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
-from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute, heartbeat_wait
+from sessions_app.heartbeat import (
+    HeartbeatRefused,
+    heartbeat_enqueue,
+    heartbeat_execute,
+    heartbeat_start,
+    heartbeat_wait,
+)
 from sessions_app.maintenance import runs_reap
-from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus
+from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.services import agent_delete, agent_pause
 from sessions_app.stores import store_for
 from tests.conftest import beat, on_own_connection, refuse_writes, snapshot, terminate_backend_running
@@ -416,19 +422,6 @@ def test_a_runtime_without_its_own_session_has_the_history_replayed(company, mon
     assert [len(request.messages) for request in adapter.requests] == [1, 3]
 
 
-def test_a_scheduled_tick_on_a_busy_agent_leaves_its_run_queued_without_waiting(persistent_agent, fake_anthropic):
-    from sessions_app.tasks import scheduled_heartbeat
-
-    now = timezone.now()
-    busy, _ = heartbeat_enqueue(agent=persistent_agent, task="busy", now=now)
-    HeartbeatRun.objects.filter(id=busy.id).update(status=RunStatus.RUNNING, started_at=now)
-
-    started = time.monotonic()
-    assert scheduled_heartbeat(str(persistent_agent.id)) == RunStatus.QUEUED
-    assert time.monotonic() - started < 5  # the cluster worker is not held while the agent is busy
-    assert fake_anthropic.message_requests == []
-
-
 def test_the_heartbeat_command_sees_the_run_of_a_repeated_key_through(persistent_agent, fake_anthropic, capsys):
     from django.core.management import call_command
 
@@ -539,3 +532,148 @@ def test_concurrent_heartbeats_lose_no_turn_and_never_interleave(persistent_agen
     # Request k saw exactly the 2k-1 messages that existed when it ran.
     assert sorted(len(body["messages"]) for body in fake_anthropic.message_requests) == list(range(1, 24, 2))
     assert CostEvent.objects.count() == 12
+
+
+def make_agents(company, count: int) -> list[Agent]:
+    return [
+        Agent.objects.create(
+            company=company, name=f"Agent {i}", adapter_type="claude-code", adapter_config={"model": "claude-opus-4-5"}
+        )
+        for i in range(count)
+    ]
+
+
+def dispatched_run_ids() -> list[str]:
+    """Run ids handed to the task queue (the ORM broker), in the order they were queued."""
+    from django_q.models import OrmQ
+    from django_q.signing import SignedPackage
+
+    return [SignedPackage.loads(row.payload)["args"][0] for row in OrmQ.objects.order_by("id")]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("postgres_only")
+def test_a_cap_of_two_holds_five_agents_heartbeating_at_once_to_two_running_in_order(settings, company, fake_anthropic):
+    """Five `"wait": true` heartbeats at once on five agents, each answer slow: never more
+    than two running (sampled as each request arrives), all five finish, claimed in the
+    order they were created."""
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 2
+    agents = make_agents(company, 5)
+    samples = []
+
+    def sample():
+        samples.append(HeartbeatRun.objects.filter(status=RunStatus.RUNNING).count())
+
+    fake_anthropic.push(*[Reply(kind="delay", seconds=0.3, before=on_own_connection(sample)) for _ in agents])
+    errors = []
+
+    def fire(agent):
+        try:
+            heartbeat_start(
+                agent=agent, task="go", trigger=RunTrigger.API, now=timezone.now(), wait=True, wait_seconds=60
+            )
+        except Exception as exc:  # surfaced below; a thread's exception is otherwise lost
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = []
+    for agent in agents:
+        threads.append(threading.Thread(target=fire, args=(agent,)))
+        threads[-1].start()
+        time.sleep(0.02)  # distinct creation times, so the order is defined
+    for thread in threads:
+        thread.join(timeout=120)
+
+    assert errors == []
+    assert len(samples) == 5 and max(samples) == 2
+    runs = list(HeartbeatRun.objects.order_by("created_at"))
+    assert {run.status for run in runs} == {RunStatus.SUCCEEDED}
+    assert sorted(runs, key=lambda run: run.started_at) == runs
+
+
+@pytest.mark.usefixtures("postgres_only")
+@pytest.mark.django_db(transaction=True)
+def test_two_claims_racing_for_the_last_place_under_the_cap_let_one_in(settings, company):
+    """The second claim counts while the first's move to `running` is still uncommitted
+    (held by a sleeping trigger): without serialization both would see a free place."""
+    from sessions_app.heartbeat import claim_run
+
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
+    now = timezone.now()
+    first, second = (heartbeat_enqueue(agent=agent, task="go", now=now)[0] for agent in make_agents(company, 2))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION slow_claim() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$ "
+            "LANGUAGE plpgsql; CREATE TRIGGER slow_claim BEFORE UPDATE ON heartbeat_runs "
+            "FOR EACH ROW WHEN (NEW.status = 'running') EXECUTE FUNCTION slow_claim();"
+        )
+    outcomes = {}
+
+    def claim(run):
+        try:
+            outcomes[run.id] = claim_run(run_id=run.id, now=timezone.now())[1]
+        finally:
+            connection.close()
+
+    try:
+        claim_first = threading.Thread(target=claim, args=(first,))
+        claim_first.start()
+        time.sleep(0.3)  # the first is inside its update
+        claim_second = threading.Thread(target=claim, args=(second,))
+        claim_second.start()
+        claim_first.join(10)
+        claim_second.join(10)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER slow_claim ON heartbeat_runs; DROP FUNCTION slow_claim();")
+    assert outcomes == {first.id: True, second.id: False}
+    assert HeartbeatRun.objects.filter(status=RunStatus.RUNNING).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("postgres_only")
+def test_a_run_finishing_under_the_cap_wakes_the_oldest_run_of_another_agent_waiting_for_its_place(
+    settings, company, fake_anthropic
+):
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
+    busy, older, newer = make_agents(company, 3)
+    now = timezone.now()
+    first, _ = heartbeat_enqueue(agent=busy, task="first", now=now)
+    waiting = [
+        heartbeat_enqueue(agent=agent, task="wait", now=now + timedelta(seconds=s))[0]
+        for s, agent in ((2, newer), (1, older))
+    ]
+    refused = []
+    fake_anthropic.push(
+        Reply.during(
+            on_own_connection(lambda: refused.extend(heartbeat_execute(run_id=run.id).status for run in waiting))
+        )
+    )
+
+    assert heartbeat_execute(run_id=first.id).status == RunStatus.SUCCEEDED
+
+    assert fake_anthropic.action_errors == []
+    assert refused == [RunStatus.QUEUED, RunStatus.QUEUED]  # the cap held them while the first ran
+    assert dispatched_run_ids() == [str(waiting[1].id)]  # one place: the oldest waiting run
+
+
+def test_the_maintenance_pass_wakes_waiting_runs_oldest_first_within_the_cap(
+    settings, company, django_capture_on_commit_callbacks
+):
+    from sessions_app.maintenance import queues_unstick
+
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 3
+    busy, *waiting_agents = make_agents(company, 4)
+    now = timezone.now()
+    running, _ = heartbeat_enqueue(agent=busy, task="busy", now=now)
+    HeartbeatRun.objects.filter(id=running.id).update(status=RunStatus.RUNNING, started_at=now)
+    ages = (5, 30, 10)
+    waiting = [
+        heartbeat_enqueue(agent=agent, task="wait", now=now - timedelta(seconds=age))[0]
+        for agent, age in zip(waiting_agents, ages, strict=True)
+    ]
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert queues_unstick() == 2
+    assert dispatched_run_ids() == [str(waiting[1].id), str(waiting[2].id)]

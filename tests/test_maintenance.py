@@ -158,13 +158,6 @@ def test_agent_schedule_follows_the_agent(persistent_agent):
     assert not Schedule.objects.filter(name=schedule_name(persistent_agent.id)).exists()
 
 
-def test_scheduled_tick_is_skipped_while_a_run_is_queued(persistent_agent, fake_anthropic):
-    heartbeat_enqueue(agent=persistent_agent, task="waiting", now=timezone.now())
-    assert scheduled_heartbeat(str(persistent_agent.id)) == "skipped: a run is already queued"
-    assert HeartbeatRun.objects.filter(agent=persistent_agent).count() == 1
-    assert fake_anthropic.message_requests == []
-
-
 def test_scheduled_tick_runs_a_heartbeat(persistent_agent, fake_anthropic):
     assert scheduled_heartbeat(str(persistent_agent.id)) == RunStatus.SUCCEEDED
     assert HeartbeatRun.objects.get().trigger == "schedule"

@@ -36,6 +36,7 @@ class HeartbeatRunAdmin(LargeTableAdmin):
         "session_link",
         "status",
         "trigger",
+        "merged_ticks",
         "task",
         "force_fresh",
         "idempotency_key",

@@ -181,11 +181,12 @@ def test_runs_list_queries_do_not_grow_with_runs(api, persistent_agent, django_a
 
 
 def test_run_detail(api, persistent_agent):
-    run = make_run(persistent_agent, output="hello", input_tokens=5)
+    run = make_run(persistent_agent, output="hello", input_tokens=5, merged_ticks=3)
     body = api.get(agent_url(persistent_agent, f"/runs/{run.id}")).json()
     assert body["id"] == str(run.id)
     assert body["output"] == "hello"
     assert body["usage"]["input_tokens"] == 5
+    assert body["merged_ticks"] == 3
 
 
 def test_run_of_another_agent_is_404(api, persistent_agent, stateless_agent):
