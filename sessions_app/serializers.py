@@ -140,6 +140,8 @@ SESSION_LIST_COLUMNS = (
     "turn_count",
     "archived_message_count",
     "compaction_count",
+    "compaction_error",
+    "compaction_error_at",
     "predecessor_id",
 )
 
@@ -196,6 +198,8 @@ def session_list_item(row: dict) -> dict:
         "turn_count": row["turn_count"],
         "archived_message_count": row["archived_message_count"],
         "compaction_count": row["compaction_count"],
+        "compaction_error": row["compaction_error"],
+        "compaction_error_at": iso_time(row["compaction_error_at"]),
         "predecessor_id": session_public_id(row["predecessor_id"]),
     }
 

@@ -116,7 +116,13 @@ class AgentSessionAdmin(LargeTableAdmin):
             "Context management",
             {
                 "classes": ["collapse"],
-                "fields": ["turn_count", "compaction_count", "archived_message_count", "manifest_json"],
+                "fields": [
+                    "turn_count",
+                    "compaction_count",
+                    ("compaction_error", "compaction_error_at"),
+                    "archived_message_count",
+                    "manifest_json",
+                ],
             },
         ),
     ]
@@ -145,6 +151,8 @@ class AgentSessionAdmin(LargeTableAdmin):
         "active_seconds",
         "turn_count",
         "compaction_count",
+        "compaction_error",
+        "compaction_error_at",
         "archived_message_count",
         "manifest_json",
     ]

@@ -361,3 +361,14 @@ def test_compacted_turns_are_shown_archived_and_escaped(
     with django_capture_on_commit_callbacks(execute=True):
         admin_client.post(reverse("admin:sessions_app_agentsession_delete", args=[session.pk]), {"post": "yes"})
     assert not SessionCompaction.objects.exists()
+
+
+def test_session_page_says_when_its_last_summary_did_not_shrink_it(admin_client, persistent_agent):
+    session = make_session(
+        persistent_agent,
+        history=conversation(1),
+        compaction_error="compaction_not_shrinking",
+        compaction_error_at=timezone.now(),
+    )
+    page = admin_client.get(change_url(session)).content.decode()
+    assert "compaction_not_shrinking" in page
