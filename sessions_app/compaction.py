@@ -101,7 +101,7 @@ def fit_budget(
         agent=agent, adapter=adapter, settings_=settings_, turns=plan.history[:split], before_call=before_call
     )
     new_history = summary_pair(reply.text, kind="summary", at=now) + plan.history[split:]
-    if estimate_tokens(new_history[:2]) >= estimate_tokens(plan.history[:split]):
+    if summary_not_shrinking(new_history[:2], plan.history[:split]):
         compaction_refused(session=plan.session, run=run, reply=reply, at=now)
     after = build_request(agent=agent, history=new_history, user_content=user_content, settings=settings_)
     session = compaction_commit(
@@ -143,6 +143,10 @@ def summary_call(*, agent: Agent, adapter, settings_: ContextSettings, turns: li
         return adapter.call(summarise)
     except AdapterError as exc:
         raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
+
+
+def summary_not_shrinking(summary: list, replaced: list) -> bool:
+    return estimate_tokens(summary) >= estimate_tokens(replaced)
 
 
 def budget_exceeded(size: int, settings_: ContextSettings) -> StepFailed:

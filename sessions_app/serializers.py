@@ -51,6 +51,15 @@ class StrictDictField(serializers.JSONField):
         return data
 
 
+class StrictIntegerField(serializers.IntegerField):
+    default_error_messages = {"invalid": "Must be a whole number."}
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class NoUnknownFieldsMixin:
     def to_internal_value(self, data):
         if not isinstance(data, dict):
@@ -363,3 +372,12 @@ __all__ = [
     "SessionListSerializer",
     "SessionSerializer",
 ]
+
+
+class CompactRequestSerializer(NoUnknownFieldsMixin, serializers.Serializer):
+    keep_recent_turns = StrictIntegerField(
+        required=False,
+        min_value=1,
+        max_value=1000,
+        help_text="Turns kept verbatim after the summary (1-1000); the agent's `keep_recent_turns` when absent.",
+    )
