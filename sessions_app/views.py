@@ -314,7 +314,9 @@ class SessionListView(ApiView):
 HISTORY_STATUSES = {"history_unreadable": status.HTTP_503_SERVICE_UNAVAILABLE}
 
 
-class SessionDetailView(ApiView):
+class SessionLookup(ApiView):
+    """Views of one session of an agent, found by either id form."""
+
     def get_session(self, company_id: UUID, agent_id: UUID, session_id: str, *, with_history: bool) -> AgentSession:
         agent = self.get_agent(company_id, agent_id)
         parsed = parse_session_id(session_id)
@@ -328,6 +330,8 @@ class SessionDetailView(ApiView):
             raise NotFound("No such session.")
         return session
 
+
+class SessionDetailView(SessionLookup):
     @extend_schema(
         operation_id="session_retrieve",
         parameters=[SESSION_ID_PARAMETER],
@@ -379,7 +383,7 @@ def compact_error(failure: RunFailure, now: datetime) -> Exception:
     return Conflict(failure.message, code=failure.code)
 
 
-class SessionCompactView(SessionDetailView):
+class SessionCompactView(SessionLookup):
     @extend_schema(
         operation_id="session_compact",
         parameters=[SESSION_ID_PARAMETER],

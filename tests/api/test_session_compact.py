@@ -104,3 +104,10 @@ def test_a_budget_too_small_for_the_summary_is_429_before_any_request(api, compa
 
     assert fake_anthropic.message_requests[sent:] == []
     assert AgentSession.objects.get(pk=session.pk).compaction_count == 0
+
+
+def test_compact_answers_only_post(api, company, fake_anthropic):
+    agent, session = talked(company)
+    assert_error(api.get(compact_url(agent, session)), 405, "method_not_allowed")
+    assert_error(api.delete(compact_url(agent, session)), 405, "method_not_allowed")
+    assert AgentSession.objects.filter(pk=session.pk).exists()
