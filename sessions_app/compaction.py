@@ -13,13 +13,13 @@ from dataclasses import replace
 from datetime import datetime
 
 from django.db import transaction
+from django.db.models import F
 
 from costs_app.ledger import billed_call_record, cost_event_record
 from costs_app.models import CostKind
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest
 from sessions_app.context import (
     HANDOFF_SYSTEM,
-    MAX_COMPACTIONS_PER_HEARTBEAT,
     SUMMARY_KINDS,
     SUMMARY_SYSTEM,
     ContextSettings,
@@ -46,6 +46,7 @@ from sessions_app.stores import NOTHING_STAGED, store_for
 # Called with each summary request before it is sent: the heartbeat reserves its cost
 # against the budgets there, and refuses (BudgetExceeded) before any request is made.
 BeforeCall = Callable[[AdapterRequest], None]
+NOT_SHRINKING = "compaction_not_shrinking"
 
 
 def write_handoff(
@@ -81,58 +82,102 @@ def fit_budget(
     before_call: BeforeCall,
 ) -> tuple[Plan, AdapterRequest]:
     """The request for this heartbeat, compacting the session first if it would not fit.
-    Returns it with the plan it was built from (a new one after each compaction)."""
+    Returns it with the plan it was built from (a new one after a compaction).
+
+    At most one summary per heartbeat: a second one would pay again for what the first
+    could not do, and a session that no summary shrinks would pay on every heartbeat."""
     request = build_request(agent=agent, history=plan.history, user_content=user_content, settings=settings_)
     if not agent.is_persistent or settings_.strategy != "summarize":
         return plan, request
+    size = request_size(adapter, request, settings_.budget_tokens)
+    if size <= settings_.budget_tokens:
+        return plan, request
+    if plan.session is None or over_budget(agent, adapter, [], user_content, settings_):
+        raise budget_exceeded(size, settings_)  # no summary can help: only the task's own size matters
+    split = summary_split(agent, adapter, plan.history, user_content, settings_)
+    if split is None:
+        raise budget_exceeded(size, settings_)
+    reply = summary_call(
+        agent=agent, adapter=adapter, settings_=settings_, turns=plan.history[:split], before_call=before_call
+    )
+    new_history = summary_pair(reply.text, kind="summary", at=now) + plan.history[split:]
+    if summary_not_shrinking(new_history[:2], plan.history[:split]):
+        compaction_refused(session=plan.session, run=run, reply=reply, at=now)
+    after = build_request(agent=agent, history=new_history, user_content=user_content, settings=settings_)
+    session = compaction_commit(
+        session=plan.session,
+        run=run,
+        old_history=plan.history,
+        new_history=new_history,
+        archived=plan.history[:split],
+        reply=reply,
+        tokens_before=size,
+        tokens_after=estimate_tokens({"system": after.system_blocks or after.system, "messages": after.messages}),
+        at=now,
+    )
+    plan = replace(plan, session=session, history=new_history)
+    size = request_size(adapter, after, settings_.budget_tokens)
+    if size > settings_.budget_tokens:
+        raise budget_exceeded(size, settings_)
+    return plan, after
+
+
+def summary_split(agent: Agent, adapter, history: list, user_content, settings_: ContextSettings) -> int | None:
+    """Where the verbatim tail starts: the most recent turns kept (halving the setting) whose
+    tail still fits beside the task; all of it summarised when none does (one huge answer,
+    say: keeping it verbatim would fail this heartbeat and every later one)."""
     keep = settings_.keep_recent_turns
-    task_alone_fits = None  # measured once, the first time the request is over the budget
-    for _ in range(MAX_COMPACTIONS_PER_HEARTBEAT + 1):
-        size = request_size(adapter, request, settings_.budget_tokens)
-        if size <= settings_.budget_tokens:
-            return plan, request
-        if plan.session is None:
-            break
-        if task_alone_fits is None:
-            task_alone_fits = not over_budget(agent, adapter, [], user_content, settings_)
-        if not task_alone_fits:
-            break  # no summary can help: only the task's own size matters
-        split = choose_split(plan.history, keep)
-        if keep and (split is None or over_budget(agent, adapter, plan.history[split:], user_content, settings_)):
-            # The recent turns alone are over the budget (one huge answer, say): keeping
-            # them verbatim would fail this heartbeat and every later one. Summarise all.
-            keep = 0
-            split = choose_split(plan.history, keep)
-        if split is None:
-            break
-        summarise = summary_request(
-            agent=agent, settings=settings_, messages=plan.history[:split], system=SUMMARY_SYSTEM
-        )
-        before_call(summarise)
-        try:
-            reply = adapter.call(summarise)
-        except AdapterError as exc:
-            raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
-        new_history = summary_pair(reply.text, kind="summary", at=now) + plan.history[split:]
-        after = build_request(agent=agent, history=new_history, user_content=user_content, settings=settings_)
-        session = compaction_commit(
-            session=plan.session,
-            run=run,
-            old_history=plan.history,
-            new_history=new_history,
-            archived=plan.history[:split],
-            reply=reply,
-            tokens_before=size,
-            tokens_after=estimate_tokens({"system": after.system_blocks or after.system, "messages": after.messages}),
-            at=now,
-        )
-        plan = replace(plan, session=session, history=new_history)
-        request = after
+    while keep:
+        split = choose_split(history, keep)
+        if split is not None and not over_budget(agent, adapter, history[split:], user_content, settings_):
+            return split
         keep //= 2
-    raise StepFailed(
+    return choose_split(history, 0)
+
+
+def summary_call(*, agent: Agent, adapter, settings_: ContextSettings, turns: list, before_call: BeforeCall):
+    """The summary of `turns`, reserved against the budgets before it is asked for."""
+    summarise = summary_request(agent=agent, settings=settings_, messages=turns, system=SUMMARY_SYSTEM)
+    before_call(summarise)
+    try:
+        return adapter.call(summarise)
+    except AdapterError as exc:
+        raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
+
+
+def summary_not_shrinking(summary: list, replaced: list) -> bool:
+    return estimate_tokens(summary) >= estimate_tokens(replaced)
+
+
+def budget_exceeded(size: int, settings_: ContextSettings) -> StepFailed:
+    return StepFailed(
         "context_budget_exceeded",
         f"The request needs about {size} tokens, over the session's budget of {settings_.budget_tokens}, "
         "and compaction cannot reduce it further. Shorten the task or raise context_budget_tokens.",
+    )
+
+
+def compaction_refused(*, session: AgentSession, run: HeartbeatRun, reply: AdapterReply, at: datetime):
+    """A summary no smaller than the turns it would replace: kept out of the session (it
+    would only grow), billed once, and the session marked so that an operator sees why."""
+    event = None
+    try:
+        with transaction.atomic():
+            if reply.usage is not None:
+                event = cost_event_record(**summary_cost(session, run, reply, at), session_id=session.id)
+            AgentSession.objects.filter(pk=session.pk).update(
+                compaction_error=NOT_SHRINKING,
+                compaction_error_at=at,
+                total_cost_usd=F("total_cost_usd") + (event.cost_usd if event else 0),
+            )
+    except Exception:
+        if event is None:
+            billed_call_record(**summary_cost(session, run, reply, at))
+        raise
+    raise StepFailed(
+        NOT_SHRINKING,
+        "The summary was no shorter than the turns it would replace, so it was not kept and no other "
+        "was asked for. Shorten the turns (keep_recent_turns, the task) or end the session.",
     )
 
 
@@ -234,6 +279,7 @@ def compaction_commit(
             locked.message_count = len(new_history)
             locked.archived_message_count += sum(1 for m in archived if m.get("kind") not in SUMMARY_KINDS)
             locked.compaction_count += 1
+            locked.compaction_error, locked.compaction_error_at = "", None
             if event is not None:
                 locked.total_cost_usd += event.cost_usd
             locked.save()

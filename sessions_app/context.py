@@ -35,7 +35,6 @@ CONTEXT_WINDOWS = {
 }
 DEFAULT_KEEP_RECENT_TURNS = 4
 SUMMARY_MAX_TOKENS = 2048
-MAX_COMPACTIONS_PER_HEARTBEAT = 3
 # Measure exactly (count_tokens) once the estimate passes this share of the budget.
 MEASURE_ABOVE = 0.8
 SUMMARY_KINDS = ("summary", "handoff")

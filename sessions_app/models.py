@@ -183,6 +183,10 @@ class AgentSession(models.Model):
     next_seq = models.PositiveIntegerField(default=0, db_default=0)
     turn_count = models.PositiveIntegerField(default=0, db_default=0)
     compaction_count = models.PositiveIntegerField(default=0, db_default=0)
+    # Why the last summary was thrown away (`compaction_not_shrinking`), shown to operators
+    # until the next compaction succeeds: a session that cannot be shrunk needs a person.
+    compaction_error = models.CharField(max_length=64, blank=True, default="", db_default="")
+    compaction_error_at = models.DateTimeField(null=True, blank=True)
     manifest = models.JSONField(default=list, blank=True, db_default=models.Value([], output_field=models.JSONField()))
     # Economics: an idle session is paused at `pause_at`; only seconds with a
     # run in progress count as active, billed as session hours at pause, expiry or end.

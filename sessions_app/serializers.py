@@ -51,6 +51,15 @@ class StrictDictField(serializers.JSONField):
         return data
 
 
+class StrictIntegerField(serializers.IntegerField):
+    default_error_messages = {"invalid": "Must be a whole number."}
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class NoUnknownFieldsMixin:
     def to_internal_value(self, data):
         if not isinstance(data, dict):
@@ -140,6 +149,8 @@ SESSION_LIST_COLUMNS = (
     "turn_count",
     "archived_message_count",
     "compaction_count",
+    "compaction_error",
+    "compaction_error_at",
     "predecessor_id",
 )
 
@@ -196,6 +207,8 @@ def session_list_item(row: dict) -> dict:
         "turn_count": row["turn_count"],
         "archived_message_count": row["archived_message_count"],
         "compaction_count": row["compaction_count"],
+        "compaction_error": row["compaction_error"],
+        "compaction_error_at": iso_time(row["compaction_error_at"]),
         "predecessor_id": session_public_id(row["predecessor_id"]),
     }
 
@@ -360,3 +373,12 @@ __all__ = [
     "SessionListSerializer",
     "SessionSerializer",
 ]
+
+
+class CompactRequestSerializer(NoUnknownFieldsMixin, serializers.Serializer):
+    keep_recent_turns = StrictIntegerField(
+        required=False,
+        min_value=1,
+        max_value=1000,
+        help_text="Turns kept verbatim after the summary (1-1000); the agent's `keep_recent_turns` when absent.",
+    )

@@ -24,6 +24,7 @@ urlpatterns = [
     path(f"{agent}/runs/<uuid:run_id>", views.RunDetailView.as_view(), name="run-detail"),
     path(f"{agent}/sessions", views.SessionListView.as_view(), name="session-list"),
     path(f"{agent}/sessions/<str:session_id>", views.SessionDetailView.as_view(), name="session-detail"),
+    path(f"{agent}/sessions/<str:session_id>/compact", views.SessionCompactView.as_view(), name="session-compact"),
     path(f"{agent}/sessions/<str:session_id>/archive", SessionArchiveView.as_view(), name="session-archive"),
     path(f"{agent}/growth", AgentGrowthView.as_view(), name="agent-growth"),
 ]

@@ -24,9 +24,11 @@ from sessions_app import heartbeat
 from sessions_app.api.authentication import HeartbeatRateThrottle, is_authenticated_mode
 from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
 from sessions_app.api.exceptions import BadRequest, Conflict, NotFound, ServiceUnavailable, TooManyRequests
+from sessions_app.api.history_views import CompactionSerializer
 from sessions_app.api.pagination import Keyset, parse_limit
 from sessions_app.api.session_list import SESSION_ORDER, session_list_page
-from sessions_app.errors import HeartbeatRefused, HistoryUnavailable, QueueUnavailable
+from sessions_app.compact_now import session_compact
+from sessions_app.errors import HeartbeatRefused, HistoryUnavailable, QueueUnavailable, RunFailure
 from sessions_app.models import (
     Agent,
     AgentSession,
@@ -42,6 +44,7 @@ from sessions_app.schedules import agent_schedule_sync
 from sessions_app.serializers import (
     AgentListSerializer,
     AgentSerializer,
+    CompactRequestSerializer,
     CompanySerializer,
     HeartbeatRequestSerializer,
     RunListSerializer,
@@ -311,7 +314,9 @@ class SessionListView(ApiView):
 HISTORY_STATUSES = {"history_unreadable": status.HTTP_503_SERVICE_UNAVAILABLE}
 
 
-class SessionDetailView(ApiView):
+class SessionLookup(ApiView):
+    """Views of one session of an agent, found by either id form."""
+
     def get_session(self, company_id: UUID, agent_id: UUID, session_id: str, *, with_history: bool) -> AgentSession:
         agent = self.get_agent(company_id, agent_id)
         parsed = parse_session_id(session_id)
@@ -325,6 +330,8 @@ class SessionDetailView(ApiView):
             raise NotFound("No such session.")
         return session
 
+
+class SessionDetailView(SessionLookup):
     @extend_schema(
         operation_id="session_retrieve",
         parameters=[SESSION_ID_PARAMETER],
@@ -356,3 +363,49 @@ class SessionDetailView(ApiView):
             session=self.get_session(company_id, agent_id, session_id, with_history=False), now=timezone.now()
         )
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# Compact now: the refusals a client can act on, by status; a failed summary call is the
+# model's (503, its code `compaction_<model code>`).
+COMPACT_STATUSES = {
+    "agent_deleted": NotFound,
+    "budget_exceeded": TooManyRequests,
+}
+
+
+def compact_error(failure: RunFailure, now: datetime) -> Exception:
+    if failure.code == "budget_exceeded":
+        return TooManyRequests(failure.message, code=failure.code, retry_after=seconds_until_next_utc_month(now))
+    if failure.code in COMPACT_STATUSES:
+        return COMPACT_STATUSES[failure.code](failure.message, code=failure.code)
+    if failure.code.startswith("compaction_model_") or failure.code == "history_unreadable":
+        return ServiceUnavailable(failure.message, code=failure.code)
+    return Conflict(failure.message, code=failure.code)
+
+
+class SessionCompactView(SessionLookup):
+    @extend_schema(
+        operation_id="session_compact",
+        parameters=[SESSION_ID_PARAMETER],
+        request=CompactRequestSerializer,
+        responses={200: CompactionSerializer, **error_responses(400, 409, 429, 503)},
+        description="Summarise the session's older turns now, keeping the last `keep_recent_turns` verbatim "
+        "(same rules, record, ledger row and budget reservation as a heartbeat's compaction). 409: "
+        "`session_busy` (a heartbeat is running), `nothing_to_compact`, `session_not_live`, "
+        "`compaction_not_shrinking`, `compaction_not_supported`, `agent_paused`; 429 `budget_exceeded`.",
+    )
+    def post(self, request, company_id: UUID, agent_id: UUID, session_id: str):
+        session = self.get_session(company_id, agent_id, session_id, with_history=False)
+        serializer = CompactRequestSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        now = timezone.now()
+        try:
+            record = session_compact(
+                session=session,
+                now=now,
+                keep_recent_turns=serializer.validated_data.get("keep_recent_turns"),
+                trigger=RunTrigger.API,
+            )
+        except RunFailure as failure:
+            raise compact_error(failure, now) from None
+        return Response(CompactionSerializer(record).data)

@@ -356,3 +356,26 @@ def test_an_answer_bigger_than_the_budget_is_summarised_instead_of_blocking_the_
     session = AgentSession.objects.get(agent=agent, status=SessionStatus.ACTIVE)
     assert [m.get("kind") for m in store_for(session).read(session)[:2]] == ["summary", "summary"]
     assert len(full_record(session)) == 2 + 2 + 2 * 3  # every turn kept, in the archive or live
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_summary_that_does_not_shrink_the_session_fails_the_run_and_is_paid_once(company, fake_anthropic):
+    agent = compacting_agent(company)
+    session = AgentSession.objects.get(agent=agent)
+    before = store_for(session).read(session)
+    sent = len(fake_anthropic.message_requests)
+    fake_anthropic.push(Reply.message("s" * 6000))  # longer than the turns it replaces
+
+    run = beat(agent, "y" * 2400)
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "compaction_not_shrinking")
+    assert [is_summary_request(r) for r in fake_anthropic.message_requests[sent:]] == [True]
+    assert CostEvent.objects.filter(run=run, kind=CostKind.COMPACTION).count() == 1
+    session.refresh_from_db()
+    assert store_for(session).read(session) == before
+    assert (session.compaction_count, session.compaction_error) == (0, "compaction_not_shrinking")
+    assert session.compaction_error_at is not None
+
+    assert beat(agent, "z" * 2400).status == RunStatus.SUCCEEDED  # the next summary shrinks it
+    session.refresh_from_db()
+    assert (session.compaction_count, session.compaction_error, session.compaction_error_at) == (1, "", None)

@@ -28,11 +28,13 @@ from sessions_app.admin.common import (
     humane_expiry,
 )
 from sessions_app.admin.transcript import transcript
-from sessions_app.errors import HistoryUnavailable
+from sessions_app.compact_now import session_compact
+from sessions_app.errors import HistoryUnavailable, RunFailure
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     AgentSession,
     HeartbeatRun,
+    RunTrigger,
     SessionCompaction,
     parse_session_id,
     session_public_id,
@@ -75,7 +77,7 @@ class AgentSessionAdmin(LargeTableAdmin):
     search_fields = ["agent__name"]
     search_help_text = "A session id (sess_… or UUID) or an agent name."
     date_hierarchy = "last_used"
-    actions = ["expire_now", "clear_history"]
+    actions = ["expire_now", "clear_history", "compact_now"]
     fieldsets = [
         (
             None,
@@ -116,7 +118,13 @@ class AgentSessionAdmin(LargeTableAdmin):
             "Context management",
             {
                 "classes": ["collapse"],
-                "fields": ["turn_count", "compaction_count", "archived_message_count", "manifest_json"],
+                "fields": [
+                    "turn_count",
+                    "compaction_count",
+                    ("compaction_error", "compaction_error_at"),
+                    "archived_message_count",
+                    "manifest_json",
+                ],
             },
         ),
     ]
@@ -145,6 +153,8 @@ class AgentSessionAdmin(LargeTableAdmin):
         "active_seconds",
         "turn_count",
         "compaction_count",
+        "compaction_error",
+        "compaction_error_at",
         "archived_message_count",
         "manifest_json",
     ]
@@ -329,3 +339,19 @@ class AgentSessionAdmin(LargeTableAdmin):
             services.session_clear_history(session=session)
             count += 1
         self.message_user(request, f"Cleared the history of {count} session(s).", messages.SUCCESS)
+
+    @admin.action(description="Compact selected sessions now (summarise their older turns)", permissions=["change"])
+    def compact_now(self, request, queryset):
+        """Each through `session_compact`, as the API does: a refusal (a heartbeat running,
+        nothing to compact, a budget) is reported by session, the others still compacted."""
+        compacted = 0
+        for session in queryset.select_related("agent"):
+            try:
+                session_compact(session=session, now=timezone.now(), trigger=RunTrigger.ADMIN)
+            except RunFailure as failure:
+                self.message_user(
+                    request, f"Session {session.public_id}: {failure.code}: {failure.message}", messages.WARNING
+                )
+            else:
+                compacted += 1
+        self.message_user(request, f"Compacted {compacted} session(s).", messages.SUCCESS)

@@ -361,3 +361,33 @@ def test_compacted_turns_are_shown_archived_and_escaped(
     with django_capture_on_commit_callbacks(execute=True):
         admin_client.post(reverse("admin:sessions_app_agentsession_delete", args=[session.pk]), {"post": "yes"})
     assert not SessionCompaction.objects.exists()
+
+
+def test_session_page_says_when_its_last_summary_did_not_shrink_it(admin_client, persistent_agent):
+    session = make_session(
+        persistent_agent,
+        history=conversation(1),
+        compaction_error="compaction_not_shrinking",
+        compaction_error_at=timezone.now(),
+    )
+    page = admin_client.get(change_url(session)).content.decode()
+    assert "compaction_not_shrinking" in page
+
+
+def test_compact_now_action_compacts_each_session_and_names_the_refused(admin_client, company, fake_anthropic):
+    from tests.conftest import beat, context_agent
+
+    talkative = context_agent(company, keep_recent_turns=1)
+    for i in range(3):
+        beat(talkative, f"step {i}: " + "x" * 400)
+    quiet = context_agent(company, keep_recent_turns=1)
+    beat(quiet, "only one turn")
+    sessions = [AgentSession.objects.get(agent=agent) for agent in (talkative, quiet)]
+    data = {"action": "compact_now", "_selected_action": [str(s.pk) for s in sessions]}
+
+    page = admin_client.post(reverse(CHANGELIST), data, follow=True).content.decode()
+
+    assert "Compacted 1 session(s)." in page
+    assert f"Session {sessions[1].public_id}: nothing_to_compact" in page
+    assert [AgentSession.objects.get(pk=s.pk).compaction_count for s in sessions] == [1, 0]
+    assert CostEvent.objects.filter(kind=CostKind.COMPACTION, session_id=sessions[0].pk).count() == 1

@@ -234,3 +234,16 @@ def test_agent_without_sessions_lists_none(api, persistent_agent, django_assert_
     with django_assert_max_num_queries(2):
         response = api.get(agent_url(persistent_agent, "/sessions"))
     assert response.json() == {"sessions": [], "next": None}
+
+
+def test_a_session_whose_summary_did_not_shrink_it_says_so(api, persistent_agent):
+    at = timezone.now()
+    session = make_session(persistent_agent, compaction_error="compaction_not_shrinking", compaction_error_at=at)
+    listed = api.get(agent_url(persistent_agent, "/sessions")).json()["sessions"][0]
+    detail = api.get(agent_url(persistent_agent, f"/sessions/{session.public_id}")).json()
+    for body in (listed, detail):
+        assert body["compaction_error"] == "compaction_not_shrinking"
+        assert body["compaction_error_at"].startswith(at.strftime("%Y-%m-%dT%H:%M"))
+    healthy_session = make_session(persistent_agent, status="ended")
+    healthy = api.get(agent_url(persistent_agent, f"/sessions/{healthy_session.public_id}")).json()
+    assert (healthy["compaction_error"], healthy["compaction_error_at"]) == ("", None)

@@ -1,0 +1,159 @@
+"""Compact now: summarise a live session at once, from the API or the admin.
+
+It runs as a run of the agent, so the rules of a heartbeat's compaction hold unchanged:
+- one writer per session: the index that allows one `running` run per agent refuses it
+  while a heartbeat runs (`session_busy`), and a heartbeat arriving meanwhile stays
+  queued and is dispatched when the compaction ends, so no turn is lost;
+- the summary is reserved against the budgets before it is sent and billed to the
+  ledger under the run (kind `compaction`); the record is the heartbeat's own
+  (`compaction_commit`), and a summary that does not shrink the session is refused the
+  same way (`compaction_not_shrinking`).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+from django.db import IntegrityError, transaction
+
+from costs_app.budgets import BudgetExceeded, budgets_exist
+from paperclip.errors import RunFailure
+from sessions_app.adapters import get_adapter
+from sessions_app.compaction import compaction_commit, compaction_refused, summary_call, summary_not_shrinking
+from sessions_app.context import choose_split, estimate_tokens, summary_pair
+from sessions_app.heartbeat import (
+    ClaimedRun,
+    Reservation,
+    RunClock,
+    _finish_failed,
+    dispatch_next_queued,
+    run_deadline,
+    worker_id,
+)
+from sessions_app.models import (
+    LIVE_SESSION_STATUSES,
+    AgentSession,
+    HeartbeatRun,
+    RunStatus,
+    RunTrigger,
+    SessionCompaction,
+)
+from sessions_app.services import budgets_enforce
+from sessions_app.stores import store_for
+
+COMPACT_TASK = "Compact the session now."
+
+
+class CompactRefused(RunFailure):
+    """The session cannot be compacted now; `code` maps to an API status."""
+
+
+def session_compact(
+    *, session: AgentSession, now: datetime, keep_recent_turns: int | None = None, trigger: str = RunTrigger.API
+) -> SessionCompaction:
+    """Summarise the session's older turns now, keeping the last `keep_recent_turns` (the
+    agent's setting when not given) verbatim. Returns the compaction record."""
+    agent = session.agent
+    refuse_unless_compactable(session, now=now)
+    run = compaction_run(session, now=now, trigger=trigger)
+    clock = RunClock(now=now, started=time.monotonic())
+    beat = ClaimedRun.of(run, now=now, clock=clock)
+    try:
+        record = compact(beat, session, keep_recent_turns=keep_recent_turns)
+    except RunFailure as failure:
+        _finish_failed(run, code=failure.code, message=failure.message, now=clock())
+        if isinstance(failure, BudgetExceeded):
+            budgets_enforce(agent=agent, now=now)
+        raise
+    except BaseException:
+        _finish_failed(run, code="internal_error", message="The compaction failed unexpectedly.", now=clock())
+        raise
+    finally:
+        dispatch_next_queued(agent_id=agent.id)
+    if beat.budgeted:
+        budgets_enforce(agent=agent, now=now)
+    return record
+
+
+def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:
+    if refusal := session.agent.refusal():
+        raise CompactRefused(*refusal)
+    if session.status not in LIVE_SESSION_STATUSES or (session.expires_at and session.expires_at <= now):
+        raise CompactRefused("session_not_live", "The session has ended or expired; only a live session is compacted.")
+    if getattr(get_adapter(session.agent.adapter_type), "keeps_own_session", False):
+        raise CompactRefused(
+            "compaction_not_supported", "The agent's runtime keeps its own session; it compacts its own context."
+        )
+
+
+def compaction_run(session: AgentSession, *, now: datetime, trigger: str) -> HeartbeatRun:
+    """The run the compaction is done and billed under, `running` from the start: the
+    database refuses it while another run of the agent is running."""
+    agent = session.agent
+    try:
+        with transaction.atomic():
+            run = HeartbeatRun.objects.create(
+                company_id=agent.company_id,
+                agent=agent,
+                session=session,
+                status=RunStatus.RUNNING,
+                trigger=trigger,
+                task=COMPACT_TASK,
+                started_at=now,
+                deadline_at=run_deadline(get_adapter(agent.adapter_type), agent.adapter_config, at=now),
+                claimed_by=worker_id(),
+            )
+    except IntegrityError:
+        raise CompactRefused(
+            "session_busy", "A heartbeat of this agent is running; compact the session when it has finished."
+        ) from None
+    return (
+        HeartbeatRun.objects.select_related("agent")
+        .annotate(budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"))
+        .get(id=run.id)
+    )
+
+
+def compact(beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int | None) -> SessionCompaction:
+    # Read only now that this run is the session's one writer.
+    session = AgentSession.objects.get(pk=session.pk)
+    history = store_for(session).read(session)
+    keep = keep_recent_turns or beat.settings_.keep_recent_turns
+    split = choose_split(history, keep)
+    if split is None:
+        raise CompactRefused(
+            "nothing_to_compact", f"The session has nothing older than its last {keep} turns that is not a summary."
+        )
+    reply = summary_call(
+        agent=beat.agent,
+        adapter=beat.adapter,
+        settings_=beat.settings_,
+        turns=history[:split],
+        before_call=Reservation(beat),
+    )
+    new_history = summary_pair(reply.text, kind="summary", at=beat.now) + history[split:]
+    if summary_not_shrinking(new_history[:2], history[:split]):
+        compaction_refused(session=session, run=beat.run, reply=reply, at=beat.now)
+    system = beat.agent.system_prompt
+    updated = compaction_commit(
+        session=session,
+        run=beat.run,
+        old_history=history,
+        new_history=new_history,
+        archived=history[:split],
+        reply=reply,
+        tokens_before=estimate_tokens({"system": system, "messages": history}),
+        tokens_after=estimate_tokens({"system": system, "messages": new_history}),
+        at=beat.now,
+    )
+    record = SessionCompaction.objects.filter(run=beat.run).latest("created_at")
+    HeartbeatRun.objects.filter(id=beat.run.id, status=RunStatus.RUNNING).update(
+        status=RunStatus.SUCCEEDED,
+        finished_at=beat.clock(),
+        reserved_usd=0,
+        model=reply.model,
+        cost_usd=record.cost_usd,
+        output=f"Compacted {record.messages_before} messages into {updated.message_count}.",
+    )
+    return record
