@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("sessions_app", "0011_session_history_version"),
+        ("sessions_app", "0012_run_merged_ticks"),
     ]
 
     operations = [
