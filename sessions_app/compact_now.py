@@ -27,7 +27,7 @@ from sessions_app.heartbeat import (
     Reservation,
     RunClock,
     _finish_failed,
-    dispatch_next_queued,
+    dispatch_after_run,
     run_deadline,
     worker_id,
 )
@@ -70,7 +70,7 @@ def session_compact(
         _finish_failed(run, code="internal_error", message="The compaction failed unexpectedly.", now=clock())
         raise
     finally:
-        dispatch_next_queued(agent_id=agent.id)
+        dispatch_after_run(agent_id=agent.id)
     if beat.budgeted:
         budgets_enforce(agent=agent, now=now)
     return record

@@ -593,15 +593,21 @@ def _release(run: HeartbeatRun, *, current: bool, now: datetime) -> HeartbeatRun
     """8. release: dispatch the agent's next queued run and, under a cap on runs in
     progress, the oldest runs of other agents waiting for the place; after a failure, the
     session's TTL counts from the end of the run. Returns the run as its row says."""
-    if settings.PAPERCLIP_MAX_CONCURRENT_RUNS:
-        dispatch_waiting()
-    else:
-        dispatch_next_queued(agent_id=run.agent_id)
+    dispatch_after_run(agent_id=run.agent_id)
     if not current:
         run.refresh_from_db()
     if run.status == RunStatus.FAILED and run.session_id is not None:
         session_release(session_id=run.session_id, agent=run.agent, finished=run.finished_at or now)
     return run
+
+
+def dispatch_after_run(*, agent_id) -> None:
+    """A run of the agent ended (a heartbeat, a compaction): wake its next queued run or,
+    under a cap on runs in progress, the oldest runs of any agent waiting for the place."""
+    if settings.PAPERCLIP_MAX_CONCURRENT_RUNS:
+        dispatch_waiting()
+    else:
+        dispatch_next_queued(agent_id=agent_id)
 
 
 def session_release(*, session_id, agent: Agent, finished: datetime) -> None:
