@@ -3,7 +3,9 @@ helpers tests share (a heartbeat run in the test's thread, faults staged in the 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 import time
 from importlib import import_module
@@ -311,3 +313,18 @@ def summary_text(body: dict) -> str:
     """The conversation text a summary request sends."""
     content = plain_messages(body)[0]["content"]
     return content if isinstance(content, str) else "".join(block["text"] for block in content)
+
+
+def failing_once(monkeypatch, name: str, error: int = errno.EIO):
+    """Make the next `os.<name>` call of the store fail, as a disk or filesystem fault would."""
+    real = getattr(os, name)
+    calls = []
+
+    def fail_once(*args, **kwargs):
+        if not calls:
+            calls.append(args)
+            raise OSError(error, os.strerror(error))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(f"sessions_app.stores.os.{name}", fail_once)
+    return calls

@@ -7,7 +7,6 @@ caching) is tested in test_context.py."""
 from __future__ import annotations
 
 import json
-import os
 from datetime import timedelta
 from decimal import Decimal
 
@@ -24,6 +23,7 @@ from sessions_app.stores import store_for
 from tests.conftest import (
     beat,
     context_agent,
+    failing_once,
     is_summary_request,
     on_own_connection,
     refuse_writes,
@@ -79,16 +79,7 @@ def test_a_compaction_whose_rename_fails_after_the_commit_loses_nothing(
 ):
     agent = compacting_agent(company)
     session = AgentSession.objects.get(agent=agent)
-    real_replace = os.replace
-    failures = []
-
-    def replace_fails_once(*args, **kwargs):
-        if not failures:
-            failures.append(args)
-            raise OSError(5, "Input/output error")
-        return real_replace(*args, **kwargs)
-
-    monkeypatch.setattr("sessions_app.stores.os.replace", replace_fails_once)
+    failures = failing_once(monkeypatch, "replace")
 
     run = beat(agent, "y" * 2400)
 

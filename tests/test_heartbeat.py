@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from datetime import timedelta
@@ -24,7 +23,7 @@ from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.services import agent_delete, agent_pause
 from sessions_app.stores import store_for
-from tests.conftest import beat, on_own_connection, refuse_writes, snapshot, terminate_backend_running
+from tests.conftest import beat, failing_once, on_own_connection, refuse_writes, snapshot, terminate_backend_running
 from tests.fake_anthropic import Reply, plain_messages, plain_system, text_turn
 
 
@@ -276,16 +275,7 @@ def test_an_answer_whose_rename_fails_after_the_commit_is_published_by_the_next_
     answered, and the staged file the row names is put in place by the next reader."""
     settings.PAPERCLIP_SESSION_STORE = "file"
     beat(persistent_agent, "one")
-    real_replace = os.replace
-    failures = []
-
-    def replace_fails_once(*args, **kwargs):
-        if not failures:
-            failures.append(args)
-            raise OSError(5, "Input/output error")
-        return real_replace(*args, **kwargs)
-
-    monkeypatch.setattr("sessions_app.stores.os.replace", replace_fails_once)
+    failures = failing_once(monkeypatch, "replace")
 
     answered = beat(persistent_agent, "two")
 

@@ -7,7 +7,6 @@ in agreement by itself, never by losing or inventing a turn.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import threading
@@ -22,7 +21,7 @@ from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus
 from sessions_app.services import session_clear_history, session_delete
 from sessions_app.stores import STORES, HistoryUnavailable, store_for
-from tests.conftest import beat, snapshot, terminate_backend_running, user_turns
+from tests.conftest import beat, failing_once, snapshot, terminate_backend_running, user_turns
 
 pytestmark = pytest.mark.usefixtures("file_store")
 
@@ -37,21 +36,6 @@ def write(store, session, history: list) -> None:
     session.message_count = len(history)
     session.save()
     staged.publish()
-
-
-def failing_once(monkeypatch, name: str, error: int = errno.EIO):
-    """Make the next `os.<name>` call of the store fail, as a disk or filesystem fault would."""
-    real = getattr(os, name)
-    calls = []
-
-    def fail_once(*args, **kwargs):
-        if not calls:
-            calls.append(args)
-            raise OSError(error, os.strerror(error))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(f"sessions_app.stores.os.{name}", fail_once)
-    return calls
 
 
 @pytest.mark.django_db(transaction=True)
