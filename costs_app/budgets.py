@@ -13,6 +13,7 @@ and `budgets_releasable` return a verdict, and sessions_app.services acts on it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -217,16 +218,17 @@ def budget_headroom(*, company_id, agent_id, now: datetime, exclude_run_id=None)
     return min(u.limit - u.spent - u.reserved for u in money)
 
 
-def estimate_call_cost(
+def call_cost_bound(
     *,
     model: str,
-    input_tokens: int,
     max_output_tokens: int,
     at: datetime,
     cache_lifetimes: frozenset[str] = frozenset(),
     samplings: int = 1,
-) -> Decimal | None:
-    """The most a call can cost, so that reservations bound the spend (None: no price).
+) -> Callable[[int], Decimal] | None:
+    """The most a call can cost, as a function of its input tokens (None: no price), so
+    that reservations bound the spend. The price is read once: a reservation prices the
+    same call at up to three sizes (its byte bound, no input, a measured count).
 
     Each input token at the dearest rate it can be billed at: plain input, or a cache
     write of a lifetime the request's markers ask for (`5m`: 1.25x input, `1h`: 2x).
@@ -240,8 +242,12 @@ def estimate_call_cost(
         return None
     write_rates = {"5m": price.cache_write_5m_usd_per_mtok, "1h": price.cache_write_1h_usd_per_mtok}
     input_rate = max([price.input_usd_per_mtok, *(write_rates[ttl] for ttl in cache_lifetimes)])
-    per_sampling = input_tokens * input_rate + max_output_tokens * price.output_usd_per_mtok
-    return samplings * per_sampling / MILLION
+    output_cost = max_output_tokens * price.output_usd_per_mtok
+
+    def cost(input_tokens: int) -> Decimal:
+        return samplings * (input_tokens * input_rate + output_cost) / MILLION
+
+    return cost
 
 
 def budget_reserve(*, run, agent, estimate: Decimal | None, now: datetime, model: str = "") -> str:

@@ -34,7 +34,7 @@ from costs_app.budgets import (
     budget_headroom,
     budget_reserve,
     budgets_exist,
-    estimate_call_cost,
+    call_cost_bound,
     money_budgets_exist,
 )
 from costs_app.ledger import billed_call_record, cost_event_record
@@ -720,25 +720,25 @@ def reserve_budget(
     is never less than what the call can cost, whatever the text's language. When that
     bound comes near the money left, the input is measured with count_tokens instead, so
     a call that fits is not refused on the bound alone; a call far under every limit, or
-    over one even with no input at all, costs no extra request. `held` is what this run already spent outside the ledger.
+    over one even with no input at all, costs no extra request. `held` is what this run
+    already spent outside the ledger.
     """
     max_output = request.max_tokens or int(agent.adapter_config.get("max_tokens") or 4096)
     size = input_tokens_bound({"system": request.system_blocks or request.system, "messages": request.messages})
-    pricing = {
-        "model": request.model,
-        "max_output_tokens": max_output,
-        "at": now,
-        "cache_lifetimes": cache_lifetimes([request.system_blocks, request.messages]),
-        "samplings": 2 if request.config.get("context_strategy") == "server" else 1,
-    }
-    estimate = estimate_call_cost(input_tokens=size, **pricing)
+    cost = call_cost_bound(
+        model=request.model,
+        max_output_tokens=max_output,
+        at=now,
+        cache_lifetimes=cache_lifetimes([request.system_blocks, request.messages]),
+        samplings=2 if request.config.get("context_strategy") == "server" else 1,
+    )
+    estimate = cost(size) if cost is not None else None
     if estimate is not None and hasattr(adapter, "count_tokens"):
         headroom = budget_headroom(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
         # Measuring helps only between "fits by the bound" and "over even with no input".
-        floor = estimate_call_cost(input_tokens=0, **pricing)
-        if headroom is not None and estimate + held > headroom / 2 and floor + held <= headroom:
+        if headroom is not None and estimate + held > headroom / 2 and cost(0) + held <= headroom:
             try:
-                estimate = estimate_call_cost(input_tokens=adapter.count_tokens(request), **pricing)
+                estimate = cost(adapter.count_tokens(request))
             except AdapterError:
                 pass  # the byte bound stands: it may refuse a call that would fit, never pass one that cannot
     total = estimate + held if estimate is not None else None
