@@ -195,6 +195,9 @@ class AgentSession(models.Model):
     active_seconds = models.FloatField(default=0, db_default=0)
     unbilled_active_seconds = models.FloatField(default=0, db_default=0)
     predecessor = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="successors")
+    # The Claude Code CLI's own id for this session (`runtime: "cli"`): what a heartbeat
+    # resumes. Its transcript is kept in `cli_transcript_entries` or under PAPERCLIP_HOME.
+    cli_session_id = models.CharField(max_length=64, blank=True, default="", db_default="")
 
     class Meta:
         db_table = "agent_sessions"
@@ -465,3 +468,28 @@ class SessionCompaction(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} of {self.session_id} at {self.created_at:%Y-%m-%d %H:%M}"
+
+
+class CliTranscriptEntry(models.Model):
+    """One line of a Claude Code transcript, mirrored through the SDK's SessionStore
+    (`sessions_app.cli_transcripts`, the `database` store). `scope` is the agent: the
+    SDK's keys (project, session, subpath) are unique only within it. The line is kept as
+    JSON text, exactly as it round-trips: a tool's output may hold NUL characters, which
+    PostgreSQL refuses in jsonb but which JSON text escapes."""
+
+    id = models.BigAutoField(primary_key=True)
+    scope = models.UUIDField()
+    project_key = models.CharField(max_length=255)
+    session_id = models.CharField(max_length=255)
+    subpath = models.CharField(max_length=255, blank=True, default="")
+    line = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        db_table = "cli_transcript_entries"
+        indexes = [
+            models.Index(fields=["scope", "project_key", "session_id", "subpath", "id"], name="cli_transcript_key_idx")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.session_id} #{self.id}"
