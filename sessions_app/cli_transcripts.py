@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+from decimal import Decimal
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -32,7 +33,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import transaction
 
-from sessions_app.models import CliTranscriptEntry, HistoryStore
+from sessions_app.models import AgentSession, CliTranscriptEntry, HistoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -308,3 +309,42 @@ def cli_sessions_delete(rows: list[tuple]) -> None:
                 logger.exception("Could not delete the transcript files of CLI session %s", cli_session_id)
 
     transaction.on_commit(delete_files)
+
+
+def stored_transcript(session: AgentSession) -> dict[str, list[dict]]:
+    """The transcript a heartbeat resumes: the session's CLI session, from its store."""
+    return transcripts_for(agent_id=session.agent_id, store=session.store).session_entries(session.cli_session_id)
+
+
+def transcript_commit(transcript: RunTranscript | None, *, session_id: str, report: dict):
+    """The `on_commit` of a Claude Code reply: inside the heartbeat's commit, the session
+    row gets the CLI's id and the store what the CLI appended; the ledger's cost is kept
+    in the run's report beside the CLI's own figure, and a disagreement over 1% logged."""
+
+    def commit(session: AgentSession | None, cost: Decimal | None) -> StagedTranscript | None:
+        cost_check(report, cost)
+        if session is None or transcript is None:
+            return None
+        if session.cli_session_id != session_id:
+            AgentSession.objects.filter(pk=session.pk).update(cli_session_id=session_id)
+            session.cli_session_id = session_id
+        staged = StagedTranscript(transcripts_for(agent_id=session.agent_id, store=session.store), transcript.appended)
+        staged.write()
+        return staged
+
+    return commit
+
+
+def cost_check(report: dict, cost: Decimal | None) -> None:
+    report["ledger_cost_usd"] = str(cost) if cost is not None else None
+    theirs = report.get("cli_total_cost_usd")
+    if cost is None or theirs is None:
+        return
+    theirs = Decimal(theirs)
+    if abs(theirs - cost) > max(cost, theirs) / 100:
+        logger.warning(
+            "Claude Code reported a cost of $%s for CLI session %s; the ledger priced it at $%s",
+            theirs,
+            report.get("cli_session_id"),
+            cost,
+        )

@@ -103,6 +103,10 @@ class Agent(models.Model):
         return timedelta(hours=float(self.adapter_config.get("session_ttl_hours", 24)))
 
     @property
+    def runs_claude_code_cli(self) -> bool:
+        return self.adapter_type == "claude-code" and self.adapter_config.get("runtime") == "cli"
+
+    @property
     def model_name(self) -> str:
         return str(self.adapter_config.get("model", ""))
 
@@ -365,6 +369,9 @@ class HeartbeatRun(models.Model):
     # Scheduled ticks that found this run queued or running and were served by it instead
     # of queueing another run (no pile-up behind a busy agent).
     merged_ticks = models.PositiveIntegerField(default=0, db_default=0)
+    # What a runtime reported of its work (Claude Code: turns, tool calls, its own cost
+    # figure beside the ledger's); null for a single model call.
+    runtime_report = models.JSONField(null=True, blank=True)
 
     class Meta:
         db_table = "heartbeat_runs"

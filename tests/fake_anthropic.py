@@ -343,8 +343,9 @@ class FakeAnthropic:
                 except ValueError:
                     body = {"_unparsed": raw.decode(errors="replace")}
                 path = self.path.split("?")[0]
+                record = {"path": path, "headers": dict(self.headers), "body": body}
                 with fake.lock:
-                    fake.requests.append({"path": path, "headers": dict(self.headers), "body": body})
+                    fake.requests.append(record)
                 if path == "/v1/messages/count_tokens":
                     size = fake.tokens({"system": body.get("system"), "messages": body.get("messages")})
                     self._send_json(200, {"input_tokens": size})
@@ -396,6 +397,7 @@ class FakeAnthropic:
                     self.close_connection = True
                     return
                 message = fake.answer(body, reply)
+                record["usage"] = message.get("usage")  # what this answer reported, for ledger checks
                 if body.get("stream"):
                     self._send_stream(message)
                 else:
