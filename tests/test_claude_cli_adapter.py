@@ -3,21 +3,30 @@ Messages API. Kept few: each starts the CLI (about half a second)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
-from costs_app.models import CostEvent
+from costs_app.models import Budget, CostEvent
 from costs_app.pricing import call_cost
 from sessions_app.adapters import AgentConfigError
 from sessions_app.adapters.claude_cli import config_dir
-from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, RunStatus
+from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
 from sessions_app.services import session_delete
 from sessions_app.stores import store_for
 from tests.conftest import beat
 from tests.fake_anthropic import Reply
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli_agent(company, **config) -> Agent:
@@ -185,3 +194,142 @@ def session_store_root(agent) -> Path:
     from django.conf import settings
 
     return Path(settings.PAPERCLIP_HOME) / "sessions" / str(agent.id) / "cli"
+
+
+def test_a_cli_that_does_not_answer_is_killed_at_its_timeout_with_its_children(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent")
+    beat(agent, "one")
+    before = snapshot(agent)
+    agent.adapter_config = {**agent.adapter_config, "timeout_seconds": 6}
+    agent.save()
+    marker = "987.6543"
+    # Claude Code refuses a bare `sleep`; a command that blocks as long is run.
+    command = f"python3 -c 'import time; time.sleep({marker})'"
+    fake_anthropic.push(Reply.tool_use("Bash", {"command": command, "description": "hang"}))
+    seen = []
+    watching = threading.Event()
+
+    def watch():
+        while not watching.wait(0.1):
+            seen.extend(processes_running(marker))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        run = beat(agent, "hang")
+    finally:
+        watching.set()
+        watcher.join()
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_timeout"), run.error
+    assert 6 <= time.monotonic() - started < 20
+    assert seen  # the command was running under the CLI ...
+    assert not processes_running(marker)  # ... and was killed with it
+    assert snapshot(agent) == before  # the stored transcript and history are as they were
+
+
+def test_max_turns_fails_the_run_but_its_calls_are_billed(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent", max_turns=1)
+    fake_anthropic.push(Reply.tool_use("Bash", {"command": "true", "description": "noop"}), Reply.message("never"))
+
+    run = beat(agent, "loop")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_max_turns"), run.error
+    assert CostEvent.objects.filter(run=run).count() == 1
+    assert not AgentSession.objects.filter(agent=agent).exists()
+    assert not CliTranscriptEntry.objects.exists()
+
+
+def test_under_a_budget_the_cap_is_reserved_before_the_cli_starts(company, fake_anthropic):
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("1"))
+    uncapped = cli_agent(company)
+    capped = cli_agent(company, max_budget_usd=2)
+
+    assert beat(uncapped, "go").error_code == "cli_budget_cap_required"
+    assert beat(capped, "go").error_code == "budget_exceeded"
+    assert fake_anthropic.message_requests == []  # the CLI never started
+
+    capped.adapter_config = {**capped.adapter_config, "max_budget_usd": 0.5}
+    capped.save()
+    assert beat(capped, "go").status == RunStatus.SUCCEEDED
+
+
+def test_expiry_force_fresh_and_a_runtime_change_start_a_new_cli_session(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent", session_ttl_hours=1)
+    beat(agent, "one")
+    first = AgentSession.objects.get(agent=agent)
+
+    beat(agent, "two", now=timezone.now() + timedelta(hours=2))
+    first.refresh_from_db()
+    second = AgentSession.objects.exclude(pk=first.pk).get(agent=agent)
+    assert (first.status, first.end_reason) == ("expired", "expired")
+    assert second.cli_session_id and second.cli_session_id != first.cli_session_id
+    # The new CLI session starts empty: nothing of the expired one is sent.
+    assert "one" not in str(fake_anthropic.message_requests[-1]["messages"])
+
+    beat(agent, "three", now=timezone.now() + timedelta(hours=2), force_fresh=True)
+    third = AgentSession.objects.filter(agent=agent).order_by("-created_at").first()
+    assert third.cli_session_id not in ("", second.cli_session_id)
+
+    agent.adapter_config = {"session_mode": "persistent"}  # back to the Messages API runtime
+    agent.save()
+    beat(agent, "four", now=timezone.now() + timedelta(hours=2))
+    fourth = AgentSession.objects.filter(agent=agent).order_by("-created_at").first()
+    third.refresh_from_db()
+    assert (third.end_reason, fourth.cli_session_id) == ("config_changed", "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_another_process_resumes_the_session_from_the_store(company, fake_anthropic, settings):
+    agent = cli_agent(company, session_mode="persistent")
+    beat(agent, "remember the codeword heron")
+    session = AgentSession.objects.get(agent=agent)
+    for path in config_dir(agent.id).rglob("*.jsonl"):
+        path.unlink()  # another host: no local copy of the CLI's session
+    fake_anthropic.reset_log()
+
+    result = subprocess.run(
+        [sys.executable, "manage.py", "heartbeat", str(agent.id), "--task", "the codeword?"],
+        cwd=ROOT,
+        env={**os.environ, **database_environment(settings)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 0, result.stderr[-2000:]
+    run = HeartbeatRun.objects.get(task="the codeword?")
+    assert run.status == RunStatus.SUCCEEDED and run.session_id == session.id, run.error
+    assert "remember the codeword heron" in str(fake_anthropic.message_requests[0]["messages"])
+
+
+def database_environment(settings) -> dict:
+    db = connection.settings_dict
+    if connection.vendor == "sqlite":
+        url = f"sqlite:///{db['NAME']}"
+    else:
+        url = f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    return {
+        "DATABASE_URL": url,
+        "PAPERCLIP_HOME": str(settings.PAPERCLIP_HOME),
+        "PAPERCLIP_SESSION_STORE": settings.PAPERCLIP_SESSION_STORE,
+    }
+
+
+def processes_running(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def snapshot(agent: Agent) -> tuple:
+    session = AgentSession.objects.get(agent=agent)
+    entries = list(CliTranscriptEntry.objects.values_list("line", flat=True))
+    files = sorted(p.read_text() for p in session_store_root(agent).rglob("*.jsonl"))
+    return session.message_count, session.cli_session_id, entries, files, store_for(session).read(session)

@@ -60,6 +60,8 @@ TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*(\(.*\))?", re.DOTALL)
 # A tool result kept in the session's history (the store keeps it whole).
 RESULT_CHARS = 2000
 LAUNCHER = Path(__file__).with_name("claude_cli_launch.sh")
+# The variable that marks every process of one CLI run (`Watchdog`).
+RUN_MARK = "PAPERCLIP_CLI_RUN"
 # What the SDK itself sets for its child; the launcher keeps them beside our allow-list.
 SDK_VARIABLES = (
     "CLAUDE_CODE_ENTRYPOINT",
@@ -177,9 +179,10 @@ def _thinking(thinking, errors: dict[str, str]):
 # --- isolation ----------------------------------------------------------------------------
 
 
-def cli_environment(*, agent_id, workspace: Path) -> dict[str, str]:
+def cli_environment(*, agent_id, workspace: Path, mark: str) -> dict[str, str]:
     """Everything the CLI's environment holds: an allow-list, never the worker's own."""
     env = {
+        RUN_MARK: mark,
         "PATH": os.environ.get("PATH", os.defpath),
         "HOME": str(agent_home(agent_id)),
         "CLAUDE_CONFIG_DIR": str(config_dir(agent_id)),
@@ -203,10 +206,16 @@ def launcher_environment(env: dict[str, str], *, pidfile: Path) -> dict[str, str
 
 
 class Watchdog:
-    """Kills the CLI's process group at its deadline, whatever the event loop is doing."""
+    """Kills the CLI at its deadline, whatever the event loop is doing, and with it every
+    process it started; after the run, whatever it left behind.
 
-    def __init__(self, pidfile: Path, seconds: float) -> None:
+    Its process group is not enough: Claude Code runs each shell command in a session of
+    its own. So every process of the run carries a mark in its environment (`RUN_MARK`),
+    which it passes on to its children, and a kill also ends every process bearing it."""
+
+    def __init__(self, pidfile: Path, seconds: float, *, mark: str) -> None:
         self.pidfile = pidfile
+        self.mark = f"{RUN_MARK}={mark}".encode()
         self.fired = False
         self.timer = threading.Timer(seconds, self.fire)
         self.timer.daemon = True
@@ -234,6 +243,23 @@ class Watchdog:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        for pid in marked_processes(self.mark):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def marked_processes(mark: bytes) -> list[int]:
+    """The processes whose environment holds `mark` (Linux's /proc; none elsewhere)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def local_copy_delete(*, agent_id, cli_session_id: str) -> None:
@@ -400,11 +426,12 @@ class CliRun:
                     self.resume_id = ""
             self.transcript = RunTranscript(loaded)
         self.session_id = self.resume_id or str(uuid.uuid4())
-        pidfile = agent_home(self.agent_id) / f"run-{uuid.uuid4().hex}.pid"
+        self.mark = uuid.uuid4().hex
+        pidfile = agent_home(self.agent_id) / f"run-{self.mark}.pid"
         timeout = float(self.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
         conversation = Conversation()
         error: BaseException | None = None
-        with Watchdog(pidfile, timeout) as watchdog:
+        with Watchdog(pidfile, timeout, mark=self.mark) as watchdog:
             try:
                 asyncio.run(asyncio.wait_for(self.converse(conversation, pidfile), timeout + KILL_GRACE_SECONDS))
             except Exception as exc:  # classified below, once the process group is gone
@@ -421,7 +448,7 @@ class CliRun:
         system: dict[str, Any] = {"type": "preset", "preset": "claude_code"}
         if self.request.system:
             system["append"] = self.request.system
-        env = cli_environment(agent_id=self.agent_id, workspace=self.workspace)
+        env = cli_environment(agent_id=self.agent_id, workspace=self.workspace, mark=self.mark)
 
         def stderr(line: str) -> None:
             conversation.stderr = [*conversation.stderr[-19:], line]
