@@ -25,6 +25,7 @@ import signal
 import threading
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -557,3 +558,53 @@ class CliRun:
         if result is None:
             return AdapterError("cli_error", "Claude Code ended without a result." + (f"\n{stderr}" if stderr else ""))
         return None
+
+
+# --- the workspace, as operators see it ---------------------------------------------------
+
+LISTED_FILES = 200
+COUNTED_FILES = 10_000
+
+
+@dataclass
+class WorkspaceFile:
+    name: str  # relative to the workspace
+    size: int
+    modified: datetime
+
+
+@dataclass
+class WorkspaceListing:
+    root: Path
+    missing: bool = False
+    files: list[WorkspaceFile] = field(default_factory=list)
+    count: int = 0
+    truncated: bool = False
+
+
+def workspace_listing(*, agent_id, config: dict) -> WorkspaceListing:
+    """The workspace's files (the first LISTED_FILES by name, symlinks not followed)."""
+    root = workspace_for(agent_id, config)
+    listing = WorkspaceListing(root=root)
+    if not root.is_dir():
+        listing.missing = True
+        return listing
+    for folder, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            listing.count += 1
+            if listing.count > COUNTED_FILES:
+                listing.truncated = True
+                return listing
+            if len(listing.files) >= LISTED_FILES:
+                listing.truncated = True
+                continue
+            path = Path(folder) / name
+            try:
+                stat = path.lstat()
+            except OSError:
+                continue
+            modified = datetime.fromtimestamp(stat.st_mtime, tz=UTC)
+            # A file name is whatever bytes the agent chose: made printable before display.
+            listing.files.append(WorkspaceFile(storable(str(path.relative_to(root))), stat.st_size, modified))
+    return listing
