@@ -51,7 +51,7 @@ def test_a_cli_agent_acts_and_its_session_reads_back_in_the_api_and_the_admin(
     assert SCRIPT not in page
     agent_page = admin_client.get(reverse("admin:sessions_app_agent_change", args=[agent.pk])).content.decode()
     assert "Workspace files" in agent_page
-    assert "<td>page.html</td><td style=\"text-align:right\">26</td>" in agent_page
+    assert '<td>page.html</td><td style="text-align:right">26</td>' in agent_page
 
 
 def test_bad_cli_configuration_is_a_400_naming_the_field(api, company):
