@@ -90,7 +90,9 @@ def last_user_text(messages: list[dict]) -> str:
             content = message.get("content")
             if isinstance(content, str):
                 return content
-            return " ".join(b.get("text", "") for b in content if isinstance(b, dict))
+            # Claude Code puts its own reminders before the prompt: the answer quotes the prompt.
+            texts = [b.get("text", "") for b in content if isinstance(b, dict)]
+            return " ".join(t for t in texts if not t.startswith("<system-reminder>"))
     return ""
 
 

@@ -333,3 +333,33 @@ def snapshot(agent: Agent) -> tuple:
     entries = list(CliTranscriptEntry.objects.values_list("line", flat=True))
     files = sorted(p.read_text() for p in session_store_root(agent).rglob("*.jsonl"))
     return session.message_count, session.cli_session_id, entries, files, store_for(session).read(session)
+
+
+def test_a_cli_that_cannot_start_fails_cli_start_failed(company, settings, tmp_path):
+    settings.PAPERCLIP_CLAUDE_CLI = str(tmp_path / "no-such-claude")
+    run = beat(cli_agent(company), "go")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_start_failed")
+    assert "no-such-claude" in run.error
+
+
+def test_an_api_error_fails_cli_error_with_the_clis_message(company, fake_anthropic):
+    fake_anthropic.push(*[Reply.error(400, "invalid x-api-key")] * 5)
+    run = beat(cli_agent(company, session_mode="persistent"), "go")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_error"), run.error
+    assert "Invalid API key" in run.error  # Claude Code's own reading of the API's error
+    assert not AgentSession.objects.exists()
+
+
+def test_a_transcript_missing_from_the_store_is_an_error_not_amnesia(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent")
+    beat(agent, "one")
+    session = AgentSession.objects.get(agent=agent)
+    CliTranscriptEntry.objects.all().delete()
+    for path in session_store_root(agent).rglob("*.jsonl"):
+        path.unlink()
+
+    run = beat(agent, "two")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "history_missing")
+    assert beat(agent, "three", force_fresh=True).status == RunStatus.SUCCEEDED
+    assert AgentSession.objects.exclude(pk=session.pk).get(agent=agent).cli_session_id != session.cli_session_id

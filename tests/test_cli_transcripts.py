@@ -63,3 +63,40 @@ def test_a_run_sees_the_loaded_session_under_any_project_key():
     assert async_to_sync(run.list_subkeys)({"project_key": "x", "session_id": "s"}) == ["subagents/agent-1"]
     async_to_sync(run.append)({"project_key": "x", "session_id": "s"}, [{"type": "c"}])
     assert run.appended == [({"project_key": "x", "session_id": "s"}, [{"type": "c"}])]
+
+
+@pytest.mark.parametrize("store", ["database", "file"])
+def test_retention_purges_an_ended_sessions_transcript(
+    persistent_agent, store, settings, django_capture_on_commit_callbacks
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from sessions_app.maintenance import histories_purge
+    from sessions_app.models import AgentSession, CliTranscriptEntry
+
+    now = timezone.now()
+    cli_id = str(uuid.uuid4())
+    ended = now - timedelta(days=settings.PAPERCLIP_RETENTION_DAYS + 1)
+    session = AgentSession.objects.create(
+        agent=persistent_agent,
+        company=persistent_agent.company,
+        store=store,
+        cli_session_id=cli_id,
+        status="ended",
+        ended_at=ended,
+    )
+    kept = DatabaseTranscripts(persistent_agent.id) if store == "database" else FileTranscripts(persistent_agent.id)
+    kept.append_now({"project_key": "p", "session_id": cli_id}, [{"type": "user"}])
+    other = {"project_key": "p", "session_id": str(uuid.uuid4())}
+    kept.append_now(other, [{"type": "user"}])
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert histories_purge(now=now) == 1
+
+    assert kept.session_entries(cli_id) == {}
+    assert kept.load_now(other) == [{"type": "user"}]  # another session's transcript stays
+    session.refresh_from_db()
+    assert session.history_purged_at is not None
+    assert CliTranscriptEntry.objects.filter(session_id=cli_id).count() == 0

@@ -423,8 +423,13 @@ class CliRun:
             if self.resume_id:
                 loaded = stored_transcript(self.request.resume_session)
                 if not loaded.get(""):
-                    logger.warning("CLI session %s has no stored transcript; starting a new one", self.resume_id)
-                    self.resume_id = ""
+                    # As for a missing history file: an agent resumed with no memory would
+                    # silently redo (and re-bill) its work.
+                    raise AdapterError(
+                        "history_missing",
+                        f"The transcript of Claude Code session {self.resume_id} is missing from the store; "
+                        "heartbeat with force_fresh to start a new session.",
+                    )
             self.transcript = RunTranscript(loaded)
         self.session_id = self.resume_id or str(uuid.uuid4())
         self.mark = uuid.uuid4().hex
@@ -437,9 +442,15 @@ class CliRun:
                 asyncio.run(asyncio.wait_for(self.converse(conversation, pidfile), timeout + KILL_GRACE_SECONDS))
             except Exception as exc:  # classified below, once the process group is gone
                 error = exc
-        if not self.persistent:
-            local_copy_delete(agent_id=self.agent_id, cli_session_id=self.session_id)
-        return self.reply(conversation, error, timed_out=watchdog.fired)
+        try:
+            return self.reply(conversation, error, timed_out=watchdog.fired)
+        except AdapterError:
+            if not self.resume_id:  # a new session that is not kept: not even as a cache
+                local_copy_delete(agent_id=self.agent_id, cli_session_id=self.session_id)
+            raise
+        finally:
+            if not self.persistent:
+                local_copy_delete(agent_id=self.agent_id, cli_session_id=self.session_id)
 
     def options(self, conversation: Conversation, pidfile: Path):
         from claude_agent_sdk import ClaudeAgentOptions
@@ -538,15 +549,15 @@ class CliRun:
         return reply
 
     def failure(self, conversation: Conversation, error: BaseException | None, *, timed_out: bool):
-        from claude_agent_sdk import CLIConnectionError
-
         result = conversation.result
         stderr = "\n".join(conversation.stderr)[-1000:]
         if timed_out or isinstance(error, (TimeoutError, asyncio.TimeoutError)):
             timeout = self.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)
             return AdapterError("cli_timeout", f"Claude Code did not finish within {timeout} seconds; it was killed.")
-        if isinstance(error, CLIConnectionError) and not conversation.messages:
-            return AdapterError("cli_start_failed", f"Claude Code could not be started: {error}"[:2000])
+        if error is not None and not conversation.messages:
+            # Not even its first message: the CLI did not start (or died starting).
+            detail = f"{error}" + (f"\n{stderr}" if stderr else "")
+            return AdapterError("cli_start_failed", f"Claude Code could not be started: {detail}"[:2000])
         if result is not None and result.subtype in FAILURES:
             return AdapterError(*FAILURES[result.subtype])
         if result is not None and result.is_error:

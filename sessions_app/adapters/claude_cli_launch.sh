@@ -5,6 +5,10 @@
 # id is written to PAPERCLIP_CLI_PIDFILE: a timeout kills the CLI with all it started.
 set -f
 echo $$ > "$PAPERCLIP_CLI_PIDFILE" || exit 70
+if [ ! -x "$PAPERCLIP_CLI_BIN" ]; then
+    echo "Claude Code is not an executable file: $PAPERCLIP_CLI_BIN" >&2
+    exit 127
+fi
 set -- "$PAPERCLIP_CLI_BIN" "$@"
 for name in $PAPERCLIP_CLI_ENV; do
     case $name in
