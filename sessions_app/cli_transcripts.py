@@ -318,8 +318,8 @@ def stored_transcript(session: AgentSession) -> dict[str, list[dict]]:
 
 def transcript_commit(transcript: RunTranscript | None, *, session_id: str, report: dict):
     """The `on_commit` of a Claude Code reply: inside the heartbeat's commit, the session
-    row gets the CLI's id and the store what the CLI appended; the ledger's cost is kept
-    in the run's report beside the CLI's own figure, and a disagreement over 1% logged."""
+    row gets the CLI's id and the store what the CLI appended; a disagreement over 1%
+    between the ledger's cost and the CLI's own figure is logged."""
 
     def commit(session: AgentSession | None, cost: Decimal | None) -> StagedTranscript | None:
         cost_check(report, cost)
@@ -336,7 +336,6 @@ def transcript_commit(transcript: RunTranscript | None, *, session_id: str, repo
 
 
 def cost_check(report: dict, cost: Decimal | None) -> None:
-    report["ledger_cost_usd"] = str(cost) if cost is not None else None
     theirs = report.get("cli_total_cost_usd")
     if cost is None or theirs is None:
         return

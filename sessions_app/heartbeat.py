@@ -931,7 +931,10 @@ def _run_outcome(session: AgentSession | None, reply: AdapterReply, counts, cost
         "cost_usd": cost,
         "finished_at": finished,
         "reserved_usd": Decimal(0),
-        "runtime_report": reply.runtime_report,
+        # A runtime's own report, with the ledger's cost beside whatever cost it reported.
+        "runtime_report": {**reply.runtime_report, "ledger_cost_usd": str(cost) if cost is not None else None}
+        if reply.runtime_report is not None
+        else None,
     }
 
 

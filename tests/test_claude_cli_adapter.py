@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
+from datetime import date, timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from costs_app.models import Budget, CostEvent
+from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import call_cost
 from sessions_app.adapters import AgentConfigError
 from sessions_app.adapters.claude_cli import config_dir
@@ -363,3 +363,40 @@ def test_a_transcript_missing_from_the_store_is_an_error_not_amnesia(company, fa
     assert (run.status, run.error_code) == (RunStatus.FAILED, "history_missing")
     assert beat(agent, "three", force_fresh=True).status == RunStatus.SUCCEEDED
     assert AgentSession.objects.exclude(pk=session.pk).get(agent=agent).cli_session_id != session.cli_session_id
+
+
+def test_a_second_model_claude_code_calls_gets_a_ledger_row_of_its_own(company, fake_anthropic, caplog):
+    ModelPrice.objects.create(
+        model="claude-haiku-5-5",
+        effective_from=date(2020, 1, 1),
+        input_usd_per_mtok=Decimal("1"),
+        output_usd_per_mtok=Decimal("5"),
+        cache_write_5m_usd_per_mtok=Decimal("1.25"),
+        cache_write_1h_usd_per_mtok=Decimal("2"),
+        cache_read_usd_per_mtok=Decimal("0.1"),
+    )
+    agent = cli_agent(company, allowed_tools=["Read", "Agent"])
+    delegate = {"description": "look", "prompt": "List the files.", "subagent_type": "general-purpose"}
+    fake_anthropic.push(
+        Reply.tool_use("Agent", {**delegate, "model": "haiku", "run_in_background": False}),
+        Reply.message("nothing here"),  # the subagent, on the smaller model
+        Reply.message("done"),
+    )
+
+    run = beat(agent, "explore")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    answered = {}
+    for record in fake_anthropic.requests:
+        model = record["body"]["model"]
+        answered[model] = answered.get(model, 0) + record["usage"]["input_tokens"]
+    events = {event.model: event for event in CostEvent.objects.filter(run=run)}
+    assert set(events) == set(answered) == {"claude-sonnet-4-5", "claude-haiku-5-5"}
+    assert {model: event.input_tokens for model, event in events.items()} == answered
+    assert sorted(event.call_number for event in events.values()) == [1, 2]
+    assert run.cost_usd == sum(event.cost_usd for event in events.values())
+    # Claude Code prices the smaller model by its own table, not by ours: kept, and logged.
+    assert run.runtime_report["ledger_cost_usd"] == str(run.cost_usd)
+    theirs = Decimal(run.runtime_report["cli_total_cost_usd"])
+    assert abs(theirs - run.cost_usd) > run.cost_usd / 100
+    assert f"the ledger priced it at ${run.cost_usd}" in caplog.text

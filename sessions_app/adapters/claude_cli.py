@@ -539,7 +539,7 @@ class CliRun:
             stop_reason=(result.stop_reason or result.subtype or "") if result is not None else "",
             usage=usage_total(usages),
             usage_by_model=usages or None,
-            runtime_report=storable(report),
+            runtime_report=report,
             on_commit=transcript_commit(self.transcript, session_id=session_id, report=report),
         )
         failure = self.failure(conversation, error, timed_out=timed_out)
