@@ -123,7 +123,7 @@ def test_the_cli_sees_no_secret_of_the_service(company, fake_anthropic, monkeypa
     monkeypatch.setenv("DATABASE_URL", "postgres://secret@db/prod")
     monkeypatch.setenv("DJANGO_SECRET_KEY", "very-secret")
     monkeypatch.setenv("REDIS_URL", "redis://secret@cache:6379/0")
-    agent = cli_agent(company)
+    agent = cli_agent(company, thinking={"type": "disabled"}, effort="low")
     fake_anthropic.push(Reply.tool_use("Bash", {"command": "env", "description": "probe"}), Reply.message("probed"))
 
     run = beat(agent, "show the environment")
@@ -142,6 +142,7 @@ def test_the_cli_sees_no_secret_of_the_service(company, fake_anthropic, monkeypa
     for secret in ("DATABASE_URL", "DJANGO_SECRET_KEY", "REDIS_URL", "very-secret", "secret@"):
         assert secret not in output
     assert f"CLAUDE_CONFIG_DIR={config_dir(agent.id)}" in output
+    assert second["thinking"] == {"type": "disabled"}  # the agent's thinking setting reached the API
 
 
 def test_persistent_sessions_resume_from_the_store_after_the_local_copy_is_gone(company, fake_anthropic):
@@ -400,3 +401,25 @@ def test_a_second_model_claude_code_calls_gets_a_ledger_row_of_its_own(company, 
     theirs = Decimal(run.runtime_report["cli_total_cost_usd"])
     assert abs(theirs - run.cost_usd) > run.cost_usd / 100
     assert f"the ledger priced it at ${run.cost_usd}" in caplog.text
+
+
+def test_the_history_shows_claude_codes_compaction_boundaries_and_trims_tool_results():
+    from claude_agent_sdk import AssistantMessage, SystemMessage, TextBlock, ToolResultBlock, ToolUseBlock, UserMessage
+
+    from sessions_app.adapters.claude_cli import RESULT_CHARS, content_blocks
+    from sessions_app.admin.transcript import content_parts
+
+    messages = [
+        AssistantMessage(content=[ToolUseBlock(id="t1", name="Bash", input={"command": "cat big"})], model="m"),
+        UserMessage(content=[ToolResultBlock(tool_use_id="t1", content="x" * (RESULT_CHARS + 10))]),
+        SystemMessage(subtype="compact_boundary", data={"compact_metadata": {"trigger": "auto", "pre_tokens": 150000}}),
+        AssistantMessage(content=[TextBlock(text="done")], model="m"),
+    ]
+
+    blocks = content_blocks(messages)
+
+    assert [block["type"] for block in blocks] == ["tool_use", "tool_result", "compaction_boundary", "text"]
+    assert blocks[1]["content"].endswith("... [10 more characters]")
+    parts = content_parts(blocks)
+    assert parts[2].label == "compaction boundary (Claude Code)"
+    assert parts[2].text == "Claude Code compacted its context (auto, 150000 tokens before)"
