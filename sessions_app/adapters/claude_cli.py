@@ -314,8 +314,10 @@ def usage_total(usages: dict[str, dict]) -> dict | None:
     return total
 
 
-def _trimmed(value) -> Any:
-    if isinstance(value, list):
+def _trimmed(value, *, blocks: bool = True) -> Any:
+    """A tool result (or a tool input's value) as the history keeps it: text, at most
+    RESULT_CHARS of it (a file written or read whole is in the store, not here)."""
+    if blocks and isinstance(value, list):
         value = "".join(block.get("text", "") for block in value if isinstance(block, dict))
     if isinstance(value, str) and len(value) > RESULT_CHARS:
         return value[:RESULT_CHARS] + f"... [{len(value) - RESULT_CHARS} more characters]"
@@ -334,7 +336,8 @@ def content_blocks(messages: list) -> list[dict]:
                 if isinstance(block, TextBlock) and block.text:
                     blocks.append({"type": "text", "text": block.text})
                 elif isinstance(block, ToolUseBlock):
-                    blocks.append({"type": "tool_use", "id": block.id, "name": block.name, "input": block.input})
+                    tool_input = {key: _trimmed(value, blocks=False) for key, value in (block.input or {}).items()}
+                    blocks.append({"type": "tool_use", "id": block.id, "name": block.name, "input": tool_input})
         elif isinstance(message, UserMessage) and isinstance(message.content, list):
             for block in message.content:
                 if isinstance(block, ToolResultBlock):
