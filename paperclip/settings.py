@@ -48,6 +48,10 @@ PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES = env_int("PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES
 # The only commands `process` agents may run in authenticated mode (README, "process agents").
 PAPERCLIP_PROCESS_COMMANDS = parse_process_commands(env_str("PAPERCLIP_PROCESS_COMMANDS", ""))
 PAPERCLIP_SESSION_HOUR_USD = env_decimal("PAPERCLIP_SESSION_HOUR_USD", "0.08")
+# Claude Code (`runtime: "cli"`): the cap on one heartbeat's spend when the agent sets no
+# max_budget_usd and no budget applies, and the CLI to run (default: the SDK's bundled one).
+PAPERCLIP_CLI_DEFAULT_BUDGET_USD = env_decimal("PAPERCLIP_CLI_DEFAULT_BUDGET_USD", "5")
+PAPERCLIP_CLAUDE_CLI = env_str("PAPERCLIP_CLAUDE_CLI", "")
 PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
 # A generous ceiling on heartbeats that queue work, per API key, in authenticated mode only
 # ("N/s|min|hour|day"); what needs a bound is one agent's queue (below).

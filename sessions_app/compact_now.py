@@ -81,7 +81,7 @@ def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:
         raise CompactRefused(*refusal)
     if session.status not in LIVE_SESSION_STATUSES or (session.expires_at and session.expires_at <= now):
         raise CompactRefused("session_not_live", "The session has ended or expired; only a live session is compacted.")
-    if getattr(get_adapter(session.agent.adapter_type), "keeps_own_session", False):
+    if getattr(get_adapter(session.agent.adapter_type, session.agent.adapter_config), "keeps_own_session", False):
         raise CompactRefused(
             "compaction_not_supported", "The agent's runtime keeps its own session; it compacts its own context."
         )
@@ -101,7 +101,9 @@ def compaction_run(session: AgentSession, *, now: datetime, trigger: str) -> Hea
                 trigger=trigger,
                 task=COMPACT_TASK,
                 started_at=now,
-                deadline_at=run_deadline(get_adapter(agent.adapter_type), agent.adapter_config, at=now),
+                deadline_at=run_deadline(
+                    get_adapter(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now
+                ),
                 claimed_by=worker_id(),
             )
     except IntegrityError:

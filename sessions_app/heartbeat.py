@@ -40,7 +40,7 @@ from costs_app.budgets import (
 from costs_app.ledger import billed_call_record, cost_event_record
 from costs_app.models import CostKind
 from costs_app.pricing import call_cost, price_for, token_counts
-from sessions_app.adapters import ADAPTERS, AdapterError, AdapterReply, AdapterRequest, get_adapter
+from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, adapter_for, get_adapter
 from sessions_app.compaction import (
     BeforeCall,
     fit_budget,
@@ -343,7 +343,7 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         _finish_failed(run, code=code, message=f"The agent is {agent.status}.", now=now)
         run.refresh_from_db()
         return run, False
-    deadline = run_deadline(ADAPTERS.get(agent.adapter_type), agent.adapter_config, at=now)
+    deadline = run_deadline(adapter_for(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now)
     capped = bool(settings.PAPERCLIP_MAX_CONCURRENT_RUNS)
     try:
         # One statement is its own transaction; only inside a caller's transaction does
@@ -505,6 +505,8 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
         reply = _call(beat, request)  # 6
     except Exception as exc:
         _record_discarded_handoff(run, agent=beat.agent, plan=plan, finished=clock())
+        for billed in getattr(exc, "billed", ()):  # a runtime stopped at a cap was still billed
+            _record_spend_only(run, agent=beat.agent, reply=billed, finished=clock())
         if not isinstance(exc, RunFailure):
             raise
         _fail(beat, exc)
@@ -545,7 +547,7 @@ class ClaimedRun:
     def of(cls, run: HeartbeatRun, *, now: datetime, clock: RunClock) -> ClaimedRun:
         agent = run.agent
         settings_ = context_settings(agent)
-        adapter = get_adapter(agent.adapter_type)
+        adapter = get_adapter(agent.adapter_type, agent.adapter_config)
         return cls(
             run=run,
             agent=agent,
@@ -676,7 +678,8 @@ class OwnSession:
         return plan
 
     def fit(self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall) -> tuple[Plan, AdapterRequest]:
-        return plan, build_request(agent=beat.agent, history=[], user_content=user_content, settings=beat.settings_)
+        request = build_request(agent=beat.agent, history=[], user_content=user_content, settings=beat.settings_)
+        return plan, replace(request, resume_session=plan.session)
 
 
 def session_strategy(adapter) -> SessionStrategy:
@@ -723,6 +726,12 @@ def reserve_budget(
     over one even with no input at all, costs no extra request. `held` is what this run
     already spent outside the ledger.
     """
+    if (cap := getattr(adapter, "reservation_usd", None)) is not None:
+        # A runtime with a spending cap of its own (Claude Code) holds that cap.
+        estimate = cap(request.config) + held
+        if warning := budget_reserve(run=run, agent=agent, estimate=estimate, now=now, model=request.model):
+            HeartbeatRun.objects.filter(id=run.id).update(warning=warning[:2000])
+        return
     max_output = request.max_tokens or int(agent.adapter_config.get("max_tokens") or 4096)
     size = input_tokens_bound({"system": request.system_blocks or request.system, "messages": request.messages})
     cost = call_cost_bound(
@@ -782,13 +791,14 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
     """
     run, agent, now = beat.run, beat.agent, beat.now
     counts = token_counts(reply.usage) if reply.usage is not None else None
-    staged = NOTHING_STAGED
+    staged = runtime_staged = NOTHING_STAGED
     try:
         # Durable: its end is the COMMIT, and the history is published only after it.
         with transaction.atomic(durable=True):
             session = _session_for_answer(agent=agent, run=run, plan=plan, now=now)
-            cost_event = _answer_cost_event(beat, session, reply, at=finished)
-            cost = cost_event.cost_usd if cost_event is not None else None
+            cost = _answer_cost(beat, session, reply, at=finished)
+            if reply.on_commit is not None:  # a runtime's own session state (Claude Code's transcript)
+                runtime_staged = reply.on_commit(session, cost) or NOTHING_STAGED
             if session is not None:
                 turns, staged = _stage_turns(beat, session, plan, reply, user_content, counts, cost, finished=finished)
                 session.record_turn(
@@ -809,32 +819,53 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
                 raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
     except Exception as exc:
         staged.discard()
+        runtime_staged.discard()
         _record_discarded_calls(run, agent=agent, plan=plan, reply=reply, finished=finished)
         if not isinstance(exc, RunFailure):
             raise
         _finish_failed(run, code=exc.code, message=exc.message, now=finished)
         return False
     staged.publish()
+    runtime_staged.publish()
     for name, value in outcome.items():
         setattr(run, name, value)
     return True
 
 
-def _answer_cost_event(beat: ClaimedRun, session: AgentSession | None, reply: AdapterReply, *, at: datetime):
-    """The answer's ledger row (None when the adapter reported no usage)."""
+def _answer_cost(beat: ClaimedRun, session: AgentSession | None, reply: AdapterReply, *, at: datetime):
+    """The answer's ledger rows, one per model it used; their cost (None when the adapter
+    reported no usage)."""
     if reply.usage is None:
         return None
-    return cost_event_record(
-        usage=reply.usage,
-        model=reply.priced_model,
-        company_id=beat.agent.company_id,
-        agent_id=beat.agent.id,
-        session_id=session.id if session else None,
-        run_id=beat.run.id,
-        call_number=reply.call_number,
-        message_id=reply.message_id or None,
-        at=at,
+    return sum(
+        (
+            cost_event_record(
+                usage=usage,
+                model=model,
+                company_id=beat.agent.company_id,
+                agent_id=beat.agent.id,
+                session_id=session.id if session else None,
+                run_id=beat.run.id,
+                call_number=number,
+                message_id=reply.message_id or None,
+                at=at,
+            ).cost_usd
+            for model, usage, number in priced_usages(reply)
+        ),
+        Decimal(0),
     )
+
+
+def priced_usages(reply: AdapterReply) -> list[tuple[str, dict, int | None]]:
+    """(model, usage, call number) of each ledger row of a reply: one per model it used,
+    numbered on from the reply's own call number."""
+    if not reply.usage_by_model:
+        return [(reply.priced_model, reply.usage, reply.call_number)]
+    first = reply.call_number
+    return [
+        (model, usage, first + index if first is not None else None)
+        for index, (model, usage) in enumerate(sorted(reply.usage_by_model.items()))
+    ]
 
 
 def _stage_turns(
@@ -900,6 +931,10 @@ def _run_outcome(session: AgentSession | None, reply: AdapterReply, counts, cost
         "cost_usd": cost,
         "finished_at": finished,
         "reserved_usd": Decimal(0),
+        # A runtime's own report, with the ledger's cost beside whatever cost it reported.
+        "runtime_report": {**reply.runtime_report, "ledger_cost_usd": str(cost) if cost is not None else None}
+        if reply.runtime_report is not None
+        else None,
     }
 
 
@@ -962,17 +997,20 @@ def _record_spend_only(
     run: HeartbeatRun, *, agent: Agent, reply: AdapterReply, finished: datetime, kind: str = CostKind.MESSAGE
 ) -> None:
     """The answer is discarded but the call was billed: the ledger still records it."""
-    billed_call_record(
-        usage=reply.usage,
-        model=reply.priced_model,
-        company_id=agent.company_id,
-        agent_id=agent.id,
-        run_id=run.id,
-        call_number=reply.call_number,
-        message_id=reply.message_id or None,
-        kind=kind,
-        at=finished,
-    )
+    if reply.usage is None:
+        return
+    for model, usage, number in priced_usages(reply):
+        billed_call_record(
+            usage=usage,
+            model=model,
+            company_id=agent.company_id,
+            agent_id=agent.id,
+            run_id=run.id,
+            call_number=number,
+            message_id=reply.message_id or None,
+            kind=kind,
+            at=finished,
+        )
 
 
 def _record_discarded_handoff(run: HeartbeatRun, *, agent: Agent, plan: Plan | None, finished: datetime) -> None:

@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F
 
+from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.heartbeat import dispatch_waiting
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -122,11 +123,12 @@ def histories_purge(*, now: datetime) -> int:
             )
             .exclude(id__in=failed)
             .order_by("ended_at")
-            .only("id", "agent_id", "store")[:PURGE_BATCH]
+            .only("id", "agent_id", "store", "cli_session_id")[:PURGE_BATCH]
         )
         if not batch:
             return purged
         done = [session.id for session in batch if _history_file_delete(session, failed=failed)]
+        cli_sessions_delete([(s.agent_id, s.cli_session_id) for s in batch if s.id in done])
         purged += AgentSession.objects.filter(id__in=done).update(history=[], history_purged_at=now)
 
 

@@ -103,6 +103,10 @@ class Agent(models.Model):
         return timedelta(hours=float(self.adapter_config.get("session_ttl_hours", 24)))
 
     @property
+    def runs_claude_code_cli(self) -> bool:
+        return self.adapter_type == "claude-code" and self.adapter_config.get("runtime") == "cli"
+
+    @property
     def model_name(self) -> str:
         return str(self.adapter_config.get("model", ""))
 
@@ -195,6 +199,9 @@ class AgentSession(models.Model):
     active_seconds = models.FloatField(default=0, db_default=0)
     unbilled_active_seconds = models.FloatField(default=0, db_default=0)
     predecessor = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="successors")
+    # The Claude Code CLI's own id for this session (`runtime: "cli"`): what a heartbeat
+    # resumes. Its transcript is kept in `cli_transcript_entries` or under PAPERCLIP_HOME.
+    cli_session_id = models.CharField(max_length=64, blank=True, default="", db_default="")
 
     class Meta:
         db_table = "agent_sessions"
@@ -362,6 +369,9 @@ class HeartbeatRun(models.Model):
     # Scheduled ticks that found this run queued or running and were served by it instead
     # of queueing another run (no pile-up behind a busy agent).
     merged_ticks = models.PositiveIntegerField(default=0, db_default=0)
+    # What a runtime reported of its work (Claude Code: turns, tool calls, its own cost
+    # figure beside the ledger's); null for a single model call.
+    runtime_report = models.JSONField(null=True, blank=True)
 
     class Meta:
         db_table = "heartbeat_runs"
@@ -465,3 +475,28 @@ class SessionCompaction(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} of {self.session_id} at {self.created_at:%Y-%m-%d %H:%M}"
+
+
+class CliTranscriptEntry(models.Model):
+    """One line of a Claude Code transcript, mirrored through the SDK's SessionStore
+    (`sessions_app.cli_transcripts`, the `database` store). `scope` is the agent: the
+    SDK's keys (project, session, subpath) are unique only within it. The line is kept as
+    JSON text, exactly as it round-trips: a tool's output may hold NUL characters, which
+    PostgreSQL refuses in jsonb but which JSON text escapes."""
+
+    id = models.BigAutoField(primary_key=True)
+    scope = models.UUIDField()
+    project_key = models.CharField(max_length=255)
+    session_id = models.CharField(max_length=255)
+    subpath = models.CharField(max_length=255, blank=True, default="")
+    line = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        db_table = "cli_transcript_entries"
+        indexes = [
+            models.Index(fields=["scope", "project_key", "session_id", "subpath", "id"], name="cli_transcript_key_idx")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.session_id} #{self.id}"

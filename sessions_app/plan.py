@@ -90,6 +90,8 @@ def retire_reason(
         return "force_fresh"
     if live.model not in ("", agent.model_name) or live.adapter_type not in ("", agent.adapter_type):
         return "config_changed"
+    if bool(live.cli_session_id) != agent.runs_claude_code_cli:
+        return "config_changed"  # the runtime changed: a CLI session and a chat transcript do not mix
     if rotates and rotation_due(live, settings_, now):
         return "rotated"
     return ""

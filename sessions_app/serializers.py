@@ -233,8 +233,12 @@ class SessionDetailSerializer(SessionSerializer):
     history = HistoryField(read_only=True)
     manifest = serializers.JSONField(read_only=True, help_text="Artifacts the agent reported, kept across compactions.")
 
+    cli_session_id = serializers.CharField(
+        read_only=True, help_text='Claude Code\'s own id of the session (`runtime: "cli"`); empty otherwise.'
+    )
+
     class Meta(SessionSerializer.Meta):
-        fields = [*SessionSerializer.Meta.fields, "manifest", "history"]
+        fields = [*SessionSerializer.Meta.fields, "manifest", "cli_session_id", "history"]
         read_only_fields = fields
 
 
@@ -262,6 +266,11 @@ class RunSerializer(serializers.ModelSerializer):
     error_code = serializers.SerializerMethodField()
     warning = serializers.SerializerMethodField(help_text="e.g. a budget close to its limit; null when none.")
     cost_usd = serializers.DecimalField(max_digits=20, decimal_places=10, allow_null=True)
+    runtime_report = serializers.JSONField(
+        allow_null=True,
+        help_text='Claude Code (`runtime: "cli"`): its session id, turns, tool calls, and its own cost figure '
+        "beside the ledger's; null for a Messages API call.",
+    )
 
     class Meta:
         model = HeartbeatRun
@@ -287,6 +296,7 @@ class RunSerializer(serializers.ModelSerializer):
             "message_id",
             "stop_reason",
             "merged_ticks",
+            "runtime_report",
         ]
         read_only_fields = fields
 

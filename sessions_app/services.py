@@ -13,6 +13,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from costs_app.budgets import budgets_crossed, budgets_releasable
+from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 def _delete_history_files(rows: list[tuple]) -> None:
-    for session_id, agent_id, store in rows:
+    for session_id, agent_id, store, *_ in rows:
         if store != HistoryStore.FILE:
             continue
         session = AgentSession(id=session_id, agent_id=agent_id, store=store)
@@ -48,7 +49,9 @@ def _delete_history_files(rows: list[tuple]) -> None:
 def sessions_delete(*, sessions: QuerySet[AgentSession], now: datetime) -> int:
     """Delete sessions and their histories (rows, and files after the commit)."""
     with transaction.atomic():
-        rows = list(sessions.values_list("id", "agent_id", "store"))
+        rows = list(sessions.values_list("id", "agent_id", "store", "cli_session_id"))
+        # Claude Code transcripts: their rows go with this transaction, files after it.
+        cli_sessions_delete([(agent_id, cli_id) for _, agent_id, _, cli_id in rows])
         # Active time already spent is billed before the session goes.
         session_hours_bill(session_ids=[row[0] for row in rows], now=now)
         count, _ = AgentSession.objects.filter(id__in=[row[0] for row in rows]).delete()

@@ -90,7 +90,9 @@ def last_user_text(messages: list[dict]) -> str:
             content = message.get("content")
             if isinstance(content, str):
                 return content
-            return " ".join(b.get("text", "") for b in content if isinstance(b, dict))
+            # Claude Code puts its own reminders before the prompt: the answer quotes the prompt.
+            texts = [b.get("text", "") for b in content if isinstance(b, dict)]
+            return " ".join(t for t in texts if not t.startswith("<system-reminder>"))
     return ""
 
 
@@ -135,6 +137,14 @@ class Reply:
     @classmethod
     def message(cls, text: str | None = None, **kwargs) -> Reply:
         return cls(kind="message", text=text, **kwargs)
+
+    @classmethod
+    def tool_use(cls, name: str, tool_input: dict, *, text: str | None = None, **kwargs) -> Reply:
+        """An answer that calls a tool (what an agent runtime such as Claude Code executes
+        before it asks again with the result); `text` comes before the call."""
+        block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:20]}", "name": name, "input": tool_input}
+        content = ([{"type": "text", "text": text}] if text else []) + [block]
+        return cls(kind="message", content=content, **kwargs)
 
 
 ERROR_TYPES = {
@@ -279,7 +289,7 @@ class FakeAnthropic:
             "role": "assistant",
             "model": body.get("model", "claude-test"),
             "content": reply.content if reply.content is not None else [{"type": "text", "text": text}],
-            "stop_reason": "end_turn",
+            "stop_reason": "end_turn",  # "tool_use" when the content calls a tool (below)
             "stop_sequence": None,
             "usage": reply.usage if reply.usage is not None else self.default_usage(body),
         }
@@ -287,6 +297,8 @@ class FakeAnthropic:
             blocks, usage = compaction
             message["content"] = blocks + message["content"]
             message["usage"] = usage
+        if any(block.get("type") == "tool_use" for block in message["content"]):
+            message["stop_reason"] = "tool_use"
         if reply.kind == "no_usage":
             message.pop("usage")
         message.update(reply.extra)
@@ -333,8 +345,9 @@ class FakeAnthropic:
                 except ValueError:
                     body = {"_unparsed": raw.decode(errors="replace")}
                 path = self.path.split("?")[0]
+                record = {"path": path, "headers": dict(self.headers), "body": body}
                 with fake.lock:
-                    fake.requests.append({"path": path, "headers": dict(self.headers), "body": body})
+                    fake.requests.append(record)
                 if path == "/v1/messages/count_tokens":
                     size = fake.tokens({"system": body.get("system"), "messages": body.get("messages")})
                     self._send_json(200, {"input_tokens": size})
@@ -385,9 +398,69 @@ class FakeAnthropic:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
                     return
-                self._send_json(200, fake.answer(body, reply))
+                message = fake.answer(body, reply)
+                record["usage"] = message.get("usage")  # what this answer reported, for ledger checks
+                if body.get("stream"):
+                    self._send_stream(message)
+                else:
+                    self._send_json(200, message)
+
+            def _send_stream(self, message: dict) -> None:
+                data = b"".join(
+                    f"event: {name}\ndata: {json.dumps(event)}\n\n".encode() for name, event in stream_events(message)
+                )
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("request-id", f"req_fake_{time.monotonic_ns()}")
+                self.end_headers()
+                self.wfile.write(data)
 
         return Handler
+
+
+def stream_events(message: dict) -> list[tuple[str, dict]]:
+    """A message as the API streams it (`stream: true`): its blocks as deltas, the input
+    usage at the start and the output usage at the end."""
+    usage = dict(message.get("usage") or {})
+    start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
+    events: list[tuple[str, dict]] = [("message_start", {"type": "message_start", "message": start})]
+    for index, block in enumerate(message["content"]):
+        events += block_events(index, block)
+    delta_usage = {"output_tokens": usage.get("output_tokens", 0)}
+    events.append(
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": message.get("stop_reason"), "stop_sequence": None},
+                "usage": delta_usage,
+            },
+        )
+    )
+    events.append(("message_stop", {"type": "message_stop"}))
+    return events
+
+
+def block_events(index: int, block: dict) -> list[tuple[str, dict]]:
+    kind = block.get("type")
+    if kind == "text":
+        empty, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": block["text"]}]
+    elif kind == "tool_use":
+        empty = {**block, "input": {}}
+        deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block.get("input", {}))}]
+    elif kind == "thinking":
+        empty = {"type": "thinking", "thinking": "", "signature": ""}
+        deltas = [
+            {"type": "thinking_delta", "thinking": block.get("thinking", "")},
+            {"type": "signature_delta", "signature": block.get("signature", "")},
+        ]
+    else:
+        empty, deltas = block, []
+    events = [("content_block_start", {"type": "content_block_start", "index": index, "content_block": empty})]
+    events += [("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d}) for d in deltas]
+    events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+    return events
 
 
 def serve_forever() -> None:

@@ -20,14 +20,36 @@ ADAPTERS: dict[str, Adapter] = {
     ProcessAdapter.type_name: ProcessAdapter(),
 }
 
-__all__ = ["ADAPTERS", "AdapterError", "AdapterReply", "AdapterRequest", "AgentConfigError", "get_adapter"]
+__all__ = [
+    "ADAPTERS",
+    "AdapterError",
+    "AdapterReply",
+    "AdapterRequest",
+    "AgentConfigError",
+    "adapter_for",
+    "get_adapter",
+]
 
 
-def get_adapter(adapter_type: str) -> Adapter:
+def get_adapter(adapter_type: str, config: dict | None = None) -> Adapter:
+    """The adapter of a type; with the agent's configuration, the one it selects (the
+    `claude-code` type runs the Messages API or, with `runtime: "cli"`, Claude Code)."""
     try:
-        return ADAPTERS[adapter_type]
+        adapter = ADAPTERS[adapter_type]
     except KeyError:
         raise AgentConfigError({"adapter_type": f"unknown adapter type {adapter_type!r}"}) from None
+    return _selected(adapter, config)
+
+
+def adapter_for(adapter_type: str, config: dict) -> Adapter | None:
+    """As `get_adapter`, None for an unknown type."""
+    adapter = ADAPTERS.get(adapter_type)
+    return _selected(adapter, config) if adapter is not None else None
+
+
+def _selected(adapter, config) -> Adapter:
+    select = getattr(adapter, "for_config", None)
+    return select(config) if select is not None and isinstance(config, dict) else adapter
 
 
 def validate_agent_config(adapter_type: str, config: object) -> dict:
@@ -42,7 +64,7 @@ def validate_agent_config(adapter_type: str, config: object) -> dict:
         )
     if not isinstance(config, dict):
         raise AgentConfigError({"adapter_config": "must be a JSON object"})
-    adapter = ADAPTERS[adapter_type]
+    adapter = _selected(ADAPTERS[adapter_type], config)
     errors: dict[str, str] = {}
     clean = validate_common(config, errors)
     clean.update(adapter.validate_config(config, errors))

@@ -45,6 +45,8 @@ class AdapterRequest:
     metadata: dict = field(default_factory=dict)
     system_blocks: list | None = None  # the system prompt as content blocks (cache markers)
     max_tokens: int | None = None  # overrides the agent's max_tokens (summaries)
+    # For a runtime that keeps its own session: the live session it resumes (None: a new one).
+    resume_session: Any = None
 
 
 @dataclass
@@ -62,6 +64,14 @@ class AdapterReply:
     # Which call of its run this was (1, 2, ...), numbered by the engine: with the run,
     # the ledger's identity of the call.
     call_number: int | None = None
+    # A runtime that calls several models in one reply (Claude Code) reports each one's
+    # usage: the ledger gets a row per model, `usage` is their sum.
+    usage_by_model: dict | None = None
+    # What the run records of a runtime's work (turns, tool calls, its own cost figure).
+    runtime_report: dict | None = None
+    # Called in the commit transaction with the session the answer goes to (None when
+    # stateless); may return a staged write (publish/discard) that goes with the commit.
+    on_commit: Any = None
 
     @property
     def priced_model(self) -> str:
@@ -79,6 +89,8 @@ class AdapterReply:
         self.stop_reason = storable(self.stop_reason)
         self.usage = storable(self.usage)
         self.artifacts = storable(self.artifacts)
+        self.usage_by_model = storable(self.usage_by_model)
+        self.runtime_report = storable(self.runtime_report)
 
 
 # No single call reads or writes anywhere near this many tokens (the largest context
@@ -117,6 +129,9 @@ class AdapterError(RunFailure):
     def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
         super().__init__(code, message)
         self.retryable = retryable
+        # Replies the failed call was billed for (a runtime stopped at a cap): the ledger
+        # still records them.
+        self.billed: list[AdapterReply] = []
 
 
 class Adapter(Protocol):

@@ -21,6 +21,8 @@ from sessions_app.adapters.base import (
     usage_error,
     validate_timeout,
 )
+from sessions_app.adapters.claude_cli import RUNTIME as CLI_RUNTIME
+from sessions_app.adapters.claude_cli import ClaudeCliAdapter
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 DEFAULT_MAX_TOKENS = 4096
@@ -102,10 +104,14 @@ def compaction_edit(config: dict) -> dict:
     return edit
 
 
+CLI_ADAPTER = ClaudeCliAdapter()
+
+
 class ClaudeCodeAdapter:
     type_name = "claude-code"
     keeps_own_session = False  # the engine replays the session's history with every request
     config_keys = {
+        "runtime",
         "model",
         "max_tokens",
         "temperature",
@@ -116,8 +122,17 @@ class ClaudeCodeAdapter:
         "compaction_trigger_tokens",
     }
 
+    def for_config(self, config: dict):
+        """`runtime: "cli"` is Claude Code itself (`claude_cli`); the default, `"api"`, this
+        adapter: one Messages API call per heartbeat."""
+        return CLI_ADAPTER if config.get("runtime") == CLI_RUNTIME else self
+
     def validate_config(self, config: dict, errors: dict[str, str]) -> dict:
         clean: dict[str, Any] = {}
+        if "runtime" in config:
+            if config["runtime"] != "api":
+                errors["runtime"] = f"must be 'api' or 'cli', got {config['runtime']!r}"
+            clean["runtime"] = config["runtime"]
         model = config.get("model", DEFAULT_MODEL)
         if not isinstance(model, str) or not model.strip() or len(model) > 200:
             errors["model"] = f"must be a model name such as 'claude-sonnet-4-5', got {model!r}"

@@ -24,6 +24,7 @@ from django.utils.safestring import mark_safe
 
 from costs_app.models import CostEvent
 from sessions_app import services
+from sessions_app.adapters.claude_cli import workspace_listing
 from sessions_app.admin.common import (
     RECENT_INLINE_ROWS,
     ReadOnlyInline,
@@ -166,11 +167,32 @@ class AgentAdmin(admin.ModelAdmin):
         fields = ["company", "name", "system_prompt", "adapter_type", "adapter_config"]
         if obj is None:
             return fields
-        return ["id", *fields, "next_wakes", "status", "paused_reason", "created_at", "updated_at"]
+        workspace = ["workspace_files"] if obj.runs_claude_code_cli else []
+        return ["id", *fields, "next_wakes", *workspace, "status", "paused_reason", "created_at", "updated_at"]
 
     def get_readonly_fields(self, request, obj=None):
         # Only the change page shows wake times: one schedule lookup for one agent.
-        return [*self.readonly_fields, "next_wakes"] if obj is not None else self.readonly_fields
+        return [*self.readonly_fields, "next_wakes", "workspace_files"] if obj is not None else self.readonly_fields
+
+    @admin.display(description="workspace files")
+    def workspace_files(self, obj: Agent) -> str:
+        listing = workspace_listing(agent_id=obj.id, config=obj.adapter_config)
+        if listing.missing:
+            return f"{listing.root} (not created yet: it is made by the first heartbeat)"
+        rows = format_html_join(
+            "",
+            '<tr><td>{}</td><td style="text-align:right">{}</td><td>{}</td></tr>',
+            ((f.name, f.size, f.modified.strftime("%Y-%m-%d %H:%M:%S UTC")) for f in listing.files),
+        )
+        more = f" (the first {len(listing.files)} shown)" if listing.truncated else ""
+        return format_html(
+            '<div class="workspace-files">{}: {} files{}<table><tr><th>name</th><th>bytes</th><th>modified</th></tr>'
+            "{}</table></div>",
+            listing.root,
+            listing.count,
+            more,
+            rows,
+        )
 
     @admin.display(description="next wakes")
     def next_wakes(self, obj: Agent) -> str:

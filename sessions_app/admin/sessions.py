@@ -106,6 +106,7 @@ class AgentSessionAdmin(LargeTableAdmin):
                 "classes": ["collapse"],
                 "fields": [
                     "store",
+                    "cli_session_id",
                     ("paused_at", "pause_at"),
                     "active_seconds",
                     ("ended_at", "end_reason"),
@@ -144,6 +145,7 @@ class AgentSessionAdmin(LargeTableAdmin):
         "total_input_tokens",
         "total_output_tokens",
         "store",
+        "cli_session_id",
         "ended_at",
         "end_reason",
         "history_purged_at",

@@ -67,6 +67,11 @@ def content_parts(content: Any) -> list[Part]:
             parts.append(Part("text", str(block.get("text", ""))))
         elif block_type == "compaction":
             parts.append(Part("compaction", str(block.get("content") or ""), label="compaction (summary by the API)"))
+        elif block_type == "compaction_boundary":
+            before = block.get("pre_tokens")
+            text = f"Claude Code compacted its context ({block.get('trigger') or 'auto'}"
+            text += f", {before} tokens before)" if before else ")"
+            parts.append(Part("compaction", text, label="compaction boundary (Claude Code)"))
         elif block_type == "thinking":
             parts.append(Part("thinking", str(block.get("thinking", "")), label="thinking"))
         elif block_type == "tool_use":

@@ -1,0 +1,624 @@
+"""`claude-code` with `runtime: "cli"`: Claude Code itself, through `claude-agent-sdk`.
+
+The agent acts in its workspace with Claude Code's tools; a persistent session is the CLI's
+own, resumed by its id from the transcript kept here (`sessions_app.cli_transcripts`).
+
+- Isolation: the CLI runs with a config directory of its own per agent under
+  PAPERCLIP_HOME, no filesystem setting sources, and an environment built from an
+  allow-list (`cli_environment`): nothing else of this service's environment (database
+  URL, secret key, Redis URL) reaches it or the commands it runs.
+- Time: the whole CLI run has `timeout_seconds`; then its process group (the CLI and
+  every command it started) is killed (`Watchdog`).
+- The SDK is asynchronous: `call` runs it on an event loop of its own, and nothing on
+  that loop touches the ORM (the transcript is loaded before and written by the engine's
+  commit after).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import signal
+import threading
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+
+from sessions_app.adapters.base import (
+    AdapterError,
+    AdapterReply,
+    AdapterRequest,
+    is_int,
+    is_number,
+    usage_error,
+    validate_timeout,
+)
+from sessions_app.text import storable
+
+logger = logging.getLogger(__name__)
+
+RUNTIME = "cli"
+DEFAULT_MODEL = "claude-sonnet-4-5"
+# File reading, editing and search, and the shell, inside the workspace; no web tools.
+DEFAULT_ALLOWED_TOOLS = ["Read", "Edit", "Write", "Glob", "Grep", "Bash"]
+PERMISSION_MODES = ("dontAsk", "default", "acceptEdits", "plan", "bypassPermissions")
+DEFAULT_PERMISSION_MODE = "dontAsk"  # a tool not allowed is refused, never asked about
+DEFAULT_MAX_TURNS = 25
+DEFAULT_TIMEOUT_SECONDS = 600
+MAX_BUDGET_USD = 1000
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+# Seconds a killed CLI gets to be reaped and its SDK to wind down, on top of its timeout.
+KILL_GRACE_SECONDS = 15
+TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*(\(.*\))?", re.DOTALL)
+# A tool result kept in the session's history (the store keeps it whole).
+RESULT_CHARS = 2000
+LAUNCHER = Path(__file__).with_name("claude_cli_launch.sh")
+# The variable that marks every process of one CLI run (`Watchdog`).
+RUN_MARK = "PAPERCLIP_CLI_RUN"
+# What the SDK itself sets for its child; the launcher keeps them beside our allow-list.
+SDK_VARIABLES = (
+    "CLAUDE_CODE_ENTRYPOINT",
+    "CLAUDE_AGENT_SDK_VERSION",
+    "CLAUDE_AGENT_SDK_CLIENT_APP",
+    "CLAUDE_AGENT_SDK_DERIVED_CLIENT_APP",
+    "CLAUDE_CODE_SDK_READS_SESSION_STATE",
+    "PWD",
+)
+# From the worker's environment: the credentials and endpoint of the Messages API.
+PASSED_VARIABLES = ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_AUTH_TOKEN")
+CONFIG_KEYS = {
+    "runtime",
+    "model",
+    "allowed_tools",
+    "disallowed_tools",
+    "permission_mode",
+    "max_turns",
+    "max_budget_usd",
+    "workspace",
+    "timeout_seconds",
+    "effort",
+    "thinking",
+}
+
+
+def bundled_cli() -> Path:
+    import claude_agent_sdk
+
+    return Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
+
+
+def cli_binary() -> Path:
+    configured = getattr(settings, "PAPERCLIP_CLAUDE_CLI", "")
+    return Path(configured) if configured else bundled_cli()
+
+
+def agent_home(agent_id) -> Path:
+    return Path(settings.PAPERCLIP_HOME) / "cli" / str(agent_id)
+
+
+def config_dir(agent_id) -> Path:
+    return agent_home(agent_id) / "config"
+
+
+def workspace_for(agent_id, config: dict) -> Path:
+    return Path(config.get("workspace") or Path(settings.PAPERCLIP_HOME) / "workspaces" / str(agent_id))
+
+
+# --- configuration ------------------------------------------------------------------------
+
+
+def _tools(config: dict, key: str, errors: dict[str, str], default: list[str]) -> list[str]:
+    tools = config.get(key, default)
+    if not isinstance(tools, list) or not all(
+        isinstance(name, str) and len(name) <= 200 and TOOL_NAME.fullmatch(name) for name in tools
+    ):
+        errors[key] = f"must be a list of Claude Code tool names such as 'Read' or 'Bash(git:*)', got {tools!r}"
+    return tools
+
+
+def validate_cli_config(config: dict, errors: dict[str, str]) -> dict:
+    clean: dict[str, Any] = {"runtime": RUNTIME}
+    model = config.get("model", DEFAULT_MODEL)
+    if not isinstance(model, str) or not model.strip() or len(model) > 200:
+        errors["model"] = f"must be a model name such as 'claude-sonnet-4-5', got {model!r}"
+    clean["model"] = model
+    clean["allowed_tools"] = _tools(config, "allowed_tools", errors, DEFAULT_ALLOWED_TOOLS)
+    clean["disallowed_tools"] = _tools(config, "disallowed_tools", errors, [])
+    mode = config.get("permission_mode", DEFAULT_PERMISSION_MODE)
+    if mode not in PERMISSION_MODES:
+        errors["permission_mode"] = f"must be one of {', '.join(PERMISSION_MODES)}, got {mode!r}"
+    clean["permission_mode"] = mode
+    turns = config.get("max_turns", DEFAULT_MAX_TURNS)
+    if not is_int(turns) or not 1 <= turns <= 1000:
+        errors["max_turns"] = f"must be a whole number in 1..1000, got {turns!r}"
+    clean["max_turns"] = turns
+    if "max_budget_usd" in config:
+        cap = config["max_budget_usd"]
+        if cap is not None and (not is_number(cap) or not 0 < cap <= MAX_BUDGET_USD):
+            errors["max_budget_usd"] = f"must be a number of dollars in (0, {MAX_BUDGET_USD}] or null, got {cap!r}"
+        clean["max_budget_usd"] = cap
+    if "workspace" in config:
+        workspace = config["workspace"]
+        if workspace is not None and (
+            not isinstance(workspace, str) or not os.path.isabs(workspace) or len(workspace) > 1000
+        ):
+            errors["workspace"] = f"must be an absolute directory path or null, got {workspace!r}"
+        clean["workspace"] = workspace
+    validate_timeout(config, errors, clean, default=DEFAULT_TIMEOUT_SECONDS)
+    if "effort" in config:
+        effort = config["effort"]
+        if effort is not None and effort not in EFFORTS:
+            errors["effort"] = f"must be one of {', '.join(EFFORTS)} or null, got {effort!r}"
+        clean["effort"] = effort
+    if "thinking" in config:
+        clean["thinking"] = _thinking(config["thinking"], errors)
+    return clean
+
+
+def _thinking(thinking, errors: dict[str, str]):
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+    if thinking is None or (kind in ("adaptive", "disabled") and set(thinking) == {"type"}):
+        return thinking
+    if kind == "enabled" and set(thinking) == {"type", "budget_tokens"} and is_int(budget) and budget >= 1024:
+        return thinking
+    errors["thinking"] = (
+        "must be {'type': 'adaptive'}, {'type': 'disabled'}, {'type': 'enabled', 'budget_tokens': N} "
+        f"with N >= 1024, or null; got {thinking!r}"
+    )
+    return thinking
+
+
+# --- isolation ----------------------------------------------------------------------------
+
+
+def cli_environment(*, agent_id, workspace: Path, mark: str) -> dict[str, str]:
+    """Everything the CLI's environment holds: an allow-list, never the worker's own."""
+    env = {
+        RUN_MARK: mark,
+        "PATH": os.environ.get("PATH", os.defpath),
+        "HOME": str(agent_home(agent_id)),
+        "CLAUDE_CONFIG_DIR": str(config_dir(agent_id)),
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "LANG": "C.UTF-8",
+    }
+    env.update({name: os.environ[name] for name in PASSED_VARIABLES if os.environ.get(name)})
+    return env
+
+
+def launcher_environment(env: dict[str, str], *, pidfile: Path) -> dict[str, str]:
+    """What the SDK passes to the launcher: the CLI's variables, which of them it keeps,
+    and where the launcher says which process group to kill."""
+    names = sorted({*env, *SDK_VARIABLES})
+    return {
+        **env,
+        "PAPERCLIP_CLI_ENV": " ".join(names),
+        "PAPERCLIP_CLI_PIDFILE": str(pidfile),
+        "PAPERCLIP_CLI_BIN": str(cli_binary()),
+    }
+
+
+class Watchdog:
+    """Kills the CLI at its deadline, whatever the event loop is doing, and with it every
+    process it started; after the run, whatever it left behind.
+
+    Its process group is not enough: Claude Code runs each shell command in a session of
+    its own. So every process of the run carries a mark in its environment (`RUN_MARK`),
+    which it passes on to its children, and a kill also ends every process bearing it."""
+
+    def __init__(self, pidfile: Path, seconds: float, *, mark: str) -> None:
+        self.pidfile = pidfile
+        self.mark = f"{RUN_MARK}={mark}".encode()
+        self.fired = False
+        self.timer = threading.Timer(seconds, self.fire)
+        self.timer.daemon = True
+
+    def __enter__(self) -> Watchdog:
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.timer.cancel()
+        # What the CLI started and left behind (a background command) goes with it.
+        self.kill()
+        self.pidfile.unlink(missing_ok=True)
+
+    def fire(self) -> None:
+        self.fired = True
+        self.kill()
+
+    def kill(self) -> None:
+        try:
+            pgid = int(self.pidfile.read_text().strip())
+        except (OSError, ValueError):
+            return  # the CLI never started
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in marked_processes(self.mark):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def marked_processes(mark: bytes) -> list[int]:
+    """The processes whose environment holds `mark` (Linux's /proc; none elsewhere)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def local_copy_delete(*, agent_id, cli_session_id: str) -> None:
+    """Remove the CLI's own files of a session from the agent's config directory: its
+    transcript and the per-session state Claude Code keeps beside it."""
+    if not cli_session_id or not re.fullmatch(r"[0-9a-fA-F-]{8,64}", cli_session_id):
+        return
+    root = config_dir(agent_id)
+    for found in [*root.glob(f"*/{cli_session_id}*"), *root.glob(f"projects/*/{cli_session_id}*")]:
+        if found.is_dir() and not found.is_symlink():
+            shutil.rmtree(found, ignore_errors=True)
+        else:
+            found.unlink(missing_ok=True)
+
+
+# --- one heartbeat ------------------------------------------------------------------------
+
+
+@dataclass
+class Conversation:
+    """What the CLI reported during one run."""
+
+    messages: list = field(default_factory=list)
+    result: Any = None
+    stderr: list[str] = field(default_factory=list)
+
+
+def model_usage_as_api(usage: dict) -> dict:
+    """A model's entry of the CLI's `modelUsage` as the Messages API reports usage."""
+    return {
+        "input_tokens": int(usage.get("inputTokens") or 0),
+        "output_tokens": int(usage.get("outputTokens") or 0),
+        "cache_read_input_tokens": int(usage.get("cacheReadInputTokens") or 0),
+        "cache_creation_input_tokens": int(usage.get("cacheCreationInputTokens") or 0),
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": int(usage.get("cacheCreationEphemeral5mInputTokens") or 0),
+            "ephemeral_1h_input_tokens": int(usage.get("cacheCreationEphemeral1hInputTokens") or 0),
+        },
+    }
+
+
+def usage_total(usages: dict[str, dict]) -> dict | None:
+    if not usages:
+        return None
+    total: dict[str, Any] = {"cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}}
+    for usage in usages.values():
+        for key in ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+            total[key] = total.get(key, 0) + usage[key]
+        for key in total["cache_creation"]:
+            total["cache_creation"][key] += usage["cache_creation"][key]
+    return total
+
+
+def _trimmed(value, *, blocks: bool = True) -> Any:
+    """A tool result (or a tool input's value) as the history keeps it: text, at most
+    RESULT_CHARS of it (a file written or read whole is in the store, not here)."""
+    if blocks and isinstance(value, list):
+        value = "".join(block.get("text", "") for block in value if isinstance(block, dict))
+    if isinstance(value, str) and len(value) > RESULT_CHARS:
+        return value[:RESULT_CHARS] + f"... [{len(value) - RESULT_CHARS} more characters]"
+    return value
+
+
+def content_blocks(messages: list) -> list[dict]:
+    """The run's conversation as history content: the assistant's text, each tool call
+    with its input, each tool result (trimmed), and the CLI's compaction boundaries."""
+    from claude_agent_sdk import AssistantMessage, SystemMessage, TextBlock, ToolResultBlock, ToolUseBlock, UserMessage
+
+    blocks: list[dict] = []
+    for message in messages:
+        if isinstance(message, AssistantMessage):
+            for block in message.content:
+                if isinstance(block, TextBlock) and block.text:
+                    blocks.append({"type": "text", "text": block.text})
+                elif isinstance(block, ToolUseBlock):
+                    tool_input = {key: _trimmed(value, blocks=False) for key, value in (block.input or {}).items()}
+                    blocks.append({"type": "tool_use", "id": block.id, "name": block.name, "input": tool_input})
+        elif isinstance(message, UserMessage) and isinstance(message.content, list):
+            for block in message.content:
+                if isinstance(block, ToolResultBlock):
+                    result = {
+                        "type": "tool_result",
+                        "tool_use_id": block.tool_use_id,
+                        "content": _trimmed(block.content),
+                    }
+                    if block.is_error:
+                        result["is_error"] = True
+                    blocks.append(result)
+        elif isinstance(message, SystemMessage) and message.subtype == "compact_boundary":
+            metadata = message.data.get("compact_metadata") or {}
+            blocks.append(
+                {
+                    "type": "compaction_boundary",
+                    "trigger": metadata.get("trigger", ""),
+                    "pre_tokens": metadata.get("pre_tokens"),
+                }
+            )
+    return blocks
+
+
+FAILURES = {
+    "error_max_turns": ("cli_max_turns", "Claude Code stopped at max_turns before it finished."),
+    "error_max_budget_usd": ("cli_budget_cap", "Claude Code stopped at max_budget_usd before it finished."),
+}
+
+
+class ClaudeCliAdapter:
+    type_name = "claude-code"
+    keeps_own_session = True  # the CLI resumes its own session; the engine sends only the new turn
+    config_keys = CONFIG_KEYS
+
+    def validate_config(self, config: dict, errors: dict[str, str]) -> dict:
+        return validate_cli_config(config, errors)
+
+    def call_seconds(self, config: dict) -> float:
+        return float(config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)) + KILL_GRACE_SECONDS
+
+    def reservation_usd(self, config: dict) -> Decimal:
+        """What a budgeted heartbeat holds before the CLI starts: its own cap, which the CLI
+        enforces (it may overshoot by the call that crossed it)."""
+        cap = config.get("max_budget_usd")
+        if cap is None:
+            raise AdapterError(
+                "cli_budget_cap_required",
+                "A budget applies to this agent: set adapter_config.max_budget_usd, the most one heartbeat "
+                "of Claude Code may spend, so it can be held against the budget.",
+            )
+        return Decimal(str(cap))
+
+    def call(self, request: AdapterRequest) -> AdapterReply:
+        agent_id = request.metadata["agent_id"]
+        run = CliRun(self, request, agent_id=agent_id)
+        return run.execute()
+
+
+class CliRun:
+    """One heartbeat of the CLI: prepared (directories, environment, transcript) in the
+    engine's thread, run on an event loop of its own, reported back as an AdapterReply."""
+
+    def __init__(self, adapter: ClaudeCliAdapter, request: AdapterRequest, *, agent_id) -> None:
+        self.request = request
+        self.config = request.config
+        self.agent_id = agent_id
+        self.workspace = workspace_for(agent_id, self.config)
+        self.persistent = self.config.get("session_mode") == "persistent"
+        session = request.resume_session
+        self.resume_id = session.cli_session_id if session is not None else ""
+        self.transcript = None
+        self.session_id = ""
+
+    def execute(self) -> AdapterReply:
+        from sessions_app.cli_transcripts import RunTranscript, stored_transcript
+
+        try:
+            self.workspace.mkdir(parents=True, exist_ok=True)
+            config_dir(self.agent_id).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise AdapterError(
+                "cli_start_failed", f"Could not create the workspace or config directory: {exc}"
+            ) from None
+        if self.persistent:
+            loaded = {}
+            if self.resume_id:
+                loaded = stored_transcript(self.request.resume_session)
+                if not loaded.get(""):
+                    # As for a missing history file: an agent resumed with no memory would
+                    # silently redo (and re-bill) its work.
+                    raise AdapterError(
+                        "history_missing",
+                        f"The transcript of Claude Code session {self.resume_id} is missing from the store; "
+                        "heartbeat with force_fresh to start a new session.",
+                    )
+            self.transcript = RunTranscript(loaded)
+        self.session_id = self.resume_id or str(uuid.uuid4())
+        self.mark = uuid.uuid4().hex
+        pidfile = agent_home(self.agent_id) / f"run-{self.mark}.pid"
+        timeout = float(self.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
+        conversation = Conversation()
+        error: BaseException | None = None
+        with Watchdog(pidfile, timeout, mark=self.mark) as watchdog:
+            try:
+                asyncio.run(asyncio.wait_for(self.converse(conversation, pidfile), timeout + KILL_GRACE_SECONDS))
+            except Exception as exc:  # classified below, once the process group is gone
+                error = exc
+        try:
+            return self.reply(conversation, error, timed_out=watchdog.fired)
+        except AdapterError:
+            if not self.resume_id:  # a new session that is not kept: not even as a cache
+                local_copy_delete(agent_id=self.agent_id, cli_session_id=self.session_id)
+            raise
+        finally:
+            if not self.persistent:
+                local_copy_delete(agent_id=self.agent_id, cli_session_id=self.session_id)
+
+    def options(self, conversation: Conversation, pidfile: Path):
+        from claude_agent_sdk import ClaudeAgentOptions
+
+        config = self.config
+        allowed = list(config.get("allowed_tools", DEFAULT_ALLOWED_TOOLS))
+        system: dict[str, Any] = {"type": "preset", "preset": "claude_code"}
+        if self.request.system:
+            system["append"] = self.request.system
+        env = cli_environment(agent_id=self.agent_id, workspace=self.workspace, mark=self.mark)
+
+        def stderr(line: str) -> None:
+            conversation.stderr = [*conversation.stderr[-19:], line]
+
+        options = ClaudeAgentOptions(
+            model=self.request.model,
+            cwd=str(self.workspace),
+            cli_path=str(LAUNCHER),
+            env=launcher_environment(env, pidfile=pidfile),
+            # The tools the model is offered at all: those allowed, by name.
+            tools=sorted({name.split("(", 1)[0] for name in allowed}),
+            allowed_tools=allowed,
+            disallowed_tools=list(config.get("disallowed_tools", [])),
+            permission_mode=config.get("permission_mode", DEFAULT_PERMISSION_MODE),
+            max_turns=config.get("max_turns", DEFAULT_MAX_TURNS),
+            max_budget_usd=float(config.get("max_budget_usd") or settings.PAPERCLIP_CLI_DEFAULT_BUDGET_USD),
+            setting_sources=[],  # never the host's or the workspace's settings, hooks or memory
+            strict_mcp_config=True,
+            system_prompt=system,
+            stderr=stderr,
+            effort=config.get("effort"),
+            thinking=config.get("thinking"),
+            session_store=self.transcript,
+        )
+        if self.resume_id:
+            options.resume = self.resume_id
+        else:
+            options.session_id = self.session_id
+        return options
+
+    async def converse(self, conversation: Conversation, pidfile: Path) -> None:
+        from claude_agent_sdk import ResultMessage, query
+
+        prompt = self.prompt()
+        async for message in query(prompt=prompt, options=self.options(conversation, pidfile)):
+            conversation.messages.append(message)
+            if isinstance(message, ResultMessage):
+                conversation.result = message
+
+    def prompt(self) -> str:
+        content = self.request.messages[-1]["content"]
+        if isinstance(content, str):
+            return content
+        return "\n\n".join(block.get("text", "") for block in content if isinstance(block, dict))
+
+    def reply(self, conversation: Conversation, error: BaseException | None, *, timed_out: bool) -> AdapterReply:
+        from sessions_app.cli_transcripts import transcript_commit
+
+        result = conversation.result
+        usages = {
+            storable(model): model_usage_as_api(usage)
+            for model, usage in ((result.model_usage or {}) if result is not None else {}).items()
+            if isinstance(usage, dict)
+        }
+        for model, usage in usages.items():
+            if problem := usage_error(usage):
+                raise AdapterError("cli_error", f"Claude Code reported an impossible usage for {model}: {problem}")
+        content = content_blocks(conversation.messages)
+        session_id = result.session_id if result is not None and result.session_id else self.session_id
+        report = {
+            "runtime": RUNTIME,
+            "cli_session_id": session_id,
+            "num_turns": result.num_turns if result is not None else None,
+            "tool_calls": [{"name": b["name"], "input": b["input"]} for b in content if b["type"] == "tool_use"],
+            "cli_total_cost_usd": (
+                str(result.total_cost_usd) if result is not None and result.total_cost_usd is not None else None
+            ),
+            "duration_ms": result.duration_ms if result is not None else None,
+        }
+        reply = AdapterReply(
+            text=(result.result or "") if result is not None else "",
+            content=content,
+            model=self.request.model,
+            requested_model=self.request.model,
+            message_id=(result.uuid or "") if result is not None else "",
+            stop_reason=(result.stop_reason or result.subtype or "") if result is not None else "",
+            usage=usage_total(usages),
+            usage_by_model=usages or None,
+            runtime_report=report,
+            on_commit=transcript_commit(self.transcript, session_id=session_id, report=report),
+        )
+        failure = self.failure(conversation, error, timed_out=timed_out)
+        if failure is not None:
+            failure.billed = [reply] if usages else []
+            raise failure
+        return reply
+
+    def failure(self, conversation: Conversation, error: BaseException | None, *, timed_out: bool):
+        result = conversation.result
+        stderr = "\n".join(conversation.stderr)[-1000:]
+        if timed_out or isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+            timeout = self.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)
+            return AdapterError("cli_timeout", f"Claude Code did not finish within {timeout} seconds; it was killed.")
+        if error is not None and not conversation.messages:
+            # Not even its first message: the CLI did not start (or died starting).
+            detail = f"{error}" + (f"\n{stderr}" if stderr else "")
+            return AdapterError("cli_start_failed", f"Claude Code could not be started: {detail}"[:2000])
+        if result is not None and result.subtype in FAILURES:
+            return AdapterError(*FAILURES[result.subtype])
+        if result is not None and result.is_error:
+            detail = "; ".join(map(str, result.errors or [])) or result.result or result.subtype
+            return AdapterError("cli_error", f"Claude Code failed: {detail}"[:2000])
+        if error is not None:
+            detail = f"{error.__class__.__name__}: {error}" + (f"\n{stderr}" if stderr else "")
+            return AdapterError("cli_error", f"Claude Code failed: {detail}"[:2000])
+        if result is None:
+            return AdapterError("cli_error", "Claude Code ended without a result." + (f"\n{stderr}" if stderr else ""))
+        return None
+
+
+# --- the workspace, as operators see it ---------------------------------------------------
+
+LISTED_FILES = 200
+COUNTED_FILES = 10_000
+
+
+@dataclass
+class WorkspaceFile:
+    name: str  # relative to the workspace
+    size: int
+    modified: datetime
+
+
+@dataclass
+class WorkspaceListing:
+    root: Path
+    missing: bool = False
+    files: list[WorkspaceFile] = field(default_factory=list)
+    count: int = 0
+    truncated: bool = False
+
+
+def workspace_listing(*, agent_id, config: dict) -> WorkspaceListing:
+    """The workspace's files (the first LISTED_FILES by name, symlinks not followed)."""
+    root = workspace_for(agent_id, config)
+    listing = WorkspaceListing(root=root)
+    if not root.is_dir():
+        listing.missing = True
+        return listing
+    for folder, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            listing.count += 1
+            if listing.count > COUNTED_FILES:
+                listing.truncated = True
+                return listing
+            if len(listing.files) >= LISTED_FILES:
+                listing.truncated = True
+                continue
+            path = Path(folder) / name
+            try:
+                stat = path.lstat()
+            except OSError:
+                continue
+            modified = datetime.fromtimestamp(stat.st_mtime, tz=UTC)
+            # A file name is whatever bytes the agent chose: made printable before display.
+            listing.files.append(WorkspaceFile(storable(str(path.relative_to(root))), stat.st_size, modified))
+    return listing

@@ -1,0 +1,349 @@
+"""Claude Code transcripts, kept here: the SDK's `SessionStore` over our history stores.
+
+The CLI writes its session as JSONL lines under its config directory; the SDK mirrors
+every line to a `SessionStore` and, to resume, loads the session from the store into a
+temporary config directory. So the store is the record and the CLI's local copy a cache.
+
+- `DatabaseTranscripts`: rows of `cli_transcript_entries` (the `database` store);
+- `FileTranscripts`: `PAPERCLIP_HOME/sessions/{agent_id}/cli/{project}/{session}/` (`file`).
+
+Both are scoped by agent (`scope`): the SDK's keys (project, session, subpath) name a
+transcript only within one. They implement the protocol's optional `delete`,
+`list_sessions` and `list_subkeys` and pass the SDK's own conformance suite
+(`claude_agent_sdk.testing.run_session_store_conformance`).
+
+A heartbeat never hands the SDK these stores directly: it hands it a `RunTranscript`,
+which serves the transcript loaded before the run and buffers what the CLI appends. The
+engine writes the buffer in the heartbeat's commit (`stage`), so the ORM is never used
+from the SDK's event loop, no transaction is held across the CLI's run, and a failed
+heartbeat leaves the stored transcript as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from decimal import Decimal
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import transaction
+
+from sessions_app.models import AgentSession, CliTranscriptEntry, HistoryStore
+
+logger = logging.getLogger(__name__)
+
+MAX_KEY_CHARS = 255
+
+
+def _line(entry: dict) -> str:
+    # ASCII JSON: NUL and lone surrogates travel as escapes, which both databases store.
+    return json.dumps(entry, ensure_ascii=True, separators=(",", ":"))
+
+
+def _check_key(key: dict) -> tuple[str, str, str]:
+    project, session, subpath = key["project_key"], key["session_id"], key.get("subpath") or ""
+    for name, value in (("project_key", project), ("session_id", session), ("subpath", subpath)):
+        if not isinstance(value, str) or len(value) > MAX_KEY_CHARS or "\x00" in value:
+            raise ValueError(f"{name} must be a string of at most {MAX_KEY_CHARS} characters without NUL")
+    if not project or not session:
+        raise ValueError("project_key and session_id must not be empty")
+    return project, session, subpath
+
+
+class TranscriptStore:
+    """The SessionStore protocol's methods as coroutines over synchronous ones (`*_now`),
+    which the engine calls directly inside its transactions."""
+
+    def __init__(self, scope) -> None:
+        self.scope = scope
+
+    async def append(self, key, entries) -> None:
+        await sync_to_async(self.append_now)(key, list(entries))
+
+    async def load(self, key):
+        return await sync_to_async(self.load_now)(key)
+
+    async def list_sessions(self, project_key: str):
+        return await sync_to_async(self.list_sessions_now)(project_key)
+
+    async def list_subkeys(self, key) -> list[str]:
+        return await sync_to_async(self.list_subkeys_now)(key)
+
+    async def delete(self, key) -> None:
+        await sync_to_async(self.delete_now)(key)
+
+    def append_now(self, key, entries: list[dict]) -> None:
+        raise NotImplementedError
+
+    def load_now(self, key) -> list[dict] | None:
+        raise NotImplementedError
+
+    def list_sessions_now(self, project_key: str) -> list[dict]:
+        raise NotImplementedError
+
+    def list_subkeys_now(self, key) -> list[str]:
+        raise NotImplementedError
+
+    def delete_now(self, key) -> None:
+        raise NotImplementedError
+
+    def session_entries(self, session_id: str) -> dict[str, list[dict]]:
+        """Every transcript of a CLI session in this scope, whatever project it was kept
+        under, by subpath ("" for the main one). A workspace path that differs between
+        hosts changes the project key, never which session an agent resumes."""
+        raise NotImplementedError
+
+    def delete_session(self, session_id: str) -> None:
+        """Remove a CLI session's transcripts in this scope, under every project."""
+        raise NotImplementedError
+
+
+class DatabaseTranscripts(TranscriptStore):
+    def _rows(self, project: str, session: str):
+        return CliTranscriptEntry.objects.filter(scope=self.scope, project_key=project, session_id=session)
+
+    def append_now(self, key, entries: list[dict]) -> None:
+        project, session, subpath = _check_key(key)
+        if not entries:
+            return
+        CliTranscriptEntry.objects.bulk_create(
+            [
+                CliTranscriptEntry(
+                    scope=self.scope, project_key=project, session_id=session, subpath=subpath, line=_line(entry)
+                )
+                for entry in entries
+            ]
+        )
+
+    def load_now(self, key) -> list[dict] | None:
+        project, session, subpath = _check_key(key)
+        lines = list(self._rows(project, session).filter(subpath=subpath).order_by("id").values_list("line", flat=True))
+        return [json.loads(line) for line in lines] or None
+
+    def list_sessions_now(self, project_key: str) -> list[dict]:
+        from django.db.models import Max
+
+        found = (
+            CliTranscriptEntry.objects.filter(scope=self.scope, project_key=project_key, subpath="")
+            .values("session_id")
+            .annotate(last=Max("created_at"))
+            .order_by()
+        )
+        return [{"session_id": row["session_id"], "mtime": int(row["last"].timestamp() * 1000)} for row in found]
+
+    def list_subkeys_now(self, key) -> list[str]:
+        project, session, _ = _check_key(key)
+        found = self._rows(project, session).exclude(subpath="").values_list("subpath", flat=True).distinct()
+        return sorted(found)
+
+    def delete_now(self, key) -> None:
+        project, session, subpath = _check_key(key)
+        rows = self._rows(project, session)
+        (rows.filter(subpath=subpath) if subpath else rows).delete()
+
+    def session_entries(self, session_id: str) -> dict[str, list[dict]]:
+        found: dict[str, list[dict]] = {}
+        rows = CliTranscriptEntry.objects.filter(scope=self.scope, session_id=session_id).order_by("id")
+        for subpath, line in rows.values_list("subpath", "line"):
+            found.setdefault(subpath, []).append(json.loads(line))
+        return found
+
+    def delete_session(self, session_id: str) -> None:
+        CliTranscriptEntry.objects.filter(scope=self.scope, session_id=session_id).delete()
+
+
+class FileTranscripts(TranscriptStore):
+    """One JSONL file per transcript: `{project}/{session}/main.jsonl` and, for a
+    subagent, `{project}/{session}/sub/{subpath}.jsonl`, each name percent-encoded so no
+    key can leave the directory."""
+
+    def __init__(self, scope, root: Path | None = None) -> None:
+        super().__init__(scope)
+        self.root = root or Path(settings.PAPERCLIP_HOME) / "sessions" / str(scope) / "cli"
+
+    def _session_dir(self, project: str, session: str) -> Path:
+        return self.root / quote(project, safe="") / quote(session, safe="")
+
+    def path_for(self, key) -> Path:
+        project, session, subpath = _check_key(key)
+        folder = self._session_dir(project, session)
+        return folder / "sub" / f"{quote(subpath, safe='')}.jsonl" if subpath else folder / "main.jsonl"
+
+    def append_now(self, key, entries: list[dict]) -> None:
+        path = self.path_for(key)
+        if not entries:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="ascii") as handle:
+            handle.write("".join(_line(entry) + "\n" for entry in entries))
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def load_now(self, key) -> list[dict] | None:
+        return _read_jsonl(self.path_for(key))
+
+    def list_sessions_now(self, project_key: str) -> list[dict]:
+        folder = self.root / quote(project_key, safe="")
+        if not folder.is_dir():
+            return []
+        found = []
+        for main in folder.glob("*/main.jsonl"):
+            found.append({"session_id": unquote(main.parent.name), "mtime": main.stat().st_mtime_ns // 1_000_000})
+        return found
+
+    def list_subkeys_now(self, key) -> list[str]:
+        project, session, _ = _check_key(key)
+        folder = self._session_dir(project, session) / "sub"
+        return sorted(unquote(path.name[: -len(".jsonl")]) for path in folder.glob("*.jsonl"))
+
+    def delete_now(self, key) -> None:
+        project, session, subpath = _check_key(key)
+        if subpath:
+            self.path_for(key).unlink(missing_ok=True)
+        else:
+            shutil.rmtree(self._session_dir(project, session), ignore_errors=True)
+
+    def session_entries(self, session_id: str) -> dict[str, list[dict]]:
+        found: dict[str, list[dict]] = {}
+        for folder in self.root.glob(f"*/{quote(session_id, safe='')}"):
+            if (main := _read_jsonl(folder / "main.jsonl")) is not None:
+                found.setdefault("", []).extend(main)
+            for sub in (folder / "sub").glob("*.jsonl"):
+                found.setdefault(unquote(sub.name[: -len(".jsonl")]), []).extend(_read_jsonl(sub) or [])
+        return found
+
+    def delete_session(self, session_id: str) -> None:
+        for folder in self.root.glob(f"*/{quote(session_id, safe='')}"):
+            shutil.rmtree(folder)
+
+
+def _read_jsonl(path: Path) -> list[dict] | None:
+    try:
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        return None
+    # A line cut short by a crash mid-append is the end of what was written.
+    entries = []
+    for line in text.splitlines():
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            logger.warning("Ignoring a truncated line in %s", path)
+    return entries or None
+
+
+def transcripts_for(*, agent_id, store: str) -> TranscriptStore:
+    return FileTranscripts(agent_id) if store == HistoryStore.FILE else DatabaseTranscripts(agent_id)
+
+
+class RunTranscript:
+    """The SessionStore one heartbeat's CLI sees: the session as loaded before the run
+    (whatever project key the SDK asks under), and a buffer for what the CLI appends,
+    written by the engine in the heartbeat's commit (`stage`)."""
+
+    def __init__(self, loaded: dict[str, list[dict]] | None = None) -> None:
+        self.loaded = loaded or {}
+        self.appended: list[tuple[dict, list[dict]]] = []
+
+    async def append(self, key, entries) -> None:
+        if entries:
+            self.appended.append((dict(key), list(entries)))
+
+    async def load(self, key):
+        return list(self.loaded.get(key.get("subpath") or "", [])) or None
+
+    async def list_subkeys(self, key) -> list[str]:
+        return sorted(subpath for subpath in self.loaded if subpath)
+
+
+class StagedTranscript:
+    """What a heartbeat appended, written inside its commit transaction. The database
+    store's rows commit or roll back with it; the file store appends before the COMMIT and
+    cuts the files back to their former length when the transaction fails."""
+
+    def __init__(self, store: TranscriptStore, appended: list[tuple[dict, list[dict]]]) -> None:
+        self.store = store
+        self.appended = appended
+        self.sizes: dict[Path, int] = {}
+
+    def write(self) -> None:
+        for key, entries in self.appended:
+            if isinstance(self.store, FileTranscripts):
+                path = self.store.path_for(key)
+                self.sizes.setdefault(path, path.stat().st_size if path.exists() else 0)
+            self.store.append_now(key, entries)
+
+    def publish(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        for path, size in self.sizes.items():
+            try:
+                with open(path, "r+b") as handle:
+                    handle.truncate(size)
+            except OSError as exc:
+                logger.warning("Could not cut %s back after a failed heartbeat: %s", path, exc)
+
+
+def cli_sessions_delete(rows: list[tuple]) -> None:
+    """Delete the transcripts of sessions (`(agent_id, cli_session_id)`) everywhere:
+    the store and the CLI's local copy under the agent's config directory. Database rows
+    go in the caller's transaction; files once it commits."""
+    rows = [row for row in rows if row[1]]
+    for agent_id, cli_session_id in rows:
+        DatabaseTranscripts(agent_id).delete_session(cli_session_id)
+
+    def delete_files() -> None:
+        from sessions_app.adapters.claude_cli import local_copy_delete
+
+        for agent_id, cli_session_id in rows:
+            try:
+                FileTranscripts(agent_id).delete_session(cli_session_id)
+                local_copy_delete(agent_id=agent_id, cli_session_id=cli_session_id)
+            except OSError:
+                logger.exception("Could not delete the transcript files of CLI session %s", cli_session_id)
+
+    transaction.on_commit(delete_files)
+
+
+def stored_transcript(session: AgentSession) -> dict[str, list[dict]]:
+    """The transcript a heartbeat resumes: the session's CLI session, from its store."""
+    return transcripts_for(agent_id=session.agent_id, store=session.store).session_entries(session.cli_session_id)
+
+
+def transcript_commit(transcript: RunTranscript | None, *, session_id: str, report: dict):
+    """The `on_commit` of a Claude Code reply: inside the heartbeat's commit, the session
+    row gets the CLI's id and the store what the CLI appended; a disagreement over 1%
+    between the ledger's cost and the CLI's own figure is logged."""
+
+    def commit(session: AgentSession | None, cost: Decimal | None) -> StagedTranscript | None:
+        cost_check(report, cost)
+        if session is None or transcript is None:
+            return None
+        if session.cli_session_id != session_id:
+            AgentSession.objects.filter(pk=session.pk).update(cli_session_id=session_id)
+            session.cli_session_id = session_id
+        staged = StagedTranscript(transcripts_for(agent_id=session.agent_id, store=session.store), transcript.appended)
+        staged.write()
+        return staged
+
+    return commit
+
+
+def cost_check(report: dict, cost: Decimal | None) -> None:
+    theirs = report.get("cli_total_cost_usd")
+    if cost is None or theirs is None:
+        return
+    theirs = Decimal(theirs)
+    if abs(theirs - cost) > max(cost, theirs) / 100:
+        logger.warning(
+            "Claude Code reported a cost of $%s for CLI session %s; the ledger priced it at $%s",
+            theirs,
+            report.get("cli_session_id"),
+            cost,
+        )

@@ -1,0 +1,425 @@
+"""`claude-code` with `runtime: "cli"`: the real bundled Claude Code CLI against the fake
+Messages API. Kept few: each starts the CLI (about half a second)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import date, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from costs_app.models import Budget, CostEvent, ModelPrice
+from costs_app.pricing import call_cost
+from sessions_app.adapters import AgentConfigError
+from sessions_app.adapters.claude_cli import config_dir
+from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
+from sessions_app.services import session_delete
+from sessions_app.stores import store_for
+from tests.conftest import beat
+from tests.fake_anthropic import Reply
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli_agent(company, **config) -> Agent:
+    return Agent.objects.create(
+        company=company,
+        name="Coder",
+        system_prompt="You are the release engineer.",
+        adapter_type="claude-code",
+        adapter_config={"runtime": "cli", "timeout_seconds": 60, **config},
+    )
+
+
+def workspace(agent: Agent) -> Path:
+    from django.conf import settings
+
+    return Path(settings.PAPERCLIP_HOME) / "workspaces" / str(agent.id)
+
+
+def test_the_agent_writes_a_file_in_its_workspace_and_the_ledger_matches_the_fakes_usage(company, fake_anthropic):
+    agent = cli_agent(company)
+    target = workspace(agent) / "notes.txt"
+    fake_anthropic.push(
+        Reply.tool_use("Write", {"file_path": str(target), "content": "shipped\n"}),
+        Reply.message("I wrote notes.txt."),
+    )
+
+    run = beat(agent, "write the release notes")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    assert target.read_text() == "shipped\n"
+    assert run.output == "I wrote notes.txt."
+    assert run.runtime_report["num_turns"] == 2
+    assert run.runtime_report["tool_calls"] == [
+        {"name": "Write", "input": {"file_path": str(target), "content": "shipped\n"}}
+    ]
+    # What the CLI sent: a stream, our system prompt appended to Claude Code's, the safe tools.
+    bodies = fake_anthropic.message_requests
+    assert all(body["stream"] for body in bodies)
+    assert "You are the release engineer." in str(bodies[0]["system"])
+    assert sorted(tool["name"] for tool in bodies[0]["tools"]) == ["Bash", "Edit", "Glob", "Grep", "Read", "Write"]
+    # The ledger, to the token: the usage the fake reported over both requests.
+    usages = [r["usage"] for r in fake_anthropic.requests if r["path"] == "/v1/messages"]
+    assert len(usages) == 2
+    (event,) = CostEvent.objects.filter(run=run)
+    assert event.model == "claude-sonnet-4-5"
+    assert event.input_tokens == sum(u["input_tokens"] for u in usages)
+    assert event.output_tokens == sum(u["output_tokens"] for u in usages)
+    assert event.cache_creation_5m_input_tokens == sum(u["cache_creation_input_tokens"] for u in usages)
+    assert event.cache_read_input_tokens == sum(u["cache_read_input_tokens"] for u in usages)
+    assert run.cost_usd == event.cost_usd == call_cost(usage=event.raw_usage, model=event.model, at=event.created_at)
+    assert Decimal(run.runtime_report["cli_total_cost_usd"]).quantize(Decimal("0.000001")) == event.cost_usd.quantize(
+        Decimal("0.000001")
+    )
+    # Stateless: no CLI session is kept, here or in the CLI's own directory.
+    assert not AgentSession.objects.filter(agent=agent).exists()
+    assert not list(config_dir(agent.id).glob("projects/*/*.jsonl"))
+
+
+def test_configuration_is_validated_when_the_agent_is_saved(company):
+    with pytest.raises(AgentConfigError) as caught:
+        cli_agent(
+            company,
+            allowed_tools="Bash",
+            permission_mode="yolo",
+            max_turns=0,
+            max_budget_usd=-1,
+            workspace="relative/dir",
+            effort="huge",
+            thinking={"type": "enabled"},
+            max_tokens=100,
+        )
+    assert set(caught.value.fields) == {
+        f"adapter_config.{key}"
+        for key in (
+            "allowed_tools",
+            "permission_mode",
+            "max_turns",
+            "max_budget_usd",
+            "workspace",
+            "effort",
+            "thinking",
+            "max_tokens",
+        )
+    }
+    agent = cli_agent(company)
+    assert agent.adapter_config["allowed_tools"] == ["Read", "Edit", "Write", "Glob", "Grep", "Bash"]
+    assert agent.adapter_config["permission_mode"] == "dontAsk"
+    with pytest.raises(AgentConfigError) as caught:
+        Agent.objects.create(company=company, name="x", adapter_config={"runtime": "shell"})
+    assert set(caught.value.fields) == {"adapter_config.runtime"}
+
+
+def test_the_cli_sees_no_secret_of_the_service(company, fake_anthropic, monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", "postgres://secret@db/prod")
+    monkeypatch.setenv("DJANGO_SECRET_KEY", "very-secret")
+    monkeypatch.setenv("REDIS_URL", "redis://secret@cache:6379/0")
+    agent = cli_agent(company, thinking={"type": "disabled"}, effort="low")
+    fake_anthropic.push(Reply.tool_use("Bash", {"command": "env", "description": "probe"}), Reply.message("probed"))
+
+    run = beat(agent, "show the environment")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    second = fake_anthropic.message_requests[1]
+    (result,) = [
+        block
+        for message in second["messages"]
+        if isinstance(message["content"], list)
+        for block in message["content"]
+        if block.get("type") == "tool_result"
+    ]
+    output = str(result["content"])
+    assert "ANTHROPIC_BASE_URL=" in output  # the probe did run `env`
+    for secret in ("DATABASE_URL", "DJANGO_SECRET_KEY", "REDIS_URL", "very-secret", "secret@"):
+        assert secret not in output
+    assert f"CLAUDE_CONFIG_DIR={config_dir(agent.id)}" in output
+    assert second["thinking"] == {"type": "disabled"}  # the agent's thinking setting reached the API
+
+
+def test_persistent_sessions_resume_from_the_store_after_the_local_copy_is_gone(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent")
+
+    first = beat(agent, "remember the codeword heron")
+    session = AgentSession.objects.get(agent=agent)
+    assert first.status == RunStatus.SUCCEEDED, (first.error_code, first.error)
+    assert session.cli_session_id
+    # The CLI's own copy goes; the store is the record.
+    for path in config_dir(agent.id).glob("projects/*/*.jsonl"):
+        path.unlink()
+    fake_anthropic.reset_log()
+
+    second = beat(agent, "what was the codeword?")
+
+    assert second.status == RunStatus.SUCCEEDED, (second.error_code, second.error)
+    session.refresh_from_db()
+    assert second.session_id == first.session_id == session.id
+    assert second.runtime_report["cli_session_id"] == session.cli_session_id
+    (body,) = fake_anthropic.message_requests
+    assert "remember the codeword heron" in str(body["messages"])
+    assert session.message_count == 4
+    assert [m["role"] for m in store_for(session).read(session)] == ["user", "assistant", "user", "assistant"]
+
+
+@pytest.mark.parametrize("store", ["database", "file"])
+def test_deleting_the_session_removes_its_transcript_from_the_store_and_disk(
+    company, fake_anthropic, settings, store, django_capture_on_commit_callbacks
+):
+    settings.PAPERCLIP_SESSION_STORE = store
+    agent = cli_agent(company, session_mode="persistent")
+    beat(agent, "one")
+    session = AgentSession.objects.get(agent=agent)
+    cli_id = session.cli_session_id
+    stored = CliTranscriptEntry.objects.filter(session_id=cli_id)
+    files = lambda: list(session_store_root(agent).rglob("*.jsonl"))  # noqa: E731
+    assert (stored.exists(), bool(files())) == (store == "database", store == "file")
+    assert list(config_dir(agent.id).rglob(f"{cli_id}.jsonl"))  # the CLI's local copy
+
+    with django_capture_on_commit_callbacks(execute=True):
+        session_delete(session=session, now=timezone.now())
+
+    assert not stored.exists()
+    assert not files()
+    assert not list(config_dir(agent.id).rglob(f"*{cli_id}*"))
+
+
+def session_store_root(agent) -> Path:
+    from django.conf import settings
+
+    return Path(settings.PAPERCLIP_HOME) / "sessions" / str(agent.id) / "cli"
+
+
+def test_a_cli_that_does_not_answer_is_killed_at_its_timeout_with_its_children(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent")
+    beat(agent, "one")
+    before = snapshot(agent)
+    agent.adapter_config = {**agent.adapter_config, "timeout_seconds": 6}
+    agent.save()
+    marker = "987.6543"
+    # Claude Code refuses a bare `sleep`; a command that blocks as long is run.
+    command = f"python3 -c 'import time; time.sleep({marker})'"
+    fake_anthropic.push(Reply.tool_use("Bash", {"command": command, "description": "hang"}))
+    seen = []
+    watching = threading.Event()
+
+    def watch():
+        while not watching.wait(0.1):
+            seen.extend(processes_running(marker))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        run = beat(agent, "hang")
+    finally:
+        watching.set()
+        watcher.join()
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_timeout"), run.error
+    assert 6 <= time.monotonic() - started < 20
+    assert seen  # the command was running under the CLI ...
+    assert not processes_running(marker)  # ... and was killed with it
+    assert snapshot(agent) == before  # the stored transcript and history are as they were
+
+
+def test_max_turns_fails_the_run_but_its_calls_are_billed(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent", max_turns=1)
+    fake_anthropic.push(Reply.tool_use("Bash", {"command": "true", "description": "noop"}), Reply.message("never"))
+
+    run = beat(agent, "loop")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_max_turns"), run.error
+    assert CostEvent.objects.filter(run=run).count() == 1
+    assert not AgentSession.objects.filter(agent=agent).exists()
+    assert not CliTranscriptEntry.objects.exists()
+
+
+def test_under_a_budget_the_cap_is_reserved_before_the_cli_starts(company, fake_anthropic):
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("1"))
+    uncapped = cli_agent(company)
+    capped = cli_agent(company, max_budget_usd=2)
+
+    assert beat(uncapped, "go").error_code == "cli_budget_cap_required"
+    assert beat(capped, "go").error_code == "budget_exceeded"
+    assert fake_anthropic.message_requests == []  # the CLI never started
+
+    capped.adapter_config = {**capped.adapter_config, "max_budget_usd": 0.5}
+    capped.save()
+    assert beat(capped, "go").status == RunStatus.SUCCEEDED
+
+
+def test_expiry_force_fresh_and_a_runtime_change_start_a_new_cli_session(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent", session_ttl_hours=1)
+    beat(agent, "one")
+    first = AgentSession.objects.get(agent=agent)
+
+    beat(agent, "two", now=timezone.now() + timedelta(hours=2))
+    first.refresh_from_db()
+    second = AgentSession.objects.exclude(pk=first.pk).get(agent=agent)
+    assert (first.status, first.end_reason) == ("expired", "expired")
+    assert second.cli_session_id and second.cli_session_id != first.cli_session_id
+    # The new CLI session starts empty: nothing of the expired one is sent.
+    assert "one" not in str(fake_anthropic.message_requests[-1]["messages"])
+
+    beat(agent, "three", now=timezone.now() + timedelta(hours=2), force_fresh=True)
+    third = AgentSession.objects.filter(agent=agent).order_by("-created_at").first()
+    assert third.cli_session_id not in ("", second.cli_session_id)
+
+    agent.adapter_config = {"session_mode": "persistent"}  # back to the Messages API runtime
+    agent.save()
+    beat(agent, "four", now=timezone.now() + timedelta(hours=2))
+    fourth = AgentSession.objects.filter(agent=agent).order_by("-created_at").first()
+    third.refresh_from_db()
+    assert (third.end_reason, fourth.cli_session_id) == ("config_changed", "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_another_process_resumes_the_session_from_the_store(company, fake_anthropic, settings):
+    agent = cli_agent(company, session_mode="persistent")
+    beat(agent, "remember the codeword heron")
+    session = AgentSession.objects.get(agent=agent)
+    for path in config_dir(agent.id).rglob("*.jsonl"):
+        path.unlink()  # another host: no local copy of the CLI's session
+    fake_anthropic.reset_log()
+
+    result = subprocess.run(
+        [sys.executable, "manage.py", "heartbeat", str(agent.id), "--task", "the codeword?"],
+        cwd=ROOT,
+        env={**os.environ, **database_environment(settings)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 0, result.stderr[-2000:]
+    run = HeartbeatRun.objects.get(task="the codeword?")
+    assert run.status == RunStatus.SUCCEEDED and run.session_id == session.id, run.error
+    assert "remember the codeword heron" in str(fake_anthropic.message_requests[0]["messages"])
+
+
+def database_environment(settings) -> dict:
+    db = connection.settings_dict
+    if connection.vendor == "sqlite":
+        url = f"sqlite:///{db['NAME']}"
+    else:
+        url = f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    return {
+        "DATABASE_URL": url,
+        "PAPERCLIP_HOME": str(settings.PAPERCLIP_HOME),
+        "PAPERCLIP_SESSION_STORE": settings.PAPERCLIP_SESSION_STORE,
+    }
+
+
+def processes_running(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def snapshot(agent: Agent) -> tuple:
+    session = AgentSession.objects.get(agent=agent)
+    entries = list(CliTranscriptEntry.objects.values_list("line", flat=True))
+    files = sorted(p.read_text() for p in session_store_root(agent).rglob("*.jsonl"))
+    return session.message_count, session.cli_session_id, entries, files, store_for(session).read(session)
+
+
+def test_a_cli_that_cannot_start_fails_cli_start_failed(company, settings, tmp_path):
+    settings.PAPERCLIP_CLAUDE_CLI = str(tmp_path / "no-such-claude")
+    run = beat(cli_agent(company), "go")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_start_failed")
+    assert "no-such-claude" in run.error
+
+
+def test_an_api_error_fails_cli_error_with_the_clis_message(company, fake_anthropic):
+    fake_anthropic.push(*[Reply.error(400, "invalid x-api-key")] * 5)
+    run = beat(cli_agent(company, session_mode="persistent"), "go")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_error"), run.error
+    assert "Invalid API key" in run.error  # Claude Code's own reading of the API's error
+    assert not AgentSession.objects.exists()
+
+
+def test_a_transcript_missing_from_the_store_is_an_error_not_amnesia(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent")
+    beat(agent, "one")
+    session = AgentSession.objects.get(agent=agent)
+    CliTranscriptEntry.objects.all().delete()
+    for path in session_store_root(agent).rglob("*.jsonl"):
+        path.unlink()
+
+    run = beat(agent, "two")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "history_missing")
+    assert beat(agent, "three", force_fresh=True).status == RunStatus.SUCCEEDED
+    assert AgentSession.objects.exclude(pk=session.pk).get(agent=agent).cli_session_id != session.cli_session_id
+
+
+def test_a_second_model_claude_code_calls_gets_a_ledger_row_of_its_own(company, fake_anthropic, caplog):
+    ModelPrice.objects.create(
+        model="claude-haiku-5-5",
+        effective_from=date(2020, 1, 1),
+        input_usd_per_mtok=Decimal("1"),
+        output_usd_per_mtok=Decimal("5"),
+        cache_write_5m_usd_per_mtok=Decimal("1.25"),
+        cache_write_1h_usd_per_mtok=Decimal("2"),
+        cache_read_usd_per_mtok=Decimal("0.1"),
+    )
+    agent = cli_agent(company, allowed_tools=["Read", "Agent"])
+    delegate = {"description": "look", "prompt": "List the files.", "subagent_type": "general-purpose"}
+    fake_anthropic.push(
+        Reply.tool_use("Agent", {**delegate, "model": "haiku", "run_in_background": False}),
+        Reply.message("nothing here"),  # the subagent, on the smaller model
+        Reply.message("done"),
+    )
+
+    run = beat(agent, "explore")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    answered = {}
+    for record in fake_anthropic.requests:
+        model = record["body"]["model"]
+        answered[model] = answered.get(model, 0) + record["usage"]["input_tokens"]
+    events = {event.model: event for event in CostEvent.objects.filter(run=run)}
+    assert set(events) == set(answered) == {"claude-sonnet-4-5", "claude-haiku-5-5"}
+    assert {model: event.input_tokens for model, event in events.items()} == answered
+    assert sorted(event.call_number for event in events.values()) == [1, 2]
+    assert run.cost_usd == sum(event.cost_usd for event in events.values())
+    # Claude Code prices the smaller model by its own table, not by ours: kept, and logged.
+    assert run.runtime_report["ledger_cost_usd"] == str(run.cost_usd)
+    theirs = Decimal(run.runtime_report["cli_total_cost_usd"])
+    assert abs(theirs - run.cost_usd) > run.cost_usd / 100
+    assert f"the ledger priced it at ${run.cost_usd}" in caplog.text
+
+
+def test_the_history_shows_claude_codes_compaction_boundaries_and_trims_tool_results():
+    from claude_agent_sdk import AssistantMessage, SystemMessage, TextBlock, ToolResultBlock, ToolUseBlock, UserMessage
+
+    from sessions_app.adapters.claude_cli import RESULT_CHARS, content_blocks
+    from sessions_app.admin.transcript import content_parts
+
+    messages = [
+        AssistantMessage(content=[ToolUseBlock(id="t1", name="Bash", input={"command": "cat big"})], model="m"),
+        UserMessage(content=[ToolResultBlock(tool_use_id="t1", content="x" * (RESULT_CHARS + 10))]),
+        SystemMessage(subtype="compact_boundary", data={"compact_metadata": {"trigger": "auto", "pre_tokens": 150000}}),
+        AssistantMessage(content=[TextBlock(text="done")], model="m"),
+    ]
+
+    blocks = content_blocks(messages)
+
+    assert [block["type"] for block in blocks] == ["tool_use", "tool_result", "compaction_boundary", "text"]
+    assert blocks[1]["content"].endswith("... [10 more characters]")
+    parts = content_parts(blocks)
+    assert parts[2].label == "compaction boundary (Claude Code)"
+    assert parts[2].text == "Claude Code compacted its context (auto, 150000 tokens before)"

@@ -1,0 +1,102 @@
+"""Claude Code transcripts kept here: both stores pass the SDK's own conformance suite."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from asgiref.sync import async_to_sync
+from claude_agent_sdk.testing import run_session_store_conformance
+
+from sessions_app.cli_transcripts import DatabaseTranscripts, FileTranscripts, RunTranscript, StagedTranscript
+
+pytestmark = pytest.mark.django_db
+
+
+def conformance(make_store) -> None:
+    # async_to_sync runs the suite on an event loop in another thread; the stores'
+    # sync_to_async calls come back to this thread, and so to the test's connection.
+    async_to_sync(run_session_store_conformance)(make_store)
+
+
+@pytest.mark.parametrize("kind", [DatabaseTranscripts, FileTranscripts])
+def test_the_sdk_conformance_suite_passes_with_delete_list_sessions_and_list_subkeys(kind):
+    # Each contract gets a store of its own scope (an agent of its own), as it requires.
+    conformance(lambda: kind(uuid.uuid4()))
+
+
+@pytest.mark.parametrize("kind", [DatabaseTranscripts, FileTranscripts])
+def test_a_transcript_round_trips_nul_and_lone_surrogates_exactly(kind):
+    store = kind(uuid.uuid4())
+    key = {"project_key": "p", "session_id": "s"}
+    entries = [{"type": "user", "text": "a\x00b", "odd": "\ud800", "n": [1, {"x": None}]}]
+    store.append_now(key, entries)
+    assert store.load_now(key) == entries
+    assert store.session_entries("s") == {"": entries}
+
+
+@pytest.mark.parametrize("kind", [DatabaseTranscripts, FileTranscripts])
+def test_keys_cannot_leave_the_store(kind, tmp_path):
+    store = kind(uuid.uuid4())
+    with pytest.raises(ValueError):
+        store.append_now({"project_key": "p", "session_id": "x" * 300}, [{"type": "x"}])
+    if kind is FileTranscripts:
+        path = store.path_for({"project_key": "../..", "session_id": "../../etc", "subpath": "../../../x"})
+        assert path.resolve().is_relative_to(store.root.resolve())
+
+
+def test_a_failed_heartbeat_cuts_the_file_back_to_what_it_was():
+    store = FileTranscripts(uuid.uuid4())
+    key = {"project_key": "p", "session_id": "s"}
+    store.append_now(key, [{"type": "a"}])
+    staged = StagedTranscript(store, [(key, [{"type": "b"}, {"type": "c"}])])
+    staged.write()
+    assert len(store.load_now(key)) == 3
+    staged.discard()
+    assert store.load_now(key) == [{"type": "a"}]
+
+
+def test_a_run_sees_the_loaded_session_under_any_project_key():
+    run = RunTranscript({"": [{"type": "a"}], "subagents/agent-1": [{"type": "b"}]})
+    load = async_to_sync(run.load)
+    assert load({"project_key": "elsewhere", "session_id": "s"}) == [{"type": "a"}]
+    assert async_to_sync(run.list_subkeys)({"project_key": "x", "session_id": "s"}) == ["subagents/agent-1"]
+    async_to_sync(run.append)({"project_key": "x", "session_id": "s"}, [{"type": "c"}])
+    assert run.appended == [({"project_key": "x", "session_id": "s"}, [{"type": "c"}])]
+
+
+@pytest.mark.parametrize("store", ["database", "file"])
+def test_retention_purges_an_ended_sessions_transcript(
+    persistent_agent, store, settings, django_capture_on_commit_callbacks
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from sessions_app.maintenance import histories_purge
+    from sessions_app.models import AgentSession, CliTranscriptEntry
+
+    now = timezone.now()
+    cli_id = str(uuid.uuid4())
+    ended = now - timedelta(days=settings.PAPERCLIP_RETENTION_DAYS + 1)
+    session = AgentSession.objects.create(
+        agent=persistent_agent,
+        company=persistent_agent.company,
+        store=store,
+        cli_session_id=cli_id,
+        status="ended",
+        ended_at=ended,
+    )
+    kept = DatabaseTranscripts(persistent_agent.id) if store == "database" else FileTranscripts(persistent_agent.id)
+    kept.append_now({"project_key": "p", "session_id": cli_id}, [{"type": "user"}])
+    other = {"project_key": "p", "session_id": str(uuid.uuid4())}
+    kept.append_now(other, [{"type": "user"}])
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert histories_purge(now=now) == 1
+
+    assert kept.session_entries(cli_id) == {}
+    assert kept.load_now(other) == [{"type": "user"}]  # another session's transcript stays
+    session.refresh_from_db()
+    assert session.history_purged_at is not None
+    assert CliTranscriptEntry.objects.filter(session_id=cli_id).count() == 0
