@@ -48,6 +48,17 @@ def env_decimal(name: str, default: str):
     return value
 
 
+def env_list(name: str, default: str) -> tuple[str, ...]:
+    """A comma-separated list; blanks around items are dropped, an empty item is an error."""
+    raw = env_str(name, default)
+    if not raw.strip():
+        return ()
+    items = tuple(item.strip() for item in raw.split(","))
+    if not all(items):
+        raise ImproperlyConfigured(f"{name} must be a comma-separated list without empty items, got {raw!r}")
+    return items
+
+
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     value = env_str(name, default)
     if value not in choices:

@@ -14,6 +14,7 @@ from paperclip.env import (
     env_database,
     env_decimal,
     env_int,
+    env_list,
     env_str,
     env_url,
     parse_process_commands,
@@ -52,6 +53,9 @@ PAPERCLIP_SESSION_HOUR_USD = env_decimal("PAPERCLIP_SESSION_HOUR_USD", "0.08")
 # max_budget_usd and no budget applies, and the CLI to run (default: the SDK's bundled one).
 PAPERCLIP_CLI_DEFAULT_BUDGET_USD = env_decimal("PAPERCLIP_CLI_DEFAULT_BUDGET_USD", "5")
 PAPERCLIP_CLAUDE_CLI = env_str("PAPERCLIP_CLAUDE_CLI", "")
+# The Claude Code tools API keys may give an agent in authenticated mode (README, "Claude
+# Code agents"): none unless the operator lists them, as for process commands.
+PAPERCLIP_CLI_TOOLS = env_list("PAPERCLIP_CLI_TOOLS", "")
 PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
 # A generous ceiling on heartbeats that queue work, per API key, in authenticated mode only
 # ("N/s|min|hour|day"); what needs a bound is one agent's queue (below).

@@ -19,7 +19,7 @@ from django.utils import timezone
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import call_cost
 from sessions_app.adapters import AgentConfigError
-from sessions_app.adapters.claude_cli import config_dir
+from sessions_app.adapters.claude_cli import config_dir, workspace_for
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
 from sessions_app.services import session_delete
 from sessions_app.stores import store_for
@@ -423,3 +423,40 @@ def test_the_history_shows_claude_codes_compaction_boundaries_and_trims_tool_res
     parts = content_parts(blocks)
     assert parts[2].label == "compaction boundary (Claude Code)"
     assert parts[2].text == "Claude Code compacted its context (auto, 150000 tokens before)"
+
+
+def test_an_agent_saved_before_authenticated_mode_does_not_start_the_cli(company, fake_anthropic, settings):
+    agent = cli_agent(company)  # the default tools, the shell among them, as local_trusted allows
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_CLI_TOOLS = ("Read",)
+
+    run = beat(agent, "run the release script")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_not_allowed")
+    assert "allowed_tools" in run.error and "'Bash'" in run.error
+    assert fake_anthropic.message_requests == []
+
+
+def test_a_path_scoped_read_rule_keeps_the_agent_inside_its_workspace(company, fake_anthropic, settings, tmp_path):
+    """What README advises operators to list in authenticated mode: a bare `Read` reads any
+    file the worker's user can, `Read(./**)` only the workspace's."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("service-secret-42")
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_CLI_TOOLS = ("Read(./**)",)
+    agent = cli_agent(company, allowed_tools=["Read(./**)"])
+    workspace = workspace_for(agent.id, agent.adapter_config)
+    workspace.mkdir(parents=True)
+    (workspace / "notes.txt").write_text("inside-text-7")
+    fake_anthropic.push(
+        Reply.tool_use("Read", {"file_path": str(outside)}),
+        Reply.tool_use("Read", {"file_path": str(workspace / "notes.txt")}),
+        Reply.message("done"),
+    )
+
+    run = beat(agent, "read the files")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    refused, read = (str(request["messages"][-1]) for request in fake_anthropic.message_requests[1:3])
+    assert "service-secret-42" not in refused and "denied" in refused
+    assert "inside-text-7" in read

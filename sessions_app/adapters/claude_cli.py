@@ -153,6 +153,9 @@ def validate_cli_config(config: dict, errors: dict[str, str]) -> dict:
             errors["workspace"] = f"must be an absolute directory path or null, got {workspace!r}"
         clean["workspace"] = workspace
     validate_timeout(config, errors, clean, default=DEFAULT_TIMEOUT_SECONDS)
+    errors.update(
+        authenticated_problems(clean, mode=settings.PAPERCLIP_DEPLOYMENT_MODE, permitted=settings.PAPERCLIP_CLI_TOOLS)
+    )
     if "effort" in config:
         effort = config["effort"]
         if effort is not None and effort not in EFFORTS:
@@ -161,6 +164,32 @@ def validate_cli_config(config: dict, errors: dict[str, str]) -> dict:
     if "thinking" in config:
         clean["thinking"] = _thinking(config["thinking"], errors)
     return clean
+
+
+def authenticated_problems(config: dict, *, mode: str, permitted: tuple[str, ...]) -> dict[str, str]:
+    """What an API key may not choose for a Claude Code agent in `authenticated` mode.
+
+    The tools run as the worker's user, so the tools (the shell above all), a permission
+    mode that lets unlisted tools run, and a working directory outside the agents' own are
+    the operator's to grant, as `process` commands are (PAPERCLIP_CLI_TOOLS).
+    """
+    if mode != "authenticated":
+        return {}
+    problems = {}
+    tools = config.get("allowed_tools")
+    if isinstance(tools, list) and (refused := [name for name in tools if name not in permitted]):
+        listed = ", ".join(permitted) if permitted else "none: the operator lists them"
+        problems["allowed_tools"] = (
+            f"{', '.join(map(repr, refused))} may not be used in authenticated mode; "
+            f"PAPERCLIP_CLI_TOOLS permits {listed}"
+        )
+    if config.get("permission_mode") != DEFAULT_PERMISSION_MODE:
+        problems["permission_mode"] = (
+            f"must be {DEFAULT_PERMISSION_MODE!r} in authenticated mode (no tool outside allowed_tools runs)"
+        )
+    if config.get("workspace"):
+        problems["workspace"] = "is PAPERCLIP_HOME/workspaces/{agent_id}/ in authenticated mode; leave it unset"
+    return problems
 
 
 def _thinking(thinking, errors: dict[str, str]):
@@ -391,6 +420,14 @@ class ClaudeCliAdapter:
         return Decimal(str(cap))
 
     def call(self, request: AdapterRequest) -> AdapterReply:
+        # Checked again here, with this worker's mode and list: the row may predate them,
+        # or have been written around validation.
+        problems = authenticated_problems(
+            request.config, mode=settings.PAPERCLIP_DEPLOYMENT_MODE, permitted=settings.PAPERCLIP_CLI_TOOLS
+        )
+        if problems:
+            detail = "; ".join(f"adapter_config.{key}: {message}" for key, message in problems.items())
+            raise AdapterError("cli_not_allowed", f"This agent's Claude Code settings may not run here: {detail}")
         agent_id = request.metadata["agent_id"]
         run = CliRun(self, request, agent_id=agent_id)
         return run.execute()

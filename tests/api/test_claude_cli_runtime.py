@@ -58,3 +58,33 @@ def test_bad_cli_configuration_is_a_400_naming_the_field(api, company):
     body = {"name": "Coder", "adapter_type": "claude-code", "adapter_config": {"runtime": "cli", "max_turns": "many"}}
     error = assert_error(api.post(f"/api/companies/{company.id}/agents", body), 400)
     assert "max_turns" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({}, "adapter_config.allowed_tools"),  # the default tools include the shell
+        ({"allowed_tools": ["Read", "Bash"]}, "adapter_config.allowed_tools"),
+        ({"allowed_tools": ["Read"], "permission_mode": "bypassPermissions"}, "adapter_config.permission_mode"),
+        ({"allowed_tools": ["Read"], "workspace": "/"}, "adapter_config.workspace"),
+    ],
+    ids=["default-tools", "unlisted-shell", "bypass-permissions", "own-workspace"],
+)
+def test_in_authenticated_mode_a_key_gets_only_the_tools_the_operator_lists(key_api, company, settings, config, field):
+    settings.PAPERCLIP_CLI_TOOLS = ("Read", "Glob", "Grep")
+    body = {"name": "coder", "adapter_type": "claude-code", "adapter_config": {"runtime": "cli", **config}}
+
+    error = assert_error(key_api.post(f"/api/companies/{company.id}/agents", body), 400)
+
+    assert field in error["fields"], error
+    assert not Agent.objects.filter(name="coder").exists()
+
+
+def test_in_authenticated_mode_listed_tools_are_accepted(key_api, company, settings):
+    settings.PAPERCLIP_CLI_TOOLS = ("Read", "Glob", "Grep")
+    config = {"runtime": "cli", "allowed_tools": ["Read", "Grep"]}
+    body = {"name": "reader", "adapter_type": "claude-code", "adapter_config": config}
+
+    response = key_api.post(f"/api/companies/{company.id}/agents", body)
+
+    assert response.status_code == 201, response.content
