@@ -59,6 +59,11 @@ PAPERCLIP_MAX_QUEUED_RUNS = env_int("PAPERCLIP_MAX_QUEUED_RUNS", 100, minimum=1)
 # Runs in progress across the whole deployment (every host; the database decides); 0 = no cap.
 # The rest wait queued and start oldest first as runs finish.
 PAPERCLIP_MAX_CONCURRENT_RUNS = env_int("PAPERCLIP_MAX_CONCURRENT_RUNS", 0, minimum=0)
+# Agent memory (README, "Memory"): UTF-8 bytes one file and one store may hold, checked on
+# every write, and the versions kept per file (older ones are pruned as new ones are written).
+PAPERCLIP_MEMORY_MAX_FILE_BYTES = env_int("PAPERCLIP_MEMORY_MAX_FILE_BYTES", 64 * 1024, minimum=1)
+PAPERCLIP_MEMORY_MAX_STORE_BYTES = env_int("PAPERCLIP_MEMORY_MAX_STORE_BYTES", 1024 * 1024, minimum=1)
+PAPERCLIP_MEMORY_VERSIONS_KEPT = env_int("PAPERCLIP_MEMORY_VERSIONS_KEPT", 50, minimum=1)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
 DEBUG = env_bool("DJANGO_DEBUG", False)
@@ -82,6 +87,7 @@ INSTALLED_APPS = [
     "django_q",
     "sessions_app",
     "costs_app",
+    "memory_app",
 ]
 
 MIDDLEWARE = [

@@ -45,6 +45,7 @@ class AdapterRequest:
     metadata: dict = field(default_factory=dict)
     system_blocks: list | None = None  # the system prompt as content blocks (cache markers)
     max_tokens: int | None = None  # overrides the agent's max_tokens (summaries)
+    tools: list | None = None  # tool definitions the model may call (the tool loop)
 
 
 @dataclass
@@ -62,6 +63,12 @@ class AdapterReply:
     # Which call of its run this was (1, 2, ...), numbered by the engine: with the run,
     # the ledger's identity of the call.
     call_number: int | None = None
+    # What context editing cleared from the request (the API's `context_management`).
+    context_management: dict | None = None
+    # The tool loop's turns before this answer (assistant tool_use, user tool_result, ...),
+    # recorded with it in the session's history, and its rounds.
+    exchanges: list = field(default_factory=list)
+    tool_rounds: int = 0
 
     @property
     def priced_model(self) -> str:
