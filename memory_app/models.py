@@ -55,6 +55,9 @@ class MemoryStoreShare(models.Model):
         db_table = "memory_store_shares"
         constraints = [models.UniqueConstraint(fields=["store", "agent"], name="memory_shares_store_agent_uniq")]
 
+    def __str__(self) -> str:
+        return f"{self.store} ({self.access})"
+
 
 class MemoryFile(models.Model):
     """A file's current state. A deleted file keeps its row (and versions), marked deleted,
@@ -101,6 +104,9 @@ class MemoryVersion(models.Model):
         ordering = ["file", "-number"]
         constraints = [models.UniqueConstraint(fields=["file", "number"], name="memory_versions_file_number_uniq")]
 
+    def __str__(self) -> str:
+        return f"version {self.number}"
+
 
 class RunToolLoop(models.Model):
     """What a run's tool loop did: the model's rounds of tool calls, and what context
@@ -115,3 +121,6 @@ class RunToolLoop(models.Model):
 
     class Meta:
         db_table = "run_tool_loops"
+
+    def __str__(self) -> str:
+        return f"{self.rounds} tool rounds"

@@ -20,7 +20,6 @@ from memory_app.stores import (
     Writer,
     check_content,
     clean_path,
-    file_read,
     file_write,
     files_under,
     resolve,
