@@ -52,6 +52,13 @@ def diff_html(before: str | None, after: str | None):
     )
 
 
+def agent_memory_link(agent):
+    """The agent page's link to its memory files (one COUNT query)."""
+    count = MemoryFile.objects.filter(store__agent=agent, deleted=False).count()
+    url = reverse("admin:memory_app_memoryfile_changelist") + f"?store__agent__id__exact={agent.pk}&deleted__exact=0"
+    return format_html('<a class="memory-files" href="{}">{} memory file{}</a>', url, count, "" if count == 1 else "s")
+
+
 class MemoryFileForm(forms.ModelForm):
     content = forms.CharField(widget=forms.Textarea(attrs={"rows": 16, "cols": 100}), required=False, strip=False)
     loaded_version = forms.IntegerField(widget=forms.HiddenInput, required=False)

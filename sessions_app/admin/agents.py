@@ -23,6 +23,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from costs_app.models import CostEvent
+from memory_app.admin import agent_memory_link
 from sessions_app import services
 from sessions_app.admin.common import (
     RECENT_INLINE_ROWS,
@@ -166,11 +167,15 @@ class AgentAdmin(admin.ModelAdmin):
         fields = ["company", "name", "system_prompt", "adapter_type", "adapter_config"]
         if obj is None:
             return fields
-        return ["id", *fields, "next_wakes", "status", "paused_reason", "created_at", "updated_at"]
+        return ["id", *fields, "next_wakes", "memory", "status", "paused_reason", "created_at", "updated_at"]
 
     def get_readonly_fields(self, request, obj=None):
         # Only the change page shows wake times: one schedule lookup for one agent.
-        return [*self.readonly_fields, "next_wakes"] if obj is not None else self.readonly_fields
+        return [*self.readonly_fields, "next_wakes", "memory"] if obj is not None else self.readonly_fields
+
+    @admin.display(description="memory")
+    def memory(self, obj: Agent):
+        return agent_memory_link(obj)
 
     @admin.display(description="next wakes")
     def next_wakes(self, obj: Agent) -> str:
