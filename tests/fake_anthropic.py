@@ -181,6 +181,9 @@ class FakeAnthropic:
         # Prompt cache: hashes of request prefixes written at cache_control breakpoints.
         self.cache: set[str] = set()
         self.answer_padding = ""
+        # As a model following the memory tool's own advice would: view /memories/facts at
+        # the start of every task, not only when it says "recall" (benchmarks' worst case).
+        self.memory_view_always = False
         self.action_errors: list[BaseException] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
@@ -295,7 +298,11 @@ class FakeAnthropic:
             text += " " + self.answer_padding
         compaction = self.server_compaction(body) if reply.kind == "default" else None
         cleared = clear_tool_uses(body, self.tokens)
-        scripted = memory_tool_calls(body) if reply.kind == "default" and compaction is None else None
+        scripted = (
+            memory_tool_calls(body, view_always=self.memory_view_always)
+            if reply.kind == "default" and compaction is None
+            else None
+        )
         message = {
             "id": reply.message_id or f"msg_{self.id_prefix}_{number:06d}",
             "type": "message",
@@ -441,7 +448,7 @@ def serve_forever() -> None:
         fake.server.server_close()
 
 
-def memory_tool_calls(body: dict) -> list[dict] | None:
+def memory_tool_calls(body: dict, *, view_always: bool = False) -> list[dict] | None:
     """The tool_use blocks the fake model asks for, when offered the memory tool (module doc)."""
     if not any(tool.get("type") == "memory_20250818" for tool in body.get("tools") or []):
         return None
@@ -462,7 +469,7 @@ def memory_tool_calls(body: dict) -> list[dict] | None:
     if "remember" in lowered:
         digest = hashlib.sha256(task.encode()).hexdigest()[:12]
         return [tool_block({"command": "create", "path": f"/memories/facts/{digest}.md", "file_text": task})]
-    if "recall" in lowered:
+    if "recall" in lowered or view_always:
         return [tool_block({"command": "view", "path": "/memories/facts"})]
     return None
 
