@@ -214,22 +214,20 @@ class MemoryFileView(ApiView):
     def put(self, request, company_id: UUID, agent_id: UUID, memory_path: str):
         agent = self.get_agent(company_id, agent_id)
         if not isinstance(request.data, dict):
-            raise BadRequest("The body must be a JSON object.", code="invalid_body")
+            raise BadRequest("The body must be a JSON object.", code="invalid")
         body = MemoryWriteSerializer(data=request.data)
         if not isinstance(request.data.get("content"), str):
-            raise BadRequest("content must be text.", code="invalid_field", fields={"content": "must be a string"})
+            raise BadRequest("content must be text.", code="invalid", fields={"content": "must be a string"})
         if "version" in request.data and (
             isinstance(request.data["version"], bool) or not isinstance(request.data["version"], int)
         ):
-            raise BadRequest(
-                "version must be a whole number.", code="invalid_field", fields={"version": "not a number"}
-            )
+            raise BadRequest("version must be a whole number.", code="invalid", fields={"version": "not a number"})
         unknown = sorted(set(request.data) - {"content", "version"})
         if unknown:
-            raise BadRequest(f"Unknown field {unknown[0]!r}.", code="unknown_field", fields={unknown[0]: "unknown"})
+            raise BadRequest(f"Unknown field {unknown[0]!r}.", code="invalid", fields={unknown[0]: "unknown"})
         if not body.is_valid():
             field, problems = next(iter(body.errors.items()))
-            raise BadRequest(f"{field}: {problems[0]}", code="invalid_field", fields={field: str(problems[0])})
+            raise BadRequest(f"{field}: {problems[0]}", code="invalid", fields={field: str(problems[0])})
         mount, inside = self.locate(agent, memory_path, create=True)
         content = body.validated_data["content"]
         try:
