@@ -261,3 +261,20 @@ def test_two_concurrent_heartbeats_sharing_a_store_lose_no_write(postgres_only, 
     assert log.version == 3
     assert {v.run_id for v in log.versions.filter(number__gt=1)} == {r.id for r in runs.values()}
     assert HeartbeatRun.objects.filter(status=RunStatus.SUCCEEDED).count() == 2
+
+
+def test_the_run_api_reports_the_tool_loop(company, fake_anthropic, client):
+    agent = memory_agent(company)
+    plain = beat(agent, "say hello")
+    run = beat(agent, FACT)
+    base = f"/api/companies/{company.id}/agents/{agent.id}/runs"
+    assert client.get(f"{base}/{plain.id}").json()["tool_loop"] is None
+    detail = client.get(f"{base}/{run.id}").json()
+    assert detail["tool_loop"] == {
+        "rounds": 1,
+        "tool_calls": 1,
+        "tool_errors": 0,
+        "cleared_tool_uses": 0,
+        "cleared_input_tokens": 0,
+    }
+    assert [r["tool_loop"] is not None for r in client.get(base).json()["runs"]] == [True, False]

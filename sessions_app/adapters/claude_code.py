@@ -114,8 +114,9 @@ def beta_features(request: AdapterRequest) -> tuple[list[str], list[dict]]:
     results. None of them: the plain Messages API."""
     betas: list[str] = []
     edits: list[dict] = []
-    clearing = clear_tool_uses_edit(request.config)
-    if request.tools or clearing:
+    # Only requests that offer tools clear tool uses: a summary or handoff request has none.
+    clearing = clear_tool_uses_edit(request.config) if request.tools else None
+    if request.tools:
         betas.append(CONTEXT_MANAGEMENT_BETA)
     if clearing:
         edits.append(clearing)
