@@ -186,9 +186,10 @@ else:
 # A run's deadline moves before each of its requests to that request's own limit
 # (heartbeat.run_deadline): at most 3600 s on each of 11 attempts with a 60 s wait between
 # them (validation's bounds), plus PAPERCLIP_RUN_TIMEOUT_SECONDS. A run makes at most a
-# handoff note, 3 summaries, the answer and the token counts that size them: under 32.
+# handoff note, 3 summaries, the answer and the token counts that size them: under 32; a
+# tool loop adds up to 50 more answers (max_tool_rounds), each with its token count.
 LONGEST_CALL_SECONDS = 3600 * 11 + 60 * 10
-LONGEST_RUN_SECONDS = 32 * (LONGEST_CALL_SECONDS + PAPERCLIP_RUN_TIMEOUT_SECONDS)
+LONGEST_RUN_SECONDS = (32 + 2 * 50) * (LONGEST_CALL_SECONDS + PAPERCLIP_RUN_TIMEOUT_SECONDS)
 Q_CLUSTER = {
     "name": "paperclip",
     "workers": env_int("PAPERCLIP_Q_WORKERS", 2, minimum=1),
