@@ -44,10 +44,11 @@ def validate_tool_config(config: dict, errors: dict[str, str]) -> dict:
         elif not isinstance(memory, bool):
             errors["memory"] = f"must be true, false or a list of store names, got {memory!r}"
         clean["memory"] = memory
-    rounds = config.get("max_tool_rounds", DEFAULT_MAX_TOOL_ROUNDS)
-    if not _whole(rounds) or not 0 <= rounds <= MAX_TOOL_ROUNDS:
-        errors["max_tool_rounds"] = f"must be a whole number in 0..{MAX_TOOL_ROUNDS}, got {rounds!r}"
-    clean["max_tool_rounds"] = rounds
+    if "max_tool_rounds" in config:  # unset: DEFAULT_MAX_TOOL_ROUNDS, without filling every agent's config
+        rounds = config["max_tool_rounds"]
+        if not _whole(rounds) or not 0 <= rounds <= MAX_TOOL_ROUNDS:
+            errors["max_tool_rounds"] = f"must be a whole number in 0..{MAX_TOOL_ROUNDS}, got {rounds!r}"
+        clean["max_tool_rounds"] = rounds
     if "clear_tool_uses" in config:
         clean["clear_tool_uses"] = _clear_tool_uses(config["clear_tool_uses"], errors)
     return clean
