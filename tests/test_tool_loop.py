@@ -278,3 +278,26 @@ def test_the_run_api_reports_the_tool_loop(company, fake_anthropic, client):
         "cleared_input_tokens": 0,
     }
     assert [r["tool_loop"] is not None for r in client.get(base).json()["runs"]] == [True, False]
+
+
+def test_a_round_of_a_live_session_is_billed_to_it_at_once(company, fake_anthropic):
+    agent = memory_agent(company, session_mode="persistent")
+    beat(agent, "hello")
+    session = AgentSession.objects.get(agent=agent)
+    fake_anthropic.push(
+        Reply.tool_use({"command": "create", "path": "/memories/a.md", "file_text": "a"}),
+        Reply.error(400, "refused"),
+    )
+    run = beat(agent, "write then fail")
+    assert run.error_code == "model_bad_request"
+    # The round's row was written when its call returned, naming the session it ran in.
+    row = CostEvent.objects.get(run=run)
+    assert (row.call_number, row.session_id) == (1, session.id)
+
+
+def test_memory_is_a_claude_code_setting_only():
+    from sessions_app.adapters import AgentConfigError, validate_agent_config
+
+    with pytest.raises(AgentConfigError) as refused:
+        validate_agent_config("process", {"command": ["true"], "memory": True})
+    assert "adapter_config.memory" in refused.value.fields
