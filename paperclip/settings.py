@@ -67,6 +67,11 @@ PAPERCLIP_MAX_QUEUED_RUNS = env_int("PAPERCLIP_MAX_QUEUED_RUNS", 100, minimum=1)
 # Runs in progress across the whole deployment (every host; the database decides); 0 = no cap.
 # The rest wait queued and start oldest first as runs finish.
 PAPERCLIP_MAX_CONCURRENT_RUNS = env_int("PAPERCLIP_MAX_CONCURRENT_RUNS", 0, minimum=0)
+# Agent memory (README, "Memory"): UTF-8 bytes one file and one store may hold, checked on
+# every write, and the versions kept per file (older ones are pruned as new ones are written).
+PAPERCLIP_MEMORY_MAX_FILE_BYTES = env_int("PAPERCLIP_MEMORY_MAX_FILE_BYTES", 64 * 1024, minimum=1)
+PAPERCLIP_MEMORY_MAX_STORE_BYTES = env_int("PAPERCLIP_MEMORY_MAX_STORE_BYTES", 1024 * 1024, minimum=1)
+PAPERCLIP_MEMORY_VERSIONS_KEPT = env_int("PAPERCLIP_MEMORY_VERSIONS_KEPT", 50, minimum=1)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
 DEBUG = env_bool("DJANGO_DEBUG", False)
@@ -90,6 +95,7 @@ INSTALLED_APPS = [
     "django_q",
     "sessions_app",
     "costs_app",
+    "memory_app",
 ]
 
 MIDDLEWARE = [
@@ -188,9 +194,10 @@ else:
 # A run's deadline moves before each of its requests to that request's own limit
 # (heartbeat.run_deadline): at most 3600 s on each of 11 attempts with a 60 s wait between
 # them (validation's bounds), plus PAPERCLIP_RUN_TIMEOUT_SECONDS. A run makes at most a
-# handoff note, 3 summaries, the answer and the token counts that size them: under 32.
+# handoff note, 3 summaries, the answer and the token counts that size them: under 32; a
+# tool loop adds up to 50 more answers (max_tool_rounds), each with its token count.
 LONGEST_CALL_SECONDS = 3600 * 11 + 60 * 10
-LONGEST_RUN_SECONDS = 32 * (LONGEST_CALL_SECONDS + PAPERCLIP_RUN_TIMEOUT_SECONDS)
+LONGEST_RUN_SECONDS = (32 + 2 * 50) * (LONGEST_CALL_SECONDS + PAPERCLIP_RUN_TIMEOUT_SECONDS)
 Q_CLUSTER = {
     "name": "paperclip",
     "workers": env_int("PAPERCLIP_Q_WORKERS", 2, minimum=1),

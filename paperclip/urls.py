@@ -7,6 +7,7 @@ urlpatterns = [
     path("api/health", health, name="health"),
     path("api/", include("sessions_app.urls")),
     path("api/", include("costs_app.urls")),
+    path("api/", include("memory_app.urls")),
     path("admin/", admin.site.urls),
 ]
 

@@ -74,6 +74,7 @@ from sessions_app.plan import Plan, idle_pause, plan_session
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import NOTHING_STAGED, StagedHistory, configured_store_name, store_for
 from sessions_app.text import is_storable, storable
+from sessions_app.tool_loop import call_with_tools, loop_cost
 
 logger = logging.getLogger(__name__)
 HOSTNAME = socket.gethostname()
@@ -502,7 +503,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
         user_content = user_turn_content(run.task, plan.manifest)
         plan, request = _fit(beat, plan, user_content, reserve=reserve)  # 4
         reserve(request)  # 5
-        reply = _call(beat, request)  # 6
+        reply = _call(beat, plan, request, reserve=reserve)  # 6
     except Exception as exc:
         _record_discarded_handoff(run, agent=beat.agent, plan=plan, finished=clock())
         for billed in getattr(exc, "billed", ()):  # a runtime stopped at a cap was still billed
@@ -579,9 +580,11 @@ def _fit(beat: ClaimedRun, plan: Plan, user_content, *, reserve: Reservation) ->
     return plan, replace(request, metadata={"run_id": str(beat.run.id), "agent_id": str(beat.agent.id)})
 
 
-def _call(beat: ClaimedRun, request: AdapterRequest) -> AdapterReply:
-    """6. call: the model, outside any transaction (an `AdapterError` when it fails)."""
-    return beat.adapter.call(request)
+def _call(beat: ClaimedRun, plan: Plan, request: AdapterRequest, *, reserve: Reservation) -> AdapterReply:
+    """6. call: the model, outside any transaction (an `AdapterError` when it fails); with
+    tools, until its final answer, each call reserved and billed (`sessions_app.tool_loop`)."""
+    session_id = plan.session.pk if plan.session is not None and not plan.new_session else None
+    return call_with_tools(beat, request, session_id=session_id, reserve=reserve)
 
 
 def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
@@ -733,7 +736,9 @@ def reserve_budget(
             HeartbeatRun.objects.filter(id=run.id).update(warning=warning[:2000])
         return
     max_output = request.max_tokens or int(agent.adapter_config.get("max_tokens") or 4096)
-    size = input_tokens_bound({"system": request.system_blocks or request.system, "messages": request.messages})
+    size = input_tokens_bound(
+        {"system": request.system_blocks or request.system, "messages": request.messages, "tools": request.tools}
+    )
     cost = call_cost_bound(
         model=request.model,
         max_output_tokens=max_output,
@@ -796,7 +801,7 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
         # Durable: its end is the COMMIT, and the history is published only after it.
         with transaction.atomic(durable=True):
             session = _session_for_answer(agent=agent, run=run, plan=plan, now=now)
-            cost = _answer_cost(beat, session, reply, at=finished)
+            cost = loop_cost(reply, _answer_cost(beat, session, reply, at=finished))
             if reply.on_commit is not None:  # a runtime's own session state (Claude Code's transcript)
                 runtime_staged = reply.on_commit(session, cost) or NOTHING_STAGED
             if session is not None:
@@ -813,6 +818,7 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
                     input_tokens=counts.total_input_tokens if counts is not None else None,
                     output_tokens=counts.output_tokens if counts is not None else None,
                     cost_usd=cost,
+                    new_messages=2 + len(reply.exchanges),
                 )
             outcome = _run_outcome(session, reply, counts, cost, finished=finished)
             if not HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(**outcome):
@@ -890,12 +896,13 @@ def _stage_turns(
             "run_id": str(run.id),
             "seq": session.next_seq,
         },
+        *[{**turn, "seq": session.next_seq + 1 + index} for index, turn in enumerate(reply.exchanges)],
         {
             "role": "assistant",
             "content": reply.content,
             "at": finished.isoformat(),
             "run_id": str(run.id),
-            "seq": session.next_seq + 1,
+            "seq": session.next_seq + 1 + len(reply.exchanges),
             "message_id": reply.message_id,
             "usage": counts.__dict__ if counts else None,
             "cost_usd": str(cost) if cost is not None else None,

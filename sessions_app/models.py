@@ -266,13 +266,15 @@ class AgentSession(models.Model):
         input_tokens: int | None,
         output_tokens: int | None,
         cost_usd: Decimal | None,
+        new_messages: int = 2,
     ) -> None:
-        """A heartbeat's answer, committed to this session and saved: two more messages, the
+        """A heartbeat's answer, committed to this session and saved: `new_messages` more
+        messages (the task and the answer, and the tool loop's turns between them), the
         clocks restarted from the end of the run (`finished`), the run's active time, tokens
         and cost added. Called inside the heartbeat's commit, with the row locked and its
         new history staged (`sessions_app.stores`)."""
         self.message_count = message_count
-        self.next_seq += 2
+        self.next_seq += new_messages
         self.turn_count += 1
         self.manifest = manifest
         self.last_used = finished

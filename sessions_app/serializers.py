@@ -257,6 +257,14 @@ class UsageSerializer(serializers.Serializer):
     cache_read_input_tokens = serializers.IntegerField(allow_null=True)
 
 
+class ToolLoopSerializer(serializers.Serializer):
+    rounds = serializers.IntegerField(help_text="Rounds of tool calls carried out (at most max_tool_rounds).")
+    tool_calls = serializers.IntegerField()
+    tool_errors = serializers.IntegerField(help_text="Tool calls answered with an error result.")
+    cleared_tool_uses = serializers.IntegerField(help_text="Tool uses cleared by clear_tool_uses.")
+    cleared_input_tokens = serializers.IntegerField(help_text="Input tokens cleared by clear_tool_uses.")
+
+
 class RunSerializer(serializers.ModelSerializer):
     status = serializers.ChoiceField(choices=RunStatus.choices)
     session_id = serializers.SerializerMethodField(help_text="`sess_` + 32 hex digits; null for stateless runs.")
@@ -270,6 +278,9 @@ class RunSerializer(serializers.ModelSerializer):
         allow_null=True,
         help_text='Claude Code (`runtime: "cli"`): its session id, turns, tool calls, and its own cost figure '
         "beside the ledger's; null for a Messages API call.",
+    )
+    tool_loop = serializers.SerializerMethodField(
+        help_text="What the run's tool loop did (memory tool rounds, context editing); null when nothing."
     )
 
     class Meta:
@@ -297,6 +308,7 @@ class RunSerializer(serializers.ModelSerializer):
             "stop_reason",
             "merged_ticks",
             "runtime_report",
+            "tool_loop",
         ]
         read_only_fields = fields
 
@@ -320,6 +332,13 @@ class RunSerializer(serializers.ModelSerializer):
 
     def get_warning(self, run: HeartbeatRun) -> str | None:
         return run.warning or None
+
+    @extend_schema_field(ToolLoopSerializer(allow_null=True))
+    def get_tool_loop(self, run: HeartbeatRun) -> dict | None:
+        loop = getattr(run, "tool_loop", None)  # a missing row is an AttributeError: None
+        if loop is None:
+            return None
+        return ToolLoopSerializer(loop).data
 
 
 class RunListSerializer(serializers.Serializer):

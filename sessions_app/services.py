@@ -13,6 +13,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from costs_app.budgets import budgets_crossed, budgets_releasable
+from memory_app.stores import agent_memory_delete
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -141,14 +142,16 @@ def budget_changed_release(sender, *, company_id, now: datetime, **kwargs) -> No
 
 def agent_delete(*, agent: Agent, now: datetime) -> None:
     """Retire an agent: it disappears from the API, its sessions and their histories are
-    deleted, queued runs are failed, and its schedule is removed. The agent row, its runs
-    and its cost events stay: they are the record of what was done and spent."""
+    deleted, so is its memory (memory_app), queued runs are failed, and its schedule is
+    removed. The agent row, its runs and its cost events stay: they are the record of what
+    was done and spent."""
     with transaction.atomic():
         Agent.objects.filter(pk=agent.pk).update(status=AgentStatus.DELETED, deleted_at=now, paused_reason="")
         HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).update(
             status=RunStatus.FAILED, error_code="agent_deleted", error="The agent was deleted.", finished_at=now
         )
         sessions_delete(sessions=AgentSession.objects.filter(agent=agent), now=now)
+        agent_memory_delete(agent_ids=[agent.pk])
     agent.refresh_from_db(fields=["status", "deleted_at", "paused_reason"])
     agent_schedule_sync(agent=agent)
 

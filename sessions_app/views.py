@@ -250,7 +250,7 @@ class RunListView(ApiView):
         agent = self.get_agent(company_id, agent_id)
         limit = parse_limit(request.query_params.get("limit"))
         wanted = self.query_choice("status", RunStatus.values)
-        runs = HeartbeatRun.objects.filter(agent=agent)
+        runs = HeartbeatRun.objects.filter(agent=agent).select_related("tool_loop")
         if wanted:
             runs = runs.filter(status=wanted)
         rows, cursor = RUN_ORDER.page(runs, limit=limit, cursor=request.query_params.get("next"))
@@ -261,7 +261,7 @@ class RunDetailView(ApiView):
     @extend_schema(operation_id="run_retrieve", responses={200: RunSerializer, **error_responses()})
     def get(self, request, company_id: UUID, agent_id: UUID, run_id: UUID):
         agent = self.get_agent(company_id, agent_id)
-        run = HeartbeatRun.objects.filter(pk=run_id, agent=agent).first()
+        run = HeartbeatRun.objects.filter(pk=run_id, agent=agent).select_related("tool_loop").first()
         if run is None:
             raise NotFound("No such run.")
         return Response(RunSerializer(run).data)

@@ -12,7 +12,19 @@ Scripted reply kinds:
 - Reply.reset(): headers, half a body, then the connection is dropped;
 - Reply.message(text=..., usage=..., content=..., message_id=...): a chosen answer;
 - Reply.no_usage(): an answer without a `usage` object;
-- Reply.during(action): the default answer, with `action` as its `before`.
+- Reply.during(action): the default answer, with `action` as its `before`;
+- Reply.tool_use(name, input, text=None): an answer that calls one tool; Reply.tool_calls(*inputs,
+  name="memory"): an answer asking for calls of one tool (stop_reason
+  tool_use), one tool_use block per input.
+
+Tools: a request offering the memory tool (`memory_20250818`) gets scripted tool calls by
+default, so that the engine's tool loop runs for real: a task saying "remember" is answered
+with a `create` of /memories/facts/<digest>.md holding the task; a task saying "recall" with
+a `view` of /memories/facts, then a `view` of every file the listing shows; a request ending
+in tool results is answered with text. Tool definitions count as input tokens. The
+`clear_tool_uses_20250919` edit clears the oldest tool results past its trigger and reports
+it in `context_management`, as the API does. As the API does, it refuses (400) a tool_use
+not answered by a tool_result in the next message.
 
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
 arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
@@ -146,6 +158,15 @@ class Reply:
         content = ([{"type": "text", "text": text}] if text else []) + [block]
         return cls(kind="message", content=content, **kwargs)
 
+    @classmethod
+    def tool_calls(cls, *inputs: dict, name: str = "memory", **kwargs) -> Reply:
+        """An answer of one or more calls of the same tool (the memory tool by default)."""
+        blocks = [
+            {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:20]}", "name": name, "input": tool_input}
+            for tool_input in inputs
+        ]
+        return cls(kind="message", content=blocks, extra={"stop_reason": "tool_use"}, **kwargs)
+
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -172,6 +193,9 @@ class FakeAnthropic:
         # Prompt cache: hashes of request prefixes written at cache_control breakpoints.
         self.cache: set[str] = set()
         self.answer_padding = ""
+        # As a model following the memory tool's own advice would: view /memories/facts at
+        # the start of every task, not only when it says "recall" (benchmarks' worst case).
+        self.memory_view_always = False
         self.action_errors: list[BaseException] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
@@ -218,6 +242,8 @@ class FakeAnthropic:
         segments = ([system] if system else []) + messages
         sizes = [self.tokens(strip_markers(segment)) for segment in segments]
         total = self.tokens({"system": system, "messages": messages})
+        if body.get("tools"):
+            total += self.tokens(body["tools"])
         breakpoints = [i for i, segment in enumerate(segments) if has_marker(segment)]
         read = 0
         written_by_ttl = {"5m": 0, "1h": 0}
@@ -283,6 +309,12 @@ class FakeAnthropic:
         if reply.text is None and self.answer_padding:
             text += " " + self.answer_padding
         compaction = self.server_compaction(body) if reply.kind == "default" else None
+        cleared = clear_tool_uses(body, self.tokens)
+        scripted = (
+            memory_tool_calls(body, view_always=self.memory_view_always)
+            if reply.kind == "default" and compaction is None
+            else None
+        )
         message = {
             "id": reply.message_id or f"msg_{self.id_prefix}_{number:06d}",
             "type": "message",
@@ -297,8 +329,15 @@ class FakeAnthropic:
             blocks, usage = compaction
             message["content"] = blocks + message["content"]
             message["usage"] = usage
+        if scripted:
+            message["content"], message["stop_reason"] = scripted, "tool_use"
         if any(block.get("type") == "tool_use" for block in message["content"]):
             message["stop_reason"] = "tool_use"
+        if cleared is not None:
+            message["context_management"] = {"applied_edits": [cleared]}
+            if reply.usage is None and compaction is None:
+                usage = message["usage"]
+                usage["input_tokens"] = max(usage["input_tokens"] - cleared["cleared_input_tokens"], 1)
         if reply.kind == "no_usage":
             message.pop("usage")
         message.update(reply.extra)
@@ -484,10 +523,93 @@ def serve_forever() -> None:
         fake.server.server_close()
 
 
+def memory_tool_calls(body: dict, *, view_always: bool = False) -> list[dict] | None:
+    """The tool_use blocks the fake model asks for, when offered the memory tool (module doc)."""
+    if not any(tool.get("type") == "memory_20250818" for tool in body.get("tools") or []):
+        return None
+    messages = body.get("messages") or []
+    last = messages[-1] if messages else {}
+    content = last.get("content")
+    results = [b for b in content if b.get("type") == "tool_result"] if isinstance(content, list) else []
+    if results:
+        # After a listing of /memories/facts, read every file in it; otherwise answer.
+        listing = next((r for r in results if "Here're the files" in str(r.get("content"))), None)
+        if listing is None or listing.get("is_error"):
+            return None
+        paths = [line.split("\t", 1)[1] for line in str(listing["content"]).splitlines()[1:] if "\t" in line]
+        files = [path for path in paths if not path.endswith("/")]
+        return [tool_block({"command": "view", "path": path}) for path in files] or None
+    task = last_user_text(messages)
+    lowered = task.lower()
+    if "remember" in lowered:
+        digest = hashlib.sha256(task.encode()).hexdigest()[:12]
+        return [tool_block({"command": "create", "path": f"/memories/facts/{digest}.md", "file_text": task})]
+    if "recall" in lowered or view_always:
+        return [tool_block({"command": "view", "path": "/memories/facts"})]
+    return None
+
+
+def tool_block(tool_input: dict, name: str = "memory") -> dict:
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:20]}", "name": name, "input": tool_input}
+
+
+def clear_tool_uses(body: dict, tokens) -> dict | None:
+    """The `clear_tool_uses_20250919` edit: past its trigger, the results of all but the
+    newest `keep` tool uses are cleared; what it cleared, as the API reports it."""
+    edits = (body.get("context_management") or {}).get("edits") or []
+    edit = next((e for e in edits if e.get("type") == "clear_tool_uses_20250919"), None)
+    if edit is None:
+        return None
+    messages = body.get("messages", [])
+    trigger = (edit.get("trigger") or {}).get("value") or 100_000
+    if tokens({"system": body.get("system"), "messages": messages}) < trigger:
+        return None
+    keep = (edit.get("keep") or {}).get("value", 3)
+    results = [
+        block
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for block in message["content"]
+        if block.get("type") == "tool_result"
+    ]
+    cleared = results[: max(len(results) - keep, 0)]
+    return {
+        "type": "clear_tool_uses_20250919",
+        "cleared_tool_uses": len(cleared),
+        "cleared_input_tokens": sum(tokens(block.get("content")) for block in cleared),
+    }
+
+
+def tool_pairing_error(messages: list) -> str | None:
+    """Every tool_use must be answered by a tool_result in the next (user) message."""
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if message.get("role") != "assistant" or not isinstance(content, list):
+            continue
+        ids = {b.get("id") for b in content if isinstance(b, dict) and b.get("type") == "tool_use"}
+        if not ids:
+            continue
+        following = messages[index + 1] if index + 1 < len(messages) else None
+        answered = following.get("content") if following else None
+        answered_ids = (
+            {b.get("tool_use_id") for b in answered if isinstance(b, dict) and b.get("type") == "tool_result"}
+            if isinstance(answered, list)
+            else set()
+        )
+        if not ids <= answered_ids:
+            return (
+                f"messages.{index + 1}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                + ", ".join(sorted(ids - answered_ids))
+            )
+    return None
+
+
 def content_error(messages) -> str | None:
     """The real API's content rules, with its messages: what it refuses with a 400."""
     if not isinstance(messages, list) or not messages:
         return "messages: at least one message is required"
+    if problem := tool_pairing_error(messages):
+        return problem
     for index, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         final_assistant = index == len(messages) - 1 and message.get("role") == "assistant"

@@ -220,7 +220,7 @@ def test_every_declared_index_and_constraint_exists():
 def test_the_sql_in_docs_data_model_runs_verbatim(persistent_agent):
     text = (settings.BASE_DIR / "docs" / "data-model.md").read_text()
     blocks = re.findall(r"```sql\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     names = {
         "the-agent-id": persistent_agent.id,
         "your-agent-id": persistent_agent.id,

@@ -47,6 +47,7 @@ class AdapterRequest:
     max_tokens: int | None = None  # overrides the agent's max_tokens (summaries)
     # For a runtime that keeps its own session: the live session it resumes (None: a new one).
     resume_session: Any = None
+    tools: list | None = None  # tool definitions the model may call (the tool loop)
 
 
 @dataclass
@@ -72,6 +73,12 @@ class AdapterReply:
     # Called in the commit transaction with the session the answer goes to (None when
     # stateless); may return a staged write (publish/discard) that goes with the commit.
     on_commit: Any = None
+    # What context editing cleared from the request (the API's `context_management`).
+    context_management: dict | None = None
+    # The tool loop's turns before this answer (assistant tool_use, user tool_result, ...),
+    # recorded with it in the session's history, and its rounds.
+    exchanges: list = field(default_factory=list)
+    tool_rounds: int = 0
 
     @property
     def priced_model(self) -> str:

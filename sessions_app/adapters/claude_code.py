@@ -23,6 +23,12 @@ from sessions_app.adapters.base import (
 )
 from sessions_app.adapters.claude_cli import RUNTIME as CLI_RUNTIME
 from sessions_app.adapters.claude_cli import ClaudeCliAdapter
+from sessions_app.adapters.tool_config import (
+    CONTEXT_MANAGEMENT_BETA,
+    TOOL_CONFIG_KEYS,
+    clear_tool_uses_edit,
+    validate_tool_config,
+)
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 DEFAULT_MAX_TOKENS = 4096
@@ -107,6 +113,32 @@ def compaction_edit(config: dict) -> dict:
 CLI_ADAPTER = ClaudeCliAdapter()
 
 
+def beta_features(request: AdapterRequest) -> tuple[list[str], list[dict]]:
+    """The beta headers and context edits a request needs: server compaction, the tools of
+    the tool loop (the memory tool is a context-management beta) and clearing old tool
+    results. None of them: the plain Messages API."""
+    betas: list[str] = []
+    edits: list[dict] = []
+    # Only requests that offer tools clear tool uses: a summary or handoff request has none.
+    clearing = clear_tool_uses_edit(request.config) if request.tools else None
+    if request.tools:
+        betas.append(CONTEXT_MANAGEMENT_BETA)
+    if clearing:
+        edits.append(clearing)
+    if request.config.get("context_strategy") == "server":
+        betas.append(COMPACTION_BETA)
+        edits.append(compaction_edit(request.config))
+    return betas, edits
+
+
+def context_management_of(message) -> dict | None:
+    """What context editing did to the request (`applied_edits`), as the API reported it."""
+    found = getattr(message, "context_management", None)
+    if found is None:
+        return None
+    return found.model_dump(mode="json", exclude_none=True) if hasattr(found, "model_dump") else dict(found)
+
+
 class ClaudeCodeAdapter:
     type_name = "claude-code"
     keeps_own_session = False  # the engine replays the session's history with every request
@@ -120,7 +152,7 @@ class ClaudeCodeAdapter:
         "prompt_caching",
         "cache_ttl",
         "compaction_trigger_tokens",
-    }
+    } | TOOL_CONFIG_KEYS
 
     def for_config(self, config: dict):
         """`runtime: "cli"` is Claude Code itself (`claude_cli`); the default, `"api"`, this
@@ -164,6 +196,7 @@ class ClaudeCodeAdapter:
             if trigger is not None and (not is_int(trigger) or not 50_000 <= trigger <= 2_000_000):
                 errors["compaction_trigger_tokens"] = f"must be a whole number of at least 50000, got {trigger!r}"
             clean["compaction_trigger_tokens"] = trigger
+        clean.update(validate_tool_config(config, errors))
         return clean
 
     def call_seconds(self, config: dict) -> float:
@@ -187,13 +220,14 @@ class ClaudeCodeAdapter:
             kwargs["max_tokens"] = request.max_tokens
         if extra_body:
             kwargs["extra_body"] = extra_body
+        betas, edits = beta_features(request)
         try:
-            if request.config.get("context_strategy") == "server":
-                message = client.beta.messages.create(
-                    **kwargs,
-                    betas=[COMPACTION_BETA],
-                    context_management={"edits": [compaction_edit(request.config)]},
-                )
+            if betas:
+                if request.tools:
+                    kwargs["tools"] = request.tools
+                if edits:
+                    kwargs["context_management"] = {"edits": edits}
+                message = client.beta.messages.create(**kwargs, betas=betas)
             else:
                 message = client.messages.create(**kwargs)
         except anthropic.AnthropicError as exc:
@@ -217,6 +251,7 @@ class ClaudeCodeAdapter:
             message_id=message.id or "",
             stop_reason=message.stop_reason or "",
             usage=usage,
+            context_management=context_management_of(message),
         )
 
     def count_tokens(self, request: AdapterRequest) -> int:
@@ -226,6 +261,12 @@ class ClaudeCodeAdapter:
         if request.system_blocks or request.system:
             kwargs["system"] = request.system_blocks or request.system
         try:
+            if request.tools:
+                # The tools' definitions (and the memory tool's own instructions) are input too.
+                counted = client.beta.messages.count_tokens(
+                    **kwargs, tools=request.tools, betas=[CONTEXT_MANAGEMENT_BETA]
+                )
+                return counted.input_tokens
             return client.messages.count_tokens(**kwargs).input_tokens
         except anthropic.AnthropicError as exc:
             raise error_from_sdk(exc) from None

@@ -23,6 +23,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from costs_app.models import CostEvent
+from memory_app.admin import agent_memory_link
 from sessions_app import services
 from sessions_app.adapters.claude_cli import workspace_listing
 from sessions_app.admin.common import (
@@ -168,11 +169,25 @@ class AgentAdmin(admin.ModelAdmin):
         if obj is None:
             return fields
         workspace = ["workspace_files"] if obj.runs_claude_code_cli else []
-        return ["id", *fields, "next_wakes", *workspace, "status", "paused_reason", "created_at", "updated_at"]
+        return [
+            "id",
+            *fields,
+            "next_wakes",
+            "memory",
+            *workspace,
+            "status",
+            "paused_reason",
+            "created_at",
+            "updated_at",
+        ]
 
     def get_readonly_fields(self, request, obj=None):
         # Only the change page shows wake times: one schedule lookup for one agent.
-        return [*self.readonly_fields, "next_wakes", "workspace_files"] if obj is not None else self.readonly_fields
+        return (
+            [*self.readonly_fields, "next_wakes", "memory", "workspace_files"]
+            if obj is not None
+            else self.readonly_fields
+        )
 
     @admin.display(description="workspace files")
     def workspace_files(self, obj: Agent) -> str:
@@ -193,6 +208,10 @@ class AgentAdmin(admin.ModelAdmin):
             more,
             rows,
         )
+
+    @admin.display(description="memory")
+    def memory(self, obj: Agent):
+        return agent_memory_link(obj)
 
     @admin.display(description="next wakes")
     def next_wakes(self, obj: Agent) -> str:

@@ -78,6 +78,20 @@ def file_session(persistent_agent):
     return make_session(persistent_agent, history=conversation(4), store=HistoryStore.FILE)
 
 
+def memory_write_demo(agent, reader, *, run) -> None:
+    """A memory store with a file written by a run, and a read-only share of it."""
+    from memory_app.models import MemoryStoreShare
+    from memory_app.stores import Writer, mounts_for
+    from memory_app.tool import StoreMemoryTool
+
+    agent.adapter_config = {**agent.adapter_config, "memory": True}
+    agent.save()
+    StoreMemoryTool(mounts_for(agent), writer=Writer(run_id=run.id)).call(
+        {"command": "create", "path": "/memories/notes.md", "file_text": "The launch is on Friday."}
+    )
+    MemoryStoreShare.objects.create(store=mounts_for(agent)[0].store, agent=reader, access="read")
+
+
 @pytest.fixture
 def full_house(db, company, persistent_agent, stateless_agent, other_agent):
     """One of everything every admin page lists."""
@@ -105,4 +119,5 @@ def full_house(db, company, persistent_agent, stateless_agent, other_agent):
         id=uuid.uuid4().hex, name="bad-task", func="math.floor", started=now, stopped=now, success=False, result="boom"
     )
     OrmQ.objects.create(key="paperclip", payload=SignedPackage.dumps(task), lock=now)
+    memory_write_demo(persistent_agent, stateless_agent, run=run)
     return {"session": session, "db_session": db_session, "run": run, "key": key}

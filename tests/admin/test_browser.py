@@ -230,3 +230,52 @@ def test_sessions_list_keeps_the_columns_an_operator_scans_inside_a_1366_pixel_s
             assert max(overflow) <= 0, (column, overflow)
     finally:
         connections.close_all()
+
+
+def test_operator_edits_and_reverts_an_agents_memory(live_server, browser_page, django_user_model, persistent_agent):
+    try:
+        memory_journey(live_server, browser_page, django_user_model, persistent_agent)
+    finally:
+        connections.close_all()
+
+
+def memory_journey(live_server, page, django_user_model, agent) -> None:
+    from memory_app.models import MemoryFile
+    from memory_app.stores import Writer, mounts_for
+    from memory_app.tool import StoreMemoryTool
+
+    django_user_model.objects.create_superuser("operator", "op@example.com", "correct horse battery")
+    agent.adapter_config = {**agent.adapter_config, "memory": True}
+    agent.save()
+    run = make_run(agent)
+    StoreMemoryTool(mounts_for(agent), writer=Writer(run_id=run.id)).call(
+        {"command": "create", "path": "/memories/customers.md", "file_text": "Acme pays on net 30.\n<b>bold?</b>"}
+    )
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/sessions_app/agent/{agent.pk}/change/")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", "correct horse battery")
+    page.click("input[type=submit]")
+
+    # From the agent to its memory files, then the one file.
+    page.click("a.memory-files")
+    page.click("a:text-is('customers.md')")
+    page.wait_for_selector("table.memory-versions")
+    assert f"run {run.id}" in page.locator("table.memory-versions").inner_text()
+
+    # An operator edit is a new version, shown as a diff against the run's.
+    page.fill("textarea[name=content]", "Acme pays on net 45.\n<b>bold?</b>")
+    page.click("input[name=_continue]")
+    page.wait_for_selector("ul.messagelist li.success")
+    versions = page.locator("table.memory-versions")
+    assert versions.locator("tbody tr").count() == 2
+    diff = versions.locator("pre.memory-diff").first.inner_text()
+    assert "-Acme pays on net 30." in diff and "+Acme pays on net 45." in diff
+    shot(page, "10-memory-file")
+
+    # Revert to the run's version: a third version, with the run's content.
+    versions.locator("button.memory-revert[value='1']").click()
+    page.wait_for_selector("text=Reverted customers.md to version 1")
+    assert page.locator("textarea[name=content]").input_value() == "Acme pays on net 30.\n<b>bold?</b>"
+    found = MemoryFile.objects.get(path="customers.md")
+    assert (found.version, found.content) == (3, "Acme pays on net 30.\n<b>bold?</b>")
+    shot(page, "11-memory-reverted")

@@ -102,6 +102,7 @@ def test_schemathesis_finds_no_server_errors_and_no_schema_violations(live_serve
         "agent_id": str(agent.id),
         "session_id": session.public_id,
         "run_id": str(run.id),
+        "memory_path": "notes/todo.md",
     }
     api_schema = schemathesis.openapi.from_url(f"{live_server.url}/api/schema/?format=json")
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

@@ -1,0 +1,345 @@
+"""Reading and writing memory: paths, mounts, limits and versions.
+
+Every write runs in one short transaction that locks its store's row first, so writes to
+a store happen one at a time on every host: a write reads the content it changes under
+the lock (a str_replace of one run and an insert of another both land), and the store's
+size limit is checked against a total no concurrent write can move. No lock is ever held
+across a model call: the tool loop calls these between calls.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from memory_app.models import (
+    DEFAULT_STORE,
+    MemoryAccess,
+    MemoryFile,
+    MemoryStore,
+    MemoryStoreShare,
+    MemoryVersion,
+    MemoryWriter,
+)
+from sessions_app.models import Agent
+from sessions_app.text import is_storable
+
+ROOT = "/memories"
+MAX_PATH_CHARS = 512
+
+
+class MemoryFault(Exception):
+    """A memory operation refused: `code` is stable (API errors), `message` is what the model
+    or the operator reads."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Writer:
+    """Who writes: a run's tool call, or an operator (admin or API)."""
+
+    run_id: object = None
+    operator: str = ""
+
+    @property
+    def kind(self) -> str:
+        return MemoryWriter.RUN if self.run_id else MemoryWriter.OPERATOR
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A store as an agent sees it: the agent's own default store at /memories, every
+    other store at /memories/<name>/."""
+
+    store: MemoryStore
+    prefix: str  # "" or "<name>/"
+    writable: bool
+    owned: bool
+
+
+# --- paths ------------------------------------------------------------------------------
+
+
+def clean_path(path: object, *, directory_ok: bool = True) -> str:
+    """The path relative to /memories ("" for /memories itself), or a `memory_path_invalid`
+    fault: the path must be /memories or below it, without `..`, `.`, empty segments, NUL
+    or other control characters."""
+    if not isinstance(path, str) or not is_storable(path):
+        raise MemoryFault("memory_path_invalid", "The path must be text without NUL characters.")
+    if any(ord(char) < 32 or char == "\\" for char in path):
+        raise MemoryFault("memory_path_invalid", f"The path {path!r} holds a control character or a backslash.")
+    if len(path) > MAX_PATH_CHARS:
+        raise MemoryFault("memory_path_invalid", f"The path is longer than {MAX_PATH_CHARS} characters.")
+    if path != ROOT and not path.startswith(ROOT + "/"):
+        raise MemoryFault("memory_path_invalid", f"Paths must start with {ROOT}, got: {path}")
+    relative = path[len(ROOT) :].strip("/")
+    if relative and path.rstrip("/") != posixpath.join(ROOT, relative):
+        raise MemoryFault("memory_path_invalid", f"The path {path} has empty segments.")
+    parts = relative.split("/") if relative else []
+    if any(part in ("", ".", "..") for part in parts):
+        raise MemoryFault("memory_path_invalid", f"The path {path} would escape {ROOT}: no '.' or '..' segments.")
+    if not directory_ok and not relative:
+        raise MemoryFault("memory_path_invalid", f"{ROOT} is a directory; name a file below it.")
+    return relative
+
+
+def shown(mount: Mount, relative: str) -> str:
+    return posixpath.join(ROOT, mount.prefix + relative) if mount.prefix or relative else ROOT
+
+
+# --- mounts -----------------------------------------------------------------------------
+
+
+def memory_store_names(agent: Agent) -> list[str]:
+    """The stores the agent's configuration names: `memory: true` is its default store;
+    a list names more stores (its own, or shared with it) beside the default."""
+    wanted = agent.adapter_config.get("memory")
+    if not wanted:
+        return []
+    names = [DEFAULT_STORE]
+    if isinstance(wanted, list):
+        names += [name for name in wanted if name != DEFAULT_STORE]
+    return names
+
+
+def store_own(agent: Agent, name: str = DEFAULT_STORE) -> MemoryStore:
+    """The agent's own store of that name, created on first use."""
+    store = MemoryStore.objects.filter(agent=agent, name=name).first()
+    if store is not None:
+        return store
+    try:
+        with transaction.atomic():
+            return MemoryStore.objects.create(agent=agent, company_id=agent.company_id, name=name)
+    except IntegrityError:  # a concurrent first use created it
+        return MemoryStore.objects.get(agent=agent, name=name)
+
+
+def mounts_for(agent: Agent, names: list[str] | None = None) -> list[Mount]:
+    """The agent's mounts, the default store first. A name that is neither the agent's own
+    store nor one shared with it becomes a new store of the agent's own."""
+    names = memory_store_names(agent) if names is None else names
+    if not names:
+        return []
+    own = {store.name: store for store in MemoryStore.objects.filter(agent=agent, name__in=names)}
+    shares = {
+        share.store.name: share
+        for share in MemoryStoreShare.objects.filter(
+            agent=agent, store__name__in=names, store__company_id=agent.company_id
+        ).select_related("store")
+    }
+    mounts = []
+    for name in names:
+        prefix = "" if name == DEFAULT_STORE else f"{name}/"
+        if name in own:
+            mounts.append(Mount(own[name], prefix, writable=True, owned=True))
+        elif name in shares:
+            share = shares[name]
+            mounts.append(Mount(share.store, prefix, writable=share.access == MemoryAccess.WRITE, owned=False))
+        else:
+            mounts.append(Mount(store_own(agent, name), prefix, writable=True, owned=True))
+    return mounts
+
+
+def resolve(mounts: list[Mount], relative: str) -> tuple[Mount, str]:
+    """The mount a path falls in, and the path inside its store."""
+    for mount in mounts[1:]:
+        name = mount.prefix.rstrip("/")
+        if relative == name or relative.startswith(mount.prefix):
+            return mount, relative[len(mount.prefix) :]
+    if not mounts:
+        raise MemoryFault("memory_not_configured", "This agent has no memory.")
+    return mounts[0], relative
+
+
+# --- reads ------------------------------------------------------------------------------
+
+
+def file_read(store: MemoryStore, path: str) -> MemoryFile:
+    found = MemoryFile.objects.filter(store=store, path=path, deleted=False).first()
+    if found is None:
+        raise MemoryFault("memory_not_found", f"The path {ROOT}/{path} does not exist.")
+    return found
+
+
+def files_under(store: MemoryStore, directory: str):
+    """Live files of the store at or below `directory` ("" for all), without content."""
+    files = MemoryFile.objects.filter(store=store, deleted=False).defer("content").order_by("path")
+    if directory:
+        files = files.filter(path__startswith=directory.rstrip("/") + "/")
+    return files
+
+
+# --- writes -----------------------------------------------------------------------------
+
+
+def utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_content(text: object, name: str = "content") -> str:
+    if not isinstance(text, str) or not is_storable(text):
+        raise MemoryFault("memory_content_invalid", f"{name} must be text without NUL characters.")
+    return text
+
+
+def file_write(
+    mount: Mount,
+    path: str,
+    change: Callable[[str | None], str | None],
+    *,
+    operation: str,
+    writer: Writer,
+    expected_version: int | None = None,
+) -> MemoryFile:
+    """Change one file in one short transaction: `change` gets the current content (None
+    when there is no such file) and returns the new one (None deletes the file), or raises
+    a `MemoryFault`. The write is a new version; limits are checked first.
+    `expected_version` (operators) refuses the write when the file moved on meanwhile."""
+    if not mount.writable:
+        raise MemoryFault("memory_read_only", f"The store {mount.store.name!r} is shared with this agent read-only.")
+    if not path:
+        raise MemoryFault("memory_path_invalid", f"{ROOT} is a directory; name a file below it.")
+    with transaction.atomic():
+        store = MemoryStore.objects.select_for_update().get(pk=mount.store.pk)
+        return _write_locked(store, path, change, operation=operation, writer=writer, expected=expected_version)
+
+
+def _write_locked(store, path, change, *, operation, writer, expected) -> MemoryFile:
+    found = MemoryFile.objects.filter(store=store, path=path).first()
+    current = None if found is None or found.deleted else found.content
+    if expected is not None and (found.version if found else 0) != expected:
+        raise MemoryFault(
+            "memory_version_conflict",
+            f"{ROOT}/{path} is at version {found.version if found else 0}, not {expected}: it changed meanwhile.",
+        )
+    new = change(current)
+    if new is None and current is None:
+        raise MemoryFault("memory_not_found", f"The path {ROOT}/{path} does not exist.")
+    if new is not None:
+        check_content(new)
+        if _prefix_clash(store, path):
+            raise MemoryFault("memory_path_invalid", f"{ROOT}/{path} is a directory or lies inside a file.")
+    size = utf8_size(new) if new is not None else 0
+    limits_check(store, path, size=size, old_size=found.size if found and not found.deleted else 0)
+    now = timezone.now()
+    if found is None:
+        found = MemoryFile(store=store, path=path)
+    found.content, found.size, found.deleted = new or "", size, new is None
+    found.version += 1
+    found.updated_at = now
+    found.save()
+    MemoryVersion.objects.create(
+        file=found,
+        number=found.version,
+        content=new,
+        operation=operation,
+        written_by=writer.kind,
+        run_id=writer.run_id,
+        operator=writer.operator[:150],
+        created_at=now,
+    )
+    kept = settings.PAPERCLIP_MEMORY_VERSIONS_KEPT
+    if found.version > kept:
+        MemoryVersion.objects.filter(file=found, number__lte=found.version - kept).delete()
+    store.bytes_used = store.bytes_used - _old_size(current) + size
+    MemoryStore.objects.filter(pk=store.pk).update(bytes_used=store.bytes_used)
+    return found
+
+
+def _old_size(current: str | None) -> int:
+    return utf8_size(current) if current is not None else 0
+
+
+def _prefix_clash(store: MemoryStore, path: str) -> bool:
+    """A file may not share its path with a directory (other files below it), nor sit below
+    another file."""
+    parents = [path.rsplit("/", depth)[0] for depth in range(1, path.count("/") + 1)]
+    below = MemoryFile.objects.filter(store=store, deleted=False, path__startswith=path + "/").exists()
+    return below or MemoryFile.objects.filter(store=store, deleted=False, path__in=parents).exists()
+
+
+def limits_check(store: MemoryStore, path: str, *, size: int, old_size: int) -> None:
+    file_limit = settings.PAPERCLIP_MEMORY_MAX_FILE_BYTES
+    if size > file_limit:
+        raise MemoryFault(
+            "memory_file_too_large",
+            f"{ROOT}/{path} would be {size} bytes; a memory file may hold at most {file_limit} bytes "
+            "(PAPERCLIP_MEMORY_MAX_FILE_BYTES). Write less, or split it.",
+        )
+    store_limit = settings.PAPERCLIP_MEMORY_MAX_STORE_BYTES
+    total = store.bytes_used - old_size + size
+    if size > old_size and total > store_limit:
+        raise MemoryFault(
+            "memory_store_full",
+            f"The store {store.name!r} would hold {total} bytes; its limit is {store_limit} bytes "
+            "(PAPERCLIP_MEMORY_MAX_STORE_BYTES). Delete or shorten files first.",
+        )
+
+
+def tree_delete(mount: Mount, path: str, *, writer: Writer) -> int:
+    """Delete a file, or every file below a directory; each deletion is a version."""
+    if not path:
+        raise MemoryFault("memory_path_invalid", f"Cannot delete the {ROOT} directory itself.")
+    paths = _paths_at(mount.store, path)
+    for each in paths:
+        file_write(mount, each, lambda current: None, operation="delete", writer=writer)
+    return len(paths)
+
+
+def tree_rename(mount: Mount, old: str, new: str, *, writer: Writer) -> int:
+    """Move a file, or a directory's files, within one store: the new path is created (a
+    version) before the old one is deleted (a version), in one transaction."""
+    if not mount.writable:
+        raise MemoryFault("memory_read_only", f"The store {mount.store.name!r} is shared with this agent read-only.")
+    if not old or not new:
+        raise MemoryFault("memory_path_invalid", f"Cannot rename the {ROOT} directory itself.")
+    if new == old or new.startswith(old + "/"):
+        raise MemoryFault("memory_path_invalid", "A path cannot be moved into itself.")
+    with transaction.atomic():
+        store = MemoryStore.objects.select_for_update().get(pk=mount.store.pk)
+        paths = _paths_at(store, old)
+        moves = [(each, new + each[len(old) :]) for each in paths]
+        taken = MemoryFile.objects.filter(store=store, deleted=False, path__in=[to for _, to in moves])
+        if taken.exists():
+            raise MemoryFault("memory_exists", f"{ROOT}/{taken.first().path} already exists.")
+        for source, target in moves:
+            content = MemoryFile.objects.get(store=store, path=source).content
+            _write_locked(store, source, lambda current: None, operation="rename", writer=writer, expected=None)
+            _write_locked(store, target, lambda current, c=content: c, operation="rename", writer=writer, expected=None)
+    return len(moves)
+
+
+def _paths_at(store: MemoryStore, path: str) -> list[str]:
+    """The live file at `path`, or the live files below it; a fault when there are none."""
+    if MemoryFile.objects.filter(store=store, path=path, deleted=False).exists():
+        return [path]
+    paths = list(files_under(store, path).values_list("path", flat=True))
+    if not paths:
+        raise MemoryFault("memory_not_found", f"The path {ROOT}/{path} does not exist.")
+    return paths
+
+
+def version_revert(mount: Mount, version: MemoryVersion, *, writer: Writer) -> MemoryFile:
+    """Write a version's content back as the file's newest version (a deletion version
+    reverts to no file)."""
+    path = version.file.path
+    content = version.content
+    return file_write(mount, path, lambda current: content, operation="revert", writer=writer)
+
+
+def agent_memory_delete(*, agent_ids) -> int:
+    """Delete the memory of agents that are being deleted: their stores, files and versions
+    (and shares of those stores with other agents). Returns how many stores went."""
+    agent_ids = list(agent_ids)
+    MemoryStoreShare.objects.filter(agent_id__in=agent_ids).delete()
+    _, deleted = MemoryStore.objects.filter(agent_id__in=agent_ids).delete()
+    return deleted.get("memory_app.MemoryStore", 0)

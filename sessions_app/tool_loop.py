@@ -1,0 +1,188 @@
+"""Step 6 with tools: call the model, carry out the tools it asks for, call again.
+
+An agent with `memory` configured gets the memory tool (`memory_app.tool`). While the
+model answers with tool_use blocks, each is carried out and answered with its tool_result,
+and the model is called again with both, until it answers without tools. Bounds:
+
+- `max_tool_rounds` (default 8): one round more fails the run `tool_rounds_exceeded`;
+- the budget: every call after the first is reserved like any other (`reserve`), and
+  every call is one ledger row, written as soon as it returns, so the next reservation
+  counts it as spent and a failure later in the loop never loses it.
+
+Nothing here holds a transaction across a call: each memory write commits on its own (a
+version), between calls. The turns of the loop are returned on the final reply
+(`exchanges`); the commit step records them in the session's history with the answer,
+each tool_use beside its tool_result, or, when the run fails, records nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from decimal import Decimal
+
+from costs_app.ledger import cost_event_record
+from costs_app.pricing import token_counts
+from memory_app.models import RunToolLoop
+from memory_app.stores import Writer, memory_store_names, mounts_for
+from memory_app.tool import StoreMemoryTool, tool_result
+from sessions_app.adapters import AdapterReply, AdapterRequest
+from sessions_app.adapters.tool_config import DEFAULT_MAX_TOOL_ROUNDS
+from sessions_app.context import cache_marker
+from sessions_app.errors import RunFailure
+
+
+def memory_tool_for(beat) -> StoreMemoryTool | None:
+    """The run's memory tool, or None when the agent has no memory configured (or its
+    runtime is not the API's)."""
+    agent = beat.agent
+    if agent.adapter_type != "claude-code" or not memory_store_names(agent):
+        return None
+    if agent.adapter_config.get("runtime", "api") != "api":
+        return None
+    return StoreMemoryTool(mounts_for(agent), writer=Writer(run_id=beat.run.id))
+
+
+def tool_uses(reply: AdapterReply) -> list[dict]:
+    content = reply.content if isinstance(reply.content, list) else []
+    return [block for block in content if isinstance(block, dict) and block.get("type") == "tool_use"]
+
+
+class ToolLoop:
+    """One run's loop: its calls, its rounds and what context editing cleared."""
+
+    def __init__(self, beat, *, session_id, reserve: Callable[[AdapterRequest], None]) -> None:
+        self.beat = beat
+        self.session_id = session_id
+        self.reserve = reserve
+        self.rounds = 0
+        self.tool_calls = 0
+        self.tool_errors = 0
+        self.cleared_tool_uses = 0
+        self.cleared_input_tokens = 0
+        self.exchanges: list[dict] = []
+
+    def run(self, request: AdapterRequest, tool: StoreMemoryTool) -> AdapterReply:
+        limit = int(self.beat.agent.adapter_config.get("max_tool_rounds", DEFAULT_MAX_TOOL_ROUNDS))
+        base = request.messages
+        request = replace(request, tools=[tool.to_dict()])
+        try:
+            while True:
+                reply = self.beat.adapter.call(request)
+                self.note_cleared(reply)
+                uses = tool_uses(reply)
+                if not uses:
+                    return replace(reply, exchanges=self.exchanges, tool_rounds=self.rounds)
+                cost = self._bill(reply)
+                if self.rounds >= limit:
+                    raise RunFailure(
+                        "tool_rounds_exceeded",
+                        f"The model asked for tools after {limit} rounds (max_tool_rounds); the run stops here. "
+                        "Memory written in earlier rounds is kept.",
+                    )
+                results = [self._carry_out(tool, block) for block in uses]
+                self.rounds += 1
+                self._record_exchange(reply, results, cost)
+                request = replace(request, messages=base + self._replayed())
+                self.reserve(request)
+        finally:
+            self.save()
+
+    def _carry_out(self, tool: StoreMemoryTool, block: dict) -> dict:
+        self.tool_calls += 1
+        if block.get("name") != "memory":
+            result = {
+                "type": "tool_result",
+                "tool_use_id": block.get("id", ""),
+                "content": f"Unknown tool {block.get('name')!r}: this agent has only the memory tool.",
+                "is_error": True,
+            }
+        else:
+            result = tool_result(tool, block)
+        self.tool_errors += bool(result.get("is_error"))
+        return result
+
+    def _bill(self, reply: AdapterReply) -> Decimal | None:
+        """The ledger row of a call whose answer asked for tools, written now."""
+        if reply.usage is None:
+            return None
+        beat = self.beat
+        event = cost_event_record(
+            usage=reply.usage,
+            model=reply.priced_model,
+            company_id=beat.agent.company_id,
+            agent_id=beat.agent.id,
+            session_id=self.session_id,
+            run_id=beat.run.id,
+            call_number=reply.call_number,
+            message_id=reply.message_id or None,
+            at=beat.clock(),
+        )
+        return event.cost_usd
+
+    def _record_exchange(self, reply: AdapterReply, results: list[dict], cost: Decimal | None) -> None:
+        at = self.beat.clock().isoformat()
+        run_id = str(self.beat.run.id)
+        counts = token_counts(reply.usage) if reply.usage is not None else None
+        self.exchanges += [
+            {
+                "role": "assistant",
+                "content": reply.content,
+                "at": at,
+                "run_id": run_id,
+                "message_id": reply.message_id,
+                "usage": counts.__dict__ if counts else None,
+                "cost_usd": str(cost) if cost is not None else None,
+            },
+            {"role": "user", "content": results, "at": at, "run_id": run_id},
+        ]
+
+    def _replayed(self) -> list[dict]:
+        """The loop's turns as the next request sends them: the newest tool result marked
+        for the prompt cache, so each round reads the rounds before it from the cache."""
+        messages = [{"role": m["role"], "content": [dict(b) for b in m["content"]]} for m in self.exchanges]
+        if self.beat.settings_.caching:
+            last = messages[-1]["content"]
+            last[-1] = {**last[-1], "cache_control": cache_marker(self.beat.settings_)}
+        return messages
+
+    def note_cleared(self, reply: AdapterReply) -> None:
+        for edit in (reply.context_management or {}).get("applied_edits") or []:
+            if isinstance(edit, dict) and str(edit.get("type", "")).startswith("clear_tool_uses"):
+                self.cleared_tool_uses += int(edit.get("cleared_tool_uses") or 0)
+                self.cleared_input_tokens += int(edit.get("cleared_input_tokens") or 0)
+
+    def save(self) -> None:
+        if not (self.rounds or self.tool_calls or self.cleared_tool_uses or self.cleared_input_tokens):
+            return
+        RunToolLoop.objects.update_or_create(
+            run_id=self.beat.run.id,
+            defaults={
+                "rounds": self.rounds,
+                "tool_calls": self.tool_calls,
+                "tool_errors": self.tool_errors,
+                "cleared_tool_uses": self.cleared_tool_uses,
+                "cleared_input_tokens": self.cleared_input_tokens,
+            },
+        )
+
+
+def loop_cost(reply: AdapterReply, answer_cost: Decimal | None) -> Decimal | None:
+    """What the run's calls cost: the answer's and those of the rounds before it."""
+    earlier = [Decimal(turn["cost_usd"]) for turn in reply.exchanges if turn.get("cost_usd") is not None]
+    if answer_cost is None and not earlier:
+        return None
+    return (answer_cost or Decimal(0)) + sum(earlier, Decimal(0))
+
+
+def call_with_tools(beat, request: AdapterRequest, *, session_id, reserve) -> AdapterReply:
+    """The model's final answer to `request`, tools carried out on the way. Without tools,
+    exactly one call, as before."""
+    tool = memory_tool_for(beat)
+    loop = ToolLoop(beat, session_id=session_id, reserve=reserve)
+    if tool is not None:
+        return loop.run(request, tool)
+    reply = beat.adapter.call(request)
+    loop.note_cleared(reply)
+    loop.save()
+    return reply

@@ -1,0 +1,110 @@
+"""Memory in the admin: files with versions and diffs, operator edits as versions, revert,
+deletes as versions, refusals as messages."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+
+from memory_app.models import MemoryFile, MemoryStore, MemoryWriter
+from memory_app.stores import Writer, mounts_for
+from memory_app.tool import StoreMemoryTool
+from sessions_app.models import Agent
+
+
+@pytest.fixture
+def memory_agent(company):
+    return Agent.objects.create(company=company, name="Rememberer", adapter_config={"memory": True})
+
+
+def write(agent, path: str, text: str, **writer) -> MemoryFile:
+    StoreMemoryTool(mounts_for(agent), writer=Writer(**(writer or {"operator": "setup"}))).call(
+        {"command": "create", "path": f"/memories/{path}", "file_text": text}
+    )
+    return MemoryFile.objects.get(store__agent=agent, path=path)
+
+
+def change_url(found: MemoryFile) -> str:
+    return reverse("admin:memory_app_memoryfile_change", args=[found.pk])
+
+
+def test_the_file_page_shows_versions_with_diffs_and_revert_buttons(admin_client, memory_agent):
+    write(memory_agent, "notes.md", "alpha\nbeta")
+    found = write(memory_agent, "notes.md", "alpha\ngamma <b>")
+    page = admin_client.get(change_url(found)).content.decode()
+    assert "Revert to this version" in page and page.count('class="memory-revert"') == 2
+    assert "-beta" in page and "+gamma &lt;b&gt;" in page  # escaped, never markup
+
+
+def test_the_changelist_lists_files_in_a_bounded_number_of_queries(admin_client, memory_agent):
+    for n in range(25):
+        write(memory_agent, f"f{n}.md", "x")
+    url = reverse("admin:memory_app_memoryfile_changelist")
+    with CaptureQueriesContext(connection) as queries:
+        page = admin_client.get(url).content.decode()
+    assert "f24.md" in page and "Rememberer" in page
+    assert len(queries) <= 12
+
+
+def test_an_operator_edit_is_a_version_and_a_stale_form_is_refused(admin_client, admin_user, memory_agent):
+    found = write(memory_agent, "notes.md", "one")
+    form = {"content": "two", "loaded_version": "1", "_save": "Save"}
+    response = admin_client.post(change_url(found), form)
+    assert response.status_code == 302
+    found.refresh_from_db()
+    assert (found.content, found.version) == ("two", 2)
+    version = found.versions.get(number=2)
+    assert (version.written_by, version.operator) == (MemoryWriter.OPERATOR, f"admin {admin_user.username}")
+    # The same stale form again: refused with a message, nothing written.
+    response = admin_client.post(change_url(found), {**form, "content": "three"}, follow=True)
+    assert "changed meanwhile" in response.content.decode()
+    found.refresh_from_db()
+    assert (found.content, found.version) == ("two", 2)
+
+
+def test_revert_to_a_version_writes_it_back_as_a_new_version(admin_client, memory_agent):
+    write(memory_agent, "notes.md", "first")
+    found = write(memory_agent, "notes.md", "second")
+    url = reverse("admin:memory_app_memoryfile_revert", args=[found.pk, 1])
+    assert admin_client.get(url).status_code == 404  # only the button's POST reverts
+    response = admin_client.post(url, follow=True)
+    assert "Reverted notes.md to version 1" in response.content.decode()
+    found.refresh_from_db()
+    assert (found.content, found.version) == ("first", 3)
+    assert found.versions.get(number=3).operation == "revert"
+
+
+def test_an_operator_adds_a_file_to_a_store(admin_client, memory_agent):
+    store = MemoryStore.objects.create(company=memory_agent.company, agent=memory_agent, name="default")
+    add = reverse("admin:memory_app_memoryfile_add")
+    bad = admin_client.post(add, {"store": str(store.pk), "path": "../etc/passwd", "content": "x"})
+    assert bad.status_code == 200 and "escape" in bad.content.decode()
+    response = admin_client.post(add, {"store": str(store.pk), "path": "plans/q3.md", "content": "grow"})
+    assert response.status_code == 302
+    found = MemoryFile.objects.get(path="plans/q3.md")
+    assert found.versions.get().written_by == MemoryWriter.OPERATOR
+
+
+def test_an_oversized_edit_is_a_message_not_an_error(admin_client, memory_agent, settings):
+    found = write(memory_agent, "notes.md", "short")
+    settings.PAPERCLIP_MEMORY_MAX_FILE_BYTES = 10
+    response = admin_client.post(
+        change_url(found), {"content": "x" * 11, "loaded_version": "1", "_save": "Save"}, follow=True
+    )
+    assert response.status_code == 200 and "PAPERCLIP_MEMORY_MAX_FILE_BYTES" in response.content.decode()
+    found.refresh_from_db()
+    assert found.content == "short"
+
+
+def test_the_bulk_delete_deletes_as_versions(admin_client, memory_agent):
+    files = [write(memory_agent, f"f{n}.md", "x") for n in range(3)]
+    url = reverse("admin:memory_app_memoryfile_changelist")
+    response = admin_client.post(
+        url, {"action": "delete_selected", "_selected_action": [f.pk for f in files], "post": "yes"}
+    )
+    assert response.status_code == 302
+    assert set(MemoryFile.objects.values_list("deleted", flat=True)) == {True}
+    assert all(f.versions.order_by("-number").first().operation == "delete" for f in files)
+    assert MemoryStore.objects.get(agent=memory_agent).bytes_used == 0

@@ -1,0 +1,158 @@
+"""The memory API: listing, reading with versions, operator writes and deletes, errors,
+and company scoping."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from memory_app.models import MemoryAccess, MemoryFile, MemoryStore, MemoryStoreShare, MemoryWriter
+from memory_app.stores import Writer, mounts_for
+from memory_app.tool import StoreMemoryTool
+from sessions_app.models import Agent
+from tests.api.conftest import agent_url, assert_error
+
+
+@pytest.fixture
+def memory_agent(company):
+    return Agent.objects.create(company=company, name="Rememberer", adapter_config={"memory": True})
+
+
+def written(agent, path: str, text: str) -> None:
+    StoreMemoryTool(mounts_for(agent), writer=Writer(operator="setup")).call(
+        {"command": "create", "path": f"/memories/{path}", "file_text": text}
+    )
+
+
+def test_an_agent_without_memory_lists_nothing_and_creates_no_store(api, memory_agent):
+    response = api.get(agent_url(memory_agent, "/memory"))
+    assert response.status_code == 200
+    assert response.json() == {"files": [], "truncated": False}
+    assert not MemoryStore.objects.exists()
+
+
+def test_put_get_list_and_delete_a_file(api, memory_agent):
+    url = agent_url(memory_agent, "/memory/notes/todo.md")
+    put = api.put(url, {"content": "buy milk"})
+    assert put.status_code == 200, put.content
+    assert put.json()["path"] == "/memories/notes/todo.md" and put.json()["version"] == 1
+    assert api.put(url, {"content": "buy oat milk", "version": 1}).status_code == 200
+    got = api.get(url).json()
+    assert got["content"] == "buy oat milk" and got["store"] == "default"
+    assert [v["number"] for v in got["versions"]] == [2, 1]
+    assert {v["written_by"] for v in got["versions"]} == {MemoryWriter.OPERATOR}
+    assert api.get(url, {"version": 1}).json()["content"] == "buy milk"
+    listing = api.get(agent_url(memory_agent, "/memory")).json()
+    assert [f["path"] for f in listing["files"]] == ["/memories/notes/todo.md"]
+    assert api.delete(url).status_code == 204
+    assert_error(api.get(url), 404, "memory_not_found")
+    assert api.get(url, {"version": 3}).json()["versions"][0]["deleted"] is True
+    assert api.get(agent_url(memory_agent, "/memory")).json()["files"] == []
+
+
+def test_a_stale_version_is_a_conflict_not_a_lost_write(api, memory_agent):
+    url = agent_url(memory_agent, "/memory/a.md")
+    api.put(url, {"content": "one"})
+    api.put(url, {"content": "two", "version": 1})
+    assert_error(api.put(url, {"content": "three", "version": 1}), 409, "memory_version_conflict")
+    assert_error(api.put(agent_url(memory_agent, "/memory/new.md"), {"content": "x", "version": 3}), 409)
+    assert api.get(url).json()["content"] == "two"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "field"),
+    [
+        ("/memory/a.md", {"content": 5}, 400, "content"),
+        ("/memory/a.md", {}, 400, "content"),
+        ("/memory/a.md", {"content": "x", "version": -1}, 400, "version"),
+        ("/memory/a.md", {"content": "x", "version": True}, 400, "version"),
+        ("/memory/a.md", {"content": "x", "extra": 1}, 400, "extra"),
+        ("/memory/a.md", ["content"], 400, None),
+        ("/memory/a.md", {"content": "a\u0000b"}, 400, None),
+        ("/memory/../a.md", {"content": "x"}, 400, "path"),
+        ("/memory/a/./b.md", {"content": "x"}, 400, "path"),
+    ],
+)
+def test_bad_writes_are_400s_naming_the_field(api, memory_agent, path, body, status, field):
+    error = assert_error(api.put(agent_url(memory_agent, path), body), status)
+    if field:
+        assert field in error.get("fields", {}), error
+    assert not MemoryFile.objects.exists()
+
+
+def test_limits_answer_with_their_codes(api, memory_agent, settings):
+    settings.PAPERCLIP_MEMORY_MAX_FILE_BYTES = 10
+    settings.PAPERCLIP_MEMORY_MAX_STORE_BYTES = 15
+    error = assert_error(api.put(agent_url(memory_agent, "/memory/a.md"), {"content": "x" * 11}), 400)
+    assert error["code"] == "memory_file_too_large" and "content" in error["fields"]
+    api.put(agent_url(memory_agent, "/memory/a.md"), {"content": "x" * 10})
+    assert_error(api.put(agent_url(memory_agent, "/memory/b.md"), {"content": "y" * 6}), 409, "memory_store_full")
+
+
+def test_files_written_by_runs_and_shared_stores_are_listed(api, company, memory_agent):
+    owner = Agent.objects.create(company=company, name="Owner", adapter_config={"memory": ["team"]})
+    team = MemoryStore.objects.create(company=company, agent=owner, name="team")
+    MemoryStoreShare.objects.create(store=team, agent=memory_agent, access=MemoryAccess.READ)
+    memory_agent.adapter_config = {"memory": ["team"]}
+    memory_agent.save()
+    written(owner, "team/plan.md", "ship")
+    written(memory_agent, "mine.md", "x")
+    listing = api.get(agent_url(memory_agent, "/memory")).json()["files"]
+    assert [(f["path"], f["store"], f["writable"]) for f in listing] == [
+        ("/memories/mine.md", "default", True),
+        ("/memories/team/plan.md", "team", False),
+    ]
+    assert_error(api.put(agent_url(memory_agent, "/memory/team/plan.md"), {"content": "no"}), 409, "memory_read_only")
+
+
+def test_the_listing_takes_a_bounded_number_of_queries(api, company, memory_agent):
+    for n in range(30):
+        written(memory_agent, f"f{n}.md", "x")
+    with CaptureQueriesContext(connection) as queries:
+        assert len(api.get(agent_url(memory_agent, "/memory")).json()["files"]) == 30
+    assert len(queries) <= 6
+
+
+def test_a_key_never_reads_another_companys_memory(key_api, other_key_api, memory_agent, other_agent):
+    written(memory_agent, "secret.md", "the vault code")
+    for path in ("/memory", "/memory/secret.md"):
+        assert_error(other_key_api.get(agent_url(memory_agent, path)), 404)
+    assert_error(other_key_api.put(agent_url(memory_agent, "/memory/secret.md"), {"content": "mine"}), 404)
+    assert_error(other_key_api.delete(agent_url(memory_agent, "/memory/secret.md")), 404)
+    # The other company's agent, reached through this company's URL, is not found either.
+    wrong = f"/api/companies/{memory_agent.company_id}/agents/{other_agent.id}/memory"
+    assert_error(other_key_api.get(wrong), 404)
+    assert key_api.get(agent_url(memory_agent, "/memory/secret.md")).json()["content"] == "the vault code"
+    assert MemoryFile.objects.get(path="secret.md").content == "the vault code"
+
+
+def test_an_api_write_records_the_key_not_the_secret(key_api, company_key, memory_agent):
+    key_api.put(agent_url(memory_agent, "/memory/a.md"), {"content": "x"})
+    version = MemoryFile.objects.get(path="a.md").versions.get()
+    assert company_key[0].prefix in version.operator and company_key[1] not in version.operator
+
+
+def test_config_validation_names_the_field(api, company):
+    url = f"/api/companies/{company.id}/agents"
+    for config, field in [
+        ({"memory": "yes"}, "adapter_config.memory"),
+        ({"memory": ["Bad Name"]}, "adapter_config.memory"),
+        ({"max_tool_rounds": 0.5}, "adapter_config.max_tool_rounds"),
+        ({"max_tool_rounds": 99}, "adapter_config.max_tool_rounds"),
+        ({"clear_tool_uses": "on"}, "adapter_config.clear_tool_uses"),
+        ({"clear_tool_uses": {"keep_tool_uses": -1}}, "adapter_config.clear_tool_uses.keep_tool_uses"),
+        ({"clear_tool_uses": {"trigger": 5}}, "adapter_config.clear_tool_uses.trigger"),
+    ]:
+        response = api.post(url, {"name": "x", "adapter_type": "claude-code", "adapter_config": config})
+        error = assert_error(response, 400)
+        assert field in error["fields"], (config, error)
+    ok = api.post(
+        url,
+        {
+            "name": "ok",
+            "adapter_type": "claude-code",
+            "adapter_config": {"memory": ["team"], "max_tool_rounds": 3, "clear_tool_uses": {"keep_tool_uses": 2}},
+        },
+    )
+    assert ok.status_code == 201, ok.content

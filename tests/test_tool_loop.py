@@ -1,0 +1,304 @@
+"""The tool loop of a heartbeat, through the real SDK and the fake API: memory written and
+read across sessions, rounds bounded, every call billed, no half turn in the history."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from costs_app.models import Budget, CostEvent
+from memory_app.models import MemoryAccess, MemoryFile, MemoryStore, MemoryStoreShare, MemoryWriter, RunToolLoop
+from memory_app.stores import Writer, file_write, mounts_for
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus, SessionStatus
+from sessions_app.services import session_delete
+from sessions_app.stores import store_for
+from tests.conftest import beat, context_agent
+from tests.fake_anthropic import Reply
+
+FACT = "Remember: the launch code is AZURE-PELICAN-42."
+
+
+def memory_agent(company, **config) -> Agent:
+    return Agent.objects.create(
+        company=company,
+        name="Rememberer",
+        system_prompt="You keep notes.",
+        adapter_config={"model": "claude-opus-4-5", "memory": True, **config},
+    )
+
+
+def sent(fake, index: int) -> str:
+    return json.dumps(fake.message_requests[index])
+
+
+def history(agent) -> list:
+    session = AgentSession.objects.get(agent=agent, status=SessionStatus.ACTIVE)
+    return store_for(session).read(session)
+
+
+def test_a_remembered_fact_is_written_by_the_run_and_recalled_by_a_stateless_agent(company, fake_anthropic):
+    agent = memory_agent(company)
+    run = beat(agent, FACT)
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    stored = MemoryFile.objects.get(store__agent=agent)
+    assert stored.content == FACT and stored.path.startswith("facts/")
+    version = stored.versions.get()
+    assert (version.written_by, version.run_id, version.operation) == (MemoryWriter.RUN, run.id, "create")
+    first = fake_anthropic.message_requests[0]
+    assert first["tools"] == [{"type": "memory_20250818", "name": "memory"}]
+    assert "context-management-2025-06-27" in fake_anthropic.requests[0]["headers"].get("anthropic-beta", "")
+    # Stateless: the next heartbeat sends no history, yet the fact comes back from memory.
+    fake_anthropic.reset_log()
+    recalled = beat(agent, "Recall the launch code.")
+    assert recalled.status == RunStatus.SUCCEEDED, recalled.error
+    assert "AZURE-PELICAN-42" not in sent(fake_anthropic, 0)
+    assert "AZURE-PELICAN-42" in sent(fake_anthropic, -1)
+    assert len(fake_anthropic.message_requests) == 3  # view the folder, view the file, answer
+    assert RunToolLoop.objects.get(run=recalled).rounds == 2
+
+
+def test_every_call_of_the_loop_is_one_ledger_row_and_the_run_costs_their_sum(company, fake_anthropic):
+    agent = memory_agent(company)
+    beat(agent, FACT)
+    run = beat(agent, "Recall it.")
+    rows = CostEvent.objects.filter(run=run).order_by("call_number")
+    assert [row.call_number for row in rows] == [1, 2, 3]
+    assert run.cost_usd == sum((row.cost_usd for row in rows), Decimal(0)) > 0
+    loop = RunToolLoop.objects.get(run=run)
+    assert (loop.rounds, loop.tool_calls, loop.tool_errors) == (2, 2, 0)
+
+
+def test_a_persistent_session_keeps_each_tool_use_with_its_result(company, fake_anthropic):
+    agent = memory_agent(company, session_mode="persistent")
+    run = beat(agent, FACT)
+    turns = history(agent)
+    assert [t["role"] for t in turns] == ["user", "assistant", "user", "assistant"]
+    use = next(b for b in turns[1]["content"] if b["type"] == "tool_use")
+    assert turns[2]["content"][0]["tool_use_id"] == use["id"]
+    assert [t["seq"] for t in turns] == [0, 1, 2, 3]
+    session = AgentSession.objects.get(agent=agent)
+    assert (session.message_count, session.next_seq) == (4, 4)
+    assert session.total_cost_usd == run.cost_usd
+    # The fake refuses (400) a tool_use without its result: the replayed history is whole.
+    assert beat(agent, "And now?").status == RunStatus.SUCCEEDED
+    assert len(history(agent)) == 6
+
+
+def test_tool_rounds_are_bounded_and_over_the_bound_the_run_fails_billed(company, fake_anthropic):
+    agent = memory_agent(company, session_mode="persistent", max_tool_rounds=2)
+    beat(agent, "hello")
+    before = history(agent)
+    writes = [
+        Reply.tool_calls({"command": "create", "path": f"/memories/r{n}.md", "file_text": f"round {n}"})
+        for n in range(3)
+    ]
+    fake_anthropic.push(*writes)
+    run = beat(agent, "loop forever")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "tool_rounds_exceeded")
+    assert "max_tool_rounds" in run.error
+    # Three calls made, three rows; the two writes carried out stay; the history is untouched.
+    assert CostEvent.objects.filter(run=run).count() == 3
+    assert sorted(MemoryFile.objects.values_list("path", flat=True)) == ["r0.md", "r1.md"]
+    assert history(agent) == before
+    assert RunToolLoop.objects.get(run=run).rounds == 2
+
+
+def test_a_failure_mid_loop_keeps_the_memory_written_and_leaves_no_half_turn(company, fake_anthropic):
+    agent = memory_agent(company, session_mode="persistent", max_retries=0)
+    beat(agent, "hello")
+    before = history(agent)
+    fake_anthropic.push(
+        Reply.tool_calls({"command": "create", "path": "/memories/kept.md", "file_text": "kept"}),
+        Reply.error(500, "the model fell over"),
+    )
+    run = beat(agent, "write and fail")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "model_server_error")
+    assert MemoryFile.objects.get(path="kept.md").content == "kept"
+    assert history(agent) == before
+    assert CostEvent.objects.filter(run=run).count() == 1
+    assert beat(agent, "again").status == RunStatus.SUCCEEDED
+
+
+def test_a_bad_tool_call_is_an_error_result_the_model_reads_not_a_failed_run(company, fake_anthropic):
+    agent = memory_agent(company)
+    fake_anthropic.push(
+        Reply.tool_calls(
+            {"command": "view", "path": "/memories/../../etc/passwd"},
+            {"command": "create", "path": "/memories/x.md", "file_text": "x" * 70_000},
+            {"command": "launch"},
+        ),
+        Reply.tool_calls({"command": "view", "path": "/memories"}, name="web_search"),
+    )
+    run = beat(agent, "try things")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    results = fake_anthropic.message_requests[1]["messages"][-1]["content"]
+    assert [r["is_error"] for r in results] == [True, True, True]
+    assert "escape" in results[0]["content"] and "65536" in results[1]["content"]
+    unknown = fake_anthropic.message_requests[2]["messages"][-1]["content"][0]
+    assert unknown["is_error"] and "Unknown tool" in unknown["content"]
+    assert RunToolLoop.objects.get(run=run).tool_errors == 4
+    assert not MemoryFile.objects.exists()
+
+
+def test_each_call_of_the_loop_is_reserved_against_the_budget(company, fake_anthropic):
+    agent = memory_agent(company, max_tokens=1000)
+    big = "word " * 12_000  # 60 kB: read into the second request, which the budget cannot hold
+    file_write(mounts_for(agent)[0], "big.md", lambda current: big, operation="create", writer=Writer(operator="ops"))
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("0.10"))
+    fake_anthropic.push(*[Reply.tool_calls({"command": "view", "path": "/memories/big.md"}) for _ in range(3)])
+    run = beat(agent, "read the big file")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded")
+    assert CostEvent.objects.filter(run=run).count() == 1  # the first call, billed; the second never sent
+    assert len(fake_anthropic.message_requests) == 1
+    spent = sum(CostEvent.objects.values_list("cost_usd", flat=True), Decimal(0))
+    assert 0 < spent <= Decimal("0.10")
+
+
+@pytest.mark.parametrize("ending", ["force_fresh", "expiry", "rotation", "deletion"])
+def test_memory_outlives_the_session(company, fake_anthropic, ending):
+    agent = memory_agent(company, session_mode="persistent", session_ttl_hours=1, rotate_after_turns=5)
+    now = timezone.now()
+    assert beat(agent, FACT, now=now).status == RunStatus.SUCCEEDED
+    first = AgentSession.objects.get(agent=agent)
+    kwargs = {}
+    later = now + timedelta(minutes=1)
+    if ending == "force_fresh":
+        kwargs["force_fresh"] = True
+    elif ending == "expiry":
+        later = now + timedelta(hours=2)
+    elif ending == "rotation":
+        for n in range(5):
+            beat(agent, f"filler {n}", now=now + timedelta(seconds=n + 1))
+    else:
+        session_delete(session=first, now=now)
+    fake_anthropic.reset_log()
+    run = beat(agent, "Recall the launch code.", now=later, **kwargs)
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.session_id != first.id
+    # The memory tool brings the fact back, whatever the new session holds.
+    results = fake_anthropic.message_requests[-1]["messages"][-1]["content"]
+    assert any("AZURE-PELICAN-42" in r["content"] for r in results if r["type"] == "tool_result")
+    if ending != "rotation":  # a rotated session opens with a handoff note about the old one
+        assert "AZURE-PELICAN-42" not in json.dumps(fake_anthropic.message_requests[0]["messages"])
+
+
+def test_summarising_a_session_of_tool_loops_never_splits_a_tool_use_from_its_result(company, fake_anthropic):
+    agent = context_agent(company, memory=True, context_budget_tokens=1500, keep_recent_turns=1)
+    for n in range(8):
+        run = beat(agent, f"Remember fact {n}: {'detail ' * 30}")
+        assert run.status == RunStatus.SUCCEEDED, (n, run.error_code, run.error)
+    session = AgentSession.objects.get(agent=agent, status=SessionStatus.ACTIVE)
+    assert session.compaction_count >= 1
+    turns = store_for(session).read(session)
+    for index, turn in enumerate(turns):
+        if any(b.get("type") == "tool_result" for b in turn["content"] if isinstance(b, dict)):
+            assert any(b.get("type") == "tool_use" for b in turns[index - 1]["content"])
+    assert MemoryFile.objects.filter(store__agent=agent).count() == 8
+
+
+def test_clear_tool_uses_sends_the_edit_and_reports_what_was_cleared(company, fake_anthropic):
+    agent = memory_agent(
+        company, session_mode="persistent", clear_tool_uses={"trigger_input_tokens": 1000, "keep_tool_uses": 1}
+    )
+    for n in range(6):
+        beat(agent, f"Remember item {n}: {'padding ' * 60}")
+    run = beat(agent, "Remember the last one too.")
+    edits = fake_anthropic.message_requests[-1]["context_management"]["edits"]
+    assert edits == [
+        {
+            "type": "clear_tool_uses_20250919",
+            "trigger": {"type": "input_tokens", "value": 1000},
+            "keep": {"type": "tool_uses", "value": 1},
+        }
+    ]
+    loop = RunToolLoop.objects.get(run=run)
+    assert loop.cleared_tool_uses > 0 and loop.cleared_input_tokens > 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_concurrent_heartbeats_sharing_a_store_lose_no_write(postgres_only, company, fake_anthropic):
+    owner = memory_agent(company, memory=["team"])
+    guest = Agent.objects.create(
+        company=company, name="Guest", adapter_config={"model": "claude-opus-4-5", "memory": ["team"]}
+    )
+    team = MemoryStore.objects.create(company=company, agent=owner, name="team")
+    MemoryStoreShare.objects.create(store=team, agent=guest, access=MemoryAccess.WRITE)
+    file_write(
+        mounts_for(owner)[1], "log.md", lambda current: "start", operation="create", writer=Writer(operator="ops")
+    )
+    # Both runs' first answers arrive together, each an insert into the same file.
+    both_asked = threading.Barrier(2)
+    fake_anthropic.push(
+        *[
+            Reply.tool_calls(
+                {"command": "insert", "path": "/memories/team/log.md", "insert_line": 1, "insert_text": f"line {n}"},
+                before=lambda: both_asked.wait(10),
+            )
+            for n in range(2)
+        ]
+    )
+    runs = {}
+
+    def run(agent):
+        try:
+            runs[agent.name] = beat(agent, "note it")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(agent,)) for agent in (owner, guest)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert {r.status for r in runs.values()} == {RunStatus.SUCCEEDED}
+    log = MemoryFile.objects.get(store=team, path="log.md")
+    assert set(log.content.split("\n")) == {"start", "line 0", "line 1"}
+    assert log.version == 3
+    assert {v.run_id for v in log.versions.filter(number__gt=1)} == {r.id for r in runs.values()}
+    assert HeartbeatRun.objects.filter(status=RunStatus.SUCCEEDED).count() == 2
+
+
+def test_the_run_api_reports_the_tool_loop(company, fake_anthropic, client):
+    agent = memory_agent(company)
+    plain = beat(agent, "say hello")
+    run = beat(agent, FACT)
+    base = f"/api/companies/{company.id}/agents/{agent.id}/runs"
+    assert client.get(f"{base}/{plain.id}").json()["tool_loop"] is None
+    detail = client.get(f"{base}/{run.id}").json()
+    assert detail["tool_loop"] == {
+        "rounds": 1,
+        "tool_calls": 1,
+        "tool_errors": 0,
+        "cleared_tool_uses": 0,
+        "cleared_input_tokens": 0,
+    }
+    assert [r["tool_loop"] is not None for r in client.get(base).json()["runs"]] == [True, False]
+
+
+def test_a_round_of_a_live_session_is_billed_to_it_at_once(company, fake_anthropic):
+    agent = memory_agent(company, session_mode="persistent")
+    beat(agent, "hello")
+    session = AgentSession.objects.get(agent=agent)
+    fake_anthropic.push(
+        Reply.tool_calls({"command": "create", "path": "/memories/a.md", "file_text": "a"}),
+        Reply.error(400, "refused"),
+    )
+    run = beat(agent, "write then fail")
+    assert run.error_code == "model_bad_request"
+    # The round's row was written when its call returned, naming the session it ran in.
+    row = CostEvent.objects.get(run=run)
+    assert (row.call_number, row.session_id) == (1, session.id)
+
+
+def test_memory_is_a_claude_code_setting_only():
+    from sessions_app.adapters import AgentConfigError, validate_agent_config
+
+    with pytest.raises(AgentConfigError) as refused:
+        validate_agent_config("process", {"command": ["true"], "memory": True})
+    assert "adapter_config.memory" in refused.value.fields
