@@ -59,6 +59,11 @@ PAPERCLIP_MAX_QUEUED_RUNS = env_int("PAPERCLIP_MAX_QUEUED_RUNS", 100, minimum=1)
 # Runs in progress across the whole deployment (every host; the database decides); 0 = no cap.
 # The rest wait queued and start oldest first as runs finish.
 PAPERCLIP_MAX_CONCURRENT_RUNS = env_int("PAPERCLIP_MAX_CONCURRENT_RUNS", 0, minimum=0)
+# Budget alert webhooks (costs_app.alerts): attempts per delivery, the first retry's wait
+# (each later one waits four times longer), and each request's timeout.
+PAPERCLIP_ALERT_MAX_ATTEMPTS = env_int("PAPERCLIP_ALERT_MAX_ATTEMPTS", 5, minimum=1, maximum=20)
+PAPERCLIP_ALERT_RETRY_SECONDS = env_int("PAPERCLIP_ALERT_RETRY_SECONDS", 60, minimum=1, maximum=86_400)
+PAPERCLIP_ALERT_TIMEOUT_SECONDS = env_int("PAPERCLIP_ALERT_TIMEOUT_SECONDS", 10, minimum=1, maximum=120)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
 DEBUG = env_bool("DJANGO_DEBUG", False)
