@@ -10,9 +10,8 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
-from costs_app.budget_views import BudgetView
 from costs_app.models import AlertTarget, Budget
-from sessions_app.api.base import error_responses
+from sessions_app.api.base import ApiView, error_responses
 from sessions_app.api.exceptions import Conflict, NotFound
 
 URL_SCHEMES = ["http", "https"]
@@ -42,13 +41,19 @@ class AlertTargetSerializer(serializers.ModelSerializer):
         return value
 
 
-class AlertTargetsView(BudgetView):
+class AlertTargets(ApiView):
     """Shared by the company budget's targets (`agent_id` absent) and an agent budget's."""
 
     def budget(self, company_id: UUID, agent_id: UUID | None) -> Budget | None:
-        company, agent = self.scope(company_id, agent_id)
+        if agent_id is None:
+            company, agent = self.get_company(company_id), None
+        else:
+            agent = self.get_agent(company_id, agent_id)
+            company = agent.company
         return Budget.objects.filter(company=company, agent=agent).first()
 
+
+class AlertTargetsView(AlertTargets):
     def get(self, request, company_id: UUID, agent_id: UUID | None = None):
         budget = self.budget(company_id, agent_id)
         targets = AlertTarget.objects.filter(budget=budget) if budget else AlertTarget.objects.none()
@@ -64,7 +69,7 @@ class AlertTargetsView(BudgetView):
         return Response(AlertTargetSerializer(target).data, status=status.HTTP_201_CREATED)
 
 
-class AlertTargetView(AlertTargetsView):
+class AlertTargetView(AlertTargets):
     def delete(self, request, company_id: UUID, target_id: int, agent_id: UUID | None = None):
         budget = self.budget(company_id, agent_id)
         if budget is None or not AlertTarget.objects.filter(budget=budget, pk=target_id).delete()[0]:

@@ -49,13 +49,19 @@ def daily_rates(*, company_id, agent_ids: set, now: datetime) -> dict:
         aggregates[f"spent_{i}"] = Coalesce(Sum("cost_usd", filter=condition), ZERO)
         aggregates[f"first_{i}"] = Min("created_at", filter=condition)
     totals = events.aggregate(**aggregates)
-    rates = {}
-    for i, agent_id in enumerate(scopes):
-        first = totals[f"first_{i}"]
-        covered = (now - first).total_seconds() / 86_400 if first is not None else RATE_DAYS
-        days = Decimal(str(round(min(max(covered, 1), RATE_DAYS), 6)))
-        rates[agent_id] = totals[f"spent_{i}"] / days
-    return rates
+    return {
+        agent_id: daily_rate(spent=totals[f"spent_{i}"], first=totals[f"first_{i}"], now=now)
+        for i, agent_id in enumerate(scopes)
+    }
+
+
+def daily_rate(*, spent: Decimal | None, first: datetime | None, now: datetime) -> Decimal:
+    """USD a day: `spent` in the window, over the days since its `first` event (1 to 7)."""
+    if not spent or first is None:
+        return ZERO
+    covered = (now - first).total_seconds() / 86_400
+    days = Decimal(str(round(min(max(covered, 1), RATE_DAYS), 6)))
+    return spent / days
 
 
 def crossing_date(use: BudgetUse, *, rate: Decimal, now: datetime) -> date | None:
