@@ -270,3 +270,27 @@ def test_a_url_written_past_validation_is_never_opened(company, stateless_agent)
 
     assert alert_deliver(delivery_id=AlertDelivery.objects.get().id, now=now) == "pending"
     assert AlertDelivery.objects.get().last_error == "Only http and https URLs are delivered."
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_secret_is_never_logged_or_recorded(company, stateless_agent, receiver, caplog, monkeypatch):
+    caplog.set_level("DEBUG")
+    receiver.answer(500)
+    budget = company_budget(company, receiver.url)
+    AlertTarget.objects.create(budget=budget, url=refused_url(), secret=SECRET)
+    spend(stateless_agent, "9.60")
+    now = timezone.now()
+
+    def broker_down(*args, **kwargs):
+        raise ConnectionError("the broker is down")
+
+    monkeypatch.setattr("django_q.tasks.async_task", broker_down)
+    budget_alerts_fire(uses=budget_uses(company_id=company.id, agent_id=stateless_agent.id, now=now), now=now)
+    monkeypatch.undo()
+    for delivery in AlertDelivery.objects.all():
+        alert_deliver(delivery_id=delivery.id, now=now)
+
+    assert len(receiver.requests) == 2  # soft and second, to the target that answers
+    assert "broker is down" in caplog.text
+    assert SECRET not in caplog.text
+    assert not AlertDelivery.objects.filter(last_error__contains=SECRET).exists()
