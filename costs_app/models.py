@@ -211,7 +211,8 @@ class BudgetAlert(models.Model):
     once. Two workers crossing it at once both try the insert; the unique constraint lets
     one in, and only that one hands deliveries to the queue."""
 
-    budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="alerts")
+    # The unique budget_alerts_once_per_period leads with budget_id: it serves the cascade.
+    budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="alerts", db_index=False)
     period = models.CharField(max_length=16, help_text="day, month, lifetime or day_runs.")
     # The UTC day (YYYY-MM-DD), month (YYYY-MM) or "lifetime": which period it fired in.
     period_key = models.CharField(max_length=16)
@@ -274,7 +275,8 @@ class AlertDelivery(models.Model):
 class AlertAttempt(models.Model):
     """One HTTP attempt of a delivery: what the target answered, or why it could not."""
 
-    delivery = models.ForeignKey(AlertDelivery, on_delete=models.CASCADE, related_name="attempt_rows")
+    # The unique alert_attempts_one_per_number leads with delivery_id: it serves the cascade.
+    delivery = models.ForeignKey(AlertDelivery, on_delete=models.CASCADE, related_name="attempt_rows", db_index=False)
     number = models.PositiveSmallIntegerField()
     at = models.DateTimeField()
     status_code = models.PositiveSmallIntegerField(null=True, blank=True)
