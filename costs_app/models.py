@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from django.core.validators import MinValueValidator, URLValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, URLValidator
 from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -154,7 +154,9 @@ class Budget(models.Model):
     daily_run_limit = models.PositiveIntegerField(null=True, blank=True)
     warn_percent = models.PositiveSmallIntegerField(default=80, help_text="Soft warning at this share of a limit.")
     alert_percent = models.PositiveSmallIntegerField(
-        default=95, help_text="Second alert at this share of a limit (the first is warn_percent)."
+        default=95,
+        validators=[MinValueValidator(1), MaxValueValidator(100)],
+        help_text="Second alert at this share of a limit (the first is warn_percent).",
     )
     session_limit_usd = models.DecimalField(
         **PRICE,

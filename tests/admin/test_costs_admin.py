@@ -228,3 +228,16 @@ def test_alert_deliveries_are_read_only_with_their_attempts(admin_client, compan
     assert admin_client.post(change, {"status": "delivered"}).status_code == 403
     listing = admin_client.get(reverse("admin:costs_app_alertdelivery_changelist")).content.decode()
     assert 'name="action"' not in listing and "HTTP 500" in listing
+
+
+def test_bad_alert_settings_in_the_admin_are_refused_with_a_message(admin_client, company):
+    from costs_app.models import Budget
+
+    budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("10"))
+    change = reverse("admin:costs_app_budget_change", args=[budget.pk])
+    for field, value in (("alert_percent", "101"), ("session_limit_usd", "0")):
+        response = admin_client.post(change, {**budget_form(budget), field: value})
+        assert response.status_code == 200
+        assert field in response.context["adminform"].form.errors
+    budget.refresh_from_db()
+    assert (budget.alert_percent, budget.session_limit_usd) == (95, None)
