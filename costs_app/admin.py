@@ -6,9 +6,10 @@ from collections import defaultdict
 from datetime import UTC, timedelta
 from decimal import Decimal
 
+from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import Case, Count, DecimalField, Max, OuterRef, Subquery, Sum, When
+from django.db.models import Case, Count, DateTimeField, DecimalField, Max, Min, OuterRef, Subquery, Sum, When
 from django.template.defaultfilters import pluralize
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -16,13 +17,15 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
-from costs_app.budgets import budget_uses, period_start
+from costs_app.budgets import BudgetUse, budget_uses, period_start
 from costs_app.charts import Series, limit_series, stacked_bar_chart
-from costs_app.models import Budget, CostEvent, ModelPrice
+from costs_app.forecast import RATE_DAYS, Forecast, budget_forecasts, crossing_date, daily_rate
+from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, Budget, CostEvent, ModelPrice
 from costs_app.pricing import model_family
 from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
 from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist
 from sessions_app.models import Agent, Company, session_public_id
+from sessions_app.text import is_storable
 
 REPORT_DAYS = 30
 # Growth is one query per agent: computed for the biggest spenders of the window only.
@@ -99,6 +102,12 @@ def scope_spend(field: str, *, since=None) -> Subquery:
     return Subquery(total, output_field=DecimalField(max_digits=30, decimal_places=10))
 
 
+def scope_first(field: str, *, since) -> Subquery:
+    events = CostEvent.objects.filter(**{field: OuterRef(field)}, created_at__gte=since)
+    first = events.order_by().values(field).annotate(first=Min("created_at")).values("first")
+    return Subquery(first, output_field=DateTimeField())
+
+
 def use_bar(spent, limit, warn_percent: int) -> str:
     """A small bar: green under the warning level, amber past it, red at the limit."""
     spent = spent or Decimal(0)
@@ -119,9 +128,52 @@ def use_bar(spent, limit, warn_percent: int) -> str:
     )
 
 
+class AlertTargetForm(forms.ModelForm):
+    """The secret is write-only: never rendered back; left empty on a change, it stays."""
+
+    url = forms.URLField(max_length=2000, assume_scheme="https", help_text="http(s) URL that receives the alerts.")
+    secret = forms.CharField(
+        widget=forms.PasswordInput(render_value=False),
+        required=False,
+        min_length=16,
+        max_length=200,
+        help_text="HMAC-SHA256 key of the X-Paperclip-Signature header (16-200 characters). Never shown again; "
+        "leave empty to keep the current one.",
+    )
+
+    class Meta:
+        model = AlertTarget
+        fields = ["url", "secret", "active"]
+
+    def clean_secret(self) -> str:
+        secret = self.cleaned_data["secret"]
+        if not secret and self.instance.pk is None:
+            raise forms.ValidationError("A new target needs a secret.")
+        if secret and not is_storable(secret):
+            raise forms.ValidationError("The secret must be valid text without NUL characters.")
+        return secret or self.instance.secret
+
+
+class AlertTargetInline(admin.TabularInline):
+    model = AlertTarget
+    form = AlertTargetForm
+    extra = 0
+    fields = ["url", "secret", "active", "created_at"]
+    readonly_fields = ["created_at"]
+
+
+def forecast_text(forecast: Forecast | None) -> str:
+    if forecast is None or forecast.date is None:
+        return "not foreseen"
+    return f"crossed on {forecast.date:%Y-%m-%d} at ${forecast.daily_rate_usd:.4f}/day"
+
+
 @admin.register(Budget)
 class BudgetAdmin(admin.ModelAdmin):
-    """Limits checked before every model call (costs_app.budgets)."""
+    """Limits checked before every model call (costs_app.budgets), the webhooks told when
+    they near, and when each will be crossed at the current rate (costs_app.forecast)."""
+
+    inlines = [AlertTargetInline]
 
     list_display = [
         "__str__",
@@ -129,9 +181,12 @@ class BudgetAdmin(admin.ModelAdmin):
         "agent",
         "month_use",
         "lifetime_use",
+        "forecast",
         "daily_limit_usd",
         "daily_run_limit",
         "warn_percent",
+        "alert_percent",
+        "session_limit_usd",
         "updated_at",
     ]
     list_filter = ["company"]
@@ -140,9 +195,12 @@ class BudgetAdmin(admin.ModelAdmin):
     readonly_fields = ["current_use", "updated_at"]
 
     def get_queryset(self, request):
-        # Spend of each budget's scope, as two correlated subqueries per period: the
-        # changelist costs the same few queries however many budgets it shows.
-        month = period_start("month", timezone.now())
+        # Spend of each budget's scope, as two correlated subqueries per period (and the
+        # last 7 days' spend and first event for the forecast): the changelist costs the
+        # same few queries however many budgets it shows.
+        now = timezone.now()
+        month = period_start("month", now)
+        week = now - timedelta(days=RATE_DAYS)
         return (
             super()
             .get_queryset(request)
@@ -155,8 +213,33 @@ class BudgetAdmin(admin.ModelAdmin):
                     When(agent__isnull=True, then=scope_spend("company_id")),
                     default=scope_spend("agent_id"),
                 ),
+                week_spent=Case(
+                    When(agent__isnull=True, then=scope_spend("company_id", since=week)),
+                    default=scope_spend("agent_id", since=week),
+                ),
+                week_first=Case(
+                    When(agent__isnull=True, then=scope_first("company_id", since=week)),
+                    default=scope_first("agent_id", since=week),
+                ),
             )
         )
+
+    @admin.display(description="forecast")
+    def forecast(self, obj: Budget) -> str:
+        """When the monthly (else lifetime) limit is crossed at the last 7 days' rate."""
+        now = timezone.now()
+        rate = daily_rate(spent=obj.week_spent, first=obj.week_first, now=now)
+        for period, limit, spent in (
+            ("month", obj.monthly_limit_usd, obj.month_spent),
+            ("lifetime", obj.lifetime_limit_usd, obj.lifetime_spent),
+        ):
+            if limit is not None:
+                use = BudgetUse(
+                    scope="", period=period, limit=limit, spent=spent or Decimal(0), reserved=Decimal(0), warn_percent=0
+                )
+                day = crossing_date(use, rate=rate, now=now)
+                return f"{period} limit on {day:%Y-%m-%d}" if day else "not foreseen"
+        return "-"
 
     @admin.display(description="this month")
     def month_use(self, obj: Budget) -> str:
@@ -171,23 +254,96 @@ class BudgetAdmin(admin.ModelAdmin):
         if obj.pk is None:
             return "-"
         scope = "agent" if obj.agent_id else "company"
+        now = timezone.now()
         uses = [
-            use
-            for use in budget_uses(company_id=obj.company_id, agent_id=obj.agent_id, now=timezone.now())
-            if use.scope == scope
+            use for use in budget_uses(company_id=obj.company_id, agent_id=obj.agent_id, now=now) if use.scope == scope
         ]
         if not uses:
             return "no limits set"
+        forecasts = budget_forecasts(company_id=obj.company_id, uses=uses, now=now)
         return format_html_join(
             "",
-            '<div class="{}">{}</div>',
-            (("errornote" if use.exceeded else "", use.describe()) for use in uses),
+            '<div class="{}">{}{}</div>',
+            (
+                (
+                    "errornote" if use.exceeded else "",
+                    use.describe(),
+                    f"; forecast: {forecast_text(forecasts[(use.scope, use.period)])}"
+                    if (use.scope, use.period) in forecasts
+                    else "",
+                )
+                for use in uses
+            ),
         )
 
     def formfield_for_foreignkey(self, db_field, request, **kwargs):
         if db_field.name == "agent":
             kwargs["queryset"] = Agent.objects.select_related("company").only("id", "name", "company__name")
         return super().formfield_for_foreignkey(db_field, request, **kwargs)
+
+
+class AlertAttemptInline(admin.TabularInline):
+    model = AlertAttempt
+    extra = 0
+    fields = ["number", "at", "status_code", "error", "duration_ms"]
+    readonly_fields = fields
+    can_delete = False
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(AlertDelivery)
+class AlertDeliveryAdmin(admin.ModelAdmin):
+    """Every budget alert sent to every target, with each HTTP attempt. Read-only: the
+    record of what was told to whom."""
+
+    list_display = [
+        "created_at",
+        "alert_label",
+        "target_url",
+        "status",
+        "attempts",
+        "last_status_code",
+        "last_error",
+        "next_attempt_at",
+    ]
+    list_filter = ["status", "alert__threshold", "alert__period"]
+    list_select_related = ["alert", "target"]
+    search_fields = ["target__url"]
+    date_hierarchy = "created_at"
+    inlines = [AlertAttemptInline]
+    actions = None
+    fields = [
+        "alert_label",
+        "target_url",
+        "status",
+        "attempts",
+        "next_attempt_at",
+        "last_status_code",
+        "last_error",
+        "created_at",
+        "finished_at",
+    ]
+    readonly_fields = fields
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    @admin.display(description="alert", ordering="alert__created_at")
+    def alert_label(self, obj: AlertDelivery) -> str:
+        alert = obj.alert
+        return f"{alert.threshold} ({alert.percent}%) of the {alert.period} limit, {alert.period_key}: ${alert.spent:.4f} of ${alert.limit:.2f}"
+
+    @admin.display(description="target", ordering="target__url")
+    def target_url(self, obj: AlertDelivery) -> str:
+        return obj.target.url
 
 
 @admin.register(CostEvent)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from uuid import UUID
 
 from django.db import transaction
@@ -11,6 +12,7 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 
 from costs_app.budgets import budget_uses
+from costs_app.forecast import Forecast, budget_forecasts
 from costs_app.models import Budget
 from costs_app.signals import budget_changed
 from sessions_app.api.base import ApiView, error_responses
@@ -31,6 +33,17 @@ class BudgetUseSerializer(serializers.Serializer):
     percent = serializers.FloatField()
     warning = serializers.BooleanField(help_text="At or past the soft warning percentage.")
     exceeded = serializers.BooleanField(help_text="At or past the hard limit.")
+    daily_rate_usd = serializers.DecimalField(
+        max_digits=30,
+        decimal_places=10,
+        allow_null=True,
+        help_text="Spend of the limit's scope per day over the last 7 days (null for the run cap).",
+    )
+    forecast_date = serializers.DateField(
+        allow_null=True,
+        help_text="UTC day the limit will be crossed at that rate; null when the rate is zero, the limit is "
+        "reached, or the period ends first.",
+    )
 
 
 class BudgetSerializer(serializers.ModelSerializer):
@@ -39,6 +52,14 @@ class BudgetSerializer(serializers.ModelSerializer):
     daily_limit_usd = serializers.DecimalField(**LIMIT, help_text="UTC day.")
     daily_run_limit = serializers.IntegerField(min_value=0, max_value=2_147_483_647, allow_null=True, required=False)
     warn_percent = serializers.IntegerField(min_value=1, max_value=100, required=False)
+    alert_percent = serializers.IntegerField(
+        min_value=1, max_value=100, required=False, help_text="Second alert threshold (percent of a limit)."
+    )
+    session_limit_usd = serializers.DecimalField(
+        **{**LIMIT, "min_value": Decimal("0.000001")},
+        help_text="A session that has spent this much is ended with a handoff to a new one; null = none. With "
+        "both a company and an agent budget, the lower applies.",
+    )
 
     class Meta:
         model = Budget
@@ -48,6 +69,8 @@ class BudgetSerializer(serializers.ModelSerializer):
             "daily_limit_usd",
             "daily_run_limit",
             "warn_percent",
+            "alert_percent",
+            "session_limit_usd",
             "updated_at",
         ]
         read_only_fields = ["updated_at"]
@@ -58,7 +81,9 @@ class BudgetResponseSerializer(serializers.Serializer):
     use = BudgetUseSerializer(many=True)
 
 
-def use_rows(uses) -> list[dict]:
+def use_rows(uses, forecasts: dict | None = None) -> list[dict]:
+    """The API's rows of budget uses, with the forecast of each money limit when given."""
+    forecasts = forecasts or {}
     return [
         {
             "scope": u.scope,
@@ -69,9 +94,16 @@ def use_rows(uses) -> list[dict]:
             "percent": round(u.percent, 2),
             "warning": u.warning,
             "exceeded": u.exceeded,
+            **forecast_fields(forecasts.get((u.scope, u.period))),
         }
         for u in uses
     ]
+
+
+def forecast_fields(forecast: Forecast | None) -> dict:
+    if forecast is None:
+        return {"daily_rate_usd": None, "forecast_date": None}
+    return {"daily_rate_usd": forecast.daily_rate_usd, "forecast_date": forecast.date}
 
 
 class BudgetView(ApiView):
@@ -84,10 +116,12 @@ class BudgetView(ApiView):
         return agent.company, agent
 
     def answer(self, company, agent, budget):
-        uses = budget_uses(company_id=company.id, agent_id=agent.id if agent else None, now=timezone.now())
+        now = timezone.now()
+        uses = budget_uses(company_id=company.id, agent_id=agent.id if agent else None, now=now)
         if agent is None:
             uses = [u for u in uses if u.scope == "company"]
-        body = {"budget": BudgetSerializer(budget).data if budget else None, "use": use_rows(uses)}
+        forecasts = budget_forecasts(company_id=company.id, uses=uses, now=now)
+        body = {"budget": BudgetSerializer(budget).data if budget else None, "use": use_rows(uses, forecasts)}
         return Response(BudgetResponseSerializer(body).data)
 
     def get(self, request, company_id: UUID, agent_id: UUID | None = None):

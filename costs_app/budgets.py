@@ -19,10 +19,11 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from django.db import transaction
-from django.db.models import Count, Exists, OuterRef, Q, Sum
+from django.db.models import Count, DecimalField, Exists, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 
-from costs_app.models import Budget, CostEvent
+from costs_app.alerts import budget_alerts_fire
+from costs_app.models import MONEY, Budget, CostEvent
 from costs_app.pricing import MILLION, price_for
 from paperclip.errors import RunFailure
 from sessions_app.models import Company, HeartbeatRun, RunStatus
@@ -34,8 +35,9 @@ PERIOD_NAMES = {"day": "daily", "month": "monthly", "lifetime": "lifetime", "day
 class BudgetExceeded(RunFailure):
     code = "budget_exceeded"
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, use: BudgetUse | None = None) -> None:
         super().__init__(type(self).code, message)
+        self.use = use  # the limit that refused, when one did (its hard-stop alert)
 
 
 class ModelUnpriced(BudgetExceeded):
@@ -53,6 +55,14 @@ class BudgetUse:
     spent: Decimal
     reserved: Decimal
     warn_percent: int
+    alert_percent: int = 95
+    budget_id: int | None = None
+    agent_id: object = None  # the agent of an agent budget (None: the company's)
+
+    @property
+    def spent_percent(self) -> float:
+        """Money (or runs) actually spent, as a share of the limit: what alerts compare."""
+        return float(self.spent / self.limit * 100) if self.limit else 100.0
 
     @property
     def percent(self) -> float:
@@ -165,6 +175,9 @@ def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> 
                     spent=spent[(budget.agent_id, period)],
                     reserved=reserved[budget.agent_id],
                     warn_percent=budget.warn_percent,
+                    alert_percent=budget.alert_percent,
+                    budget_id=budget.id,
+                    agent_id=budget.agent_id,
                 )
             )
         if budget.daily_run_limit is not None:
@@ -176,6 +189,9 @@ def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> 
                     spent=Decimal(runs[budget.agent_id]),
                     reserved=ZERO,
                     warn_percent=budget.warn_percent,
+                    alert_percent=budget.alert_percent,
+                    budget_id=budget.id,
+                    agent_id=budget.agent_id,
                 )
             )
     return uses
@@ -262,9 +278,13 @@ def budget_reserve(*, run, agent, estimate: Decimal | None, now: datetime, model
         Company.objects.select_for_update().filter(id=agent.company_id).first()
         uses = budget_uses(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
         refusal = _refusal(uses, estimate, model)
-        if refusal is not None:
-            raise refusal
-        HeartbeatRun.objects.filter(id=run.id).update(reserved_usd=estimate or ZERO)
+        if refusal is None:
+            HeartbeatRun.objects.filter(id=run.id).update(reserved_usd=estimate or ZERO)
+    if refusal is not None:
+        # Spending stopped at this limit: its hard-stop alert, after the lock is released.
+        if refusal.use is not None:
+            budget_alerts_fire(uses=[refusal.use], now=now, refused=True)
+        raise refusal
     warnings = [
         use.describe()
         for use in uses
@@ -277,11 +297,13 @@ def _refusal(uses: list[BudgetUse], estimate: Decimal | None, model: str) -> Bud
     money = [use for use in uses if use.period != "day_runs"]
     for use in uses:
         if use.period == "day_runs" and use.spent + 1 > use.limit:
-            return BudgetExceeded(f"The {use.scope} daily run cap of {use.limit:.0f} runs is reached.")
+            return BudgetExceeded(f"The {use.scope} daily run cap of {use.limit:.0f} runs is reached.", use=use)
     for use in money:
         if use.limit <= 0:
             # Zero means nothing may be spent, even by a call priced at nothing.
-            return BudgetExceeded(f"The {use.scope} {PERIOD_NAMES[use.period]} budget is $0: nothing may be spent.")
+            return BudgetExceeded(
+                f"The {use.scope} {PERIOD_NAMES[use.period]} budget is $0: nothing may be spent.", use=use
+            )
     if money and estimate is None:
         return ModelUnpriced(
             f"The model {model!r} has no price, so the cost of this call cannot be held against the budget. "
@@ -291,7 +313,8 @@ def _refusal(uses: list[BudgetUse], estimate: Decimal | None, model: str) -> Bud
         if use.spent + use.reserved + estimate > use.limit:
             return BudgetExceeded(
                 f"This call could cost up to ${estimate:.6f}, which would cross the {use.scope} {PERIOD_NAMES[use.period]} "
-                f"budget of ${use.limit:.2f} (spent ${use.spent:.6f}, ${use.reserved:.6f} held by running calls)."
+                f"budget of ${use.limit:.2f} (spent ${use.spent:.6f}, ${use.reserved:.6f} held by running calls).",
+                use=use,
             )
     return None
 
@@ -306,7 +329,11 @@ def budgets_crossed(*, company_id, agent_id, now: datetime) -> set[str]:
     is the caller's. Daily limits and the run cap refuse calls but pause no one: they
     clear themselves at midnight.
     """
-    uses = budget_uses(company_id=company_id, agent_id=agent_id, now=now)
+    return crossed_scopes(budget_uses(company_id=company_id, agent_id=agent_id, now=now))
+
+
+def crossed_scopes(uses: list[BudgetUse]) -> set[str]:
+    """`budgets_crossed` of uses already read."""
     return {use.scope for use in uses if use.exceeded and use.period in HARD_PERIODS}
 
 
@@ -320,3 +347,26 @@ def budgets_releasable(*, company_id, agent_ids, now: datetime) -> list:
 def next_month(now: datetime) -> datetime:
     start = period_start("month", now)
     return (start + timedelta(days=32)).replace(day=1)
+
+
+def session_limit_reached(*, company_id, agent_id, session_id) -> bool:
+    """Whether a session has spent its `session_limit_usd` (of the agent's or the company's
+    budget; the lower applies). One query: the lowest limit, with the session's spend on
+    the ledger as a subquery (cost_events_session_idx)."""
+    spend = (
+        CostEvent.objects.filter(session_id=session_id)
+        .order_by()
+        .values("session_id")
+        .annotate(total=Sum("cost_usd"))
+        .values("total")
+    )
+    row = (
+        Budget.objects.filter(
+            Q(agent__isnull=True) | Q(agent_id=agent_id), company_id=company_id, session_limit_usd__isnull=False
+        )
+        .annotate(spent=Coalesce(Subquery(spend, output_field=DecimalField(**MONEY)), ZERO))
+        .order_by("session_limit_usd")
+        .values_list("session_limit_usd", "spent")
+        .first()
+    )
+    return row is not None and row[1] >= row[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+from django.core.validators import MaxValueValidator, MinValueValidator, URLValidator
 from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -152,6 +153,19 @@ class Budget(models.Model):
     daily_limit_usd = models.DecimalField(**PRICE, null=True, blank=True)
     daily_run_limit = models.PositiveIntegerField(null=True, blank=True)
     warn_percent = models.PositiveSmallIntegerField(default=80, help_text="Soft warning at this share of a limit.")
+    alert_percent = models.PositiveSmallIntegerField(
+        default=95,
+        validators=[MinValueValidator(1), MaxValueValidator(100)],
+        help_text="Second alert at this share of a limit (the first is warn_percent).",
+    )
+    session_limit_usd = models.DecimalField(
+        **PRICE,
+        null=True,
+        blank=True,
+        # Zero would end every session on its first heartbeat, the successor included.
+        validators=[MinValueValidator(Decimal("0.000001"))],
+        help_text="A session that has spent this much is ended with a handoff to a new one.",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -165,3 +179,118 @@ class Budget(models.Model):
 
     def __str__(self) -> str:
         return f"budget of {self.agent or self.company}"
+
+
+class AlertThreshold(models.TextChoices):
+    SOFT = "soft"  # the budget's warn_percent
+    SECOND = "second"  # the budget's alert_percent (95% unless set)
+    HARD = "hard"  # the limit is spent, or a call was refused by it
+
+
+class AlertTarget(models.Model):
+    """A webhook told when one of its budget's limits crosses a threshold.
+
+    The secret signs each delivery (HMAC-SHA256); it is stored because signing needs it,
+    and never shown again: the API and the admin accept it and echo nothing of it.
+    """
+
+    budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="alert_targets")
+    url = models.URLField(max_length=2000, validators=[URLValidator(schemes=["http", "https"])])
+    secret = models.CharField(max_length=200)
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        db_table = "budget_alert_targets"
+        ordering = ["created_at"]
+
+    def __str__(self) -> str:
+        return self.url
+
+
+class BudgetAlert(models.Model):
+    """One threshold of one limit crossed in one period: the row that makes an alert fire
+    once. Two workers crossing it at once both try the insert; the unique constraint lets
+    one in, and only that one hands deliveries to the queue."""
+
+    # The unique budget_alerts_once_per_period leads with budget_id: it serves the cascade.
+    budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="alerts", db_index=False)
+    period = models.CharField(max_length=16, help_text="day, month, lifetime or day_runs.")
+    # The UTC day (YYYY-MM-DD), month (YYYY-MM) or "lifetime": which period it fired in.
+    period_key = models.CharField(max_length=16)
+    threshold = models.CharField(max_length=8, choices=AlertThreshold.choices)
+    percent = models.PositiveSmallIntegerField(help_text="The threshold, as a share of the limit.")
+    limit = models.DecimalField(**MONEY)
+    spent = models.DecimalField(**MONEY)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        db_table = "budget_alerts"
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["budget", "period", "period_key", "threshold"], name="budget_alerts_once_per_period"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.threshold} alert of {self.period} limit ({self.period_key})"
+
+
+class DeliveryStatus(models.TextChoices):
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
+
+class AlertDelivery(models.Model):
+    """One alert sent to one target, retried with back-off until delivered or failed."""
+
+    alert = models.ForeignKey(BudgetAlert, on_delete=models.CASCADE, related_name="deliveries")
+    target = models.ForeignKey(AlertTarget, on_delete=models.CASCADE, related_name="deliveries")
+    status = models.CharField(max_length=16, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    # When the next attempt is due; a claimed attempt moves it past its own timeout, so a
+    # worker killed mid-request is retried by the maintenance sweep, never twice at once.
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "budget_alert_deliveries"
+        ordering = ["-created_at"]
+        indexes = [
+            # The maintenance sweep: pending deliveries whose next attempt is due.
+            models.Index(
+                fields=["next_attempt_at"],
+                condition=models.Q(status="pending"),
+                name="alert_deliveries_due_idx",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.alert} to {self.target}"
+
+
+class AlertAttempt(models.Model):
+    """One HTTP attempt of a delivery: what the target answered, or why it could not."""
+
+    # The unique alert_attempts_one_per_number leads with delivery_id: it serves the cascade.
+    delivery = models.ForeignKey(AlertDelivery, on_delete=models.CASCADE, related_name="attempt_rows", db_index=False)
+    number = models.PositiveSmallIntegerField()
+    at = models.DateTimeField()
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+    duration_ms = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        db_table = "budget_alert_attempts"
+        ordering = ["delivery", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["delivery", "number"], name="alert_attempts_one_per_number"),
+        ]
+
+    def __str__(self) -> str:
+        return f"attempt {self.number}: {self.status_code or self.error[:40]}"

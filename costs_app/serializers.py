@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
+from costs_app.budget_views import BudgetUseSerializer
+
 MONEY = {"max_digits": 30, "decimal_places": 10}
 
 
@@ -40,6 +42,8 @@ class CostSummarySerializer(serializers.Serializer):
     agent_id = serializers.UUIDField(allow_null=True)
     rows = AgentModelCostSerializer(many=True, help_text="Month to date, per agent and model.")
     totals = TokenTotalsSerializer()
-    budgets = serializers.ListField(
-        child=serializers.DictField(), help_text="Use of each budget limit that applies (see the budget endpoints)."
+    budgets = BudgetUseSerializer(
+        many=True,
+        help_text="Use of each budget limit that applies, with its daily rate and forecast crossing date "
+        "(see the budget endpoints).",
     )

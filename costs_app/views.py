@@ -11,6 +11,7 @@ from rest_framework.response import Response
 
 from costs_app.budget_views import use_rows
 from costs_app.budgets import budget_uses
+from costs_app.forecast import budget_forecasts
 from costs_app.reports import ZERO, daily_costs, month_to_date, window_start
 from costs_app.serializers import CostSummarySerializer, DailyCostsSerializer
 from sessions_app.api.base import ApiView, error_responses
@@ -89,19 +90,19 @@ class CostSummaryView(CostsView):
         for row in rows:
             row["agent_name"] = names.get(row["agent_id"])
         month_start = now.astimezone(UTC).date().replace(day=1)
+        # Budget use beside the spend, with each limit's forecast: the company's limits,
+        # and the agent's when filtered.
+        uses = [
+            u
+            for u in budget_uses(company_id=company.id, agent_id=agent_id, now=now)
+            if agent_id or u.scope == "company"
+        ]
         body = {
             "month": month_start.strftime("%Y-%m"),
             "since": month_start,
             "agent_id": agent_id,
             "rows": rows,
             "totals": totals(rows),
-            # Budget use beside the spend: the company's limits, and the agent's when filtered.
-            "budgets": use_rows(
-                [
-                    u
-                    for u in budget_uses(company_id=company.id, agent_id=agent_id, now=now)
-                    if agent_id or u.scope == "company"
-                ]
-            ),
+            "budgets": use_rows(uses, budget_forecasts(company_id=company.id, uses=uses, now=now)),
         }
         return Response(CostSummarySerializer(body).data)

@@ -72,6 +72,11 @@ PAPERCLIP_MAX_CONCURRENT_RUNS = env_int("PAPERCLIP_MAX_CONCURRENT_RUNS", 0, mini
 PAPERCLIP_MEMORY_MAX_FILE_BYTES = env_int("PAPERCLIP_MEMORY_MAX_FILE_BYTES", 64 * 1024, minimum=1)
 PAPERCLIP_MEMORY_MAX_STORE_BYTES = env_int("PAPERCLIP_MEMORY_MAX_STORE_BYTES", 1024 * 1024, minimum=1)
 PAPERCLIP_MEMORY_VERSIONS_KEPT = env_int("PAPERCLIP_MEMORY_VERSIONS_KEPT", 50, minimum=1)
+# Budget alert webhooks (costs_app.alerts): attempts per delivery, the first retry's wait
+# (each later one waits four times longer), and each request's timeout.
+PAPERCLIP_ALERT_MAX_ATTEMPTS = env_int("PAPERCLIP_ALERT_MAX_ATTEMPTS", 5, minimum=1, maximum=20)
+PAPERCLIP_ALERT_RETRY_SECONDS = env_int("PAPERCLIP_ALERT_RETRY_SECONDS", 60, minimum=1, maximum=86_400)
+PAPERCLIP_ALERT_TIMEOUT_SECONDS = env_int("PAPERCLIP_ALERT_TIMEOUT_SECONDS", 10, minimum=1, maximum=120)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
 DEBUG = env_bool("DJANGO_DEBUG", False)

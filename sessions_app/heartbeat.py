@@ -70,7 +70,7 @@ from sessions_app.models import (
     RunTrigger,
     SessionStatus,
 )
-from sessions_app.plan import Plan, idle_pause, plan_session
+from sessions_app.plan import HANDOFF_REASONS, Plan, idle_pause, plan_session
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import NOTHING_STAGED, StagedHistory, configured_store_name, store_for
 from sessions_app.text import is_storable, storable
@@ -645,7 +645,7 @@ class ReplayedHistory:
         return plan_session(agent=beat.agent, run=beat.run, now=beat.now, settings_=beat.settings_)
 
     def handoff(self, beat: ClaimedRun, plan: Plan, *, reserve: BeforeCall) -> Plan:
-        if plan.retire_reason != "rotated":
+        if plan.retire_reason not in HANDOFF_REASONS:
             return plan
         return write_handoff(
             agent=beat.agent,

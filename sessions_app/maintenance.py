@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F
 
+from costs_app.alerts import alert_deliveries_retry
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.heartbeat import dispatch_waiting
 from sessions_app.metering import session_hours_bill
@@ -166,6 +167,7 @@ MAINTENANCE_STEPS = {
     "purged": histories_purge,
     "unstuck": lambda *, now: queues_unstick(),
     "budget_resumed": budget_pauses_release,
+    "alerts_queued": alert_deliveries_retry,
     "schedules_armed": schedules_arm_missing,
 }
 

@@ -14,6 +14,7 @@ from django.conf import settings
 from django.db import IntegrityError
 from django.db.models import Exists
 
+from costs_app.budgets import session_limit_reached
 from sessions_app.adapters import AdapterReply
 from sessions_app.context import SUMMARY_KINDS, ContextSettings, rotation_due
 from sessions_app.models import (
@@ -25,6 +26,10 @@ from sessions_app.models import (
     SessionStatus,
 )
 from sessions_app.stores import store_for
+
+# Why a live session ends with a note that opens its successor: it grew past its rotation
+# point, or it spent its budget's session_limit_usd.
+HANDOFF_REASONS = frozenset({"rotated", "session_limit"})
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ def plan_session(
     if live is None:
         return fresh_plan()
     reason = retire_reason(live, agent=agent, run=run, now=now, settings_=settings_, rotates=rotates)
-    if reason == "rotated" and not _link_run(run, live):
+    if reason in HANDOFF_REASONS and not _link_run(run, live):
         return fresh_plan()  # it ended (or was deleted) meanwhile: nothing is left to rotate
     if reason:
         return Plan(session=None, history=[], retire=live, retire_reason=reason, new_session=True)
@@ -92,6 +97,11 @@ def retire_reason(
         return "config_changed"
     if bool(live.cli_session_id) != agent.runs_claude_code_cli:
         return "config_changed"  # the runtime changed: a CLI session and a chat transcript do not mix
+    # Only a run that a budget applies to can have a session limit (one query when it may).
+    if getattr(run, "budgeted", True) and session_limit_reached(
+        company_id=agent.company_id, agent_id=agent.id, session_id=live.pk
+    ):
+        return "session_limit"
     if rotates and rotation_due(live, settings_, now):
         return "rotated"
     return ""

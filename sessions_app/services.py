@@ -12,7 +12,8 @@ from datetime import datetime
 from django.db import transaction
 from django.db.models import QuerySet
 
-from costs_app.budgets import budgets_crossed, budgets_releasable
+from costs_app.alerts import budget_alerts_fire
+from costs_app.budgets import budget_uses, budgets_releasable, crossed_scopes
 from memory_app.stores import agent_memory_delete
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.metering import session_hours_bill
@@ -108,8 +109,12 @@ def agent_resume(*, agent: Agent) -> None:
 
 def budgets_enforce(*, agent: Agent, now: datetime) -> bool:
     """Pause the agents a spent monthly or lifetime limit covers: the agent, or every
-    active agent of its company for a company limit. True when any limit is spent."""
-    crossed = budgets_crossed(company_id=agent.company_id, agent_id=agent.id, now=now)
+    active agent of its company for a company limit. True when any limit is spent.
+    The thresholds the agent's limits reached fire their alerts (costs_app.alerts)."""
+    uses = budget_uses(company_id=agent.company_id, agent_id=agent.id, now=now)
+    # Thresholds crossed are announced (once per period) whether or not anyone is paused.
+    budget_alerts_fire(uses=uses, now=now)
+    crossed = crossed_scopes(uses)
     if not crossed:
         return False
     targets = Agent.objects.filter(status=AgentStatus.ACTIVE)

@@ -132,6 +132,7 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "purged",
         "unstuck",
         "budget_resumed",
+        "alerts_queued",
         "schedules_armed",
     }
 

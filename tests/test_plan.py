@@ -6,18 +6,21 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from django.db import connection
+from django.db.models import Sum
 from django.utils import timezone
 
-from costs_app.models import CostEvent
+from costs_app.budgets import session_limit_reached
+from costs_app.models import Budget, CostEvent, CostKind
 from sessions_app.maintenance import sessions_expire
 from sessions_app.models import AgentSession, RunStatus, SessionStatus
 from sessions_app.services import session_delete, session_expire
 from sessions_app.stores import STORES, store_for
 from tests.conftest import beat
-from tests.fake_anthropic import plain_messages, text_turn
+from tests.fake_anthropic import Reply, plain_messages, text_turn
 
 
 def test_session_unused_past_its_ttl_is_not_resumed(persistent_agent, fake_anthropic):
@@ -154,3 +157,56 @@ def test_a_session_inserted_by_raw_sql_is_continued(persistent_agent, fake_anthr
     assert [m.get("seq") for m in store_for(session).read(session)[2:]] == [2, 3]
     assert CostEvent.objects.count() == costs + 1
     assert beat(persistent_agent, "and again?").session_id == session.id
+
+
+def session_spend(session: AgentSession) -> Decimal:
+    return CostEvent.objects.filter(session=session).aggregate(total=Sum("cost_usd"))["total"]
+
+
+def test_a_session_that_spent_its_session_limit_is_ended_with_a_handoff(company, persistent_agent, fake_anthropic):
+    beat(persistent_agent, "turn 0")
+    beat(persistent_agent, "turn 1")
+    first = AgentSession.objects.get(agent=persistent_agent)
+    # Its active time brings the session's spend to exactly the agent's limit; the
+    # company allows more, and the lower limit applies.
+    CostEvent.objects.create(
+        company=company,
+        agent=persistent_agent,
+        session=first,
+        kind=CostKind.SESSION_HOURS,
+        cost_usd=Decimal("0.5") - session_spend(first),
+    )
+    Budget.objects.create(company=company, session_limit_usd=Decimal("5"))
+    Budget.objects.create(company=company, agent=persistent_agent, session_limit_usd=Decimal("0.5"))
+    fake_anthropic.push(Reply.message("State: two turns done."))
+
+    run = beat(persistent_agent, "turn 2")
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    first.refresh_from_db()
+    assert (first.status, first.end_reason) == (SessionStatus.ENDED, "session_limit")
+    second = AgentSession.objects.get(agent=persistent_agent, status=SessionStatus.ACTIVE)
+    assert second.predecessor_id == first.id and run.session_id == second.id
+    history = store_for(second).read(second)
+    assert history[0]["kind"] == "handoff" and "State: two turns done." in history[0]["content"]
+    assert "Handoff note" in plain_messages(fake_anthropic.message_requests[-1])[0]["content"][0]["text"]
+
+    # The successor's spend starts from its own calls (the note's among them): it is resumed.
+    assert beat(persistent_agent, "turn 3").session_id == second.id
+
+
+def test_a_session_under_its_limit_is_resumed(company, persistent_agent, fake_anthropic):
+    first = beat(persistent_agent, "turn 0")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    Budget.objects.create(company=company, session_limit_usd=session_spend(session) + Decimal("0.000001"))
+
+    assert beat(persistent_agent, "turn 1").session_id == first.session_id
+
+
+def test_the_session_limit_costs_one_query(company, persistent_agent, fake_anthropic, django_assert_num_queries):
+    beat(persistent_agent, "turn 0")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    Budget.objects.create(company=company, session_limit_usd=Decimal("5"))
+    Budget.objects.create(company=company, agent=persistent_agent, session_limit_usd=Decimal("3"))
+    with django_assert_num_queries(1):
+        assert not session_limit_reached(company_id=company.id, agent_id=persistent_agent.id, session_id=session.id)

@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from costs_app.models import Budget, CostEvent
+from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, Budget, BudgetAlert, CostEvent
 from sessions_app.models import AgentSession, ApiKey, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
 from sessions_app.stores import store_for
 
@@ -92,6 +92,26 @@ def memory_write_demo(agent, reader, *, run) -> None:
     MemoryStoreShare.objects.create(store=mounts_for(agent)[0].store, agent=reader, access="read")
 
 
+def budget_alert_delivered(budget: Budget) -> AlertDelivery:
+    """A webhook target of `budget`, a soft alert and its delivery after one failed attempt."""
+    now = timezone.now()
+    target = AlertTarget.objects.create(budget=budget, url="https://alerts.example/hook", secret="s" * 32)
+    alert = BudgetAlert.objects.create(
+        budget=budget,
+        period="month",
+        period_key=f"{now:%Y-%m}",
+        threshold="soft",
+        percent=80,
+        limit=Decimal("100"),
+        spent=Decimal("81"),
+    )
+    delivery = AlertDelivery.objects.create(
+        alert=alert, target=target, attempts=1, last_status_code=500, last_error="HTTP 500"
+    )
+    AlertAttempt.objects.create(delivery=delivery, number=1, at=now, status_code=500, error="HTTP 500", duration_ms=12)
+    return delivery
+
+
 @pytest.fixture
 def full_house(db, company, persistent_agent, stateless_agent, other_agent):
     """One of everything every admin page lists."""
@@ -106,7 +126,8 @@ def full_house(db, company, persistent_agent, stateless_agent, other_agent):
     make_cost(persistent_agent, session=session, run=run)
     make_cost(other_agent, session=db_session, model="claude-unknown-9", unpriced=True, cost_usd=Decimal(0))
     key = ApiKey.objects.create(company=company, name="ci", prefix="pc_abcde", key_hash="0" * 64)
-    Budget.objects.create(company=company, monthly_limit_usd=Decimal("100"))
+    budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("100"))
+    budget_alert_delivered(budget)
     Budget.objects.create(company=company, agent=persistent_agent, daily_limit_usd=Decimal("5"), daily_run_limit=50)
     Group.objects.create(name="operators")
     Schedule.objects.create(name="heartbeat:demo", func="sessions_app.tasks.scheduled_heartbeat", minutes=5)

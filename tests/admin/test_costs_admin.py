@@ -136,3 +136,108 @@ def test_budget_page_shows_current_use(admin_client, company, persistent_agent):
     make_cost(persistent_agent, cost_usd=Decimal("0.25"))
     page = admin_client.get(reverse("admin:costs_app_budget_change", args=[budget.pk])).content.decode()
     assert "agent daily limit: 0.250000 of 1.000000 USD used (25%)" in page
+
+
+def budget_form(budget, **targets) -> dict:
+    """The budget change form as a browser posts it, with the alert target inline rows given."""
+    rows = targets.get("rows", [])
+    data = {
+        "company": str(budget.company_id),
+        "agent": "",
+        "monthly_limit_usd": str(budget.monthly_limit_usd or ""),
+        "lifetime_limit_usd": "",
+        "daily_limit_usd": "",
+        "daily_run_limit": "",
+        "warn_percent": "80",
+        "alert_percent": "95",
+        "session_limit_usd": "",
+        "alert_targets-TOTAL_FORMS": str(len(rows)),
+        "alert_targets-INITIAL_FORMS": str(sum(1 for row in rows if row.get("id"))),
+        "alert_targets-MIN_NUM_FORMS": "0",
+        "alert_targets-MAX_NUM_FORMS": "1000",
+    }
+    for i, row in enumerate(rows):
+        data.update({f"alert_targets-{i}-{name}": value for name, value in row.items()})
+        data[f"alert_targets-{i}-budget"] = str(budget.pk)
+    return data
+
+
+def test_budget_alert_targets_are_added_in_the_admin_and_their_secret_never_shown(admin_client, company):
+    from costs_app.models import AlertTarget, Budget
+
+    budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("10"))
+    change = reverse("admin:costs_app_budget_change", args=[budget.pk])
+    secret = "whsec-admin-0123456789abcdef"
+
+    response = admin_client.post(
+        change, budget_form(budget, rows=[{"url": "https://alerts.example/hook", "secret": secret, "active": "on"}])
+    )
+
+    assert response.status_code == 302, response.context["inline_admin_formsets"][0].formset.errors
+    target = AlertTarget.objects.get()
+    assert target.secret == secret
+    assert secret not in admin_client.get(change).content.decode()
+    # Saved again without a secret: the secret stays.
+    rows = [{"id": str(target.pk), "url": "https://alerts.example/other", "secret": "", "active": "on"}]
+    assert admin_client.post(change, budget_form(budget, rows=rows)).status_code == 302
+    target.refresh_from_db()
+    assert (target.url, target.secret) == ("https://alerts.example/other", secret)
+
+
+def test_a_new_target_without_a_secret_or_with_a_bad_url_is_refused_with_a_message(admin_client, company):
+    from costs_app.models import AlertTarget, Budget
+
+    budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("10"))
+    change = reverse("admin:costs_app_budget_change", args=[budget.pk])
+    for row in (
+        {"url": "https://alerts.example/hook", "secret": ""},
+        {"url": "ftp://alerts.example/hook", "secret": "whsec-admin-0123456789abcdef"},
+    ):
+        response = admin_client.post(change, budget_form(budget, rows=[row]))
+        assert response.status_code == 200
+        assert response.context["inline_admin_formsets"][0].formset.errors
+    assert not AlertTarget.objects.exists()
+
+
+def test_budget_pages_show_the_forecast(admin_client, company, persistent_agent):
+    from costs_app.models import Budget
+
+    budget = Budget.objects.create(company=company, lifetime_limit_usd=Decimal("10"))
+    make_cost(persistent_agent, cost_usd=Decimal("5"))  # today: $5 a day, $5 left
+
+    changelist = admin_client.get(reverse("admin:costs_app_budget_changelist")).content.decode()
+    page = admin_client.get(reverse("admin:costs_app_budget_change", args=[budget.pk])).content.decode()
+
+    crossing = {f"{(timezone.now() + timedelta(days=1, seconds=s)):%Y-%m-%d}" for s in (0, 60)}
+    assert any(f"lifetime limit on {day}" in changelist for day in crossing)
+    assert any(f"crossed on {day} at $5.0000/day" in page for day in crossing)
+
+
+def test_alert_deliveries_are_read_only_with_their_attempts(admin_client, company):
+    from costs_app.models import Budget
+    from tests.admin.conftest import budget_alert_delivered
+
+    delivery = budget_alert_delivered(Budget.objects.create(company=company, monthly_limit_usd=Decimal("100")))
+    change = reverse("admin:costs_app_alertdelivery_change", args=[delivery.pk])
+
+    page = admin_client.get(change).content.decode()
+
+    assert "soft (80%) of the month limit" in page and "HTTP 500" in page and "https://alerts.example/hook" in page
+    assert "s" * 32 not in page
+    assert admin_client.get(reverse("admin:costs_app_alertdelivery_add")).status_code == 403
+    assert admin_client.post(change, {"status": "delivered"}).status_code == 403
+    listing = admin_client.get(reverse("admin:costs_app_alertdelivery_changelist")).content.decode()
+    assert 'name="action"' not in listing and "HTTP 500" in listing
+
+
+def test_bad_alert_settings_in_the_admin_are_refused_with_a_message(admin_client, company):
+    from costs_app.models import Budget
+
+    budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("10"))
+    change = reverse("admin:costs_app_budget_change", args=[budget.pk])
+    for field, value in (("alert_percent", "101"), ("session_limit_usd", "0")):
+        response = admin_client.post(change, {**budget_form(budget), field: value})
+        assert response.status_code == 200
+        assert field in response.context["adminform"].form.errors
+    budget.refresh_from_db()
+    assert (budget.alert_percent, budget.session_limit_usd) == (95, None)

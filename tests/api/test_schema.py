@@ -17,6 +17,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from costs_app.models import AlertTarget, Budget
 from sessions_app.api_keys import api_key_create
 from sessions_app.models import Agent, Company
 from tests.api.conftest import make_run, make_session
@@ -46,6 +47,10 @@ def test_schema_is_openapi_3_with_every_endpoint(schema):
         "/api/companies/{company_id}/agents/{agent_id}/sessions/{session_id}": {"get", "delete"},
         "/api/companies/{company_id}/costs/daily": {"get"},
         "/api/companies/{company_id}/costs/summary": {"get"},
+        "/api/companies/{company_id}/budget/targets": {"get", "post"},
+        "/api/companies/{company_id}/budget/targets/{target_id}": {"delete"},
+        "/api/companies/{company_id}/agents/{agent_id}/budget/targets": {"get", "post"},
+        "/api/companies/{company_id}/agents/{agent_id}/budget/targets/{target_id}": {"delete"},
     }.items():
         assert methods <= set(paths[path]), path
 
@@ -103,6 +108,10 @@ def test_schemathesis_finds_no_server_errors_and_no_schema_violations(live_serve
         "session_id": session.public_id,
         "run_id": str(run.id),
         "memory_path": "notes/todo.md",
+        # A budget without limits, for its alert target: the fuzzed heartbeats are not refused.
+        "target_id": AlertTarget.objects.create(
+            budget=Budget.objects.create(company=company), url="https://alerts.example/hook", secret="s" * 32
+        ).id,
     }
     api_schema = schemathesis.openapi.from_url(f"{live_server.url}/api/schema/?format=json")
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

@@ -1,0 +1,131 @@
+"""Budget alert targets, alert settings and forecasts through the API: the secret is
+write-only, bad input is a 400 naming the field."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from costs_app.models import AlertTarget, Budget, CostEvent
+
+SECRET = "whsec-test-0123456789abcdef"
+
+
+@pytest.fixture
+def budget(company):
+    return Budget.objects.create(company=company, monthly_limit_usd=Decimal("10"))
+
+
+def targets_url(company, agent=None) -> str:
+    scope = f"/api/companies/{company.id}" + (f"/agents/{agent.id}" if agent else "")
+    return f"{scope}/budget/targets"
+
+
+def test_a_target_is_created_listed_and_deleted_and_its_secret_never_returned(api, company, budget):
+    response = api.post(targets_url(company), {"url": "https://alerts.example/hook", "secret": SECRET})
+
+    assert response.status_code == 201, response.json()
+    created = response.json()
+    assert set(created) == {"id", "url", "active", "created_at"}
+    assert AlertTarget.objects.get().secret == SECRET
+    listed = api.get(targets_url(company))
+    assert listed.json() == {"targets": [created]}
+    assert SECRET not in listed.content.decode() and SECRET not in response.content.decode()
+
+    assert api.delete(f"{targets_url(company)}/{created['id']}").status_code == 204
+    assert api.delete(f"{targets_url(company)}/{created['id']}").status_code == 404
+    assert not AlertTarget.objects.exists()
+
+
+def test_an_agent_budget_has_its_own_targets(api, company, persistent_agent):
+    Budget.objects.create(company=company, agent=persistent_agent, daily_limit_usd=Decimal("1"))
+    response = api.post(targets_url(company, persistent_agent), {"url": "http://127.0.0.1:9/hook", "secret": SECRET})
+    assert response.status_code == 201, response.json()
+    assert AlertTarget.objects.get().budget.agent_id == persistent_agent.id
+    assert api.get(targets_url(company)).json() == {"targets": []}
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"url": "ftp://alerts.example/hook", "secret": SECRET}, "url"),
+        ({"url": "file:///etc/passwd", "secret": SECRET}, "url"),
+        ({"url": "not a url", "secret": SECRET}, "url"),
+        ({"url": "https://alerts.example/" + "a" * 2000, "secret": SECRET}, "url"),
+        ({"url": "https://alerts.example/hook", "secret": "short"}, "secret"),
+        ({"url": "https://alerts.example/hook"}, "secret"),
+        ({"url": "https://alerts.example/hook", "secret": SECRET, "active": "maybe"}, "active"),
+    ],
+)
+def test_bad_targets_are_a_400_naming_the_field(api, company, budget, body, field):
+    response = api.post(targets_url(company), body)
+    assert response.status_code == 400
+    assert field in response.json()["error"]["fields"]
+    assert not AlertTarget.objects.exists()
+
+
+def test_a_target_needs_a_budget_first(api, company):
+    response = api.post(targets_url(company), {"url": "https://alerts.example/hook", "secret": SECRET})
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "no_budget"
+
+
+def test_targets_of_another_company_are_404(api, company, other_company, other_agent):
+    other = Budget.objects.create(company=other_company, monthly_limit_usd=Decimal("1"))
+    target = AlertTarget.objects.create(budget=other, url="https://alerts.example/hook", secret=SECRET)
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("1"))
+    assert api.get(targets_url(company, other_agent)).status_code == 404
+    assert api.delete(f"{targets_url(company)}/{target.id}").status_code == 404
+    assert AlertTarget.objects.filter(pk=target.pk).exists()
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"alert_percent": 0}, "alert_percent"),
+        ({"alert_percent": 101}, "alert_percent"),
+        ({"session_limit_usd": "0"}, "session_limit_usd"),
+        ({"session_limit_usd": "-1"}, "session_limit_usd"),
+        ({"session_limit_usd": "lots"}, "session_limit_usd"),
+    ],
+)
+def test_bad_alert_settings_are_a_400_naming_the_field(api, company, body, field):
+    response = api.put(f"/api/companies/{company.id}/budget", body)
+    assert response.status_code == 400
+    assert field in response.json()["error"]["fields"]
+
+
+def test_alert_settings_and_the_session_limit_are_set_and_read(api, company):
+    response = api.put(
+        f"/api/companies/{company.id}/budget",
+        {"monthly_limit_usd": "10", "alert_percent": 90, "session_limit_usd": "1.5"},
+    )
+    assert response.status_code == 200, response.json()
+    budget = response.json()["budget"]
+    assert (budget["alert_percent"], budget["session_limit_usd"], budget["warn_percent"]) == (90, "1.500000", 80)
+
+
+def test_the_summary_and_the_budget_show_each_limits_forecast(api, company, stateless_agent):
+    now = timezone.now()
+    CostEvent.objects.create(
+        company=company, agent=stateless_agent, model="m", cost_usd=Decimal("4"), created_at=now - timedelta(days=2)
+    )
+    Budget.objects.create(company=company, lifetime_limit_usd=Decimal("100"), daily_run_limit=10)
+
+    summary = api.get(f"/api/companies/{company.id}/costs/summary").json()
+    budget = api.get(f"/api/companies/{company.id}/budget").json()
+
+    runs, lifetime = sorted(summary["budgets"], key=lambda row: row["period"])
+    # $4 over the 2 days since the first spend (and the moments the requests took): $2 a
+    # day, $96 left, 48 days.
+    assert Decimal(lifetime["daily_rate_usd"]).quantize(Decimal("0.001")) == Decimal("2.000")
+    assert lifetime["forecast_date"] in {
+        (now + timedelta(days=48, seconds=seconds)).date().isoformat() for seconds in (0, 60)
+    }
+    assert (runs["period"], runs["forecast_date"], runs["daily_rate_usd"]) == ("day_runs", None, None)
+    assert [(row["period"], row["forecast_date"]) for row in budget["use"]] == [
+        (row["period"], row["forecast_date"]) for row in summary["budgets"]
+    ]
