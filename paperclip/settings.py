@@ -59,6 +59,16 @@ PAPERCLIP_MAX_QUEUED_RUNS = env_int("PAPERCLIP_MAX_QUEUED_RUNS", 100, minimum=1)
 # Runs in progress across the whole deployment (every host; the database decides); 0 = no cap.
 # The rest wait queued and start oldest first as runs finish.
 PAPERCLIP_MAX_CONCURRENT_RUNS = env_int("PAPERCLIP_MAX_CONCURRENT_RUNS", 0, minimum=0)
+# No-work heartbeats (README: "Heartbeats without work"): what a work check may append to
+# the task, the hosts its URL may name in authenticated mode, and the schedule back-off.
+PAPERCLIP_WORK_CHECK_MAX_OUTPUT_BYTES = env_int(
+    "PAPERCLIP_WORK_CHECK_MAX_OUTPUT_BYTES", 16 * 1024, minimum=1, maximum=1024 * 1024
+)
+PAPERCLIP_WORK_CHECK_HOSTS = frozenset(
+    host.strip().lower() for host in env_str("PAPERCLIP_WORK_CHECK_HOSTS", "").split(",") if host.strip()
+)
+PAPERCLIP_BACKOFF_AFTER_RUNS = env_int("PAPERCLIP_BACKOFF_AFTER_RUNS", 3, minimum=0, maximum=1000)
+PAPERCLIP_BACKOFF_MAX_FACTOR = env_int("PAPERCLIP_BACKOFF_MAX_FACTOR", 8, minimum=1, maximum=1024)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
 DEBUG = env_bool("DJANGO_DEBUG", False)
