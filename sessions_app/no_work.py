@@ -19,6 +19,7 @@ from decimal import Decimal
 
 from django.db.models import F
 
+from sessions_app.errors import RunAbandoned
 from sessions_app.models import Agent, HeartbeatRun, RunStatus
 from sessions_app.schedules import agent_schedule_sync
 from sessions_app.wakes import HeartbeatPlan
@@ -35,11 +36,12 @@ def check_for_work(*, run: HeartbeatRun, agent: Agent) -> str | None:
     found: Found = work_check_run(check)
     if not found.work:
         return None
-    if found.output:
-        # Kept on the run (shown by the API and the admin); the task itself stays as asked,
-        # so that an idempotent retry still matches it.
-        HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(work_check_output=found.output)
-        run.work_check_output = found.output
+    # The check may have outlived the run's deadline: a reaped run calls no model. What the
+    # check found is kept on the run (shown by the API and the admin); the task itself
+    # stays as asked, so that an idempotent retry still matches it.
+    if not HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(work_check_output=found.output):
+        raise RunAbandoned("run_timeout", "The run was reaped while its work check ran; no model was called.")
+    run.work_check_output = found.output
     return task_with_output(run.task, found.output)
 
 

@@ -19,7 +19,7 @@ from sessions_app.adapters import AgentConfigError
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus
 from sessions_app.schedules import agent_next_wakes, agent_schedule_sync, schedule_name
 from sessions_app.stores import store_for
-from tests.conftest import beat, listed_commands
+from tests.conftest import beat, listed_commands, on_own_connection
 from tests.fake_anthropic import Reply, last_user_text, plain_messages, text_turn
 
 pytestmark = pytest.mark.django_db
@@ -186,6 +186,7 @@ class WorkServer:
 
     def __init__(self) -> None:
         self.answer = (204, b"", 0.0)
+        self.before_answer = None  # a second actor, run before the answer is sent
         self.hits = 0
         server = self
 
@@ -196,6 +197,8 @@ class WorkServer:
             def do_GET(self):
                 server.hits += 1
                 status, body, delay = server.answer
+                if server.before_answer is not None:
+                    server.before_answer()
                 time.sleep(delay)
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(body)))
@@ -451,3 +454,24 @@ def test_a_skipped_run_is_terminal_everywhere(stateless_agent, fake_anthropic, t
     assert run_state(now=timezone.now() + timedelta(days=1)) == {"oldest_queued_seconds": None, "past_deadline": 0}
     assert HeartbeatRun.objects.get(pk=run.pk).status == RunStatus.SKIPPED
     assert beat(stateless_agent).status == RunStatus.SKIPPED
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("answer", [(204, b"", 0.0), (200, b"work", 0.0)])
+def test_a_run_reaped_while_its_check_runs_is_neither_skipped_nor_sent(stateless_agent, fake_anthropic, answer):
+    """The reaper (another process) fails the run while the check's URL is answering."""
+    from sessions_app.maintenance import runs_reap
+
+    server = WorkServer()
+    server.answer = answer
+    server.before_answer = on_own_connection(lambda: runs_reap(now=timezone.now() + timedelta(days=1)))
+    try:
+        with_config(stateless_agent, work_check={"url": server.url})
+        run = beat(stateless_agent)
+    finally:
+        server.stop()
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
+    assert fake_anthropic.requests == [] and not CostEvent.objects.exists()
+    stateless_agent.refresh_from_db()
+    assert stateless_agent.idle_streak == 0
