@@ -95,10 +95,11 @@ class Agent(models.Model):
         self.clean()
         if not self._state.adding and kwargs.get("update_fields") is None and not kwargs.get("force_insert"):
             # A form read before a run ended must not put back the idle streak it read.
+            skipped = ENGINE_FIELDS | self.get_deferred_fields()  # deferred: Django saves only loaded fields
             kwargs["update_fields"] = [
                 field.name
                 for field in self._meta.concrete_fields
-                if not field.primary_key and field.name not in ENGINE_FIELDS
+                if not field.primary_key and field.name not in skipped and field.attname not in skipped
             ]
         super().save(*args, **kwargs)
 

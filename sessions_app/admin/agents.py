@@ -220,7 +220,7 @@ class AgentAdmin(admin.ModelAdmin):
         if plan is not None and plan.interval_minutes:
             stretched = f"every {plan.interval_minutes * factor} min instead of {plan.interval_minutes}"
         elif plan is not None:
-            stretched = f"every {factor}th wake of its cron expression"
+            stretched = f"1 of every {factor} times of its cron expression"
         else:
             stretched = "no schedule to stretch"
         return format_html('<strong class="backoff">x{}</strong>: {} ({})', factor, stretched, streak)
