@@ -14,6 +14,10 @@ Scripted reply kinds:
 - Reply.no_usage(): an answer without a `usage` object;
 - Reply.during(action): the default answer, with `action` as its `before`.
 
+`fake.system_answers` ({text: answer}) picks the default answer by the system prompt: a
+request whose system prompt contains a key is answered with its value (an idle agent that
+says "NOTHING_TO_DO" in a benchmark); FAKE_SYSTEM_ANSWERS sets it as JSON when run alone.
+
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
 arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
 operator, a delete) at the moment a call is in flight. An exception from it is kept in
@@ -162,6 +166,7 @@ class FakeAnthropic:
         # Prompt cache: hashes of request prefixes written at cache_control breakpoints.
         self.cache: set[str] = set()
         self.answer_padding = ""
+        self.system_answers: dict[str, str] = {}
         self.action_errors: list[BaseException] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
@@ -272,6 +277,9 @@ class FakeAnthropic:
         )
         if reply.text is None and self.answer_padding:
             text += " " + self.answer_padding
+        if reply.text is None and self.system_answers:
+            system = plain_system(body)
+            text = next((answer for key, answer in self.system_answers.items() if key in system), text)
         compaction = self.server_compaction(body) if reply.kind == "default" else None
         message = {
             "id": reply.message_id or f"msg_{self.id_prefix}_{number:06d}",
@@ -393,12 +401,14 @@ class FakeAnthropic:
 def serve_forever() -> None:
     """`python -m tests.fake_anthropic`: run the fake alone (benchmarks, live servers).
 
-    Prints its base URL on the first line. FAKE_LATENCY_MS delays every default answer.
+    Prints its base URL on the first line. FAKE_LATENCY_MS delays every default answer;
+    FAKE_SYSTEM_ANSWERS (JSON) sets `system_answers`.
     """
     import os
     import signal
 
     fake = FakeAnthropic(latency=float(os.environ.get("FAKE_LATENCY_MS", "0")) / 1000)
+    fake.system_answers = json.loads(os.environ.get("FAKE_SYSTEM_ANSWERS") or "{}")
     print(fake.base_url, flush=True)
 
     def stop(*args):
