@@ -475,3 +475,20 @@ def test_a_run_reaped_while_its_check_runs_is_neither_skipped_nor_sent(stateless
     assert fake_anthropic.requests == [] and not CostEvent.objects.exists()
     stateless_agent.refresh_from_db()
     assert stateless_agent.idle_streak == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_transaction_is_open_while_the_check_runs(stateless_agent, fake_anthropic):
+    from django.db import connections
+
+    heartbeat_connection = connections["default"]  # this thread's: the one the heartbeat uses
+    seen = []
+    server = WorkServer()
+    server.answer = (200, b"work", 0.0)
+    server.before_answer = lambda: seen.append(heartbeat_connection.in_atomic_block)
+    try:
+        with_config(stateless_agent, work_check={"url": server.url})
+        assert beat(stateless_agent).status == RunStatus.SUCCEEDED
+    finally:
+        server.stop()
+    assert seen == [False]
