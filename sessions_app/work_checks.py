@@ -255,7 +255,7 @@ def _url_check(url: str, *, timeout: float) -> Found:
 
 
 def _text(raw: bytes) -> str:
-    # A check's bytes are not always UTF-8; a bad byte becomes U+FFFD, a NUL is dropped.
+    # A check's bytes are not always UTF-8: a bad byte (or a NUL) becomes U+FFFD.
     return storable(raw.decode("utf-8", errors="replace"))
 
 

@@ -492,3 +492,16 @@ def test_no_transaction_is_open_while_the_check_runs(stateless_agent, fake_anthr
     finally:
         server.stop()
     assert seen == [False]
+
+
+def test_a_system_check_names_agents_whose_work_check_may_no_longer_run(stateless_agent, settings, tmp_path):
+    from sessions_app.checks import check_work_checks
+
+    with_config(stateless_agent, work_check={"command": check_script(tmp_path, "sys.exit(1)")})
+    assert check_work_checks(None) == []
+
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+
+    (warning,) = check_work_checks(None)
+    assert warning.id == "paperclip.W005"
+    assert str(stateless_agent.id) in warning.msg and "adapter_config.work_check.command" in warning.msg
