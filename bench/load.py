@@ -1,10 +1,11 @@
 """Load benchmark: a live server (gunicorn, several workers, qcluster) on PostgreSQL.
 
     .venv/bin/python bench/load.py [--seconds 60] [--clients 4] [--skip-mixed] [--skip-scaling] [--skip-memory]
+                                   [--skip-storm]
 
 Needs PostgreSQL on 127.0.0.1:5432 (user postgres, trust) and Redis on 127.0.0.1:6379.
 It (re)creates the scratch database `paperclip_live_bench`, uses Redis db 7 only, binds
-ports 3400-3499, and sends traffic to 127.0.0.1 only. Three parts:
+ports 3400-3499, and sends traffic to 127.0.0.1 only. Four parts:
 
 1. Mixed traffic for `--seconds` from `--clients` client processes (closed loop, one
    request at a time each, bounded by time and by `--max-requests`): list sessions,
@@ -17,6 +18,13 @@ ports 3400-3499, and sends traffic to 127.0.0.1 only. Three parts:
 3. Memory of a qcluster worker (RSS, from /proc) after 100 and after 1,000 heartbeats:
    one cluster with one worker, django-q2's worker recycling turned off so that the same
    process serves all 1,000 (production recycles every 500 tasks, django-q2's default).
+4. A tick storm: `--storm-agents` scheduled agents all due at once, two qcluster processes
+   on the database broker (PostgreSQL), PAPERCLIP_MAX_CONCURRENT_RUNS=`--storm-cap`, the
+   fake answering after `--storm-latency-ms`. django-q2's own schedulers fire the ticks: the
+   schedule rows are made due in one transaction, twice (the second wave lands while the
+   first one's runs still wait or run). Prints the most runs seen running at once (polled,
+   and from the runs' start and finish times), and per agent whether every tick the
+   clusters executed became exactly one run or one merge into a run (none lost or doubled).
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ import psycopg  # noqa: E402
 
 from tests.live.server import LiveServer, call, rss_kib  # noqa: E402
 
-DB_NAME = "paperclip_live_bench"
+# Another name (PAPERCLIP_BENCH_DB) lets two people on one machine bench at once.
+DB_NAME = os.environ.get("PAPERCLIP_BENCH_DB", "paperclip_live_bench")
 DB_URL = f"postgres://postgres@127.0.0.1:5432/{DB_NAME}"
 REDIS_URL = "redis://127.0.0.1:6379/7"
 PERSISTENT = {"model": "claude-sonnet-4-5", "session_mode": "persistent", "session_ttl_hours": 24}
@@ -337,6 +346,145 @@ def memory(args) -> None:
     print(f"  {args.memory_last} vs {args.memory_first} heartbeats: {last / first:.3f}x (goal <= 1.1x)")
 
 
+# Part 4: a tick storm under the cap, two clusters
+
+
+HEARTBEAT_FUNC = "sessions_app.tasks.scheduled_heartbeat"
+
+
+def storm_arm(agent_ids: list[str]) -> None:
+    """Make every agent's tick due now, in one transaction: the schedulers see all or none.
+    The first time the rows are created (and the agents configured to match them); then
+    they are moved back to now."""
+    with psycopg.connect(DB_URL.replace("postgres://", "postgresql://")) as conn:
+        for agent_id in agent_ids:
+            name = f"heartbeat:{agent_id}"
+            moved = conn.execute(
+                "UPDATE django_q_schedule SET next_run = now() - interval '1 second' WHERE name = %s", (name,)
+            ).rowcount
+            if not moved:
+                conn.execute(
+                    "INSERT INTO django_q_schedule (name, func, args, schedule_type, minutes, repeats, next_run) "
+                    "VALUES (%s, %s, %s, 'I', 1440, -1, now() - interval '1 second')",
+                    (name, HEARTBEAT_FUNC, repr((agent_id,))),
+                )
+                conn.execute(
+                    "UPDATE agents SET adapter_config = adapter_config || '{\"heartbeat_interval_minutes\": 1440}' "
+                    "WHERE id = %s",
+                    (agent_id,),
+                )
+
+
+def storm_ticks_taken(agent_ids: list[str]) -> int:
+    """How many of the agents' schedule rows the schedulers have fired (moved a day on)."""
+    [(taken,)] = sql(
+        "SELECT count(*) FROM django_q_schedule WHERE name = ANY(%s) AND next_run > now() + interval '1 hour'",
+        ([f"heartbeat:{agent_id}" for agent_id in agent_ids],),
+    )
+    return taken
+
+
+def storm_poll(stop_at: float, samples: list[int]) -> None:
+    """Count the runs in progress every ~10 ms until `stop_at` (monotonic)."""
+    with psycopg.connect(DB_URL.replace("postgres://", "postgresql://"), autocommit=True) as conn:
+        while time.monotonic() < stop_at:
+            samples.append(conn.execute("SELECT count(*) FROM heartbeat_runs WHERE status = 'running'").fetchone()[0])
+            time.sleep(0.01)
+
+
+def most_overlapping(intervals: list[tuple]) -> int:
+    """The most [start, finish) intervals that hold one instant."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(finish, -1) for _, finish in intervals])
+    most = current = 0
+    for _, step in events:
+        current += step
+        most = max(most, current)
+    return most
+
+
+def storm(args) -> None:
+    import threading
+
+    fake, fake_url = fake_start(args.storm_latency_ms)
+    server = LiveServer(
+        database_url=DB_URL,
+        secret_key=secrets.token_urlsafe(50),
+        home=Path(tempfile.mkdtemp(prefix="pc-live-bench-")),
+        anthropic_base_url=fake_url,
+        web_workers=2,
+        web_threads=4,
+        clusters=2,
+        q_workers=args.storm_q_workers,
+        extra_env={"PAPERCLIP_MAX_CONCURRENT_RUNS": str(args.storm_cap)},
+    )
+    samples: list[int] = []
+    try:
+        server.start()
+        company, agents = seed(server, agents=args.storm_agents, name="Storm")
+        poller = threading.Thread(target=storm_poll, args=(time.monotonic() + 600, samples), daemon=True)
+        poller.start()
+        started = time.monotonic()
+        for wave in (1, 2):
+            storm_arm(agents)
+            deadline = time.monotonic() + 120
+            while storm_ticks_taken(agents) < len(agents):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"wave {wave}: the schedulers fired {storm_ticks_taken(agents)} ticks in 120 s")
+                time.sleep(0.2)
+            print(f"  wave {wave}: {len(agents)} ticks fired by the schedulers after {time.monotonic() - started:.1f}s")
+        deadline = time.monotonic() + 900
+        while True:
+            [(tasks, unfinished)] = sql(
+                "SELECT (SELECT count(*) FROM django_q_task WHERE func = %s), "
+                "(SELECT count(*) FROM heartbeat_runs WHERE status IN ('queued', 'running'))",
+                (HEARTBEAT_FUNC,),
+            )
+            if tasks >= 2 * len(agents) and not unfinished:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"storm: {tasks} ticks executed, {unfinished} runs unfinished after 900 s")
+            time.sleep(0.5)
+        wall = time.monotonic() - started
+    finally:
+        server.stop()
+        fake_stop(fake)
+    runs = sql(
+        "SELECT agent_id::text, status, merged_ticks, started_at, finished_at FROM heartbeat_runs "
+        "WHERE trigger = 'schedule' AND agent_id = ANY(%s::uuid[])",
+        (agents,),
+    )
+    # django-q2 names each task a schedule fires by the schedule (its group).
+    ticks = sql('SELECT "group", success, result FROM django_q_task WHERE func = %s', (HEARTBEAT_FUNC,))
+    executed = defaultdict(int)
+    for group, _success, _result in ticks:
+        executed[group.removeprefix("heartbeat:")] += 1
+    served = defaultdict(int)
+    for agent_id, _status, merged, _start, _finish in runs:
+        served[agent_id] += 1 + merged
+    statuses = defaultdict(int)
+    for row in runs:
+        statuses[row[1]] += 1
+    mismatched = [agent for agent in agents if executed[agent] != 2 or served[agent] != 2]
+    merged_total = sum(row[2] for row in runs)
+    overlap = most_overlapping([(row[3], row[4]) for row in runs if row[3] and row[4]])
+    print(
+        f"storm: {len(agents)} scheduled agents x 2 waves, 2 qcluster x {args.storm_q_workers} workers "
+        f"(database broker, PostgreSQL), PAPERCLIP_MAX_CONCURRENT_RUNS={args.storm_cap}, "
+        f"fake latency {args.storm_latency_ms} ms, {wall:.1f}s"
+    )
+    print(
+        f"  ticks executed {sum(executed.values())} (tasks failed {sum(1 for t in ticks if not t[1])}); "
+        f"runs {len(runs)} ({dict(statuses)}) + merged ticks {merged_total} = {len(runs) + merged_total}"
+    )
+    print(
+        f"  agents whose 2 ticks were not exactly 2 runs-or-merges: {len(mismatched)} (goal 0: no tick lost or doubled)"
+    )
+    print(
+        f"  most runs running at once: {max(samples, default=0)} polled every ~10 ms "
+        f"({len(samples)} samples), {overlap} from the runs' start/finish times (goal <= {args.storm_cap})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60)
@@ -354,6 +502,11 @@ def main() -> None:
     parser.add_argument("--skip-mixed", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--storm-agents", type=int, default=50)
+    parser.add_argument("--storm-cap", type=int, default=8)
+    parser.add_argument("--storm-q-workers", type=int, default=6, help="workers per qcluster (storm part)")
+    parser.add_argument("--storm-latency-ms", type=int, default=8000)
+    parser.add_argument("--skip-storm", action="store_true")
     args = parser.parse_args()
 
     database_create()
@@ -366,6 +519,8 @@ def main() -> None:
         scaling(args)
     if not args.skip_memory:
         memory(args)
+    if not args.skip_storm:
+        storm(args)
 
 
 if __name__ == "__main__":

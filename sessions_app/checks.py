@@ -71,3 +71,35 @@ def check_process_commands(app_configs, **kwargs):
                 )
             )
     return warnings
+
+
+@register("paperclip")
+def check_work_checks(app_configs, **kwargs):
+    """Agents whose work check may no longer run here (the allow-list, the listed hosts or
+    the mode changed since they were saved): their runs fail work_check_not_allowed."""
+    from sessions_app.models import Agent, AgentStatus
+    from sessions_app.work_checks import check_problems
+
+    try:
+        agents = list(
+            Agent.objects.filter(adapter_config__has_key="work_check")
+            .exclude(status=AgentStatus.DELETED)
+            .values_list("id", "name", "adapter_config")
+        )
+    except DatabaseError:
+        return []
+    warnings = []
+    for agent_id, name, config in agents:
+        check = config.get("work_check") if isinstance(config, dict) else None
+        problems = check_problems(check) if check else {}
+        if problems:
+            warnings.append(
+                Warning(
+                    f"Agent {name!r} ({agent_id}) may not run its work check here: "
+                    + "; ".join(f"adapter_config.work_check{key}: {message}" for key, message in problems.items()),
+                    hint="List its command in PAPERCLIP_PROCESS_COMMANDS or its host in PAPERCLIP_WORK_CHECK_HOSTS, "
+                    "or change the agent's work_check; until then its runs fail work_check_not_allowed.",
+                    id="paperclip.W005",
+                )
+            )
+    return warnings

@@ -70,11 +70,13 @@ from sessions_app.models import (
     RunTrigger,
     SessionStatus,
 )
+from sessions_app.no_work import check_for_work, heartbeat_skip, idle_streak_record
 from sessions_app.plan import HANDOFF_REASONS, Plan, idle_pause, plan_session
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import NOTHING_STAGED, StagedHistory, configured_store_name, store_for
 from sessions_app.text import is_storable, storable
 from sessions_app.tool_loop import call_with_tools, loop_cost
+from sessions_app.work_checks import check_seconds, is_nothing_to_do
 
 logger = logging.getLogger(__name__)
 HOSTNAME = socket.gethostname()
@@ -345,6 +347,7 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         run.refresh_from_db()
         return run, False
     deadline = run_deadline(adapter_for(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now)
+    deadline += timedelta(seconds=check_seconds(agent.adapter_config))  # the work check comes first
     capped = bool(settings.PAPERCLIP_MAX_CONCURRENT_RUNS)
     try:
         # One statement is its own transaction; only inside a caller's transaction does
@@ -460,7 +463,8 @@ class RunCalls:
 def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     """Run a queued run to a terminal state, or leave it queued while its agent is busy.
 
-    1. claim: the run becomes `running` unless another run of its agent is;
+    1. claim: the run becomes `running` unless another run of its agent is; then the
+       agent's work check, if it has one: no work ends the run `skipped` (`no_work`);
     2. plan: the session the answer goes to, and the history the model sees;
     3. handoff: a rotated session's successor opens with a note the model writes;
     4. fit: the request, the session compacted first when it would pass its budget;
@@ -497,10 +501,13 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
     beat = ClaimedRun.of(run, now=now, clock=clock)
     plan = None
     try:
+        task = check_for_work(run=run, agent=beat.agent)  # 1, the work check
+        if task is None:
+            return heartbeat_skip(run=run, agent=beat.agent, finished=clock(), now=now)
         plan = _plan(beat)  # 2
         plan = _handoff(beat, plan)  # 3
         reserve = _reservation_after(beat, plan)
-        user_content = user_turn_content(run.task, plan.manifest)
+        user_content = user_turn_content(task, plan.manifest)
         plan, request = _fit(beat, plan, user_content, reserve=reserve)  # 4
         reserve(request)  # 5
         reply = _call(beat, plan, request, reserve=reserve)  # 6
@@ -513,6 +520,8 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
         _fail(beat, exc)
         return False
     succeeded = _commit(beat, plan, reply, user_content=user_content, finished=clock())  # 7
+    if succeeded:
+        idle_streak_record(agent=beat.agent, idle=run.nothing_to_do, now=now)
     if beat.budgeted:
         budgets_enforce(agent=beat.agent, now=now)
     # A reservation wrote its warning and amount to the row; reading it back is simpler
@@ -796,6 +805,9 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
     """
     run, agent, now = beat.run, beat.agent, beat.now
     counts = token_counts(reply.usage) if reply.usage is not None else None
+    # A nothing-to-do answer is billed and shown on the run, never replayed in later turns
+    # (an answer that carries a server compaction is: the compaction must be kept).
+    replayed = not is_nothing_to_do(reply.text, agent.adapter_config) or starts_with_compaction(reply.content)
     staged = runtime_staged = NOTHING_STAGED
     try:
         # Durable: its end is the COMMIT, and the history is published only after it.
@@ -805,8 +817,11 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
             if reply.on_commit is not None:  # a runtime's own session state (Claude Code's transcript)
                 runtime_staged = reply.on_commit(session, cost) or NOTHING_STAGED
             if session is not None:
-                turns, staged = _stage_turns(beat, session, plan, reply, user_content, counts, cost, finished=finished)
+                turns, staged = _stage_turns(
+                    beat, session, plan, reply, user_content, counts, cost, finished=finished, replayed=replayed
+                )
                 session.record_turn(
+                    replayed=replayed,
                     message_count=len(turns),
                     manifest=manifest_merge(
                         plan.manifest, reported_artifacts(reply.text, reply.artifacts), at=finished
@@ -820,7 +835,7 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
                     cost_usd=cost,
                     new_messages=2 + len(reply.exchanges),
                 )
-            outcome = _run_outcome(session, reply, counts, cost, finished=finished)
+            outcome = _run_outcome(session, reply, counts, cost, finished=finished, replayed=replayed)
             if not HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(**outcome):
                 raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
     except Exception as exc:
@@ -884,10 +899,18 @@ def _stage_turns(
     cost: Decimal | None,
     *,
     finished: datetime,
+    replayed: bool = True,
 ) -> tuple[list, StagedHistory]:
     """The session's history with this turn, staged in its store (published after the
-    COMMIT), and the compaction and handoff records that go with it."""
+    COMMIT), and the compaction and handoff records that go with it. A turn that is not
+    `replayed` (a nothing-to-do answer) adds no message."""
     run, now = beat.run, beat.now
+    if not replayed:
+        if plan.handoff is not None:
+            handoff_record(session, run=run, handoff=plan.handoff, at=now)
+        if plan.new_session:
+            return plan.history, store_for(session).stage(session, plan.history)
+        return plan.history, NOTHING_STAGED
     new_turns = [
         {
             "role": "user",
@@ -922,10 +945,13 @@ def _stage_turns(
     return turns, store.stage_append(session, plan.history, new_turns)
 
 
-def _run_outcome(session: AgentSession | None, reply: AdapterReply, counts, cost, *, finished: datetime) -> dict:
+def _run_outcome(
+    session: AgentSession | None, reply: AdapterReply, counts, cost, *, finished: datetime, replayed: bool = True
+) -> dict:
     """The fields of a succeeded run."""
     return {
         "status": RunStatus.SUCCEEDED,
+        "nothing_to_do": not replayed,
         "session": session,
         "output": reply.text,
         "model": reply.model,

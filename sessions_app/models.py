@@ -56,6 +56,10 @@ class SessionMode(models.TextChoices):
     PERSISTENT = "persistent"
 
 
+# Agent columns only the engine writes (by conditional UPDATE), never a save of the row.
+ENGINE_FIELDS = frozenset({"idle_streak"})
+
+
 class Agent(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     # agents_company_status_idx leads with company_id and serves its lookups and cascades.
@@ -69,6 +73,10 @@ class Agent(models.Model):
     created_at = models.DateTimeField(default=timezone.now, db_default=Now(), editable=False)
     updated_at = models.DateTimeField(auto_now=True)
     deleted_at = models.DateTimeField(null=True, blank=True)
+    # Runs in a row that found no work (skipped by the work check, or answered with the
+    # nothing-to-do marker); a scheduled agent backs off on it (`sessions_app.no_work`).
+    # Written only by the engine: a save of the agent's form never writes it back.
+    idle_streak = models.PositiveIntegerField(default=0, db_default=0, editable=False)
 
     class Meta:
         db_table = "agents"
@@ -85,6 +93,14 @@ class Agent(models.Model):
         # Every path that saves an agent (API, admin, shell) goes through validation, so a
         # bad configuration is refused when it is written, never discovered at heartbeat.
         self.clean()
+        if not self._state.adding and kwargs.get("update_fields") is None and not kwargs.get("force_insert"):
+            # A form read before a run ended must not put back the idle streak it read.
+            skipped = ENGINE_FIELDS | self.get_deferred_fields()  # deferred: Django saves only loaded fields
+            kwargs["update_fields"] = [
+                field.name
+                for field in self._meta.concrete_fields
+                if not field.primary_key and field.name not in skipped and field.attname not in skipped
+            ]
         super().save(*args, **kwargs)
 
     def clean(self) -> None:
@@ -267,15 +283,18 @@ class AgentSession(models.Model):
         output_tokens: int | None,
         cost_usd: Decimal | None,
         new_messages: int = 2,
+        replayed: bool = True,
     ) -> None:
         """A heartbeat's answer, committed to this session and saved: `new_messages` more
         messages (the task and the answer, and the tool loop's turns between them), the
         clocks restarted from the end of the run (`finished`), the run's active time, tokens
         and cost added. Called inside the heartbeat's commit, with the row locked and its
-        new history staged (`sessions_app.stores`)."""
+        new history staged (`sessions_app.stores`). A turn not `replayed` (a nothing-to-do
+        answer) adds no message and no turn; its call is still counted and billed."""
         self.message_count = message_count
-        self.next_seq += new_messages
-        self.turn_count += 1
+        if replayed:
+            self.next_seq += new_messages
+            self.turn_count += 1
         self.manifest = manifest
         self.last_used = finished
         self.expires_at = finished + ttl
@@ -322,9 +341,12 @@ class RunStatus(models.TextChoices):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    # The work check found nothing to do: no model call, no ledger row, session untouched.
+    SKIPPED = "skipped"
 
 
 UNFINISHED_RUN_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING)
+FINISHED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.SKIPPED)
 
 
 class RunTrigger(models.TextChoices):
@@ -374,6 +396,11 @@ class HeartbeatRun(models.Model):
     # What a runtime reported of its work (Claude Code: turns, tool calls, its own cost
     # figure beside the ledger's); null for a single model call.
     runtime_report = models.JSONField(null=True, blank=True)
+    # What the agent's work check printed (or its URL answered), bounded: appended to the
+    # task the model sees.
+    work_check_output = models.TextField(blank=True, default="", db_default="")
+    # The answer was the agent's nothing-to-do marker: billed and shown, never replayed.
+    nothing_to_do = models.BooleanField(default=False, db_default=False)
 
     class Meta:
         db_table = "heartbeat_runs"
@@ -410,7 +437,7 @@ class HeartbeatRun(models.Model):
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)
+        return self.status in FINISHED_RUN_STATUSES
 
 
 class ApiKey(models.Model):

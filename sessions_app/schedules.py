@@ -15,7 +15,7 @@ never from AppConfig.ready().
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db import transaction
 from django.db.models import Q
@@ -24,6 +24,7 @@ from django_q.models import Schedule
 
 from sessions_app.models import Agent, AgentStatus
 from sessions_app.wakes import HeartbeatPlan
+from sessions_app.work_checks import agent_backoff
 
 HEARTBEAT_FUNC = "sessions_app.tasks.scheduled_heartbeat"
 
@@ -48,15 +49,20 @@ def agent_schedule_sync(*, agent: Agent, now: datetime | None = None, fired: boo
         # The agent row's lock serialises every arming of its schedule (a save, a fire's
         # re-arm, the maintenance pass): two replacing the row at once would leave two rows,
         # and the agent would wake twice. The row is read under it, not taken from the caller.
-        stored = Agent.objects.select_for_update().filter(pk=agent.pk).values("status", "adapter_config").first()
-        plan = HeartbeatPlan.of(stored["adapter_config"]) if stored else None
+        stored = (
+            Agent.objects.select_for_update()
+            .filter(pk=agent.pk)
+            .values("status", "adapter_config", "idle_streak")
+            .first()
+        )
+        plan = agent_plan(stored["adapter_config"], stored["idle_streak"]) if stored else None
         rows = list(Schedule.objects.filter(name=name))
         if plan is None or stored["status"] != AgentStatus.ACTIVE:
             Schedule.objects.filter(name=name).delete()
         elif plan.cron:
             _arm_cron(name=name, agent_id=agent.pk, plan=plan, rows=[] if fired else rows, now=now)
         else:
-            _arm_interval(name=name, agent_id=agent.pk, plan=plan, rows=rows)
+            _arm_interval(name=name, agent_id=agent.pk, plan=plan, rows=rows, now=now)
 
 
 def _arm_cron(*, name: str, agent_id, plan: HeartbeatPlan, rows: list[Schedule], now: datetime) -> None:
@@ -77,25 +83,36 @@ def _arm_cron(*, name: str, agent_id, plan: HeartbeatPlan, rows: list[Schedule],
     )
 
 
-def _arm_interval(*, name: str, agent_id, plan: HeartbeatPlan, rows: list[Schedule]) -> None:
+def agent_plan(config: dict, idle_streak: int) -> HeartbeatPlan | None:
+    """How the agent wakes now: its configuration, stretched by its back-off."""
+    return HeartbeatPlan.of(config, backoff=agent_backoff(config, idle_streak))
+
+
+def _arm_interval(*, name: str, agent_id, plan: HeartbeatPlan, rows: list[Schedule], now: datetime) -> None:
     if any(row.schedule_type != Schedule.MINUTES for row in rows):
         # Was a cron schedule: the interval starts now, not at the cron's next wake.
         Schedule.objects.filter(name=name).delete()
-    Schedule.objects.update_or_create(
-        name=name,
-        defaults={
-            "func": HEARTBEAT_FUNC,
-            "args": repr((str(agent_id),)),
-            "schedule_type": Schedule.MINUTES,
-            "minutes": plan.interval_minutes,
-            "repeats": -1,
-        },
-    )
+        rows = []
+    defaults = {
+        "func": HEARTBEAT_FUNC,
+        "args": repr((str(agent_id),)),
+        "schedule_type": Schedule.MINUTES,
+        "minutes": plan.step_minutes,
+        "repeats": -1,
+    }
+    row = rows[0] if len(rows) == 1 else None
+    if row is not None and row.minutes and row.next_run and row.minutes != plan.step_minutes:
+        # A back-off (or its end) moves the next wake too: the new step counts from the
+        # last wake (django-q2 set next_run to it plus the old step when it fired), and a
+        # wake that is due by then fires at once.
+        last = row.next_run - timedelta(minutes=row.minutes)
+        defaults["next_run"] = max(last + timedelta(minutes=plan.step_minutes), now)
+    Schedule.objects.update_or_create(name=name, defaults=defaults)
 
 
 def agent_next_wakes(*, agent: Agent, now: datetime, count: int = 5) -> list[datetime]:
     """When the agent will wake next (empty when it has no schedule or is not active)."""
-    plan = HeartbeatPlan.of(agent.adapter_config)
+    plan = agent_plan(agent.adapter_config, agent.idle_streak)
     if plan is None or agent.status != AgentStatus.ACTIVE:
         return []
     next_run = None

@@ -21,6 +21,7 @@ from sessions_app.models import (
     RunStatus,
     session_public_id,
 )
+from sessions_app.work_checks import agent_backoff
 
 
 class StrictCharField(serializers.CharField):
@@ -103,6 +104,13 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
         required=False,
         help_text="`paused` stops scheduled and API heartbeats (409) until set back to `active`.",
     )
+    idle_streak = serializers.IntegerField(
+        read_only=True, help_text="Runs in a row that found no work (skipped, or a nothing-to-do answer)."
+    )
+    backoff_factor = serializers.SerializerMethodField(
+        help_text="How many times the heartbeat interval is stretched by the back-off (1: none); "
+        "a cron agent wakes on every n-th time of its expression."
+    )
 
     class Meta:
         model = Agent
@@ -115,10 +123,15 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
             "adapter_config",
             "status",
             "paused_reason",
+            "idle_streak",
+            "backoff_factor",
             "created_at",
             "updated_at",
         ]
-        read_only_fields = ["id", "company_id", "paused_reason", "created_at", "updated_at"]
+        read_only_fields = ["id", "company_id", "paused_reason", "idle_streak", "created_at", "updated_at"]
+
+    def get_backoff_factor(self, agent: Agent) -> int:
+        return agent_backoff(agent.adapter_config, agent.idle_streak)
 
 
 # Sessions
@@ -266,7 +279,15 @@ class ToolLoopSerializer(serializers.Serializer):
 
 
 class RunSerializer(serializers.ModelSerializer):
-    status = serializers.ChoiceField(choices=RunStatus.choices)
+    status = serializers.ChoiceField(
+        choices=RunStatus.choices, help_text="`skipped`: the work check found no work (no model call, nothing billed)."
+    )
+    work_check_output = serializers.CharField(
+        help_text="What the agent's work check printed (or its URL answered), appended to the task; bounded."
+    )
+    nothing_to_do = serializers.BooleanField(
+        help_text="The answer was the agent's nothing_to_do_marker: billed and shown, never replayed."
+    )
     session_id = serializers.SerializerMethodField(help_text="`sess_` + 32 hex digits; null for stateless runs.")
     agent_id = serializers.UUIDField()
     usage = serializers.SerializerMethodField()
@@ -309,6 +330,8 @@ class RunSerializer(serializers.ModelSerializer):
             "merged_ticks",
             "runtime_report",
             "tool_loop",
+            "work_check_output",
+            "nothing_to_do",
         ]
         read_only_fields = fields
 

@@ -60,31 +60,58 @@ def cron_wakes(*, expression: str, zone_name: str, after: datetime, count: int) 
     return list(itertools.islice(wakes, count))
 
 
+def backoff_factor(*, idle_streak: int, after_runs: int, max_factor: int) -> int:
+    """How many times an agent's wake interval is stretched after `idle_streak` runs in a row
+    found no work: doubled once `after_runs` of them are reached and again with each more,
+    up to `max_factor` (1: no back-off; `after_runs` 0: never)."""
+    if after_runs <= 0 or idle_streak < after_runs:
+        return 1
+    # Bounded before the power: a streak of a million must not build a million-bit integer.
+    doublings = min(idle_streak - after_runs + 1, max_factor.bit_length())
+    return max(1, min(2**doublings, max_factor))
+
+
 @dataclass(frozen=True)
 class HeartbeatPlan:
-    """How an agent's configuration says it wakes: every `interval_minutes`, or on `cron`."""
+    """How an agent's configuration says it wakes: every `interval_minutes`, or on `cron`;
+    `backoff` stretches either (`backoff_factor`): an interval is multiplied by it, a cron
+    agent wakes on every `backoff`-th time its expression names."""
 
     interval_minutes: int | None = None
     cron: str | None = None
     zone_name: str = DEFAULT_TIMEZONE
+    backoff: int = 1
 
     @classmethod
-    def of(cls, config: dict | None) -> HeartbeatPlan | None:
+    def of(cls, config: dict | None, *, backoff: int = 1) -> HeartbeatPlan | None:
         config = config or {}
         if config.get("heartbeat_cron"):
-            return cls(cron=config["heartbeat_cron"], zone_name=config.get("heartbeat_timezone") or DEFAULT_TIMEZONE)
+            return cls(
+                cron=config["heartbeat_cron"],
+                zone_name=config.get("heartbeat_timezone") or DEFAULT_TIMEZONE,
+                backoff=backoff,
+            )
         if config.get("heartbeat_interval_minutes"):
-            return cls(interval_minutes=int(config["heartbeat_interval_minutes"]))
+            return cls(interval_minutes=int(config["heartbeat_interval_minutes"]), backoff=backoff)
         return None
+
+    @property
+    def step_minutes(self) -> int | None:
+        """An interval agent's minutes between wakes, back-off included."""
+        return self.interval_minutes * self.backoff if self.interval_minutes else None
+
+    def _cron_wakes(self, *, after: datetime, count: int) -> list[datetime]:
+        wakes = cron_wakes(expression=self.cron, zone_name=self.zone_name, after=after, count=count * self.backoff)
+        return wakes[self.backoff - 1 :: self.backoff]
 
     def wakes(self, *, now: datetime, count: int, next_run: datetime | None = None) -> list[datetime]:
         """The next `count` wakes. An interval counts from its schedule's `next_run` (which
         may be due already); a cron expression needs only `now`."""
         if self.cron:
-            return cron_wakes(expression=self.cron, zone_name=self.zone_name, after=now, count=count)
+            return self._cron_wakes(after=now, count=count)
         if next_run is None:
             return []
-        step = timedelta(minutes=self.interval_minutes)
+        step = timedelta(minutes=self.step_minutes)
         # An overdue schedule (a cluster that was down) fires once, then moves past now.
         skipped = max(0, math.ceil((now - next_run) / step)) if next_run <= now else 0
         later = [next_run + step * (skipped + index) for index in range(count)]
@@ -92,7 +119,8 @@ class HeartbeatPlan:
         return wakes[:count]
 
     def next_cron_run(self, *, now: datetime, armed: datetime | None) -> datetime:
-        """The wake a cron schedule is armed for: the first after `now`, except that an
+        """The wake a cron schedule is armed for: the first after `now` (the `backoff`-th
+        when backed off), except that an
         armed wake that is due and still one of this expression's is kept, so a save just
         after 09:00 does not drop the 09:00 wake the scheduler has not picked up yet."""
         if armed is not None and armed <= now:
@@ -101,5 +129,5 @@ class HeartbeatPlan:
             )
             if first == armed:
                 return armed
-        (first,) = cron_wakes(expression=self.cron, zone_name=self.zone_name, after=now, count=1)
+        (first,) = self._cron_wakes(after=now, count=1)
         return first.astimezone(UTC)

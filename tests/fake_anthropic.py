@@ -26,6 +26,10 @@ in tool results is answered with text. Tool definitions count as input tokens. T
 it in `context_management`, as the API does. As the API does, it refuses (400) a tool_use
 not answered by a tool_result in the next message.
 
+`fake.system_answers` ({text: answer}) picks the default answer by the system prompt: a
+request whose system prompt contains a key is answered with its value (an idle agent that
+says "NOTHING_TO_DO" in a benchmark); FAKE_SYSTEM_ANSWERS sets it as JSON when run alone.
+
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
 arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
 operator, a delete) at the moment a call is in flight. An exception from it is kept in
@@ -196,6 +200,7 @@ class FakeAnthropic:
         # As a model following the memory tool's own advice would: view /memories/facts at
         # the start of every task, not only when it says "recall" (benchmarks' worst case).
         self.memory_view_always = False
+        self.system_answers: dict[str, str] = {}
         self.action_errors: list[BaseException] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
@@ -308,6 +313,9 @@ class FakeAnthropic:
         )
         if reply.text is None and self.answer_padding:
             text += " " + self.answer_padding
+        if reply.text is None and self.system_answers:
+            system = plain_system(body)
+            text = next((answer for key, answer in self.system_answers.items() if key in system), text)
         compaction = self.server_compaction(body) if reply.kind == "default" else None
         cleared = clear_tool_uses(body, self.tokens)
         scripted = (
@@ -505,12 +513,14 @@ def block_events(index: int, block: dict) -> list[tuple[str, dict]]:
 def serve_forever() -> None:
     """`python -m tests.fake_anthropic`: run the fake alone (benchmarks, live servers).
 
-    Prints its base URL on the first line. FAKE_LATENCY_MS delays every default answer.
+    Prints its base URL on the first line. FAKE_LATENCY_MS delays every default answer;
+    FAKE_SYSTEM_ANSWERS (JSON) sets `system_answers`.
     """
     import os
     import signal
 
     fake = FakeAnthropic(latency=float(os.environ.get("FAKE_LATENCY_MS", "0")) / 1000)
+    fake.system_answers = json.loads(os.environ.get("FAKE_SYSTEM_ANSWERS") or "{}")
     print(fake.base_url, flush=True)
 
     def stop(*args):

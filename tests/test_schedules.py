@@ -272,3 +272,24 @@ def test_two_armings_at_once_leave_one_row(postgres_only, persistent_agent):
                 "DROP TRIGGER slow_schedule_insert ON django_q_schedule; DROP FUNCTION slow_schedule_insert();"
             )
     assert len(armed(persistent_agent)) == 1
+
+
+def test_the_backoff_factor_doubles_from_n_idle_runs_up_to_its_cap():
+    from sessions_app.wakes import backoff_factor
+
+    factors = [backoff_factor(idle_streak=streak, after_runs=3, max_factor=8) for streak in range(8)]
+    assert factors == [1, 1, 1, 2, 4, 8, 8, 8]
+    assert backoff_factor(idle_streak=10**9, after_runs=1, max_factor=6) == 6  # capped, not 2**10**9
+    assert backoff_factor(idle_streak=100, after_runs=0, max_factor=8) == 1  # 0: never
+
+
+def test_a_backed_off_cron_plan_wakes_on_every_nth_time():
+    plan = HeartbeatPlan.of({"heartbeat_cron": "0 9 * * 1-5", "heartbeat_timezone": BERLIN}, backoff=2)
+    # Friday noon: the next weekday mornings are Mon, Tue, Wed, Thu, Fri, Mon; every 2nd.
+    assert [
+        wake.astimezone(ZoneInfo(BERLIN)).strftime("%a") for wake in plan.wakes(now=utc(2026, 5, 1, 10), count=3)
+    ] == [
+        "Tue",
+        "Thu",
+        "Mon",
+    ]

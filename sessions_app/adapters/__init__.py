@@ -15,6 +15,10 @@ from sessions_app.adapters.claude_code import ClaudeCodeAdapter
 from sessions_app.adapters.process import ProcessAdapter
 from sessions_app.text import holds_unstorable, storable
 
+# A module, not its names: `work_checks` imports the process adapter's launcher, so it may
+# be the one still importing this package.
+from sessions_app import work_checks  # noqa: E402  isort: skip
+
 ADAPTERS: dict[str, Adapter] = {
     ClaudeCodeAdapter.type_name: ClaudeCodeAdapter(),
     ProcessAdapter.type_name: ProcessAdapter(),
@@ -67,6 +71,7 @@ def validate_agent_config(adapter_type: str, config: object) -> dict:
     adapter = _selected(ADAPTERS[adapter_type], config)
     errors: dict[str, str] = {}
     clean = validate_common(config, errors)
+    work_checks.validate_work_settings(config, errors, clean)
     clean.update(adapter.validate_config(config, errors))
     allowed = COMMON_KEYS | adapter.config_keys
     for key in sorted(set(config) - allowed):

@@ -187,6 +187,11 @@ COMMON_KEYS = {
     "rotate_after_turns",
     "rotate_after_input_tokens",
     "rotate_after_hours",
+    # No-work heartbeats (sessions_app/work_checks.py, sessions_app/no_work.py)
+    "work_check",
+    "nothing_to_do_marker",
+    "backoff_after_runs",
+    "backoff_max_factor",
 }
 CONTEXT_STRATEGIES = ("none", "summarize", "server")
 

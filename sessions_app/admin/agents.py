@@ -39,6 +39,7 @@ from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, 
 from sessions_app.schedules import agent_next_wakes, agent_schedule_sync
 from sessions_app.text import holds_unstorable
 from sessions_app.wakes import HeartbeatPlan
+from sessions_app.work_checks import agent_backoff
 
 DEFAULT_HEARTBEAT_TASK = "Heartbeat started by an operator from the admin."
 
@@ -77,7 +78,8 @@ class AgentAdminForm(forms.ModelForm):
             'A JSON object, e.g. {"model": "claude-opus-4-5", "session_mode": "persistent", '
             '"session_ttl_hours": 24}. Defaults are filled in when saved; unknown keys are refused. '
             'Scheduled heartbeats: "heartbeat_interval_minutes": 60, or "heartbeat_cron": "0 9 * * 1-5" '
-            'with "heartbeat_timezone": "Europe/Berlin".'
+            'with "heartbeat_timezone": "Europe/Berlin". Heartbeats without work: "work_check": '
+            '{"command": "has-work"} or {"url": "https://..."}, "nothing_to_do_marker": "NOTHING_TO_DO".'
         ),
     )
 
@@ -154,12 +156,21 @@ class RecentRunsInline(ReadOnlyInline):
 @admin.register(Agent)
 class AgentAdmin(admin.ModelAdmin):
     form = AgentAdminForm
-    list_display = ["name", "company", "adapter_type", "model", "session_mode", "status_flag", "updated_at"]
+    list_display = [
+        "name",
+        "company",
+        "adapter_type",
+        "model",
+        "session_mode",
+        "status_flag",
+        "backoff",
+        "updated_at",
+    ]
     list_filter = ["status", "paused_reason", "adapter_type", "company"]
     list_select_related = ["company"]
     search_fields = ["name", "=id"]
     search_help_text = "Agent name, or its exact id."
-    readonly_fields = ["id", "status", "paused_reason", "created_at", "updated_at", "deleted_at"]
+    readonly_fields = ["id", "status", "paused_reason", "backoff", "created_at", "updated_at", "deleted_at"]
     inlines = [RecentSessionsInline, RecentRunsInline]
     actions = ["pause_agents", "resume_agents", "run_heartbeat_now", "retire_agents"]
     change_form_template = "admin/sessions_app/agent/change_form.html"
@@ -173,6 +184,7 @@ class AgentAdmin(admin.ModelAdmin):
             "id",
             *fields,
             "next_wakes",
+            "backoff",
             "memory",
             *workspace,
             "status",
@@ -238,6 +250,22 @@ class AgentAdmin(admin.ModelAdmin):
                 for wake in wakes
             ),
         )
+
+    @admin.display(description="back-off", ordering="idle_streak")
+    def backoff(self, obj: Agent) -> str:
+        """The schedule's back-off, from the row alone (no query per agent in the list)."""
+        factor = agent_backoff(obj.adapter_config, obj.idle_streak)
+        streak = f"{obj.idle_streak} run(s) in a row without work"
+        if factor == 1:
+            return f"none ({streak})" if obj.idle_streak else "none"
+        plan = HeartbeatPlan.of(obj.adapter_config)
+        if plan is not None and plan.interval_minutes:
+            stretched = f"every {plan.interval_minutes * factor} min instead of {plan.interval_minutes}"
+        elif plan is not None:
+            stretched = f"1 of every {factor} times of its cron expression"
+        else:
+            stretched = "no schedule to stretch"
+        return format_html('<strong class="backoff">x{}</strong>: {} ({})', factor, stretched, streak)
 
     @admin.display(description="model")
     def model(self, obj: Agent) -> str:

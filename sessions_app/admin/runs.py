@@ -25,7 +25,7 @@ class HeartbeatRunAdmin(LargeTableAdmin):
         "error_code",
     ]
     list_display_links = ["run_id"]
-    list_filter = ["status", "trigger", "company", "agent"]
+    list_filter = ["status", "nothing_to_do", "trigger", "company", "agent"]
     search_fields = ["agent__name"]
     search_help_text = "A run id, a session id (sess_… or UUID), or an agent name."
     date_hierarchy = "created_at"
@@ -38,9 +38,11 @@ class HeartbeatRunAdmin(LargeTableAdmin):
         "trigger",
         "merged_ticks",
         "task",
+        "work_check_output",
         "force_fresh",
         "idempotency_key",
         "output",
+        "nothing_to_do",
         "error_code",
         "error",
         "model",
@@ -65,7 +67,8 @@ class HeartbeatRunAdmin(LargeTableAdmin):
         queryset = super().get_queryset(request).select_related("agent", "company")
         queryset = queryset.defer("agent__system_prompt", "agent__adapter_config")
         # The list shows none of the long texts; the run's own page shows them all.
-        return queryset.defer("task", "output", "error", "warning") if is_changelist(request) else queryset
+        long_texts = ("task", "output", "error", "warning", "work_check_output")
+        return queryset.defer(*long_texts) if is_changelist(request) else queryset
 
     def get_search_results(self, request, queryset, search_term):
         object_id = parse_session_id(search_term)

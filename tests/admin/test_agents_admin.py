@@ -341,3 +341,20 @@ def test_a_bad_cron_or_zone_is_a_field_error_in_the_admin(admin_client, company,
     errors = response.context["adminform"].form.errors["adapter_config"]
     assert any(message in error for error in errors), errors
     assert not Agent.objects.filter(name="Writer").exists()
+
+
+def test_the_agent_list_and_page_show_the_back_off(admin_client, persistent_agent):
+    persistent_agent.adapter_config = {
+        **persistent_agent.adapter_config,
+        "heartbeat_interval_minutes": 30,
+        "backoff_after_runs": 2,
+    }
+    persistent_agent.save()
+    Agent.objects.filter(pk=persistent_agent.pk).update(idle_streak=3)  # as the engine counts it
+
+    listing = admin_client.get(reverse("admin:sessions_app_agent_changelist")).content.decode()
+    page = admin_client.get(reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])).content.decode()
+
+    for html in (listing, page):
+        assert '<strong class="backoff">x4</strong>: every 120 min instead of 30' in html
+        assert "3 run(s) in a row without work" in html

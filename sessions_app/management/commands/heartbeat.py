@@ -59,7 +59,9 @@ class Command(BaseCommand):
                 f"{run.cache_creation_input_tokens}, cache read {run.cache_read_input_tokens} tokens; "
                 f"cost ${run.cost_usd if run.cost_usd is not None else 0:.6f}"
             )
-        if run.status != RunStatus.SUCCEEDED:
+        elif run.status == RunStatus.SKIPPED:
+            self.stdout.write(f"run {run.id} skipped: the work check found no work (no model call).")
+        if run.status not in (RunStatus.SUCCEEDED, RunStatus.SKIPPED):
             raise CommandError(f"run {run.id} {run.status}: {run.error_code or 'not finished'}: {run.error}")
 
     def _as_json(self, run, usage) -> str:
