@@ -247,11 +247,16 @@ def clipped(text: str, limit: int) -> str:
     return f"{text[:head]}\n\n[... {omitted:,} characters of the conversation left out ...]\n\n{text[-tail:]}"
 
 
-def summary_request(*, agent: Agent, settings: ContextSettings, messages: list, system: str) -> AdapterRequest:
+def summary_request(
+    *, agent: Agent, settings: ContextSettings, messages: list, system: str, instructions: str = ""
+) -> AdapterRequest:
+    """The request for a summary of `messages`; `instructions` (the pinned facts, a retry's
+    missing ones) follow the conversation, where clipping cannot cut them."""
+    text = clipped(summary_input_text(messages), summary_input_chars(settings)) + instructions
     return AdapterRequest(
         model=settings.summary_model,
         system=system,
-        messages=[{"role": "user", "content": clipped(summary_input_text(messages), summary_input_chars(settings))}],
+        messages=[{"role": "user", "content": text}],
         config={**agent.adapter_config, "context_strategy": "none"},
         max_tokens=SUMMARY_MAX_TOKENS,
     )
