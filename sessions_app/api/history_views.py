@@ -19,6 +19,11 @@ MAX_COMPACTIONS = 100
 
 
 class CompactionSummarySerializer(serializers.ModelSerializer):
+    facts = serializers.JSONField(
+        help_text='The facts the summary was checked for: [{"text", "source": "pin" | "candidate", "passed": in '
+        'the model\'s summary, "via": "summary" | "retry" | "kept_facts" | ""}].'
+    )
+
     class Meta:
         model = SessionCompaction
         fields = [
@@ -33,6 +38,8 @@ class CompactionSummarySerializer(serializers.ModelSerializer):
             "summary",
             "model",
             "cost_usd",
+            "summary_attempts",
+            "facts",
         ]
 
 
