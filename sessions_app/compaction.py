@@ -32,6 +32,7 @@ from sessions_app.context import (
     summary_pair,
     summary_request,
 )
+from sessions_app.context_defaults import effective_settings
 from sessions_app.errors import StepFailed
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -107,7 +108,13 @@ def fit_budget(
     Returns it with the plan it was built from (a new one after a compaction).
 
     At most one summary per heartbeat: a second one would pay again for what the first
-    could not do, and a session that no summary shrinks would pay on every heartbeat."""
+    could not do, and a session that no summary shrinks would pay on every heartbeat.
+
+    The budget and cache lifetime the agent leaves unset are chosen here, from the history
+    already read and how often the agent wakes (`sessions_app.context_defaults`)."""
+    settings_ = effective_settings(
+        agent=agent, settings_=settings_, history=plan.history, user_content=user_content, now=now
+    )
     request = build_request(agent=agent, history=plan.history, user_content=user_content, settings=settings_)
     if not agent.is_persistent or settings_.strategy != "summarize":
         return plan, request

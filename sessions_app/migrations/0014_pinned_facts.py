@@ -8,6 +8,26 @@ import django.utils.timezone
 from django.db import migrations, models
 
 
+def forget_stored_cache_defaults(apps, schema_editor):
+    """Agents saved before the engine chose the cache lifetime stored the old defaults
+    (`prompt_caching: true`, `cache_ttl: "5m"`); without them the choice is the engine's."""
+    Agent = apps.get_model("sessions_app", "Agent")
+    changed = []
+    for agent in Agent.objects.filter(adapter_type="claude-code").only("id", "adapter_config").iterator():
+        config = dict(agent.adapter_config or {})
+        if config.get("cache_ttl") == "5m":
+            del config["cache_ttl"]
+        if config.get("prompt_caching") is True:
+            del config["prompt_caching"]
+        if config != agent.adapter_config:
+            agent.adapter_config = config
+            changed.append(agent)
+        if len(changed) >= 500:
+            Agent.objects.bulk_update(changed, ["adapter_config"])
+            changed = []
+    Agent.objects.bulk_update(changed, ["adapter_config"])
+
+
 class Migration(migrations.Migration):
     dependencies = [
         ("sessions_app", "0013_session_compaction_error"),
@@ -55,4 +75,5 @@ class Migration(migrations.Migration):
                 "indexes": [models.Index(fields=["agent", "created_at"], name="pins_agent_created_idx")],
             },
         ),
+        migrations.RunPython(forget_stored_cache_defaults, migrations.RunPython.noop),
     ]
