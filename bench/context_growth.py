@@ -141,7 +141,7 @@ DEFAULTS_PROMPT = (
     + " ".join(
         f"Rule {i}: before you change service {i}, read its runbook, check its alerts and its last deploy, "
         "and write down what you did and why."
-        for i in range(60)
+        for i in range(70)
     )
 )[:8000]
 FACTS = [
@@ -172,6 +172,7 @@ FACTS = [
         start=1,
     )
 ]
+OLD_DEFAULTS = {"context_budget_tokens": 100_000, "keep_recent_turns": 4, "cache_ttl": "5m"}
 FILLER = (
     "Check the service dashboards, read the last deploy's notes, look at the open alerts and the error "
     "rates per endpoint, confirm the queue depths are normal, and report anything unusual with its evidence. "
@@ -213,7 +214,10 @@ def keeping_summariser(body: dict) -> str:
         pinned = text.split("[Pinned facts]")[1].split("[Missing from your previous summary]")[0]
         named += [line[2:] for line in pinned.splitlines() if line.startswith("- ") and line[2:] not in named]
     turns = text.count("[user]")
-    gist = f"Summary of {turns} earlier heartbeats: routine operations passes; all services were nominal."
+    # About 1,000 characters, as a real summary of a few routine heartbeats would be.
+    gist = f"Summary of {turns} earlier heartbeats: routine operations passes. " + (
+        "Dashboards were green, no alerts were open, deploys were healthy, queue depths and error rates normal. " * 9
+    )
     return "\n".join([gist, *named[:10]])
 
 
@@ -271,16 +275,18 @@ def defaults_main(interval_minutes: float) -> None:
     start = timezone.now()
     kinds = [CostKind.MESSAGE, CostKind.COMPACTION]
     results = {}
-    for label, mode, pinned in [
-        ("stateless", "stateless", False),
-        ("persistent", "persistent", False),
-        ("persistent + 20 pins", "persistent", True),
+    for label, mode, pinned, extra in [
+        ("stateless", "stateless", False, {}),
+        ("persistent", "persistent", False, {}),
+        ("persistent + 20 pins", "persistent", True, {}),
+        # The defaults before issue 15: half the window, four turns kept, the 5-minute cache.
+        ("persistent, old defaults", "persistent", False, OLD_DEFAULTS),
     ]:
         agent = Agent.objects.create(
             company=company,
             name=label,
             system_prompt=DEFAULTS_PROMPT,
-            adapter_config={"model": DEFAULTS_MODEL, "session_mode": mode},
+            adapter_config={"model": DEFAULTS_MODEL, "session_mode": mode, **extra},
         )
         fake.cache.clear()  # the agents share their prompt and tasks: each starts with a cold cache
         if pinned:
@@ -323,14 +329,14 @@ def defaults_main(interval_minutes: float) -> None:
     )
     for label, r in results.items():
         print(
-            f"{label:22s} total ${r['total']:.4f} = {r['total'] / base['total']:.2f}x; heartbeats 101-{HEARTBEATS} "
+            f"{label:24s} total ${r['total']:.4f} = {r['total'] / base['total']:.2f}x; heartbeats 101-{HEARTBEATS} "
             f"${r['steady']:.4f} = {r['steady'] / base['steady']:.2f}x stateless; input/heartbeat max "
             f"{r['max_input']} last {r['last_input']}; {r['compactions']} compactions ({r['retries']} retried); "
             f"cache {r['ttl']}; facts in request {HEARTBEATS}: {r['facts']}/{len(FACTS)}"
         )
     print("per heartbeat in the steady state (heartbeats 101-300), in dollars:")
     for label, r in results.items():
-        print(f"  {label:22s} " + ", ".join(f"{name} {value:.5f}" for name, value in r["parts"].items()))
+        print(f"  {label:24s} " + ", ".join(f"{name} {value:.5f}" for name, value in r["parts"].items()))
     ratio = results["persistent"]["steady"] / base["steady"]
     print(f"steady-state persistent/stateless: {ratio:.2f}x (goal <= 1.50)")
     print(

@@ -227,6 +227,8 @@ class FakeAnthropic:
         messages = effective_messages(body.get("messages", []))
         segments = ([system] if system else []) + messages
         sizes = [self.tokens(strip_markers(segment)) for segment in segments]
+        # The cache compares content as the API reads it: a string is its one text block.
+        keys = [segment if segment is system else canonical_message(segment) for segment in segments]
         total = self.tokens({"system": system, "messages": messages})
         breakpoints = [i for i, segment in enumerate(segments) if has_marker(segment)]
         read = 0
@@ -234,8 +236,8 @@ class FakeAnthropic:
         if breakpoints:
             digest = hashlib.sha256()
             prefixes = []
-            for segment in segments:
-                digest.update(json.dumps(strip_markers(segment), sort_keys=True).encode())
+            for key in keys:
+                digest.update(json.dumps(strip_markers(key), sort_keys=True).encode())
                 prefixes.append(digest.copy().hexdigest())
             last = breakpoints[-1]
             now = self.clock() if self.clock is not None else None
@@ -467,6 +469,12 @@ def canonical_content(content) -> list:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     return [{k: v for k, v in block.items() if k != "cache_control"} for block in content]
+
+
+def canonical_message(message) -> Any:
+    if not isinstance(message, dict) or "content" not in message:
+        return message
+    return {**message, "content": canonical_content(message["content"])}
 
 
 def plain_messages(body: dict) -> list[dict]:
