@@ -11,6 +11,17 @@ caching and reports usage from the request size):
     .venv/bin/python bench/context_growth.py            # SQLite in a temporary folder
     DATABASE_URL=postgres://... .venv/bin/python bench/context_growth.py
 
+    .venv/bin/python bench/context_growth.py defaults [MINUTES ...]   # issue 15 (below)
+
+The `defaults` variant runs the workload of issue 15 with no context settings: a persistent
+agent with an 8,000-character system prompt, ~800-character tasks and ~1,200-character
+answers (output tokens counted from the text), claude-opus-4-5 prices, 300 heartbeats
+MINUTES apart (2 and 30 by default; the fake's prompt cache expires by a simulated clock). It
+prints persistent/stateless cost, where the money goes, and how many of 20 facts planted in
+heartbeats 1-20 are still in the request at heartbeat 300, with the facts pinned and without,
+under a fake summariser that keeps what it is given to keep (at most 10 named facts a
+summary) and a ~1,000-character gist.
+
 Writes bench/out/context_growth.png and prints the totals. The agents carry a realistic
 ~1,500-token system prompt and ~100-token answers. The budget is 8,000 tokens so that
 compaction happens within 300 short turns (at the default of half the context window it
@@ -172,7 +183,12 @@ FACTS = [
         start=1,
     )
 ]
-OLD_DEFAULTS = {"context_budget_tokens": 100_000, "keep_recent_turns": 4, "cache_ttl": "5m"}
+OLD_DEFAULTS = {
+    "context_budget_tokens": 100_000,
+    "keep_recent_turns": 4,
+    "cache_ttl": "5m",
+    "summary_model": DEFAULTS_MODEL,
+}
 FILLER = (
     "Check the service dashboards, read the last deploy's notes, look at the open alerts and the error "
     "rates per endpoint, confirm the queue depths are normal, and report anything unusual with its evidence. "
@@ -279,7 +295,8 @@ def defaults_main(interval_minutes: float) -> None:
         ("stateless", "stateless", False, {}),
         ("persistent", "persistent", False, {}),
         ("persistent + 20 pins", "persistent", True, {}),
-        # The defaults before issue 15: half the window, four turns kept, the 5-minute cache.
+        # The defaults before issue 15: half the window, four turns kept, the 5-minute cache,
+        # summaries by the agent's model (its last replayed turn was marked, not the request's end).
         ("persistent, old defaults", "persistent", False, OLD_DEFAULTS),
     ]:
         agent = Agent.objects.create(
