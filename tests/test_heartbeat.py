@@ -148,7 +148,7 @@ def test_a_heartbeat_makes_the_same_few_queries_however_long_the_session(
     # advisory lock) at enqueue, claim, session read, link and touch, the agent's lock,
     # price, ledger row, session and run updates, next queued run, the agent's last wakes
     # (its cache lifetime), and the savepoints around them: none of it per message of history.
-    with django_assert_max_num_queries(18 if mode == "stateless" else 24):
+    with django_assert_max_num_queries(19 if mode == "stateless" else 24):
         assert beat(agent, "turn 20").status == RunStatus.SUCCEEDED
 
 
