@@ -11,6 +11,17 @@ caching and reports usage from the request size):
     .venv/bin/python bench/context_growth.py            # SQLite in a temporary folder
     DATABASE_URL=postgres://... .venv/bin/python bench/context_growth.py
 
+    .venv/bin/python bench/context_growth.py defaults [MINUTES ...]   # issue 15 (below)
+
+The `defaults` variant runs the workload of issue 15 with no context settings: a persistent
+agent with an 8,000-character system prompt, ~800-character tasks and ~1,200-character
+answers (output tokens counted from the text), claude-opus-4-5 prices, 300 heartbeats
+MINUTES apart (2 and 30 by default; the fake's prompt cache expires by a simulated clock). It
+prints persistent/stateless cost, where the money goes, and how many of 20 facts planted in
+heartbeats 1-20 are still in the request at heartbeat 300, with the facts pinned and without,
+under a fake summariser that keeps what it is given to keep (at most 10 named facts a
+summary) and a ~1,000-character gist.
+
 Writes bench/out/context_growth.png and prints the totals. The agents carry a realistic
 ~1,500-token system prompt and ~100-token answers. The budget is 8,000 tokens so that
 compaction happens within 300 short turns (at the default of half the context window it
@@ -133,5 +144,228 @@ def plot(series: dict) -> None:
     print(f"plot: {out / 'context_growth.png'}")
 
 
+# --- the `defaults` variant (issue 15) ---------------------------------------------------
+
+DEFAULTS_MODEL = "claude-opus-4-5"
+DEFAULTS_PROMPT = (
+    "You are the operations agent of a mid-sized software company. "
+    + " ".join(
+        f"Rule {i}: before you change service {i}, read its runbook, check its alerts and its last deploy, "
+        "and write down what you did and why."
+        for i in range(70)
+    )
+)[:8000]
+FACTS = [
+    f"FACT-{k:02d}: the {thing} is {value}"
+    for k, (thing, value) in enumerate(
+        [
+            ("on-call phone for payments", "+1-555-0142"),
+            ("staging database host", "db-stg-7.internal:54327"),
+            ("billing runbook", "https://wiki.example.com/runbooks/billing-v3"),
+            ("deploy freeze window", "Fridays 14:00-23:59 UTC"),
+            ("customer escalation id", "ESC-88412"),
+            ("TLS certificate expiry", "2027-02-11"),
+            ("log bucket", "s3://ops-logs-eu-west-1/prod"),
+            ("feature flag for checkout v2", "ff_checkout_v2_rollout"),
+            ("max replicas of the API", "48"),
+            ("config file of the gateway", "/etc/gateway/routes.yaml"),
+            ("owner of the search cluster", "team-lucene (Priya)"),
+            ("incident ticket", "INC-2291"),
+            ("error budget left this quarter", "37 minutes"),
+            ("VPN gateway address", "10.42.0.1"),
+            ("migration branch", "release/2026.11-migrate-orders"),
+            ("cost alert threshold", "$12,500 per month"),
+            ("vendor contract number", "VC-2026-0193"),
+            ("backup retention", "35 days"),
+            ("SLO for p99 latency", "450 ms"),
+            ("status page", "https://status.example.com/incidents/7731"),
+        ],
+        start=1,
+    )
+]
+OLD_DEFAULTS = {
+    "context_budget_tokens": 100_000,
+    "keep_recent_turns": 4,
+    "cache_ttl": "5m",
+    "summary_model": DEFAULTS_MODEL,
+}
+FILLER = (
+    "Check the service dashboards, read the last deploy's notes, look at the open alerts and the error "
+    "rates per endpoint, confirm the queue depths are normal, and report anything unusual with its evidence. "
+)
+
+
+def defaults_task(i: int) -> str:
+    """About 800 characters; heartbeats 1 to 20 each plant one fact."""
+    fact = f" Remember this for later: {FACTS[i - 1]}." if 1 <= i <= len(FACTS) else ""
+    head = f"Heartbeat {i}: routine operations pass.{fact} "
+    return (head + FILLER * 8)[:800]
+
+
+def defaults_answer(body: dict) -> str:
+    """About 1,200 characters, as an operations report."""
+    from tests.fake_anthropic import last_user_text
+
+    task = last_user_text(body.get("messages", []))
+    head = f"Report for '{task[:40]}': all services nominal. "
+    body_text = "Dashboards green; no alerts open; deploys healthy; queue depths normal; error rates flat. " * 16
+    return (head + body_text)[:1200]
+
+
+def keeping_summariser(body: dict) -> str:
+    """A summariser that keeps what it is given to keep and little else: a short gist of the
+    turns, and the facts the request names (at most 10 a summary, the ones named as missing
+    first), as a model with limited attention might."""
+    from tests.fake_anthropic import last_user_text
+
+    text = last_user_text(body.get("messages", []))
+    named: list[str] = []
+    if "[Missing from your previous summary]" in text:
+        named += [
+            line[2:]
+            for line in text.split("[Missing from your previous summary]")[1].splitlines()
+            if line.startswith("- ")
+        ]
+    if "[Pinned facts]" in text:
+        pinned = text.split("[Pinned facts]")[1].split("[Missing from your previous summary]")[0]
+        named += [line[2:] for line in pinned.splitlines() if line.startswith("- ") and line[2:] not in named]
+    turns = text.count("[user]")
+    # About 1,000 characters, as a real summary of a few routine heartbeats would be.
+    gist = f"Summary of {turns} earlier heartbeats: routine operations passes. " + (
+        "Dashboards were green, no alerts were open, deploys were healthy, queue depths and error rates normal. " * 9
+    )
+    return "\n".join([gist, *named[:10]])
+
+
+def steady_parts(events, heartbeats: int) -> dict:
+    """Where the money goes, per heartbeat: answers' output, plain input, cache writes and
+    reads, and the summary calls."""
+    from costs_app.pricing import price_for
+
+    parts = dict.fromkeys(["output", "input", "cache write", "cache read", "summaries"], Decimal(0))
+    for event in events:
+        price = price_for(model=event.model, at=event.created_at)
+        if event.kind == "compaction":
+            parts["summaries"] += event.cost_usd
+            continue
+        parts["output"] += event.output_tokens * price.output_usd_per_mtok / 1_000_000
+        parts["input"] += event.input_tokens * price.input_usd_per_mtok / 1_000_000
+        parts["cache write"] += (
+            event.cache_creation_5m_input_tokens * price.cache_write_5m_usd_per_mtok
+            + event.cache_creation_1h_input_tokens * price.cache_write_1h_usd_per_mtok
+        ) / 1_000_000
+        parts["cache read"] += event.cache_read_input_tokens * price.cache_read_usd_per_mtok / 1_000_000
+    return {name: value / heartbeats for name, value in parts.items()}
+
+
+def defaults_main(interval_minutes: float) -> None:
+    import json
+    from datetime import timedelta
+
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    from django.db.models import Sum
+    from django.utils import timezone
+
+    from costs_app.models import CostEvent, CostKind
+    from sessions_app.context import SUMMARY_SYSTEM
+    from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+    from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, SessionCompaction
+    from sessions_app.pins import pin_create
+    from tests.fake_anthropic import FakeAnthropic, plain_system
+
+    fake = FakeAnthropic().start()
+    fake.count_output = True
+    fake.writer = lambda body: (
+        keeping_summariser(body) if plain_system(body) == SUMMARY_SYSTEM else defaults_answer(body)
+    )
+    clock = [0.0]
+    fake.clock = lambda: clock[0]
+    os.environ["ANTHROPIC_BASE_URL"] = fake.base_url
+    os.environ["ANTHROPIC_API_KEY"] = "sk-ant-bench"
+    company = Company.objects.create(name=f"bench defaults {timezone.now():%H%M%S}")
+    start = timezone.now()
+    kinds = [CostKind.MESSAGE, CostKind.COMPACTION]
+    results = {}
+    for label, mode, pinned, extra in [
+        ("stateless", "stateless", False, {}),
+        ("persistent", "persistent", False, {}),
+        ("persistent + 20 pins", "persistent", True, {}),
+        # The defaults before issue 15: half the window, four turns kept, the 5-minute cache,
+        # summaries by the agent's model (its last replayed turn was marked, not the request's end).
+        ("persistent, old defaults", "persistent", False, OLD_DEFAULTS),
+    ]:
+        agent = Agent.objects.create(
+            company=company,
+            name=label,
+            system_prompt=DEFAULTS_PROMPT,
+            adapter_config={"model": DEFAULTS_MODEL, "session_mode": mode, **extra},
+        )
+        fake.cache.clear()  # the agents share their prompt and tasks: each starts with a cold cache
+        if pinned:
+            for fact in FACTS:
+                pin_create(agent=agent, text=fact)
+        for i in range(1, HEARTBEATS + 1):
+            now = start + timedelta(minutes=interval_minutes * i)
+            clock[0] = (now - start).total_seconds()
+            run, _ = heartbeat_enqueue(agent=agent, task=defaults_task(i), now=now)
+            run = heartbeat_execute(run_id=run.id, now=now)
+            assert run.status == "succeeded", (label, i, run.error_code, run.error)
+        last = fake.message_requests[-1]
+        runs = list(HeartbeatRun.objects.filter(agent=agent).order_by("created_at").values_list("id", flat=True))
+        events = CostEvent.objects.filter(agent_id=agent.id, kind__in=kinds)
+        total = events.aggregate(total=Sum("cost_usd"))["total"] or Decimal(0)
+        steady = events.filter(run_id__in=runs[100:]).aggregate(total=Sum("cost_usd"))["total"] or Decimal(0)
+        inputs = [
+            r.input_tokens + r.cache_creation_input_tokens + r.cache_read_input_tokens
+            for r in HeartbeatRun.objects.filter(agent=agent).order_by("created_at")
+        ]
+        compactions = SessionCompaction.objects.filter(session__agent=agent)
+        parts = steady_parts(events.filter(run_id__in=runs[100:]), HEARTBEATS - 100)
+        results[label] = {
+            "total": total,
+            "steady": steady,
+            "facts": sum(1 for fact in FACTS if fact in json.dumps(last["messages"], ensure_ascii=False)),
+            "max_input": max(inputs),
+            "last_input": inputs[-1],
+            "compactions": compactions.count(),
+            "retries": compactions.filter(summary_attempts=2).count(),
+            "sessions": AgentSession.objects.filter(agent=agent).count(),
+            "parts": parts,
+            "ttl": "1h" if "'ttl': '1h'" in str(last) else ("5m" if "cache_control" in str(last) else "none"),
+        }
+    fake.stop()
+    base = results["stateless"]
+    print(
+        f"defaults: {HEARTBEATS} heartbeats {interval_minutes:g} min apart, {DEFAULTS_MODEL} list prices, "
+        f"{len(DEFAULTS_PROMPT)}-char system prompt, ~800-char tasks, ~1,200-char answers, no context settings"
+    )
+    for label, r in results.items():
+        print(
+            f"{label:24s} total ${r['total']:.4f} = {r['total'] / base['total']:.2f}x; heartbeats 101-{HEARTBEATS} "
+            f"${r['steady']:.4f} = {r['steady'] / base['steady']:.2f}x stateless; input/heartbeat max "
+            f"{r['max_input']} last {r['last_input']}; {r['compactions']} compactions ({r['retries']} retried); "
+            f"cache {r['ttl']}; facts in request {HEARTBEATS}: {r['facts']}/{len(FACTS)}"
+        )
+    print("per heartbeat in the steady state (heartbeats 101-300), in dollars:")
+    for label, r in results.items():
+        print(f"  {label:24s} " + ", ".join(f"{name} {value:.5f}" for name, value in r["parts"].items()))
+    ratio = results["persistent"]["steady"] / base["steady"]
+    print(f"steady-state persistent/stateless: {ratio:.2f}x (goal <= 1.50)")
+    print(
+        f"facts planted in heartbeats 1-20 still in the request at {HEARTBEATS}: "
+        f"{results['persistent + 20 pins']['facts']}/20 with pins (goal 20/20), "
+        f"{results['persistent']['facts']}/20 without"
+    )
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["defaults"]:
+        for minutes in sys.argv[2:] or ["2", "30"]:
+            defaults_main(float(minutes))
+    else:
+        main()

@@ -162,6 +162,6 @@ def daily_input_growth(*, agent_id: UUID, now: datetime, days: int = 14) -> dict
 
 
 GROWTH_ADVICE = (
-    "Input tokens grow with every run: the session is accumulating history. "
-    "Set a lower session_ttl_hours or turn on context summarization (context_strategy)."
+    "Input tokens grow with every run: the session is accumulating history. GET .../agents/{id}/growth "
+    "names the setting to change: context_strategy, context_budget_tokens, keep_recent_turns or cache_ttl."
 )

@@ -127,16 +127,19 @@ def compact(beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int |
         raise CompactRefused(
             "nothing_to_compact", f"The session has nothing older than its last {keep} turns that is not a summary."
         )
-    reply = summary_call(
+    summary = summary_call(
         agent=beat.agent,
         adapter=beat.adapter,
         settings_=beat.settings_,
         turns=history[:split],
         before_call=Reservation(beat),
+        session=session,
+        run=beat.run,
+        now=beat.now,
     )
-    new_history = summary_pair(reply.text, kind="summary", at=beat.now) + history[split:]
+    new_history = summary_pair(summary.text, kind="summary", at=beat.now) + history[split:]
     if summary_not_shrinking(new_history[:2], history[:split]):
-        compaction_refused(session=session, run=beat.run, reply=reply, at=beat.now)
+        compaction_refused(session=session, run=beat.run, reply=summary.reply, at=beat.now)
     system = beat.agent.system_prompt
     updated = compaction_commit(
         session=session,
@@ -144,7 +147,7 @@ def compact(beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int |
         old_history=history,
         new_history=new_history,
         archived=history[:split],
-        reply=reply,
+        summary=summary,
         tokens_before=estimate_tokens({"system": system, "messages": history}),
         tokens_after=estimate_tokens({"system": system, "messages": new_history}),
         at=beat.now,
@@ -154,7 +157,7 @@ def compact(beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int |
         status=RunStatus.SUCCEEDED,
         finished_at=beat.clock(),
         reserved_usd=0,
-        model=reply.model,
+        model=summary.reply.model,
         cost_usd=record.cost_usd,
         output=f"Compacted {record.messages_before} messages into {updated.message_count}.",
     )

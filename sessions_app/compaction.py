@@ -9,8 +9,9 @@ The policy (budgets, splitting, prompts, caching markers) lives in `sessions_app
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime
+from decimal import Decimal
 
 from django.db import transaction
 from django.db.models import F
@@ -27,9 +28,11 @@ from sessions_app.context import (
     choose_split,
     estimate_tokens,
     request_size,
+    summary_input_text,
     summary_pair,
     summary_request,
 )
+from sessions_app.context_defaults import effective_settings
 from sessions_app.errors import StepFailed
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -39,6 +42,14 @@ from sessions_app.models import (
     HeartbeatRun,
     RunStatus,
     SessionCompaction,
+)
+from sessions_app.pins import (
+    checked_summary,
+    fact_candidates,
+    facts_missing,
+    keep_instruction,
+    pinned_texts,
+    retry_instruction,
 )
 from sessions_app.plan import Handoff, Plan
 from sessions_app.stores import NOTHING_STAGED, store_for
@@ -56,16 +67,28 @@ def write_handoff(
     returned plan starts the new session with it."""
     predecessor = plan.retire
     old_history = store_for(predecessor).read(predecessor)
-    request = summary_request(agent=agent, settings=settings_, messages=old_history, system=HANDOFF_SYSTEM)
+    pins = pinned_texts(agent)
+    request = summary_request(
+        agent=agent,
+        settings=settings_,
+        messages=old_history,
+        system=HANDOFF_SYSTEM,
+        instructions=keep_instruction(pins),
+    )
     before_call(request)
     try:
         reply = adapter.call(request)
     except AdapterError as exc:
         raise StepFailed(f"handoff_{exc.code}", f"Writing the handoff note failed: {exc.message}") from None
+    # No second call here: the note's cost is held until the answer commits, and a pin it
+    # left out is carried verbatim all the same.
+    note = checked_summary(
+        written=reply.text, attempts=1, pins=pins, candidates=fact_candidates(summary_input_text(old_history))
+    )
     return replace(
         plan,
-        handoff=Handoff(summary=reply.text, reply=reply, predecessor=predecessor),
-        history=summary_pair(reply.text, kind="handoff", at=now),
+        handoff=Handoff(summary=note.text, reply=reply, predecessor=predecessor, facts=note.facts),
+        history=summary_pair(note.text, kind="handoff", at=now),
         manifest=list(predecessor.manifest),
     )
 
@@ -85,7 +108,13 @@ def fit_budget(
     Returns it with the plan it was built from (a new one after a compaction).
 
     At most one summary per heartbeat: a second one would pay again for what the first
-    could not do, and a session that no summary shrinks would pay on every heartbeat."""
+    could not do, and a session that no summary shrinks would pay on every heartbeat.
+
+    The budget and cache lifetime the agent leaves unset are chosen here, from the history
+    already read and how often the agent wakes (`sessions_app.context_defaults`)."""
+    settings_ = effective_settings(
+        agent=agent, settings_=settings_, history=plan.history, user_content=user_content, now=now
+    )
     request = build_request(agent=agent, history=plan.history, user_content=user_content, settings=settings_)
     if not agent.is_persistent or settings_.strategy != "summarize":
         return plan, request
@@ -97,12 +126,19 @@ def fit_budget(
     split = summary_split(agent, adapter, plan.history, user_content, settings_)
     if split is None:
         raise budget_exceeded(size, settings_)
-    reply = summary_call(
-        agent=agent, adapter=adapter, settings_=settings_, turns=plan.history[:split], before_call=before_call
+    summary = summary_call(
+        agent=agent,
+        adapter=adapter,
+        settings_=settings_,
+        turns=plan.history[:split],
+        before_call=before_call,
+        session=plan.session,
+        run=run,
+        now=now,
     )
-    new_history = summary_pair(reply.text, kind="summary", at=now) + plan.history[split:]
+    new_history = summary_pair(summary.text, kind="summary", at=now) + plan.history[split:]
     if summary_not_shrinking(new_history[:2], plan.history[:split]):
-        compaction_refused(session=plan.session, run=run, reply=reply, at=now)
+        compaction_refused(session=plan.session, run=run, reply=summary.reply, at=now)
     after = build_request(agent=agent, history=new_history, user_content=user_content, settings=settings_)
     session = compaction_commit(
         session=plan.session,
@@ -110,7 +146,7 @@ def fit_budget(
         old_history=plan.history,
         new_history=new_history,
         archived=plan.history[:split],
-        reply=reply,
+        summary=summary,
         tokens_before=size,
         tokens_after=estimate_tokens({"system": after.system_blocks or after.system, "messages": after.messages}),
         at=now,
@@ -135,14 +171,70 @@ def summary_split(agent: Agent, adapter, history: list, user_content, settings_:
     return choose_split(history, 0)
 
 
-def summary_call(*, agent: Agent, adapter, settings_: ContextSettings, turns: list, before_call: BeforeCall):
-    """The summary of `turns`, reserved against the budgets before it is asked for."""
-    summarise = summary_request(agent=agent, settings=settings_, messages=turns, system=SUMMARY_SYSTEM)
-    before_call(summarise)
-    try:
-        return adapter.call(summarise)
-    except AdapterError as exc:
-        raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
+@dataclass(frozen=True)
+class Summary:
+    """A summary as it goes into the session, checked for the agent's pinned facts."""
+
+    reply: AdapterReply  # the call whose text was kept; billed with the compaction record
+    text: str  # the model's text, with any pin it left out appended verbatim
+    facts: list[dict]
+    attempts: int
+    earlier_cost: Decimal  # a first attempt that was retried: already in the ledger
+
+
+def summary_call(
+    *,
+    agent: Agent,
+    adapter,
+    settings_: ContextSettings,
+    turns: list,
+    before_call: BeforeCall,
+    session: AgentSession,
+    run: HeartbeatRun,
+    now: datetime,
+) -> Summary:
+    """The summary of `turns`, each call reserved against the budgets before it is made.
+    A summary without every pinned fact is asked for once more, naming the missing ones
+    (`sessions_app.pins`); the first is billed to the ledger before the retry is reserved,
+    so the reservation counts it."""
+    pins = pinned_texts(agent)
+
+    def ask(instructions: str) -> AdapterReply:
+        request = summary_request(
+            agent=agent, settings=settings_, messages=turns, system=SUMMARY_SYSTEM, instructions=instructions
+        )
+        before_call(request)
+        try:
+            return adapter.call(request)
+        except AdapterError as exc:
+            raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
+
+    reply = ask(keep_instruction(pins))
+    earlier_cost = Decimal(0)
+    missing = facts_missing(reply.text, pins)
+    if missing:
+        earlier_cost = summary_attempt_record(session=session, run=run, reply=reply, at=now)
+        reply = ask(keep_instruction(pins) + retry_instruction(missing))
+    checked = checked_summary(
+        written=reply.text,
+        attempts=2 if missing else 1,
+        pins=pins,
+        candidates=fact_candidates(summary_input_text(turns)),
+    )
+    return Summary(
+        reply=reply, text=checked.text, facts=checked.facts, attempts=checked.attempts, earlier_cost=earlier_cost
+    )
+
+
+def summary_attempt_record(*, session: AgentSession, run: HeartbeatRun, reply: AdapterReply, at: datetime) -> Decimal:
+    """The ledger row of a summary that is asked for again, on the session's total at once:
+    it was billed whatever becomes of the retry."""
+    if reply.usage is None:
+        return Decimal(0)
+    with transaction.atomic():
+        event = cost_event_record(**summary_cost(session, run, reply, at), session_id=session.id)
+        AgentSession.objects.filter(pk=session.pk).update(total_cost_usd=F("total_cost_usd") + event.cost_usd)
+    return event.cost_usd
 
 
 def summary_not_shrinking(summary: list, replaced: list) -> bool:
@@ -198,9 +290,13 @@ def compaction_record(
     messages: tuple[int, int],
     tokens: tuple[int, int],
     at: datetime,
+    facts: list | None = None,
+    attempts: int = 1,
+    earlier_cost: Decimal = Decimal(0),
 ):
     """The record of one compaction or handoff, and the cost event of the call that wrote
-    its summary (inside the caller's transaction). Returns the cost event, if any."""
+    its summary (inside the caller's transaction); its cost includes a retried first
+    attempt's (`earlier_cost`, already in the ledger). Returns the cost event, if any."""
     event = None
     if reply.usage is not None:
         event = cost_event_record(**summary_cost(session, run, reply, at), session_id=session.id)
@@ -216,8 +312,10 @@ def compaction_record(
         tokens_after=tokens[1],
         summary=summary,
         model=reply.model,
-        cost_usd=event.cost_usd if event else 0,
+        cost_usd=(event.cost_usd if event else 0) + earlier_cost,
         cost_event_id=event.id if event else None,
+        facts=facts or [],
+        summary_attempts=attempts,
     )
     return event
 
@@ -244,7 +342,7 @@ def compaction_commit(
     old_history: list,
     new_history: list,
     archived: list,
-    reply: AdapterReply,
+    summary: Summary,
     tokens_before: int,
     tokens_after: int,
     at: datetime,
@@ -268,12 +366,15 @@ def compaction_commit(
                 session=locked,
                 run=run,
                 kind=CompactionKind.SUMMARIZE,
-                reply=reply,
-                summary=reply.text,
+                reply=summary.reply,
+                summary=summary.text,
                 archived=archived,
                 messages=(len(old_history), len(new_history)),
                 tokens=(tokens_before, tokens_after),
                 at=at,
+                facts=summary.facts,
+                attempts=summary.attempts,
+                earlier_cost=summary.earlier_cost,
             )
             staged = store_for(locked).stage(locked, new_history)
             locked.message_count = len(new_history)
@@ -285,7 +386,7 @@ def compaction_commit(
             locked.save()
     except Exception:
         staged.discard()
-        billed_call_record(**summary_cost(session, run, reply, at))  # billed, though not kept
+        billed_call_record(**summary_cost(session, run, summary.reply, at))  # billed, though not kept
         raise
     except BaseException:
         staged.discard()
@@ -332,6 +433,7 @@ def handoff_record(session: AgentSession, *, run: HeartbeatRun, handoff: Handoff
         messages=(handoff.predecessor.message_count, 2),
         tokens=(handoff.predecessor.last_input_tokens or 0, estimate_tokens(handoff.summary)),
         at=at,
+        facts=handoff.facts,
     )
     if event is not None:
         session.total_cost_usd += event.cost_usd

@@ -33,8 +33,20 @@ CONTEXT_WINDOWS = {
     "claude-sonnet-4-6": 200_000,
     "claude-haiku-4-5": 200_000,
 }
-DEFAULT_KEEP_RECENT_TURNS = 4
+# Two turns verbatim: the bench (bench/RESULTS.md, `defaults`) measured 1.93x stateless with
+# four, 1.80x with two and 1.71x with one; two keeps the last exchange and the one before it.
+DEFAULT_KEEP_RECENT_TURNS = 2
 SUMMARY_MAX_TOKENS = 2048
+# Summaries are written by the family's small model unless `summary_model` says otherwise:
+# they read every replaced turn at full input price, and at Opus prices they were a third
+# of what a persistent session cost beyond a stateless one (bench/RESULTS.md, `defaults`).
+# Pinned facts are checked whichever model writes them (`sessions_app.pins`).
+DEFAULT_SUMMARY_MODELS = {
+    "claude-opus-4-5": "claude-haiku-4-5",
+    "claude-opus-4-6": "claude-haiku-4-5",
+    "claude-sonnet-4-5": "claude-haiku-4-5",
+    "claude-sonnet-4-6": "claude-haiku-4-5",
+}
 # Measure exactly (count_tokens) once the estimate passes this share of the budget.
 MEASURE_ABOVE = 0.8
 SUMMARY_KINDS = ("summary", "handoff")
@@ -73,7 +85,7 @@ def context_settings(agent: Agent) -> ContextSettings:
     return ContextSettings(
         strategy=config.get("context_strategy") or default_strategy,
         budget_tokens=int(config.get("context_budget_tokens") or window // 2),
-        summary_model=config.get("summary_model") or agent.model_name,
+        summary_model=config.get("summary_model") or DEFAULT_SUMMARY_MODELS.get(agent.model_name, agent.model_name),
         keep_recent_turns=int(config.get("keep_recent_turns") or DEFAULT_KEEP_RECENT_TURNS),
         caching=agent.adapter_type == "claude-code" and bool(config.get("prompt_caching", True)),
         cache_ttl=config.get("cache_ttl") or "5m",
@@ -168,14 +180,15 @@ def build_request(
         marker = cache_marker(settings)
         if agent.system_prompt:
             system_blocks = [{"type": "text", "text": agent.system_prompt, "cache_control": marker}]
-        if messages:
-            # The replayed history is the stable prefix: mark its end so the next
-            # heartbeat reads it from the cache instead of paying full input price.
-            last = messages[-1]
-            blocks = as_blocks(last["content"])
-            blocks[-1] = {**blocks[-1], "cache_control": marker}
-            messages[-1] = {"role": last["role"], "content": blocks}
     messages.append({"role": "user", "content": user_content})
+    if settings.caching and agent.is_persistent:
+        # This whole request is the next heartbeat's prefix: its end is marked, so the next
+        # one reads it from the cache, and the task is written once now rather than sent
+        # uncached now and written next time (bench/RESULTS.md, `defaults`).
+        last = messages[-1]
+        blocks = as_blocks(last["content"])
+        blocks[-1] = {**blocks[-1], "cache_control": cache_marker(settings)}
+        messages[-1] = {"role": last["role"], "content": blocks}
     return AdapterRequest(
         model=model or agent.model_name,
         system=agent.system_prompt,
@@ -247,11 +260,16 @@ def clipped(text: str, limit: int) -> str:
     return f"{text[:head]}\n\n[... {omitted:,} characters of the conversation left out ...]\n\n{text[-tail:]}"
 
 
-def summary_request(*, agent: Agent, settings: ContextSettings, messages: list, system: str) -> AdapterRequest:
+def summary_request(
+    *, agent: Agent, settings: ContextSettings, messages: list, system: str, instructions: str = ""
+) -> AdapterRequest:
+    """The request for a summary of `messages`; `instructions` (the pinned facts, a retry's
+    missing ones) follow the conversation, where clipping cannot cut them."""
+    text = clipped(summary_input_text(messages), summary_input_chars(settings)) + instructions
     return AdapterRequest(
         model=settings.summary_model,
         system=system,
-        messages=[{"role": "user", "content": clipped(summary_input_text(messages), summary_input_chars(settings))}],
+        messages=[{"role": "user", "content": text}],
         config={**agent.adapter_config, "context_strategy": "none"},
         max_tokens=SUMMARY_MAX_TOKENS,
     )

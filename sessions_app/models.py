@@ -10,6 +10,7 @@ import uuid
 from datetime import datetime, timedelta
 from decimal import Decimal
 
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
@@ -491,8 +492,13 @@ class SessionCompaction(models.Model):
     tokens_after = models.PositiveIntegerField(default=0)
     summary = models.TextField(blank=True, default="")
     model = models.TextField(blank=True, default="")
+    # The summary and its retry when a pinned fact was missing (`sessions_app.pins`).
     cost_usd = models.DecimalField(max_digits=20, decimal_places=10, default=0)
     cost_event_id = models.BigIntegerField(null=True, blank=True)
+    # The facts the summary was checked for, each {"text", "source": "pin" | "candidate",
+    # "passed": in the model's summary, "via": "summary" | "retry" | "kept_facts" | ""}.
+    facts = models.JSONField(default=list, blank=True, db_default=models.Value([], output_field=models.JSONField()))
+    summary_attempts = models.PositiveSmallIntegerField(default=1, db_default=1)
 
     class Meta:
         db_table = "session_compactions"
@@ -529,3 +535,42 @@ class CliTranscriptEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.session_id} #{self.id}"
+
+
+# Limits of pinned facts: each is sent with every summary request and may be carried
+# verbatim in every summary, so together they must stay a small part of a session.
+MAX_PINS_PER_AGENT = 50
+MAX_PIN_CHARS = 500
+
+
+class PinnedFact(models.Model):
+    """A fact an operator pinned on an agent. Every summary of its sessions (a compaction,
+    compact now, a rotation's handoff note) must carry it (`sessions_app.pins`).
+
+    Pinned on the agent rather than a session: a session ends at every rotation, and a fact
+    worth pinning is one that must outlive it."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    # pins_agent_created_idx leads with agent_id and serves its lookups and cascades.
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="pins", db_index=False)
+    text = models.TextField(max_length=MAX_PIN_CHARS)
+    created_at = models.DateTimeField(default=timezone.now, db_default=Now(), editable=False)
+
+    class Meta:
+        db_table = "pinned_facts"
+        ordering = ["created_at"]
+        indexes = [
+            # The agent's pins, oldest first: every summary request, the API list, the admin inline.
+            models.Index(fields=["agent", "created_at"], name="pins_agent_created_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return self.text[:80]
+
+    def clean(self) -> None:
+        from sessions_app.pins import PinRefused, pin_text_validate
+
+        try:
+            self.text = pin_text_validate(self.text)
+        except PinRefused as exc:
+            raise ValidationError({"text": exc.message}) from None

@@ -39,6 +39,7 @@ class Handoff:
     summary: str
     reply: AdapterReply
     predecessor: AgentSession
+    facts: list = field(default_factory=list)  # the pinned facts and candidates checked
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,17 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from sessions_app.models import (
+    MAX_PIN_CHARS,
     Agent,
     AgentSession,
     AgentStatus,
     Company,
     HeartbeatRun,
+    PinnedFact,
     RunStatus,
     session_public_id,
 )
+from sessions_app.pins import PinRefused, pin_text_validate
 from sessions_app.work_checks import agent_backoff
 
 
@@ -434,3 +437,26 @@ class CompactRequestSerializer(NoUnknownFieldsMixin, serializers.Serializer):
         max_value=1000,
         help_text="Turns kept verbatim after the summary (1-1000); the agent's `keep_recent_turns` when absent.",
     )
+
+
+# Pinned facts
+
+
+class PinSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
+    text = StrictCharField(
+        max_length=MAX_PIN_CHARS,
+        allow_blank=False,
+        trim_whitespace=True,
+        help_text=f"The fact every summary must keep verbatim (1-{MAX_PIN_CHARS} characters, no NUL).",
+    )
+
+    class Meta:
+        model = PinnedFact
+        fields = ["id", "text", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+    def validate_text(self, value: str) -> str:
+        try:
+            return pin_text_validate(value)
+        except PinRefused as exc:
+            raise serializers.ValidationError(exc.message) from None

@@ -6,6 +6,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from sessions_app import views
 from sessions_app.api.history_views import AgentGrowthView, SessionArchiveView
+from sessions_app.api.pin_views import PinDetailView, PinListView
 
 app_name = "api"
 
@@ -27,4 +28,6 @@ urlpatterns = [
     path(f"{agent}/sessions/<str:session_id>/compact", views.SessionCompactView.as_view(), name="session-compact"),
     path(f"{agent}/sessions/<str:session_id>/archive", SessionArchiveView.as_view(), name="session-archive"),
     path(f"{agent}/growth", AgentGrowthView.as_view(), name="agent-growth"),
+    path(f"{agent}/pins", PinListView.as_view(), name="agent-pins"),
+    path(f"{agent}/pins/<uuid:pin_id>", PinDetailView.as_view(), name="agent-pin-detail"),
 ]

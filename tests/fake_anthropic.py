@@ -83,6 +83,16 @@ def marker_ttl(value) -> str | None:
     return None
 
 
+CACHE_SECONDS = {"5m": 300.0, "1h": 3600.0}
+
+
+def cache_alive(entry: tuple[float | None, float] | None, now: float | None) -> bool:
+    """Whether a cache entry is there to read at `now` (None: no clock, nothing expires)."""
+    if entry is None:
+        return False
+    return entry[0] is None or now is None or entry[0] > now
+
+
 def has_marker(value) -> bool:
     if isinstance(value, list):
         return any(has_marker(v) for v in value)
@@ -194,13 +204,23 @@ class FakeAnthropic:
         self.ids = itertools.count(1)
         # Message ids are unique across fake instances, as the real API's are.
         self.id_prefix = uuid.uuid4().hex[:12]
-        # Prompt cache: hashes of request prefixes written at cache_control breakpoints.
-        self.cache: set[str] = set()
+        # Prompt cache: hashes of request prefixes written at cache_control breakpoints,
+        # each with the moment it expires (by `clock`; None: never, the default) and its lifetime.
+        self.cache: dict[str, tuple[float | None, float]] = {}
+        # Seconds since any origin, read when a request arrives: set it (a simulated clock)
+        # to make cached prefixes expire after their lifetime (5 minutes or 1 hour) unless
+        # read again, as the API's do.
+        self.clock: Callable[[], float] | None = None
         self.answer_padding = ""
         # As a model following the memory tool's own advice would: view /memories/facts at
         # the start of every task, not only when it says "recall" (benchmarks' worst case).
         self.memory_view_always = False
         self.system_answers: dict[str, str] = {}
+        # Benchmarks: the text of a default answer as a function of the request body (None
+        # from it: the usual answer), e.g. a summariser; and output tokens counted from the
+        # answer's text, as the API counts them, instead of a flat 12.
+        self.writer: Callable[[dict], str | None] | None = None
+        self.count_output = False
         self.action_errors: list[BaseException] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
@@ -246,6 +266,8 @@ class FakeAnthropic:
         messages = effective_messages(body.get("messages", []))
         segments = ([system] if system else []) + messages
         sizes = [self.tokens(strip_markers(segment)) for segment in segments]
+        # The cache compares content as the API reads it: a string is its one text block.
+        keys = [segment if segment is system else canonical_message(segment) for segment in segments]
         total = self.tokens({"system": system, "messages": messages})
         if body.get("tools"):
             total += self.tokens(body["tools"])
@@ -255,14 +277,18 @@ class FakeAnthropic:
         if breakpoints:
             digest = hashlib.sha256()
             prefixes = []
-            for segment in segments:
-                digest.update(json.dumps(strip_markers(segment), sort_keys=True).encode())
+            for key in keys:
+                digest.update(json.dumps(strip_markers(key), sort_keys=True).encode())
                 prefixes.append(digest.copy().hexdigest())
             last = breakpoints[-1]
+            now = self.clock() if self.clock is not None else None
             with self.lock:
-                hit = max((i for i in range(last + 1) if prefixes[i] in self.cache), default=-1)
+                hit = max((i for i in range(last + 1) if cache_alive(self.cache.get(prefixes[i]), now)), default=-1)
+                if hit >= 0 and now is not None:  # a read restarts the entry's lifetime
+                    self.cache[prefixes[hit]] = (now + self.cache[prefixes[hit]][1], self.cache[prefixes[hit]][1])
                 for i in breakpoints:
-                    self.cache.add(prefixes[i])
+                    seconds = CACHE_SECONDS[marker_ttl(segments[i])]
+                    self.cache[prefixes[i]] = (None if now is None else now + seconds, seconds)
             read = sum(sizes[: hit + 1])
             # Each segment is written at the lifetime of the breakpoint that closes it.
             for i in range(hit + 1, last + 1):
@@ -316,6 +342,8 @@ class FakeAnthropic:
         if reply.text is None and self.system_answers:
             system = plain_system(body)
             text = next((answer for key, answer in self.system_answers.items() if key in system), text)
+        if reply.kind == "default" and self.writer is not None:
+            text = self.writer(body) or text
         compaction = self.server_compaction(body) if reply.kind == "default" else None
         cleared = clear_tool_uses(body, self.tokens)
         scripted = (
@@ -346,6 +374,8 @@ class FakeAnthropic:
             if reply.usage is None and compaction is None:
                 usage = message["usage"]
                 usage["input_tokens"] = max(usage["input_tokens"] - cleared["cleared_input_tokens"], 1)
+        if self.count_output and reply.usage is None:
+            message["usage"]["output_tokens"] = self.tokens(text)
         if reply.kind == "no_usage":
             message.pop("usage")
         message.update(reply.extra)
@@ -644,6 +674,12 @@ def canonical_content(content) -> list:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     return [{k: v for k, v in block.items() if k != "cache_control"} for block in content]
+
+
+def canonical_message(message) -> Any:
+    if not isinstance(message, dict) or "content" not in message:
+        return message
+    return {**message, "content": canonical_content(message["content"])}
 
 
 def plain_messages(body: dict) -> list[dict]:

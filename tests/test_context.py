@@ -46,8 +46,9 @@ def test_cache_markers_are_sent_and_cache_reads_are_priced_at_a_tenth(company, f
         beat(agent, f"turn {i}")
     third = fake_anthropic.message_requests[2]
     assert third["system"][0]["cache_control"] == {"type": "ephemeral"}
-    assert third["messages"][-2]["content"][-1]["cache_control"] == {"type": "ephemeral"}
-    assert "cache_control" not in str(third["messages"][-1])
+    # The request's end is marked (the next heartbeat's prefix), not the turns before it.
+    assert third["messages"][-1]["content"][-1]["cache_control"] == {"type": "ephemeral"}
+    assert "cache_control" not in str(third["messages"][:-1])
 
     event = CostEvent.objects.order_by("-created_at").first()
     assert event.cache_read_input_tokens > 0 and event.cache_creation_input_tokens > 0

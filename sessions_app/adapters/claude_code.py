@@ -183,14 +183,18 @@ class ClaudeCodeAdapter:
         if not is_int(retries) or not 0 <= retries <= 10:
             errors["max_retries"] = f"must be a whole number in 0..10, got {retries!r}"
         clean["max_retries"] = retries
-        caching = config.get("prompt_caching", True)
-        if not isinstance(caching, bool):
-            errors["prompt_caching"] = f"must be true or false, got {caching!r}"
-        clean["prompt_caching"] = caching
-        cache_ttl = config.get("cache_ttl", "5m")
-        if cache_ttl not in ("5m", "1h"):
-            errors["cache_ttl"] = f"must be '5m' or '1h', got {cache_ttl!r}"
-        clean["cache_ttl"] = cache_ttl
+        # Left out when not given: the engine then chooses from how often the agent wakes
+        # (`sessions_app.context_defaults`), which it could not tell from a stored default.
+        if "prompt_caching" in config:
+            caching = config["prompt_caching"]
+            if not isinstance(caching, bool):
+                errors["prompt_caching"] = f"must be true or false, got {caching!r}"
+            clean["prompt_caching"] = caching
+        if "cache_ttl" in config:
+            cache_ttl = config["cache_ttl"]
+            if cache_ttl not in ("5m", "1h"):
+                errors["cache_ttl"] = f"must be '5m' or '1h', got {cache_ttl!r}"
+            clean["cache_ttl"] = cache_ttl
         if "compaction_trigger_tokens" in config:
             trigger = config["compaction_trigger_tokens"]
             if trigger is not None and (not is_int(trigger) or not 50_000 <= trigger <= 2_000_000):

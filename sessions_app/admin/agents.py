@@ -13,7 +13,7 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import transaction
+from django.db import models, transaction
 from django.forms.fields import InvalidJSONInput
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -35,7 +35,16 @@ from sessions_app.admin.common import (
     deletion_summary,
     humane_expiry,
 )
-from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunTrigger, SessionCompaction
+from sessions_app.models import (
+    MAX_PINS_PER_AGENT,
+    Agent,
+    AgentSession,
+    AgentStatus,
+    HeartbeatRun,
+    PinnedFact,
+    RunTrigger,
+    SessionCompaction,
+)
 from sessions_app.schedules import agent_next_wakes, agent_schedule_sync
 from sessions_app.text import holds_unstorable
 from sessions_app.wakes import HeartbeatPlan
@@ -109,6 +118,22 @@ class HeartbeatForm(forms.Form):
     task = forms.CharField(widget=forms.Textarea(attrs={"rows": 6, "cols": 80}), initial=DEFAULT_HEARTBEAT_TASK)
 
 
+class PinnedFactsInline(admin.TabularInline):
+    """The agent's pinned facts, edited in place: every summary of its sessions keeps them."""
+
+    model = PinnedFact
+    fk_name = "agent"
+    fields = ["text", "created_at"]
+    readonly_fields = ["created_at"]
+    extra = 1
+    max_num = MAX_PINS_PER_AGENT
+    verbose_name = "pinned fact"
+    verbose_name_plural = (
+        "pinned facts: every summary of this agent's sessions must keep them verbatim (or carries them after it)"
+    )
+    formfield_overrides = {models.TextField: {"widget": forms.Textarea(attrs={"rows": 2, "cols": 80})}}
+
+
 class RecentSessionsInline(ReadOnlyInline):
     model = AgentSession
     fk_name = "agent"
@@ -171,7 +196,7 @@ class AgentAdmin(admin.ModelAdmin):
     search_fields = ["name", "=id"]
     search_help_text = "Agent name, or its exact id."
     readonly_fields = ["id", "status", "paused_reason", "backoff", "created_at", "updated_at", "deleted_at"]
-    inlines = [RecentSessionsInline, RecentRunsInline]
+    inlines = [PinnedFactsInline, RecentSessionsInline, RecentRunsInline]
     actions = ["pause_agents", "resume_agents", "run_heartbeat_now", "retire_agents"]
     change_form_template = "admin/sessions_app/agent/change_form.html"
 

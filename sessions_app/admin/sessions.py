@@ -257,7 +257,11 @@ class AgentSessionAdmin(LargeTableAdmin):
         # Compacted turns were moved, verbatim, to the session's compactions: shown apart,
         # marked as archived, in the order they happened (one query).
         compactions = [
-            {"record": compaction, "turns": transcript(compaction.archived_messages or [], run_costs=run_costs)}
+            {
+                "record": compaction,
+                "turns": transcript(compaction.archived_messages or [], run_costs=run_costs),
+                "facts_passed": sum(1 for fact in compaction.facts or [] if fact.get("passed")),
+            }
             for compaction in SessionCompaction.objects.filter(session_id=session.pk).order_by("created_at")
         ]
         return {

@@ -10,15 +10,21 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 
-from costs_app.reports import GROWTH_ADVICE, daily_input_growth, input_growth
+from costs_app.reports import daily_input_growth, input_growth
 from sessions_app.api.base import ApiView, error_responses
 from sessions_app.api.exceptions import NotFound
+from sessions_app.context_defaults import growth_advice
 from sessions_app.models import AgentSession, SessionCompaction, parse_session_id
 
 MAX_COMPACTIONS = 100
 
 
 class CompactionSummarySerializer(serializers.ModelSerializer):
+    facts = serializers.JSONField(
+        help_text='The facts the summary was checked for: [{"text", "source": "pin" | "candidate", "passed": in '
+        'the model\'s summary, "via": "summary" | "retry" | "kept_facts" | ""}].'
+    )
+
     class Meta:
         model = SessionCompaction
         fields = [
@@ -33,6 +39,8 @@ class CompactionSummarySerializer(serializers.ModelSerializer):
             "summary",
             "model",
             "cost_usd",
+            "summary_attempts",
+            "facts",
         ]
 
 
@@ -115,7 +123,7 @@ class AgentGrowthView(ApiView):
             "first_input_tokens": growth.first_input_tokens,
             "last_input_tokens": growth.last_input_tokens,
             "growing": growth.is_growing,
-            "advice": GROWTH_ADVICE if growth.is_growing else "",
+            "advice": growth_advice(agent) if growth.is_growing else "",
             "slope_tokens_per_day": round(daily["slope_tokens_per_day"], 2),
             "daily": daily["days"],
         }

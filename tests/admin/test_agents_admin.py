@@ -27,7 +27,9 @@ def agent_form(company, **overrides):
         "system_prompt": "Write.",
         "adapter_type": "claude-code",
         "adapter_config": '{"model": "claude-opus-4-5", "session_mode": "persistent"}',
-        # the read-only inlines still post their management forms
+        # the inlines still post their management forms
+        "pins-TOTAL_FORMS": "0",
+        "pins-INITIAL_FORMS": "0",
         "sessions-TOTAL_FORMS": "0",
         "sessions-INITIAL_FORMS": "0",
         "runs-TOTAL_FORMS": "0",
@@ -358,3 +360,36 @@ def test_the_agent_list_and_page_show_the_back_off(admin_client, persistent_agen
     for html in (listing, page):
         assert '<strong class="backoff">x4</strong>: every 120 min instead of 30' in html
         assert "3 run(s) in a row without work" in html
+
+
+def pin_form(agent, text: str) -> dict:
+    return agent_form(
+        agent.company,
+        name=agent.name,
+        adapter_config='{"model": "claude-opus-4-5", "session_mode": "persistent"}',
+        **{"pins-TOTAL_FORMS": "1", "pins-0-text": text, "pins-0-agent": str(agent.pk)},
+    )
+
+
+def test_an_operator_pins_a_fact_on_the_agent_page(admin_client, persistent_agent):
+    from sessions_app.models import PinnedFact
+
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+    response = admin_client.post(url, pin_form(persistent_agent, "  Never deploy on Fridays "))
+    assert response.status_code == 302, response.context["inline_admin_formsets"][0].formset.errors
+    assert list(PinnedFact.objects.filter(agent=persistent_agent).values_list("text", flat=True)) == [
+        "Never deploy on Fridays"
+    ]
+    assert "Never deploy on Fridays" in admin_client.get(url).content.decode()
+
+
+@pytest.mark.parametrize("text", ["a\x00b", "x" * 501])
+def test_a_bad_pin_is_a_field_error_in_the_admin(admin_client, persistent_agent, text):
+    from sessions_app.models import PinnedFact
+
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+    response = admin_client.post(url, pin_form(persistent_agent, text))
+    assert response.status_code == 200
+    (errors,) = response.context["inline_admin_formsets"][0].formset.errors
+    assert "text" in errors
+    assert not PinnedFact.objects.exists()

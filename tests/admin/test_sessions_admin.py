@@ -391,3 +391,26 @@ def test_compact_now_action_compacts_each_session_and_names_the_refused(admin_cl
     assert f"Session {sessions[1].public_id}: nothing_to_compact" in page
     assert [AgentSession.objects.get(pk=s.pk).compaction_count for s in sessions] == [1, 0]
     assert CostEvent.objects.filter(kind=CostKind.COMPACTION, session_id=sessions[0].pk).count() == 1
+
+
+def test_a_compaction_shows_each_fact_it_checked_with_pass_or_fail(admin_client, persistent_agent):
+    from sessions_app.models import SessionCompaction
+
+    session = make_session(persistent_agent, history=conversation(1))
+    SessionCompaction.objects.create(
+        session=session,
+        kind="summarize",
+        summary="Short.\n\nKept facts (pinned; carried verbatim because the summary left them out):\n- ACME-42",
+        summary_attempts=2,
+        facts=[
+            {"text": "ACME-42", "source": "pin", "passed": False, "via": "kept_facts"},
+            {"text": "https://ci.example.com/<b>", "source": "candidate", "passed": True, "via": "retry"},
+            {"text": "/srv/app.py", "source": "candidate", "passed": False, "via": ""},
+        ],
+    )
+    page = admin_client.get(change_url(session)).content.decode()
+    assert "facts checked: 1 of 3 in the model&#x27;s summary" in page or "facts checked: 1 of 3" in page
+    assert "asked for again: a pinned fact was missing" in page
+    assert page.count("<strong>fail</strong>") == 2
+    assert "kept-facts block (verbatim)" in page and "dropped" in page
+    assert "https://ci.example.com/&lt;b&gt;" in page

@@ -13,7 +13,7 @@ from sessions_app.api_keys import api_key_create
 from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus
 from sessions_app.views import refusal_error, seconds_until_next_utc_month
 from tests.api.conftest import Api, agent_url, assert_error, make_run
-from tests.fake_anthropic import Reply
+from tests.fake_anthropic import Reply, canonical_content
 
 pytestmark = pytest.mark.django_db
 
@@ -37,7 +37,8 @@ def test_heartbeat_with_wait_answers_200_with_the_finished_run(api, persistent_a
     assert run["started_at"] and run["finished_at"]
     assert CostEvent.objects.filter(run_id=run["id"]).count() == 1
     sent = fake_anthropic.message_requests
-    assert sent[-1]["messages"][-1]["content"] == "Summarise yesterday"
+    # The task is the request's last turn (marked for the cache: the next heartbeat's prefix).
+    assert canonical_content(sent[-1]["messages"][-1]["content"]) == [{"type": "text", "text": "Summarise yesterday"}]
 
 
 def test_stateless_heartbeat_has_no_session(api, stateless_agent, fake_anthropic):

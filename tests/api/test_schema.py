@@ -19,7 +19,7 @@ from schemathesis.specs.openapi.checks import (
 
 from costs_app.models import AlertTarget, Budget
 from sessions_app.api_keys import api_key_create
-from sessions_app.models import Agent, Company
+from sessions_app.models import Agent, Company, PinnedFact
 from tests.api.conftest import make_run, make_session
 
 pytestmark = pytest.mark.django_db
@@ -102,7 +102,9 @@ def test_schemathesis_finds_no_server_errors_and_no_schema_violations(live_serve
     )
     session = make_session(agent, status="ended")
     run = make_run(agent)
+    pin = PinnedFact.objects.create(agent=agent, text="Fuzzed facts stay.")
     known = {
+        "pin_id": str(pin.id),
         "company_id": str(company.id),
         "agent_id": str(agent.id),
         "session_id": session.public_id,

@@ -55,7 +55,13 @@ def test_fifty_concurrent_heartbeats_through_a_live_server_lose_nothing_and_run_
                 "name": "Busy",
                 "system_prompt": "You remember.",
                 "adapter_type": "claude-code",
-                "adapter_config": {"model": "claude-opus-4-5", "session_mode": "persistent", "session_ttl_hours": 24},
+                # A budget these 50 short turns never reach: no summary, the history stays whole.
+                "adapter_config": {
+                    "model": "claude-opus-4-5",
+                    "session_mode": "persistent",
+                    "session_ttl_hours": 24,
+                    "context_budget_tokens": 100_000,
+                },
             },
         )
         assert status == 201, agent

@@ -1,0 +1,178 @@
+"""The context settings an agent leaves unset, chosen from what it sends and how often it wakes.
+
+- Budget (`context_budget_tokens` unset): room for the system prompt, the task, the summary
+  in the session, the turns kept verbatim (`keep_recent_turns`) and GROWTH_TURNS turns
+  more, each the typical size of the agent's own turns. So a session is summarised every
+  GROWTH_TURNS heartbeats whatever its model, instead of carrying up to half a 200k window
+  into every call. The turns are measured in the history the heartbeat has already read
+  (the median of its last turns: no query); the model's window less the answer's
+  `max_tokens` stays the ceiling.
+- Cache lifetime (`cache_ttl` unset): from the gaps between the agent's last wakes (one
+  query on runs_agent_created_idx). At most 5 minutes apart: the 5-minute cache (each
+  wake reads what the last one wrote). Between 5 minutes and an hour: the 1-hour cache
+  when the ledger shows it pays (what its cache reads saved is at least what its 1-hour
+  writes cost over plain input, over the agent's last calls; tried when they show none),
+  otherwise none. An hour or more apart: none (every write would expire unread), unless
+  `prompt_caching` is set to true, which keeps the 5-minute cache.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from datetime import datetime, timedelta
+
+from costs_app.models import CostEvent
+from costs_app.pricing import price_for
+from sessions_app.context import (
+    CONTEXT_WINDOWS,
+    DEFAULT_CONTEXT_WINDOW,
+    DEFAULT_KEEP_RECENT_TURNS,
+    SUMMARY_KINDS,
+    ContextSettings,
+    estimate_tokens,
+)
+from sessions_app.models import Agent, HeartbeatRun
+
+# Heartbeats between two summaries under the derived budget. Fewer means more summary
+# calls (each rewrites the cached prefix); more means longer replayed history.
+GROWTH_TURNS = 8
+# Room for the summary before the session has one.
+SUMMARY_ALLOWANCE_TOKENS = 500
+# Turns measured for the typical size, and wakes sampled for the interval.
+TURNS_MEASURED = 8
+WAKES_SAMPLED = 6
+CALLS_SAMPLED = 20
+TRIAL_CALLS = 3
+FIVE_MINUTES = timedelta(minutes=5)
+ONE_HOUR = timedelta(hours=1)
+DEFAULT_MAX_OUTPUT_TOKENS = 4096
+
+
+def effective_settings(
+    *, agent: Agent, settings_: ContextSettings, history: list, user_content, now: datetime
+) -> ContextSettings:
+    """`settings_` with the budget and cache lifetime the agent's configuration leaves unset."""
+    config = agent.adapter_config
+    changes: dict = {}
+    if agent.is_persistent and settings_.strategy == "summarize" and not config.get("context_budget_tokens"):
+        changes["budget_tokens"] = derived_budget(agent, settings_, history=history, user_content=user_content)
+    if settings_.caching and not config.get("cache_ttl"):
+        ttl = chosen_cache_ttl(agent, now=now)
+        if ttl == "none" and config.get("prompt_caching") is not True:
+            changes["caching"] = False
+        else:
+            changes["cache_ttl"] = "5m" if ttl == "none" else ttl
+    return replace(settings_, **changes) if changes else settings_
+
+
+# --- the budget -------------------------------------------------------------------------
+
+
+def derived_budget(agent: Agent, settings_: ContextSettings, *, history: list, user_content) -> int:
+    system = estimate_tokens(agent.system_prompt) if agent.system_prompt else 0
+    task = estimate_tokens(user_content)
+    turn = typical_turn_tokens(history) or 2 * task
+    summary = sum(estimate_tokens(m) for m in history if m.get("kind") in SUMMARY_KINDS) or SUMMARY_ALLOWANCE_TOKENS
+    wanted = system + task + summary + (settings_.keep_recent_turns + GROWTH_TURNS) * turn
+    return min(wanted, budget_ceiling(agent))
+
+
+def budget_ceiling(agent: Agent) -> int:
+    window = CONTEXT_WINDOWS.get(agent.model_name, DEFAULT_CONTEXT_WINDOW)
+    return window - int(agent.adapter_config.get("max_tokens") or DEFAULT_MAX_OUTPUT_TOKENS)
+
+
+def typical_turn_tokens(history: list) -> int:
+    """The median size of the last TURNS_MEASURED turns (a task and its answer), 0 without any."""
+    messages = [m for m in history if m.get("kind") not in SUMMARY_KINDS][-2 * TURNS_MEASURED :]
+    sizes = [
+        estimate_tokens(messages[i]["content"]) + estimate_tokens(messages[i + 1]["content"])
+        for i in range(len(messages) - 1)
+        if messages[i]["role"] == "user" and messages[i + 1]["role"] == "assistant"
+    ]
+    return int(statistics.median(sizes)) if sizes else 0
+
+
+# --- the cache lifetime -----------------------------------------------------------------
+
+
+def chosen_cache_ttl(agent: Agent, *, now: datetime) -> str:
+    """ "5m", "1h" or "none", from how often the agent wakes (see the module's docstring)."""
+    gap = typical_wake_gap(agent)
+    if gap is None or gap <= FIVE_MINUTES:
+        return "5m"
+    if gap >= ONE_HOUR:
+        return "none"
+    return "1h" if one_hour_cache_pays(agent, now=now) else "none"
+
+
+def typical_wake_gap(agent: Agent) -> timedelta | None:
+    """The median time between the agent's last wakes (its runs' creation), None with fewer than three."""
+    created = list(
+        HeartbeatRun.objects.filter(agent=agent)
+        .order_by("-created_at")
+        .values_list("created_at", flat=True)[:WAKES_SAMPLED]
+    )
+    if len(created) < 3:
+        return None
+    return statistics.median(earlier - later for later, earlier in zip(created[1:], created, strict=False))
+
+
+def one_hour_cache_pays(agent: Agent, *, now: datetime) -> bool:
+    """Whether the 1-hour cache paid over the agent's calls since it was last used (among its
+    last CALLS_SAMPLED): what their cache reads saved against plain input is at least what
+    their 1-hour writes cost over it. The first such call writes the whole prefix and reads
+    nothing, so it is judged from the third call on; until then, and when none of the calls
+    sampled used it, it is tried."""
+    calls = list(
+        CostEvent.objects.filter(agent_id=agent.id, kind="message")
+        .order_by("-created_at")
+        .values_list("cache_read_input_tokens", "cache_creation_1h_input_tokens")[:CALLS_SAMPLED]
+    )
+    used = [index for index, (_, written) in enumerate(calls) if written]
+    if not used or used[-1] < TRIAL_CALLS - 1:
+        return True
+    trial = calls[: used[-1] + 1]
+    read = sum(row[0] for row in trial)
+    written = sum(row[1] for row in trial)
+    price = price_for(model=agent.model_name, at=now)
+    if price is None:
+        return read >= written  # at Anthropic's multipliers (0.1x read, 2x write) about even
+    saved = read * (price.input_usd_per_mtok - price.cache_read_usd_per_mtok)
+    extra = written * (price.cache_write_1h_usd_per_mtok - price.input_usd_per_mtok)
+    return saved >= extra
+
+
+# --- the growth signal ------------------------------------------------------------------
+
+
+def growth_advice(agent: Agent) -> str:
+    """Which setting to change when the agent's input (and so its cost) per run keeps rising."""
+    config = agent.adapter_config
+    if not agent.is_persistent:
+        return (
+            "A stateless agent carries no history: its tasks or its system prompt are growing. "
+            "Shorten them, or make the task refer to stored work instead of repeating it."
+        )
+    strategy = config.get("context_strategy") or "summarize"
+    if strategy == "none":
+        return (
+            "context_strategy is none, so the whole history is replayed every run. Remove it (summarize is "
+            "the default) to summarise older turns, or set rotate_after_turns."
+        )
+    if strategy == "server":
+        return "Server-side compaction starts only past its trigger: lower compaction_trigger_tokens."
+    if config.get("context_budget_tokens"):
+        return (
+            f"context_budget_tokens is {config['context_budget_tokens']}: each run carries up to that much "
+            "history before a summary. Lower it, or remove it to use the budget derived from the agent's turns."
+        )
+    if int(config.get("keep_recent_turns") or DEFAULT_KEEP_RECENT_TURNS) > DEFAULT_KEEP_RECENT_TURNS:
+        return "keep_recent_turns keeps many turns verbatim after each summary: lower it."
+    if config.get("cache_ttl"):
+        return "cache_ttl is fixed: remove it, so the cache lifetime follows how often the agent wakes."
+    return (
+        "The turns themselves are growing (the derived budget follows them): shorten the tasks or the "
+        "answers (max_tokens), or set rotate_after_turns to start fresh sessions with a handoff note."
+    )
