@@ -549,7 +549,7 @@ def dispatched_run_ids() -> list[str]:
 def test_a_cap_of_two_holds_five_agents_heartbeating_at_once_to_two_running_in_order(settings, company, fake_anthropic):
     """Five `"wait": true` heartbeats at once on five agents, each answer slow: never more
     than two running (sampled as each request arrives), all five finish, claimed in the
-    order they were created."""
+    order they were created (up to the race between two places freed at once)."""
     settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 2
     agents = make_agents(company, 5)
     samples = []
@@ -582,7 +582,13 @@ def test_a_cap_of_two_holds_five_agents_heartbeating_at_once_to_two_running_in_o
     assert len(samples) == 5 and max(samples) == 2
     runs = list(HeartbeatRun.objects.order_by("created_at"))
     assert {run.status for run in runs} == {RunStatus.SUCCEEDED}
-    assert sorted(runs, key=lambda run: run.started_at) == runs
+    # In order: places freed at the same moment are claimed by the oldest waiting runs,
+    # between which the start order is a race (two claims, one clock each), so a run may
+    # swap with its neighbour but never overtake a run two places older.
+    started = sorted(runs, key=lambda run: run.started_at)
+    assert all(abs(started.index(run) - created) <= 1 for created, run in enumerate(runs)), [
+        runs.index(run) for run in started
+    ]
 
 
 @pytest.mark.usefixtures("postgres_only")
