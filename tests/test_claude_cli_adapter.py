@@ -305,6 +305,41 @@ def test_another_process_resumes_the_session_from_the_store(company, fake_anthro
     assert "remember the codeword heron" in str(fake_anthropic.message_requests[0]["messages"])
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_killed_mid_run_leaves_no_run_running_after_the_reaper(company, fake_anthropic, settings):
+    """The worker (a `manage.py heartbeat` process) is SIGKILLed while Claude Code waits on
+    the model: nothing of the run is committed, and the reaper fails it at its deadline."""
+    from sessions_app.maintenance import runs_reap
+
+    agent = cli_agent(company, session_mode="persistent")
+    in_flight = threading.Event()
+    fake_anthropic.push(Reply(kind="delay", seconds=20, before=in_flight.set))
+    worker = subprocess.Popen(
+        [sys.executable, "manage.py", "heartbeat", str(agent.id), "--task", "long job"],
+        cwd=ROOT,
+        env={**os.environ, **database_environment(settings)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert in_flight.wait(timeout=60), "Claude Code never called the model"
+        worker.kill()
+        worker.wait(timeout=10)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    run = HeartbeatRun.objects.get(agent=agent)
+    assert run.status == RunStatus.RUNNING  # as the killed worker left it
+
+    assert runs_reap(now=run.deadline_at - timedelta(seconds=1)) == []  # not before its deadline
+    assert runs_reap(now=run.deadline_at + timedelta(seconds=1)) == [agent.id]
+
+    run.refresh_from_db()
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
+    assert not AgentSession.objects.filter(agent=agent, message_count__gt=0).exists()
+    assert not CliTranscriptEntry.objects.exists()
+
+
 def database_environment(settings) -> dict:
     db = connection.settings_dict
     if connection.vendor == "sqlite":
