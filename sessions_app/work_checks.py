@@ -36,6 +36,7 @@ from sessions_app.adapters.process import (
     command_launch,
     command_problems,
     exchange,
+    launch_start,
     quoted,
     stop,
 )
@@ -176,16 +177,7 @@ def _command_check(check: dict, *, timeout: float) -> Found:
     # Only the base environment (and the entry's `env`): never the worker's secrets.
     launch = command_launch(check, commands=settings.PAPERCLIP_PROCESS_COMMANDS, environ=os.environ)
     try:
-        # A session of its own, so that on timeout the whole process group is killed.
-        proc = subprocess.Popen(
-            launch.argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=launch.cwd,
-            env=launch.env,
-            start_new_session=True,
-        )
+        proc = launch_start(launch)
     except OSError as exc:
         raise WorkCheckFailed("work_check_failed", f"Could not start the work check command: {exc}") from None
     try:

@@ -258,6 +258,13 @@ def validate_cron(config: dict, errors: dict[str, str], clean: dict) -> None:
         clean["heartbeat_timezone"] = zone
 
 
+def validate_model(config: dict, errors: dict[str, str], clean: dict, *, default: str) -> None:
+    model = config.get("model", default)
+    if not isinstance(model, str) or not model.strip() or len(model) > 200:
+        errors["model"] = f"must be a model name such as 'claude-sonnet-4-5', got {model!r}"
+    clean["model"] = model
+
+
 def validate_timeout(config: dict, errors: dict[str, str], clean: dict, *, default: float) -> None:
     timeout = config.get("timeout_seconds", default)
     if not is_number(timeout) or not 0 < timeout <= 3600:

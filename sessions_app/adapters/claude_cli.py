@@ -39,6 +39,7 @@ from sessions_app.adapters.base import (
     is_int,
     is_number,
     usage_error,
+    validate_model,
     validate_timeout,
 )
 from sessions_app.text import storable
@@ -126,10 +127,7 @@ def _tools(config: dict, key: str, errors: dict[str, str], default: list[str]) -
 
 def validate_cli_config(config: dict, errors: dict[str, str]) -> dict:
     clean: dict[str, Any] = {"runtime": RUNTIME}
-    model = config.get("model", DEFAULT_MODEL)
-    if not isinstance(model, str) or not model.strip() or len(model) > 200:
-        errors["model"] = f"must be a model name such as 'claude-sonnet-4-5', got {model!r}"
-    clean["model"] = model
+    validate_model(config, errors, clean, default=DEFAULT_MODEL)
     clean["allowed_tools"] = _tools(config, "allowed_tools", errors, DEFAULT_ALLOWED_TOOLS)
     clean["disallowed_tools"] = _tools(config, "disallowed_tools", errors, [])
     mode = config.get("permission_mode", DEFAULT_PERMISSION_MODE)

@@ -19,6 +19,7 @@ from sessions_app.adapters.base import (
     is_int,
     is_number,
     usage_error,
+    validate_model,
     validate_timeout,
 )
 from sessions_app.adapters.claude_cli import RUNTIME as CLI_RUNTIME
@@ -165,10 +166,7 @@ class ClaudeCodeAdapter:
             if config["runtime"] != "api":
                 errors["runtime"] = f"must be 'api' or 'cli', got {config['runtime']!r}"
             clean["runtime"] = config["runtime"]
-        model = config.get("model", DEFAULT_MODEL)
-        if not isinstance(model, str) or not model.strip() or len(model) > 200:
-            errors["model"] = f"must be a model name such as 'claude-sonnet-4-5', got {model!r}"
-        clean["model"] = model
+        validate_model(config, errors, clean, default=DEFAULT_MODEL)
         max_tokens = config.get("max_tokens", DEFAULT_MAX_TOKENS)
         if not is_int(max_tokens) or not 1 <= max_tokens <= 128_000:
             errors["max_tokens"] = f"must be a whole number in 1..128000, got {max_tokens!r}"

@@ -165,17 +165,7 @@ class ProcessAdapter:
         limit = settings.PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES
         launch = self.launch(request.config)
         try:
-            # A session of its own, so that on timeout we kill the whole process group:
-            # a shell wrapper's children must not outlive the run.
-            proc = subprocess.Popen(
-                launch.argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=launch.cwd,
-                env=launch.env,
-                start_new_session=True,
-            )
+            proc = launch_start(launch)
         except OSError as exc:
             raise AdapterError("process_start_failed", f"Could not start the agent command: {exc}") from None
         try:
@@ -233,6 +223,20 @@ class ProcessAdapter:
             detail = "; ".join(f"adapter_config.{key}: {message}" for key, message in problems.items())
             raise AdapterError("process_command_not_allowed", f"This agent's command may not run here: {detail}")
         return command_launch(config, commands=commands, environ=os.environ)
+
+
+def launch_start(launch: Launch) -> subprocess.Popen:
+    """The command started with pipes, in a session of its own, so that on timeout the whole
+    process group is killed: a shell wrapper's children must not outlive the run."""
+    return subprocess.Popen(
+        launch.argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=launch.cwd,
+        env=launch.env,
+        start_new_session=True,
+    )
 
 
 def exchange(proc: subprocess.Popen, payload: bytes, *, timeout: float, limit: int) -> tuple[bytes, bytes]:
