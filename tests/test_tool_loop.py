@@ -203,8 +203,12 @@ def test_summarising_a_session_of_tool_loops_never_splits_a_tool_use_from_its_re
 
 
 def test_clear_tool_uses_sends_the_edit_and_reports_what_was_cleared(company, fake_anthropic):
+    # A budget that no summary trims (the defaults would): clearing is what bounds it here.
     agent = memory_agent(
-        company, session_mode="persistent", clear_tool_uses={"trigger_input_tokens": 1000, "keep_tool_uses": 1}
+        company,
+        session_mode="persistent",
+        context_budget_tokens=100_000,
+        clear_tool_uses={"trigger_input_tokens": 1000, "keep_tool_uses": 1},
     )
     for n in range(6):
         beat(agent, f"Remember item {n}: {'padding ' * 60}")
