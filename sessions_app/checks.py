@@ -42,64 +42,78 @@ def check_session_store(app_configs, **kwargs):
     return []
 
 
+def agents_that_may_not_run(queryset, problems_of, *, what: str, hint: str, id: str) -> list[Warning]:
+    """A warning per live agent of `queryset` whose configuration `problems_of` refuses here
+    (saved before the allow-list or the mode changed, or written around validation): its
+    runs fail until an operator acts."""
+    from sessions_app.models import AgentStatus
+
+    try:
+        agents = list(queryset.exclude(status=AgentStatus.DELETED).values_list("id", "name", "adapter_config"))
+    except DatabaseError:
+        return []  # before migrate, or database down: other checks and commands report that
+    warnings = []
+    for agent_id, name, config in agents:
+        problems = problems_of(config if isinstance(config, dict) else {})
+        if problems:
+            detail = "; ".join(f"adapter_config.{key}: {message}" for key, message in problems.items())
+            warnings.append(Warning(f"Agent {name!r} ({agent_id}) may not {what} here: {detail}", hint=hint, id=id))
+    return warnings
+
+
 @register("paperclip")
 def check_process_commands(app_configs, **kwargs):
     """Agents saved before PAPERCLIP_PROCESS_COMMANDS (or the mode) changed: their runs fail."""
     from sessions_app.adapters.process import command_problems
-    from sessions_app.models import Agent, AgentStatus
+    from sessions_app.models import Agent
 
-    try:
-        agents = list(
-            Agent.objects.filter(adapter_type="process")
-            .exclude(status=AgentStatus.DELETED)
-            .values_list("id", "name", "adapter_config")
-        )
-    except DatabaseError:
-        return []  # before migrate, or database down: other checks and commands report that
     mode, commands = settings.PAPERCLIP_DEPLOYMENT_MODE, settings.PAPERCLIP_PROCESS_COMMANDS
-    warnings = []
-    for agent_id, name, config in agents:
-        problems = command_problems(config if isinstance(config, dict) else {}, mode=mode, commands=commands)
-        if problems:
-            warnings.append(
-                Warning(
-                    f"Process agent {name!r} ({agent_id}) may not run its command here: "
-                    + "; ".join(f"adapter_config.{key}: {message}" for key, message in problems.items()),
-                    hint="List the command in PAPERCLIP_PROCESS_COMMANDS, or point the agent at a listed one; "
-                    "until then its runs fail process_command_not_allowed.",
-                    id="paperclip.W004",
-                )
-            )
-    return warnings
+    return agents_that_may_not_run(
+        Agent.objects.filter(adapter_type="process"),
+        lambda config: command_problems(config, mode=mode, commands=commands),
+        what="run its command",
+        hint="List the command in PAPERCLIP_PROCESS_COMMANDS, or point the agent at a listed one; "
+        "until then its runs fail process_command_not_allowed.",
+        id="paperclip.W004",
+    )
 
 
 @register("paperclip")
 def check_work_checks(app_configs, **kwargs):
     """Agents whose work check may no longer run here (the allow-list, the listed hosts or
     the mode changed since they were saved): their runs fail work_check_not_allowed."""
-    from sessions_app.models import Agent, AgentStatus
+    from sessions_app.models import Agent
     from sessions_app.work_checks import check_problems
 
-    try:
-        agents = list(
-            Agent.objects.filter(adapter_config__has_key="work_check")
-            .exclude(status=AgentStatus.DELETED)
-            .values_list("id", "name", "adapter_config")
-        )
-    except DatabaseError:
+    def problems_of(config: dict) -> dict:
+        check = config.get("work_check")
+        return {f"work_check{key}": message for key, message in check_problems(check).items()} if check else {}
+
+    return agents_that_may_not_run(
+        Agent.objects.filter(adapter_config__has_key="work_check"),
+        problems_of,
+        what="run its work check",
+        hint="List its command in PAPERCLIP_PROCESS_COMMANDS or its host in PAPERCLIP_WORK_CHECK_HOSTS, "
+        "or change the agent's work_check; until then its runs fail work_check_not_allowed.",
+        id="paperclip.W005",
+    )
+
+
+@register("paperclip")
+def check_cli_tools(app_configs, **kwargs):
+    """Claude Code agents whose tools, permission mode or workspace authenticated mode no
+    longer allows (PAPERCLIP_CLI_TOOLS or the mode changed): their runs fail cli_not_allowed."""
+    from sessions_app.adapters.claude_cli import RUNTIME, authenticated_problems
+    from sessions_app.models import Agent
+
+    mode, permitted = settings.PAPERCLIP_DEPLOYMENT_MODE, settings.PAPERCLIP_CLI_TOOLS
+    if mode != "authenticated":
         return []
-    warnings = []
-    for agent_id, name, config in agents:
-        check = config.get("work_check") if isinstance(config, dict) else None
-        problems = check_problems(check) if check else {}
-        if problems:
-            warnings.append(
-                Warning(
-                    f"Agent {name!r} ({agent_id}) may not run its work check here: "
-                    + "; ".join(f"adapter_config.work_check{key}: {message}" for key, message in problems.items()),
-                    hint="List its command in PAPERCLIP_PROCESS_COMMANDS or its host in PAPERCLIP_WORK_CHECK_HOSTS, "
-                    "or change the agent's work_check; until then its runs fail work_check_not_allowed.",
-                    id="paperclip.W005",
-                )
-            )
-    return warnings
+    return agents_that_may_not_run(
+        Agent.objects.filter(adapter_type="claude-code", adapter_config__runtime=RUNTIME),
+        lambda config: authenticated_problems(config, mode=mode, permitted=permitted),
+        what="run Claude Code as configured",
+        hint="List its tools in PAPERCLIP_CLI_TOOLS, or narrow the agent's allowed_tools; "
+        "until then its runs fail cli_not_allowed.",
+        id="paperclip.W006",
+    )

@@ -495,3 +495,18 @@ def test_a_path_scoped_read_rule_keeps_the_agent_inside_its_workspace(company, f
     refused, read = (str(request["messages"][-1]) for request in fake_anthropic.message_requests[1:3])
     assert "service-secret-42" not in refused and "denied" in refused
     assert "inside-text-7" in read
+
+
+def test_a_system_check_names_cli_agents_whose_tools_authenticated_mode_no_longer_allows(company, settings):
+    from sessions_app.checks import check_cli_tools
+
+    shell = cli_agent(company)  # the default tools: the shell among them
+    cli_agent(company, allowed_tools=["Read(./**)"])
+    assert check_cli_tools(None) == []  # local_trusted allows both
+
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_CLI_TOOLS = ("Read(./**)",)
+
+    (warning,) = check_cli_tools(None)
+    assert warning.id == "paperclip.W006"
+    assert str(shell.id) in warning.msg and "adapter_config.allowed_tools" in warning.msg and "'Bash'" in warning.msg
