@@ -293,8 +293,21 @@ class AlertAttemptInline(admin.TabularInline):
         return False
 
 
+class ReadOnlyRecords:
+    """Records the service writes and operators only read: the ledger, alert deliveries."""
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
 @admin.register(AlertDelivery)
-class AlertDeliveryAdmin(admin.ModelAdmin):
+class AlertDeliveryAdmin(ReadOnlyRecords, admin.ModelAdmin):
     """Every budget alert sent to every target, with each HTTP attempt. Read-only: the
     record of what was told to whom."""
 
@@ -327,15 +340,6 @@ class AlertDeliveryAdmin(admin.ModelAdmin):
     ]
     readonly_fields = fields
 
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
-
     @admin.display(description="alert", ordering="alert__created_at")
     def alert_label(self, obj: AlertDelivery) -> str:
         alert = obj.alert
@@ -347,7 +351,7 @@ class AlertDeliveryAdmin(admin.ModelAdmin):
 
 
 @admin.register(CostEvent)
-class CostEventAdmin(LargeTableAdmin):
+class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
     """The ledger: money already spent. Readable and filterable, never edited."""
 
     list_display = [
@@ -378,15 +382,6 @@ class CostEventAdmin(LargeTableAdmin):
             agent_label=Subquery(Agent.objects.filter(pk=OuterRef("agent_id")).values("name")[:1]),
             company_label=Subquery(Company.objects.filter(pk=OuterRef("company_id")).values("name")[:1]),
         )
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
 
     @admin.display(description="agent", ordering="agent_label")
     def agent_name(self, obj: CostEvent) -> str:
