@@ -33,9 +33,10 @@ CONTEXT_WINDOWS = {
     "claude-sonnet-4-6": 200_000,
     "claude-haiku-4-5": 200_000,
 }
-# Two turns verbatim: the bench (bench/RESULTS.md, `defaults`) measured 1.93x stateless with
-# four, 1.80x with two and 1.71x with one; two keeps the last exchange and the one before it.
-DEFAULT_KEEP_RECENT_TURNS = 2
+# One turn verbatim at each compaction, and every turn since (up to GROWTH_TURNS more): each
+# turn kept is written to the cache again after the summary that precedes it. The bench
+# (bench/RESULTS.md, `defaults`) measured 1.47x stateless with one kept and 1.54x with two.
+DEFAULT_KEEP_RECENT_TURNS = 1
 SUMMARY_MAX_TOKENS = 2048
 # Summaries are written by the family's small model unless `summary_model` says otherwise:
 # they read every replaced turn at full input price, and at Opus prices they were a third

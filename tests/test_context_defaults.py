@@ -11,7 +11,13 @@ from django.apps import apps
 from django.utils import timezone
 
 from costs_app.models import CostEvent
-from sessions_app.context import DEFAULT_KEEP_RECENT_TURNS, SUMMARY_KINDS, context_settings, estimate_tokens
+from sessions_app.context import (
+    DEFAULT_KEEP_RECENT_TURNS,
+    SUMMARY_KINDS,
+    SUMMARY_SYSTEM,
+    context_settings,
+    estimate_tokens,
+)
 from sessions_app.context_defaults import (
     GROWTH_TURNS,
     budget_ceiling,
@@ -23,6 +29,7 @@ from sessions_app.context_defaults import (
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus
 from sessions_app.stores import store_for
 from tests.conftest import beat, context_agent
+from tests.fake_anthropic import plain_system
 
 pytestmark = pytest.mark.django_db
 
@@ -58,6 +65,28 @@ def test_with_no_settings_a_session_is_summarised_every_few_turns_keeping_the_la
     assert len(verbatim) >= 2 * DEFAULT_KEEP_RECENT_TURNS
     # What any request carried stayed within a dozen turns, far under half the window.
     assert max(sent_tokens(body) for body in fake_anthropic.message_requests) < 12_000
+
+
+def test_under_the_defaults_the_last_exchange_is_always_replayed_verbatim(company, fake_anthropic):
+    agent = plain_agent(company)
+    outputs = []
+    for i in range(30):
+        run = beat(agent, f"task {i}: " + "check the queue and report. " * 28)
+        assert run.status == RunStatus.SUCCEEDED
+        outputs.append(run.output)
+
+    answers = [body for body in fake_anthropic.message_requests if plain_system(body) != SUMMARY_SYSTEM]
+    assert AgentSession.objects.get(agent=agent).compaction_count >= 2
+    for i, body in enumerate(answers[1:], start=1):
+        # Right after a summary too: the previous task and its answer, then this task.
+        previous_task, previous_answer = body["messages"][-3:-1]
+        assert text_of(previous_task).startswith(f"task {i - 1}:")
+        assert text_of(previous_answer) == outputs[i - 1]
+
+
+def text_of(message: dict) -> str:
+    content = message["content"]
+    return content if isinstance(content, str) else "".join(block.get("text", "") for block in content)
 
 
 def test_the_budget_counts_the_prompt_the_task_the_summary_and_the_turns_kept_and_to_come(company):
