@@ -17,6 +17,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
+from costs_app.alerts import target_url_problem
 from costs_app.budgets import BudgetUse, budget_uses, period_start
 from costs_app.charts import Series, limit_series, stacked_bar_chart
 from costs_app.forecast import RATE_DAYS, Forecast, budget_forecasts, crossing_date, daily_rate
@@ -144,6 +145,12 @@ class AlertTargetForm(forms.ModelForm):
     class Meta:
         model = AlertTarget
         fields = ["url", "secret", "active"]
+
+    def clean_url(self) -> str:
+        url = self.cleaned_data["url"]
+        if problem := target_url_problem(url):
+            raise forms.ValidationError(problem)
+        return url
 
     def clean_secret(self) -> str:
         secret = self.cleaned_data["secret"]

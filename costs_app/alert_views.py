@@ -10,11 +10,10 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
+from costs_app.alerts import target_url_problem
 from costs_app.models import AlertTarget, Budget
 from sessions_app.api.base import ApiView, error_responses
 from sessions_app.api.exceptions import Conflict, NotFound
-
-URL_SCHEMES = ["http", "https"]
 
 
 class AlertTargetSerializer(serializers.ModelSerializer):
@@ -35,9 +34,8 @@ class AlertTargetSerializer(serializers.ModelSerializer):
         read_only_fields = ["id", "created_at"]
 
     def validate_url(self, value: str) -> str:
-        scheme = value.split(":", 1)[0].lower()
-        if scheme not in URL_SCHEMES:
-            raise serializers.ValidationError("Only http and https URLs are allowed.")
+        if problem := target_url_problem(value):
+            raise serializers.ValidationError(problem)
         return value
 
 

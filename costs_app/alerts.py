@@ -32,6 +32,7 @@ from collections import defaultdict
 from contextlib import nullcontext
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
@@ -235,9 +236,10 @@ def _post(delivery: AlertDelivery, *, now: datetime) -> tuple[int | None, str, i
         DELIVERY_HEADER: str(delivery.id),
     }
     started = time.monotonic()
-    if not delivery.target.url.lower().startswith(("http://", "https://")):
-        # Validated on the way in; a row written past validation must not open file: URLs.
-        return None, "Only http and https URLs are delivered.", 0
+    if problem := target_url_problem(delivery.target.url):
+        # Validated on the way in; a row written past validation (or before the host list
+        # changed) must not open file: URLs or hosts the operator did not list.
+        return None, problem, 0
     request = urllib.request.Request(delivery.target.url, data=body, headers=headers, method="POST")  # noqa: S310 (checked above)
     try:
         with NO_REDIRECTS.open(request, timeout=settings.PAPERCLIP_ALERT_TIMEOUT_SECONDS) as response:
@@ -252,6 +254,26 @@ def _post(delivery: AlertDelivery, *, now: datetime) -> tuple[int | None, str, i
         return None, f"{type(exc).__name__}: {reason}", _elapsed_ms(started)
     error = "" if 200 <= code < 300 else f"HTTP {code}"
     return code, error, _elapsed_ms(started)
+
+
+def target_url_problem(url: str, *, mode: str | None = None) -> str | None:
+    """Why an alert target's URL may not be delivered to here, or None. In authenticated
+    mode its host must be one of PAPERCLIP_ALERT_HOSTS; in local_trusted mode any host."""
+    try:
+        parts = urlsplit(url)
+        host = (parts.hostname or "").lower()
+    except ValueError:
+        return "The URL is not valid."
+    if parts.scheme.lower() not in ("http", "https"):
+        return "Only http and https URLs are delivered."
+    mode = mode or settings.PAPERCLIP_DEPLOYMENT_MODE
+    if mode != "local_trusted" and host not in settings.PAPERCLIP_ALERT_HOSTS:
+        listed = ", ".join(sorted(settings.PAPERCLIP_ALERT_HOSTS)) or "none are listed"
+        return (
+            f"Host {host!r} is not one of PAPERCLIP_ALERT_HOSTS ({listed}); in authenticated mode the "
+            "operator lists the hosts alerts may be sent to."
+        )
+    return None
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):

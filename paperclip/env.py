@@ -59,6 +59,11 @@ def env_list(name: str, default: str) -> tuple[str, ...]:
     return items
 
 
+def env_hosts(name: str) -> frozenset[str]:
+    """A comma-separated list of host names, compared as lower case (as URLs' hosts are)."""
+    return frozenset(host.strip().lower() for host in env_str(name, "").split(",") if host.strip())
+
+
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     value = env_str(name, default)
     if value not in choices:

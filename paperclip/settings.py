@@ -13,6 +13,7 @@ from paperclip.env import (
     env_choice,
     env_database,
     env_decimal,
+    env_hosts,
     env_int,
     env_list,
     env_str,
@@ -77,14 +78,15 @@ PAPERCLIP_MEMORY_VERSIONS_KEPT = env_int("PAPERCLIP_MEMORY_VERSIONS_KEPT", 50, m
 PAPERCLIP_ALERT_MAX_ATTEMPTS = env_int("PAPERCLIP_ALERT_MAX_ATTEMPTS", 5, minimum=1, maximum=20)
 PAPERCLIP_ALERT_RETRY_SECONDS = env_int("PAPERCLIP_ALERT_RETRY_SECONDS", 60, minimum=1, maximum=86_400)
 PAPERCLIP_ALERT_TIMEOUT_SECONDS = env_int("PAPERCLIP_ALERT_TIMEOUT_SECONDS", 10, minimum=1, maximum=120)
+# The hosts an alert target may name in authenticated mode: each attempt's status code,
+# error and duration are shown to the API, which would otherwise map the worker's network.
+PAPERCLIP_ALERT_HOSTS = env_hosts("PAPERCLIP_ALERT_HOSTS")
 # No-work heartbeats (README: "Heartbeats without work"): what a work check may append to
 # the task, the hosts its URL may name in authenticated mode, and the schedule back-off.
 PAPERCLIP_WORK_CHECK_MAX_OUTPUT_BYTES = env_int(
     "PAPERCLIP_WORK_CHECK_MAX_OUTPUT_BYTES", 16 * 1024, minimum=1, maximum=1024 * 1024
 )
-PAPERCLIP_WORK_CHECK_HOSTS = frozenset(
-    host.strip().lower() for host in env_str("PAPERCLIP_WORK_CHECK_HOSTS", "").split(",") if host.strip()
-)
+PAPERCLIP_WORK_CHECK_HOSTS = env_hosts("PAPERCLIP_WORK_CHECK_HOSTS")
 PAPERCLIP_BACKOFF_AFTER_RUNS = env_int("PAPERCLIP_BACKOFF_AFTER_RUNS", 3, minimum=0, maximum=1000)
 PAPERCLIP_BACKOFF_MAX_FACTOR = env_int("PAPERCLIP_BACKOFF_MAX_FACTOR", 8, minimum=1, maximum=1024)
 

@@ -272,6 +272,19 @@ def test_a_url_written_past_validation_is_never_opened(company, stateless_agent)
     assert AlertDelivery.objects.get().last_error == "Only http and https URLs are delivered."
 
 
+def test_a_target_whose_host_is_no_longer_listed_is_never_opened(company, stateless_agent, receiver, settings):
+    budget = company_budget(company, receiver.url)  # written in local_trusted mode
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_ALERT_HOSTS = frozenset({"alerts.example"})
+    spend(stateless_agent, "8.5")
+    now = timezone.now()
+    budget_alerts_fire(uses=budget_uses(company_id=company.id, agent_id=stateless_agent.id, now=now), now=now)
+
+    assert alert_deliver(delivery_id=AlertDelivery.objects.get(alert__budget=budget).id, now=now) == "pending"
+    assert receiver.requests == []
+    assert "PAPERCLIP_ALERT_HOSTS" in AlertDelivery.objects.get().last_error
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_secret_is_never_logged_or_recorded(company, stateless_agent, receiver, caplog, monkeypatch):
     caplog.set_level("DEBUG")

@@ -199,6 +199,27 @@ def test_a_new_target_without_a_secret_or_with_a_bad_url_is_refused_with_a_messa
     assert not AlertTarget.objects.exists()
 
 
+def test_in_authenticated_mode_the_admin_refuses_a_target_host_the_operator_did_not_list(
+    admin_client, company, settings
+):
+    from costs_app.models import AlertTarget, Budget
+
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_ALERT_HOSTS = frozenset({"alerts.example"})
+    budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("10"))
+    change = reverse("admin:costs_app_budget_change", args=[budget.pk])
+    row = {"url": "http://10.0.0.7/hook", "secret": "whsec-admin-0123456789abcdef", "active": "on"}
+
+    response = admin_client.post(change, budget_form(budget, rows=[row]))
+
+    assert response.status_code == 200
+    assert "PAPERCLIP_ALERT_HOSTS" in str(response.context["inline_admin_formsets"][0].formset.errors)
+    assert not AlertTarget.objects.exists()
+    row["url"] = "https://alerts.example/hook"
+    assert admin_client.post(change, budget_form(budget, rows=[row])).status_code == 302
+    assert AlertTarget.objects.get().url == "https://alerts.example/hook"
+
+
 def test_budget_pages_show_the_forecast(admin_client, company, persistent_agent):
     from costs_app.models import Budget
 

@@ -48,6 +48,19 @@ def test_an_agent_budget_has_its_own_targets(api, company, persistent_agent):
     assert api.get(targets_url(company)).json() == {"targets": []}
 
 
+def test_in_authenticated_mode_a_target_must_name_a_host_the_operator_listed(key_api, company, budget, settings):
+    settings.PAPERCLIP_ALERT_HOSTS = frozenset({"alerts.example"})
+
+    for url in ["http://127.0.0.1:5432/", "http://169.254.169.254/latest/meta-data", "https://ALERTS.example.evil/"]:
+        refused = key_api.post(targets_url(company), {"url": url, "secret": SECRET})
+        assert refused.status_code == 400, url
+        assert "PAPERCLIP_ALERT_HOSTS" in refused.json()["error"]["fields"]["url"]
+    assert not AlertTarget.objects.exists()
+
+    listed = key_api.post(targets_url(company), {"url": "https://Alerts.Example/hook", "secret": SECRET})
+    assert listed.status_code == 201, listed.json()
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
