@@ -139,7 +139,7 @@ def compact(beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int |
     )
     new_history = summary_pair(summary.text, kind="summary", at=beat.now) + history[split:]
     if summary_not_shrinking(new_history[:2], history[:split]):
-        compaction_refused(session=session, run=beat.run, reply=summary.reply, at=beat.now)
+        compaction_refused(session=session, run=beat.run, reply=summary.reply, replaced=split, at=beat.now)
     system = beat.agent.system_prompt
     updated = compaction_commit(
         session=session,

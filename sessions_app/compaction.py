@@ -126,6 +126,8 @@ def fit_budget(
     split = summary_split(agent, adapter, plan.history, user_content, settings_)
     if split is None:
         raise budget_exceeded(size, settings_)
+    if summary_refused_before(plan.session, replaced=split):
+        raise summary_not_asked_again(plan.session)
     summary = summary_call(
         agent=agent,
         adapter=adapter,
@@ -138,7 +140,7 @@ def fit_budget(
     )
     new_history = summary_pair(summary.text, kind="summary", at=now) + plan.history[split:]
     if summary_not_shrinking(new_history[:2], plan.history[:split]):
-        compaction_refused(session=plan.session, run=run, reply=summary.reply, at=now)
+        compaction_refused(session=plan.session, run=run, reply=summary.reply, replaced=split, at=now)
     after = build_request(agent=agent, history=new_history, user_content=user_content, settings=settings_)
     session = compaction_commit(
         session=plan.session,
@@ -249,9 +251,29 @@ def budget_exceeded(size: int, settings_: ContextSettings) -> StepFailed:
     )
 
 
-def compaction_refused(*, session: AgentSession, run: HeartbeatRun, reply: AdapterReply, at: datetime):
-    """A summary no smaller than the turns it would replace: kept out of the session (it
-    would only grow), billed once, and the session marked so that an operator sees why."""
+def summary_refused_before(session: AgentSession, *, replaced: int) -> bool:
+    """Whether summarising the first `replaced` messages of the session was refused as not
+    shrinking and no turn was added since: the same request would be paid for again."""
+    return (
+        session.compaction_error == NOT_SHRINKING
+        and session.compaction_error_next_seq == session.next_seq
+        and session.compaction_error_replaced == replaced
+    )
+
+
+def summary_not_asked_again(session: AgentSession) -> StepFailed:
+    return StepFailed(
+        NOT_SHRINKING,
+        f"The summary of these turns was no shorter than they are ({session.compaction_error_at:%Y-%m-%d %H:%M} "
+        "UTC), and nothing changed since, so it was not asked for again. Compact the session now "
+        "(POST .../compact, or the admin action), lower keep_recent_turns, or end the session.",
+    )
+
+
+def compaction_refused(*, session: AgentSession, run: HeartbeatRun, reply: AdapterReply, replaced: int, at: datetime):
+    """A summary no smaller than the `replaced` messages it would replace: kept out of the
+    session (it would only grow), billed once, and the session marked so that an operator
+    sees why and no later heartbeat pays for the same summary (`summary_refused_before`)."""
     event = None
     try:
         with transaction.atomic():
@@ -260,6 +282,8 @@ def compaction_refused(*, session: AgentSession, run: HeartbeatRun, reply: Adapt
             AgentSession.objects.filter(pk=session.pk).update(
                 compaction_error=NOT_SHRINKING,
                 compaction_error_at=at,
+                compaction_error_next_seq=session.next_seq,
+                compaction_error_replaced=replaced,
                 total_cost_usd=F("total_cost_usd") + (event.cost_usd if event else 0),
             )
     except Exception:
@@ -381,6 +405,7 @@ def compaction_commit(
             locked.archived_message_count += sum(1 for m in archived if m.get("kind") not in SUMMARY_KINDS)
             locked.compaction_count += 1
             locked.compaction_error, locked.compaction_error_at = "", None
+            locked.compaction_error_next_seq = locked.compaction_error_replaced = None
             if event is not None:
                 locked.total_cost_usd += event.cost_usd
             locked.save()

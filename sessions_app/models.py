@@ -208,6 +208,11 @@ class AgentSession(models.Model):
     # until the next compaction succeeds: a session that cannot be shrunk needs a person.
     compaction_error = models.CharField(max_length=64, blank=True, default="", db_default="")
     compaction_error_at = models.DateTimeField(null=True, blank=True)
+    # What the refused summary covered: the session's next_seq then and how many of its
+    # messages it would have replaced. While both still hold, the heartbeat would send
+    # the same summary request again, so it fails without paying for it twice.
+    compaction_error_next_seq = models.PositiveIntegerField(null=True, blank=True)
+    compaction_error_replaced = models.PositiveIntegerField(null=True, blank=True)
     manifest = models.JSONField(default=list, blank=True, db_default=models.Value([], output_field=models.JSONField()))
     # Economics: an idle session is paused at `pause_at`; only seconds with a
     # run in progress count as active, billed as session hours at pause, expiry or end.

@@ -18,7 +18,7 @@ from costs_app.models import CostEvent
 from paperclip.env import parse_process_commands
 from sessions_app.context import SUMMARY_SYSTEM
 from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
-from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, HistoryStore
+from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, HistoryStore, RunStatus
 from sessions_app.stores import store_for
 from tests.fake_anthropic import FakeAnthropic, plain_messages, plain_system
 
@@ -212,6 +212,23 @@ def context_agent(company: Company, **config) -> Agent:
         system_prompt="You are a long-running agent.",
         adapter_config={"model": "claude-opus-4-5", "session_mode": "persistent", **config},
     )
+
+
+def compacting_agent(company: Company) -> Agent:
+    """Three turns of 400 characters fit its budget; a 2400-character task forces a summary."""
+    agent = Agent.objects.create(
+        company=company,
+        name="ctx",
+        adapter_config={
+            "model": "claude-opus-4-5",
+            "session_mode": "persistent",
+            "context_budget_tokens": 1000,
+            "keep_recent_turns": 1,
+        },
+    )
+    for _ in range(3):
+        assert beat(agent, "x" * 400).status == RunStatus.SUCCEEDED
+    return agent
 
 
 def process_agent(company: Company, tmp_path, script: str, **config) -> Agent:

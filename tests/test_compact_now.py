@@ -12,7 +12,7 @@ from sessions_app.compact_now import session_compact
 from sessions_app.heartbeat import heartbeat_execute
 from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
 from sessions_app.stores import store_for
-from tests.conftest import beat, context_agent, on_own_connection, user_turns
+from tests.conftest import beat, compacting_agent, context_agent, on_own_connection, user_turns
 from tests.fake_anthropic import Reply
 
 
@@ -55,3 +55,17 @@ def test_compact_now_whose_summary_does_not_shrink_the_session_is_refused_and_pa
     assert CostEvent.objects.filter(run=run, kind=CostKind.COMPACTION).count() == 1
     session.refresh_from_db()
     assert (session.compaction_count, session.compaction_error) == (0, "compaction_not_shrinking")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refused_summary_is_asked_for_again_when_the_operator_compacts_now(company, fake_anthropic):
+    agent = compacting_agent(company)
+    fake_anthropic.push(Reply.message("s" * 6000))
+    assert beat(agent, "y" * 2400).error_code == "compaction_not_shrinking"
+    session = AgentSession.objects.get(agent=agent)
+
+    session_compact(session=session, now=timezone.now())  # an operator's explicit request pays again
+
+    session.refresh_from_db()
+    assert (session.compaction_count, session.compaction_error) == (1, "")
+    assert beat(agent, "y" * 2400).status == RunStatus.SUCCEEDED

@@ -22,6 +22,7 @@ from sessions_app.services import session_delete
 from sessions_app.stores import store_for
 from tests.conftest import (
     beat,
+    compacting_agent,
     context_agent,
     failing_once,
     is_summary_request,
@@ -31,23 +32,6 @@ from tests.conftest import (
     user_turns,
 )
 from tests.fake_anthropic import Reply, plain_messages, plain_system
-
-
-def compacting_agent(company) -> Agent:
-    """Three turns of 400 characters fit its budget; a 2400-character task forces a summary."""
-    agent = Agent.objects.create(
-        company=company,
-        name="ctx",
-        adapter_config={
-            "model": "claude-opus-4-5",
-            "session_mode": "persistent",
-            "context_budget_tokens": 1000,
-            "keep_recent_turns": 1,
-        },
-    )
-    for _ in range(3):
-        assert beat(agent, "x" * 400).status == RunStatus.SUCCEEDED
-    return agent
 
 
 @pytest.mark.django_db(transaction=True)
@@ -373,6 +357,25 @@ def test_a_summary_that_does_not_shrink_the_session_fails_the_run_and_is_paid_on
     assert (session.compaction_count, session.compaction_error) == (0, "compaction_not_shrinking")
     assert session.compaction_error_at is not None
 
-    assert beat(agent, "z" * 2400).status == RunStatus.SUCCEEDED  # the next summary shrinks it
-    session.refresh_from_db()
+
+@pytest.mark.django_db(transaction=True)
+def test_the_same_refused_summary_is_never_paid_for_again_until_the_session_changes(company, fake_anthropic):
+    agent = compacting_agent(company)
+    fake_anthropic.push(Reply.message("s" * 6000))
+    assert beat(agent, "y" * 2400).error_code == "compaction_not_shrinking"
+    sent = len(fake_anthropic.message_requests)
+
+    # The next heartbeats would summarise the same turns: none is sent, none is billed.
+    again = [beat(agent, "y" * 2400), beat(agent, "z" * 2400)]
+
+    assert [(run.status, run.error_code) for run in again] == [(RunStatus.FAILED, "compaction_not_shrinking")] * 2
+    assert "not asked for again" in again[0].error
+    assert fake_anthropic.message_requests[sent:] == []
+    assert not CostEvent.objects.filter(run__in=again).exists()
+
+    # A turn that fits without a summary changes the session: the next summary is asked for.
+    assert beat(agent, "short").status == RunStatus.SUCCEEDED
+    assert beat(agent, "z" * 2400).status == RunStatus.SUCCEEDED  # this summary shrinks it
+    session = AgentSession.objects.get(agent=agent)
     assert (session.compaction_count, session.compaction_error, session.compaction_error_at) == (1, "", None)
+    assert (session.compaction_error_next_seq, session.compaction_error_replaced) == (None, None)
