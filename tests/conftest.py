@@ -216,16 +216,7 @@ def context_agent(company: Company, **config) -> Agent:
 
 def compacting_agent(company: Company) -> Agent:
     """Three turns of 400 characters fit its budget; a 2400-character task forces a summary."""
-    agent = Agent.objects.create(
-        company=company,
-        name="ctx",
-        adapter_config={
-            "model": "claude-opus-4-5",
-            "session_mode": "persistent",
-            "context_budget_tokens": 1000,
-            "keep_recent_turns": 1,
-        },
-    )
+    agent = context_agent(company, context_budget_tokens=1000, keep_recent_turns=1)
     for _ in range(3):
         assert beat(agent, "x" * 400).status == RunStatus.SUCCEEDED
     return agent
