@@ -96,7 +96,14 @@ def main() -> None:
         company=company,
         name="persistent",
         system_prompt=system,
-        adapter_config={"model": "claude-haiku-4-5", "session_mode": "persistent", "session_ttl_hours": 24},
+        # A budget of most of the window: the session replays its whole history (the default,
+        # derived from the agent's own turns, would summarise it every few heartbeats).
+        adapter_config={
+            "model": "claude-haiku-4-5",
+            "session_mode": "persistent",
+            "session_ttl_hours": 24,
+            "context_budget_tokens": 190_000,
+        },
     )
 
     def engine(agent, n):
