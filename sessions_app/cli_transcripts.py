@@ -12,9 +12,10 @@ transcript only within one. They implement the protocol's optional `delete`,
 `list_sessions` and `list_subkeys` and pass the SDK's own conformance suite
 (`claude_agent_sdk.testing.run_session_store_conformance`).
 
-A heartbeat never hands the SDK these stores directly: it hands it a `RunTranscript`,
-which serves the transcript loaded before the run and buffers what the CLI appends. The
-engine writes the buffer in the heartbeat's commit (`stage`), so the ORM is never used
+A heartbeat never hands the SDK these stores directly: the engine hands the runtime a
+`SessionTranscripts` for the session it resumes, whose `RunTranscript` serves the
+transcript loaded before the run and buffers what the CLI appends. The engine writes the
+buffer in the heartbeat's commit (`on_commit`), so the ORM is never used
 from the SDK's event loop, no transaction is held across the CLI's run, and a failed
 heartbeat leaves the stored transcript as it was.
 """
@@ -33,6 +34,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import transaction
 
+from sessions_app.adapters.cli_home import local_copy_delete
 from sessions_app.models import AgentSession, CliTranscriptEntry, HistoryStore
 
 logger = logging.getLogger(__name__)
@@ -299,8 +301,6 @@ def cli_sessions_delete(rows: list[tuple]) -> None:
         DatabaseTranscripts(agent_id).delete_session(cli_session_id)
 
     def delete_files() -> None:
-        from sessions_app.adapters.claude_cli import local_copy_delete
-
         for agent_id, cli_session_id in rows:
             try:
                 FileTranscripts(agent_id).delete_session(cli_session_id)
@@ -311,9 +311,23 @@ def cli_sessions_delete(rows: list[tuple]) -> None:
     transaction.on_commit(delete_files)
 
 
-def stored_transcript(session: AgentSession) -> dict[str, list[dict]]:
-    """The transcript a heartbeat resumes: the session's CLI session, from its store."""
-    return transcripts_for(agent_id=session.agent_id, store=session.store).session_entries(session.cli_session_id)
+class SessionTranscripts:
+    """The engine's handle on the Claude Code session a heartbeat resumes (or starts, when
+    `session` is None or has no CLI session yet): the runtime's `OwnSessionStore`. It reads
+    the transcript before the run and writes what the run appended in the commit."""
+
+    def __init__(self, session: AgentSession | None) -> None:
+        self.session = session
+        self.resumed_id = session.cli_session_id if session is not None else ""
+
+    def run_transcript(self) -> RunTranscript:
+        if not self.resumed_id:
+            return RunTranscript()
+        store = transcripts_for(agent_id=self.session.agent_id, store=self.session.store)
+        return RunTranscript(store.session_entries(self.resumed_id))
+
+    def on_commit(self, transcript: RunTranscript | None, *, session_id: str, report: dict):
+        return transcript_commit(transcript, session_id=session_id, report=report)
 
 
 def transcript_commit(transcript: RunTranscript | None, *, session_id: str, report: dict):

@@ -41,6 +41,7 @@ from costs_app.ledger import billed_call_record, cost_event_record
 from costs_app.models import CostKind
 from costs_app.pricing import call_cost, price_for, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, adapter_for, get_adapter
+from sessions_app.cli_transcripts import SessionTranscripts
 from sessions_app.compaction import (
     BeforeCall,
     fit_budget,
@@ -691,7 +692,7 @@ class OwnSession:
 
     def fit(self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall) -> tuple[Plan, AdapterRequest]:
         request = build_request(agent=beat.agent, history=[], user_content=user_content, settings=beat.settings_)
-        return plan, replace(request, resume_session=plan.session)
+        return plan, replace(request, own_session=SessionTranscripts(plan.session))
 
 
 def session_strategy(adapter) -> SessionStrategy:

@@ -16,8 +16,9 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from paperclip.errors import RunFailure
 from sessions_app.adapters import validate_agent_config
-from sessions_app.text import MESSAGE_ID_MAX_LENGTH, STOP_REASON_MAX_LENGTH
+from sessions_app.text import MESSAGE_ID_MAX_LENGTH, STOP_REASON_MAX_LENGTH, is_storable
 
 SESSION_ID_PREFIX = "sess_"
 
@@ -548,6 +549,24 @@ MAX_PINS_PER_AGENT = 50
 MAX_PIN_CHARS = 500
 
 
+class PinRefused(RunFailure):
+    """A pin cannot be created: `code` is `invalid_pin` (a 400 naming `text`) or
+    `too_many_pins` (409)."""
+
+
+def pin_text_validate(text: object) -> str:
+    """The pin's text, stripped; refused when it is not a non-empty string of storable
+    Unicode within MAX_PIN_CHARS characters."""
+    if not isinstance(text, str) or not text.strip():
+        raise PinRefused("invalid_pin", "text must be a non-empty string.")
+    if not is_storable(text):
+        raise PinRefused("invalid_pin", "text must be valid Unicode without NUL characters.")
+    text = text.strip()
+    if len(text) > MAX_PIN_CHARS:
+        raise PinRefused("invalid_pin", f"text is {len(text)} characters; the limit is {MAX_PIN_CHARS}.")
+    return text
+
+
 class PinnedFact(models.Model):
     """A fact an operator pinned on an agent. Every summary of its sessions (a compaction,
     compact now, a rotation's handoff note) must carry it (`sessions_app.pins`).
@@ -573,8 +592,6 @@ class PinnedFact(models.Model):
         return self.text[:80]
 
     def clean(self) -> None:
-        from sessions_app.pins import PinRefused, pin_text_validate
-
         try:
             self.text = pin_text_validate(self.text)
         except PinRefused as exc:

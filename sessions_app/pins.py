@@ -21,9 +21,7 @@ from dataclasses import dataclass
 
 from django.db import transaction
 
-from paperclip.errors import RunFailure
-from sessions_app.models import MAX_PIN_CHARS, MAX_PINS_PER_AGENT, Agent, PinnedFact
-from sessions_app.text import is_storable
+from sessions_app.models import MAX_PINS_PER_AGENT, Agent, PinnedFact, PinRefused, pin_text_validate
 
 MAX_CANDIDATES = 50
 KEPT_FACTS_HEADING = "Kept facts (pinned; carried verbatim because the summary left them out):"
@@ -43,24 +41,6 @@ CANDIDATE = re.compile(
         ]
     )
 )
-
-
-class PinRefused(RunFailure):
-    """A pin cannot be created: `code` is `invalid_pin` (a 400 naming `text`) or
-    `too_many_pins` (409)."""
-
-
-def pin_text_validate(text: object) -> str:
-    """The pin's text, stripped; refused when it is not a non-empty string of storable
-    Unicode within MAX_PIN_CHARS characters."""
-    if not isinstance(text, str) or not text.strip():
-        raise PinRefused("invalid_pin", "text must be a non-empty string.")
-    if not is_storable(text):
-        raise PinRefused("invalid_pin", "text must be valid Unicode without NUL characters.")
-    text = text.strip()
-    if len(text) > MAX_PIN_CHARS:
-        raise PinRefused("invalid_pin", f"text is {len(text)} characters; the limit is {MAX_PIN_CHARS}.")
-    return text
 
 
 def pin_create(*, agent: Agent, text: object) -> PinnedFact:

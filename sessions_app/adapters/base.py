@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
@@ -36,6 +37,21 @@ class UsageRecord(TypedDict, total=False):
     iterations: list
 
 
+class OwnSessionStore(Protocol):
+    """What the engine hands a runtime that keeps its own session (`keeps_own_session`):
+    the session it resumes, kept in this service's stores, without the runtime touching
+    a model or a transaction."""
+
+    resumed_id: str  # the runtime's own id of the session it resumes; "" for a new one
+
+    def run_transcript(self) -> Any:
+        """The store this run's runtime reads and appends to: the resumed session as it was
+        loaded before the run, and a buffer for what the run adds."""
+
+    def on_commit(self, transcript: Any, *, session_id: str, report: dict) -> Callable:
+        """The reply's `on_commit`: writes what the run added, in the heartbeat's commit."""
+
+
 @dataclass
 class AdapterRequest:
     model: str
@@ -45,8 +61,8 @@ class AdapterRequest:
     metadata: dict = field(default_factory=dict)
     system_blocks: list | None = None  # the system prompt as content blocks (cache markers)
     max_tokens: int | None = None  # overrides the agent's max_tokens (summaries)
-    # For a runtime that keeps its own session: the live session it resumes (None: a new one).
-    resume_session: Any = None
+    # For a runtime that keeps its own session: the engine's handle on it (`OwnSessionStore`).
+    own_session: OwnSessionStore | None = None
     tools: list | None = None  # tool definitions the model may call (the tool loop)
 
 

@@ -1,7 +1,9 @@
 """`claude-code` with `runtime: "cli"`: Claude Code itself, through `claude-agent-sdk`.
 
 The agent acts in its workspace with Claude Code's tools; a persistent session is the CLI's
-own, resumed by its id from the transcript kept here (`sessions_app.cli_transcripts`).
+own, resumed by its id from the transcript kept here, which the engine hands each run
+(`AdapterRequest.own_session`, `sessions_app.cli_transcripts.SessionTranscripts`): the
+runtime itself reads and writes no model.
 
 - Isolation: the CLI runs with a config directory of its own per agent under
   PAPERCLIP_HOME, no filesystem setting sources, and an environment built from an
@@ -20,7 +22,6 @@ import asyncio
 import logging
 import os
 import re
-import shutil
 import signal
 import threading
 import uuid
@@ -42,6 +43,7 @@ from sessions_app.adapters.base import (
     validate_model,
     validate_timeout,
 )
+from sessions_app.adapters.cli_home import agent_home, config_dir, local_copy_delete, workspace_for
 from sessions_app.text import storable
 
 logger = logging.getLogger(__name__)
@@ -99,18 +101,6 @@ def bundled_cli() -> Path:
 def cli_binary() -> Path:
     configured = getattr(settings, "PAPERCLIP_CLAUDE_CLI", "")
     return Path(configured) if configured else bundled_cli()
-
-
-def agent_home(agent_id) -> Path:
-    return Path(settings.PAPERCLIP_HOME) / "cli" / str(agent_id)
-
-
-def config_dir(agent_id) -> Path:
-    return agent_home(agent_id) / "config"
-
-
-def workspace_for(agent_id, config: dict) -> Path:
-    return Path(config.get("workspace") or Path(settings.PAPERCLIP_HOME) / "workspaces" / str(agent_id))
 
 
 # --- configuration ------------------------------------------------------------------------
@@ -290,19 +280,6 @@ def marked_processes(mark: bytes) -> list[int]:
     return found
 
 
-def local_copy_delete(*, agent_id, cli_session_id: str) -> None:
-    """Remove the CLI's own files of a session from the agent's config directory: its
-    transcript and the per-session state Claude Code keeps beside it."""
-    if not cli_session_id or not re.fullmatch(r"[0-9a-fA-F-]{8,64}", cli_session_id):
-        return
-    root = config_dir(agent_id)
-    for found in [*root.glob(f"*/{cli_session_id}*"), *root.glob(f"projects/*/{cli_session_id}*")]:
-        if found.is_dir() and not found.is_symlink():
-            shutil.rmtree(found, ignore_errors=True)
-        else:
-            found.unlink(missing_ok=True)
-
-
 # --- one heartbeat ------------------------------------------------------------------------
 
 
@@ -441,14 +418,13 @@ class CliRun:
         self.agent_id = agent_id
         self.workspace = workspace_for(agent_id, self.config)
         self.persistent = self.config.get("session_mode") == "persistent"
-        session = request.resume_session
-        self.resume_id = session.cli_session_id if session is not None else ""
+        # The engine's handle on the session this run resumes, or starts (`OwnSession`).
+        self.own = request.own_session
+        self.resume_id = self.own.resumed_id
         self.transcript = None
         self.session_id = ""
 
     def execute(self) -> AdapterReply:
-        from sessions_app.cli_transcripts import RunTranscript, stored_transcript
-
         try:
             self.workspace.mkdir(parents=True, exist_ok=True)
             config_dir(self.agent_id).mkdir(parents=True, exist_ok=True)
@@ -457,18 +433,15 @@ class CliRun:
                 "cli_start_failed", f"Could not create the workspace or config directory: {exc}"
             ) from None
         if self.persistent:
-            loaded = {}
-            if self.resume_id:
-                loaded = stored_transcript(self.request.resume_session)
-                if not loaded.get(""):
-                    # As for a missing history file: an agent resumed with no memory would
-                    # silently redo (and re-bill) its work.
-                    raise AdapterError(
-                        "history_missing",
-                        f"The transcript of Claude Code session {self.resume_id} is missing from the store; "
-                        "heartbeat with force_fresh to start a new session.",
-                    )
-            self.transcript = RunTranscript(loaded)
+            self.transcript = self.own.run_transcript()
+            if self.resume_id and not self.transcript.loaded.get(""):
+                # As for a missing history file: an agent resumed with no memory would
+                # silently redo (and re-bill) its work.
+                raise AdapterError(
+                    "history_missing",
+                    f"The transcript of Claude Code session {self.resume_id} is missing from the store; "
+                    "heartbeat with force_fresh to start a new session.",
+                )
         self.session_id = self.resume_id or str(uuid.uuid4())
         self.mark = uuid.uuid4().hex
         pidfile = agent_home(self.agent_id) / f"run-{self.mark}.pid"
@@ -545,8 +518,6 @@ class CliRun:
         return "\n\n".join(block.get("text", "") for block in content if isinstance(block, dict))
 
     def reply(self, conversation: Conversation, error: BaseException | None, *, timed_out: bool) -> AdapterReply:
-        from sessions_app.cli_transcripts import transcript_commit
-
         result = conversation.result
         usages = {
             storable(model): model_usage_as_api(usage)
@@ -578,7 +549,7 @@ class CliRun:
             usage=usage_total(usages),
             usage_by_model=usages or None,
             runtime_report=report,
-            on_commit=transcript_commit(self.transcript, session_id=session_id, report=report),
+            on_commit=self.own.on_commit(self.transcript, session_id=session_id, report=report),
         )
         failure = self.failure(conversation, error, timed_out=timed_out)
         if failure is not None:
