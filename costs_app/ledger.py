@@ -90,6 +90,13 @@ def cost_event_record(
     )
 
 
+def run_calls_join_session(*, run_id, session_id) -> int:
+    """Give the rows of a run's calls recorded before its session existed (a new session's
+    tool-loop rounds, billed as each call returned) the session its answer created: the
+    ledger and the session's total then agree. Called in the commit that creates it."""
+    return CostEvent.objects.filter(run_id=run_id, session_id__isnull=True).update(session_id=session_id)
+
+
 def billed_call_record(**fields) -> None:
     """The ledger row of a call whose result an error is throwing away: it was billed.
 

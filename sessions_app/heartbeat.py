@@ -37,7 +37,7 @@ from costs_app.budgets import (
     call_cost_bound,
     money_budgets_exist,
 )
-from costs_app.ledger import billed_call_record, cost_event_record
+from costs_app.ledger import billed_call_record, cost_event_record, run_calls_join_session
 from costs_app.models import CostKind
 from costs_app.pricing import call_cost, price_for, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, adapter_for, get_adapter
@@ -814,6 +814,8 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
         # Durable: its end is the COMMIT, and the history is published only after it.
         with transaction.atomic(durable=True):
             session = _session_for_answer(agent=agent, run=run, plan=plan, now=now)
+            if session is not None and plan.new_session and reply.exchanges:
+                run_calls_join_session(run_id=run.id, session_id=session.id)
             cost = loop_cost(reply, _answer_cost(beat, session, reply, at=finished))
             if reply.on_commit is not None:  # a runtime's own session state (Claude Code's transcript)
                 runtime_staged = reply.on_commit(session, cost) or NOTHING_STAGED

@@ -300,6 +300,17 @@ def test_a_round_of_a_live_session_is_billed_to_it_at_once(company, fake_anthrop
     assert (row.call_number, row.session_id) == (1, session.id)
 
 
+def test_the_rounds_of_the_run_that_starts_a_session_are_billed_to_that_session(company, fake_anthropic):
+    agent = memory_agent(company, session_mode="persistent")
+
+    run = beat(agent, FACT)  # a round (the memory write), then the answer that creates the session
+
+    session = AgentSession.objects.get(agent=agent)
+    rows = CostEvent.objects.filter(run=run).order_by("call_number")
+    assert [(row.call_number, row.session_id) for row in rows] == [(1, session.id), (2, session.id)]
+    assert session.total_cost_usd == sum((row.cost_usd for row in rows), Decimal(0)) > 0
+
+
 def test_memory_is_a_claude_code_setting_only():
     from sessions_app.adapters import AgentConfigError, validate_agent_config
 
