@@ -88,8 +88,10 @@ def budget_alerts_fire(*, uses: list[BudgetUse], now: datetime, refused: bool = 
 
 
 def _fire(*, uses: list[BudgetUse], now: datetime, refused: bool) -> int:
+    # An alert is once per period for the limit and percent it was set at: an operator who
+    # raises a limit (or moves a threshold) is told again when the new one is approached.
     due = {
-        (use.budget_id, use.period, period_key(use.period, now), threshold): (use, percent)
+        (use.budget_id, use.period, period_key(use.period, now), threshold, use.limit, percent): (use, percent)
         for use in uses
         for threshold, percent in thresholds_reached(use, refused=refused).items()
     }
@@ -98,7 +100,7 @@ def _fire(*, uses: list[BudgetUse], now: datetime, refused: bool) -> int:
     # Read once: after the first crossing every later heartbeat of the period stops here.
     fired = BudgetAlert.objects.filter(
         budget_id__in={key[0] for key in due}, period_key__in={key[2] for key in due}
-    ).values_list("budget_id", "period", "period_key", "threshold")
+    ).values_list("budget_id", "period", "period_key", "threshold", "limit", "percent")
     for key in fired:
         due.pop(key, None)
     if not due:
@@ -109,7 +111,7 @@ def _fire(*, uses: list[BudgetUse], now: datetime, refused: bool) -> int:
     ):
         targets[target.budget_id].append(target.id)
     created = 0
-    for (budget_id, _, key, threshold), (use, percent) in due.items():
+    for (budget_id, _, key, threshold, _, _), (use, percent) in due.items():
         created += _alert_insert(
             use=use, period_key=key, threshold=threshold, percent=percent, target_ids=targets[budget_id], now=now
         )

@@ -213,7 +213,7 @@ class BudgetAlert(models.Model):
     once. Two workers crossing it at once both try the insert; the unique constraint lets
     one in, and only that one hands deliveries to the queue."""
 
-    # The unique budget_alerts_once_per_period leads with budget_id: it serves the cascade.
+    # The unique budget_alerts_once_per_period_and_limit leads with budget_id: it serves the cascade.
     budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="alerts", db_index=False)
     period = models.CharField(max_length=16, help_text="day, month, lifetime or day_runs.")
     # The UTC day (YYYY-MM-DD), month (YYYY-MM) or "lifetime": which period it fired in.
@@ -228,8 +228,10 @@ class BudgetAlert(models.Model):
         db_table = "budget_alerts"
         ordering = ["-created_at"]
         constraints = [
+            # Once per period for each limit and percent: a raised limit re-arms its alerts.
             models.UniqueConstraint(
-                fields=["budget", "period", "period_key", "threshold"], name="budget_alerts_once_per_period"
+                fields=["budget", "period", "period_key", "threshold", "limit", "percent"],
+                name="budget_alerts_once_per_period_and_limit",
             ),
         ]
 

@@ -248,6 +248,27 @@ def test_a_daily_limit_fires_again_the_next_day(company, stateless_agent, receiv
     ]
 
 
+def test_a_raised_limit_or_a_moved_threshold_is_alerted_again(company, stateless_agent, receiver):
+    budget = company_budget(company, receiver.url)  # $10 a month
+    spend(stateless_agent, "8.50")
+    now = timezone.now()
+
+    def fire() -> list[tuple]:
+        budget_alerts_fire(uses=budget_uses(company_id=company.id, agent_id=stateless_agent.id, now=now), now=now)
+        return sorted(BudgetAlert.objects.values_list("threshold", "limit", "percent"))
+
+    assert fire() == [("soft", Decimal("10"), 80)]
+    budget.monthly_limit_usd = Decimal("20")  # the operator raises it: 42%, nothing to say yet
+    budget.save()
+    assert fire() == [("soft", Decimal("10"), 80)]
+    spend(stateless_agent, "8.00")  # $16.50 of $20
+    assert fire() == [("soft", Decimal("10"), 80), ("soft", Decimal("20"), 80)]
+    budget.warn_percent = 70  # the threshold moved below the spend: told at once
+    budget.save()
+    assert fire() == [("soft", Decimal("10"), 80), ("soft", Decimal("20"), 70), ("soft", Decimal("20"), 80)]
+    assert fire() == [("soft", Decimal("10"), 80), ("soft", Decimal("20"), 70), ("soft", Decimal("20"), 80)]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_alerts_already_fired_cost_one_query(company, stateless_agent, django_assert_num_queries):
     budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("10"))
