@@ -12,6 +12,7 @@ from datetime import datetime
 from decimal import Decimal
 
 from django.db import IntegrityError, transaction
+from django.db.models import Sum
 
 from costs_app.models import CostEvent, CostKind
 from costs_app.pricing import cost_of, ledger_usd, price_for, token_counts
@@ -95,6 +96,12 @@ def run_calls_join_session(*, run_id, session_id) -> int:
     tool-loop rounds, billed as each call returned) the session its answer created: the
     ledger and the session's total then agree. Called in the commit that creates it."""
     return CostEvent.objects.filter(run_id=run_id, session_id__isnull=True).update(session_id=session_id)
+
+
+def run_cost(*, run_id) -> Decimal:
+    """What the ledger holds for a run's calls."""
+    # Rounded as each row is: SQLite's SUM answers with more places than the column has.
+    return ledger_usd(CostEvent.objects.filter(run_id=run_id).aggregate(total=Sum("cost_usd"))["total"] or Decimal(0))
 
 
 def billed_call_record(**fields) -> None:

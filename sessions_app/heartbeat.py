@@ -37,7 +37,7 @@ from costs_app.budgets import (
     call_cost_bound,
     money_budgets_exist,
 )
-from costs_app.ledger import billed_call_record, cost_event_record, run_calls_join_session
+from costs_app.ledger import billed_call_record, cost_event_record, run_calls_join_session, run_cost
 from costs_app.models import CostKind
 from costs_app.pricing import call_cost, price_for, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, adapter_for, get_adapter
@@ -514,11 +514,12 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
         reply = _call(beat, plan, request, reserve=reserve)  # 6
     except Exception as exc:
         _record_discarded_handoff(run, agent=beat.agent, plan=plan, finished=clock())
-        for billed in getattr(exc, "billed", ()):  # a runtime stopped at a cap was still billed
-            _record_spend_only(run, agent=beat.agent, reply=billed, finished=clock())
+        billed = list(getattr(exc, "billed", ()))  # a runtime stopped at a cap was still billed
+        for reply in billed:
+            _record_spend_only(run, agent=beat.agent, reply=reply, finished=clock())
         if not isinstance(exc, RunFailure):
             raise
-        _fail(beat, exc)
+        _fail(beat, exc, billed=billed)
         return False
     succeeded = _commit(beat, plan, reply, user_content=user_content, finished=clock())  # 7
     if succeeded:
@@ -597,9 +598,16 @@ def _call(beat: ClaimedRun, plan: Plan, request: AdapterRequest, *, reserve: Res
     return call_with_tools(beat, request, session_id=session_id, reserve=reserve)
 
 
-def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
-    """A step failed: the run keeps its code and message; a refused budget pauses agents."""
-    _finish_failed(beat.run, code=failure.code, message=failure.message, now=beat.clock())
+def _fail(beat: ClaimedRun, failure: RunFailure, *, billed: list[AdapterReply] = ()) -> None:
+    """A step failed: the run keeps its code and message; a refused budget pauses agents.
+    A runtime stopped at one of its caps (`billed`) did work: the run keeps what it cost and
+    the runtime's report of it (turns, tool calls), as a succeeded run does."""
+    reports = [reply.runtime_report for reply in billed if reply.runtime_report is not None]
+    kept = {}
+    if reports:
+        cost = run_cost(run_id=beat.run.id)
+        kept = {"cost_usd": cost, "runtime_report": {**reports[0], "ledger_cost_usd": str(cost)}}
+    _finish_failed(beat.run, code=failure.code, message=failure.message, now=beat.clock(), **kept)
     if isinstance(failure, BudgetExceeded):
         budgets_enforce(agent=beat.agent, now=beat.now)
 
@@ -786,11 +794,16 @@ def cache_lifetimes(value) -> frozenset[str]:
     return frozenset(found)
 
 
-def _finish_failed(run: HeartbeatRun, *, code: str, message: str, now: datetime) -> None:
+def _finish_failed(run: HeartbeatRun, *, code: str, message: str, now: datetime, **kept) -> None:
     # Messages quote what failed (an agent command's stderr, an API error body): made
     # storable, or the failure itself would fail to be written.
     HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING]).update(
-        status=RunStatus.FAILED, error_code=code, error=storable(message[:5000]), finished_at=now, reserved_usd=0
+        status=RunStatus.FAILED,
+        error_code=code,
+        error=storable(message[:5000]),
+        finished_at=now,
+        reserved_usd=0,
+        **kept,
     )
 
 

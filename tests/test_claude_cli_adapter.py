@@ -237,7 +237,12 @@ def test_max_turns_fails_the_run_but_its_calls_are_billed(company, fake_anthropi
     run = beat(agent, "loop")
 
     assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_max_turns"), run.error
-    assert CostEvent.objects.filter(run=run).count() == 1
+    (event,) = CostEvent.objects.filter(run=run)
+    # What the stopped run did and cost stays on it, as for a succeeded run.
+    assert run.cost_usd == event.cost_usd > 0
+    assert run.runtime_report["num_turns"] >= 1
+    assert [call["name"] for call in run.runtime_report["tool_calls"]] == ["Bash"]
+    assert run.runtime_report["ledger_cost_usd"] == str(event.cost_usd)
     assert not AgentSession.objects.filter(agent=agent).exists()
     assert not CliTranscriptEntry.objects.exists()
 
