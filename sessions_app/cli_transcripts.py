@@ -251,16 +251,35 @@ class RunTranscript:
     def __init__(self, loaded: dict[str, list[dict]] | None = None) -> None:
         self.loaded = loaded or {}
         self.appended: list[tuple[dict, list[dict]]] = []
+        # The SDK retries a batch that failed or timed out, and a retry may overlap what
+        # already landed: an entry's uuid is its idempotency key (entries without one, such
+        # as titles, are appended each time, as the SessionStore protocol asks).
+        self._seen = {
+            (subpath, entry["uuid"]) for subpath, kept in self.loaded.items() for entry in kept if _uuid_of(entry)
+        }
 
     async def append(self, key, entries) -> None:
-        if entries:
-            self.appended.append((dict(key), list(entries)))
+        subpath = key.get("subpath") or ""
+        fresh = []
+        for entry in entries:
+            if uuid := _uuid_of(entry):
+                if (subpath, uuid) in self._seen:
+                    continue
+                self._seen.add((subpath, uuid))
+            fresh.append(entry)
+        if fresh:
+            self.appended.append((dict(key), fresh))
 
     async def load(self, key):
         return list(self.loaded.get(key.get("subpath") or "", [])) or None
 
     async def list_subkeys(self, key) -> list[str]:
         return sorted(subpath for subpath in self.loaded if subpath)
+
+
+def _uuid_of(entry) -> str | None:
+    uuid = entry.get("uuid") if isinstance(entry, dict) else None
+    return uuid if isinstance(uuid, str) and uuid else None
 
 
 class StagedTranscript:

@@ -65,6 +65,24 @@ def test_a_run_sees_the_loaded_session_under_any_project_key():
     assert run.appended == [({"project_key": "x", "session_id": "s"}, [{"type": "c"}])]
 
 
+def test_a_retried_batch_keeps_each_entry_once_by_its_uuid():
+    key = {"project_key": "x", "session_id": "s"}
+    run = RunTranscript({"": [{"type": "user", "uuid": "u1"}]})
+    append = async_to_sync(run.append)
+
+    append(key, [{"type": "user", "uuid": "u1"}, {"type": "assistant", "uuid": "u2"}])  # u1 was loaded
+    append(key, [{"type": "assistant", "uuid": "u2"}, {"type": "title"}])  # a retry overlapping the last
+    append(key, [{"type": "title"}])  # no uuid: appended each time
+    append({**key, "subpath": "subagents/a"}, [{"type": "user", "uuid": "u2"}])  # another transcript
+
+    assert run.appended == [
+        (key, [{"type": "assistant", "uuid": "u2"}]),
+        (key, [{"type": "title"}]),
+        (key, [{"type": "title"}]),
+        ({**key, "subpath": "subagents/a"}, [{"type": "user", "uuid": "u2"}]),
+    ]
+
+
 @pytest.mark.parametrize("store", ["database", "file"])
 def test_retention_purges_an_ended_sessions_transcript(
     persistent_agent, store, settings, django_capture_on_commit_callbacks
