@@ -25,7 +25,7 @@ from typing import Protocol
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, Min, OuterRef, Subquery
+from django.db.models import Count, F, Min, OuterRef, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -134,20 +134,28 @@ def heartbeat_start(
     idempotency_key: str | None = None,
     force_fresh: bool = False,
     wait_seconds: float | None = None,
+    merge: bool = False,
 ) -> tuple[HeartbeatRun, bool]:
     """Wake an agent with a task: the one path of the API, the admin, the `heartbeat`
     command and the scheduled heartbeat.
 
     Records a queued run (`heartbeat_enqueue`: the task is validated there, and refusals
     raise `HeartbeatRefused`); a reused idempotency key returns the earlier run and False,
-    and starts nothing. With `wait`, the run is executed here, waiting up to
+    and starts nothing, as does a `merge` (a scheduled tick) counted on the agent's
+    unfinished run. With `wait`, the run is executed here, waiting up to
     `wait_seconds` (PAPERCLIP_RUN_TIMEOUT_SECONDS by default) for the agent's current run
     to finish; 0 tries once and leaves it queued while the agent is busy. Otherwise it is
     handed to the task cluster when the current transaction commits (`QueueUnavailable`
     when the queue refuses it: the run stays recorded).
     """
     run, created = heartbeat_enqueue(
-        agent=agent, task=task, now=now, idempotency_key=idempotency_key, force_fresh=force_fresh, trigger=trigger
+        agent=agent,
+        task=task,
+        now=now,
+        idempotency_key=idempotency_key,
+        force_fresh=force_fresh,
+        trigger=trigger,
+        merge=merge,
     )
     if not created:
         return run, False
@@ -172,8 +180,11 @@ def heartbeat_enqueue(
     idempotency_key: str | None = None,
     force_fresh: bool = False,
     trigger: str = RunTrigger.API,
+    merge: bool = False,
 ) -> tuple[HeartbeatRun, bool]:
     """Create a queued run; with a used idempotency key, return the earlier run (False).
+    With `merge` (a scheduled tick), an agent that has a queued or running run gets no
+    other: the tick is counted on that run, which is returned (False).
 
     The task is validated first, as input is everywhere (400 before any state's 409)."""
     validate_task(task)
@@ -198,6 +209,9 @@ def heartbeat_enqueue(
     }
     try:
         with transaction.atomic():
+            _queue_lock(agent)
+            if merge and (merged := tick_merge(agent_id=agent.pk)) is not None:
+                return HeartbeatRun.objects.get(pk=merged), False
             _refuse_when_queue_full_or_unpriced(agent, now=now)
             # A duplicate key needs a savepoint of its own to leave the transaction usable.
             with transaction.atomic() if idempotency_key else nullcontext():
@@ -215,24 +229,45 @@ def heartbeat_enqueue(
 QUEUE_LOCK_NAMESPACE = 7_301
 
 
+def _queue_lock(agent: Agent) -> None:
+    """Inside the enqueue's transaction, until it ends: one enqueue of the agent at a time.
+
+    Two enqueues of one agent must not both see room for one run (the queue bound), nor two
+    ticks both see no run to merge into. On PostgreSQL they take an advisory lock on the
+    agent, which only enqueues take (a lock on the agent's row would also stall, and be
+    stalled by, every update of the agent and every insert that references it); SQLite's
+    IMMEDIATE transactions already run one writer at a time. Two agents whose ids share 31
+    bits share a lock, which only makes their enqueues wait for each other."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [QUEUE_LOCK_NAMESPACE, agent.pk.int % 2**31])
+
+
+def tick_merge(*, agent_id) -> str | None:
+    """No pile-up: a tick for an agent with a queued or running run is counted on that run
+    (its oldest queued one, else the running one) instead of queueing another. Returns the
+    run's id, or None when the agent has no unfinished run. Called under `_queue_lock`.
+
+    The UPDATE re-checks the status, so a run that finished meanwhile is not counted: the
+    tick then queues a run of its own."""
+    unfinished = HeartbeatRun.objects.filter(agent_id=agent_id)
+    for status in (RunStatus.QUEUED, RunStatus.RUNNING):
+        oldest = unfinished.filter(status=status).order_by("created_at").values_list("pk", flat=True).first()
+        if oldest and HeartbeatRun.objects.filter(pk=oldest, status=status).update(merged_ticks=F("merged_ticks") + 1):
+            return str(oldest)
+    return None
+
+
 def _refuse_when_queue_full_or_unpriced(agent: Agent, *, now: datetime) -> None:
     """Refuse `model_unpriced` (`refuse_unpriced`), then `queue_full` when the agent already
     has PAPERCLIP_MAX_QUEUED_RUNS queued runs.
 
-    Called inside the enqueue's transaction. Two enqueues of one agent must not both see
-    room for one: on PostgreSQL they take an advisory lock on the agent until commit, which
-    only enqueues take (a lock on the agent's row would also stall, and be stalled by, every
-    update of the agent and every insert that references it). SQLite's IMMEDIATE
-    transactions already run one writer at a time. The count reads runs_unfinished_idx.
-    Two agents whose ids share 31 bits share a lock, which only makes their enqueues wait
-    for each other. Whether a money budget applies is read in the same query as the count:
-    every heartbeat enqueues, and one round trip fewer is ~5% of an unbudgeted turn's
-    overhead (bench/RESULTS.md).
+    Called inside the enqueue's transaction, under `_queue_lock`: the count is exact. It
+    reads runs_unfinished_idx. Whether a money budget applies is read in the same query as
+    the count: every heartbeat enqueues, and one round trip fewer is ~5% of an unbudgeted
+    turn's overhead (bench/RESULTS.md).
     """
     bound = settings.PAPERCLIP_MAX_QUEUED_RUNS
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [QUEUE_LOCK_NAMESPACE, agent.pk.int % 2**31])
     queued_runs = (
         HeartbeatRun.objects.filter(agent_id=OuterRef("pk"), status=RunStatus.QUEUED)
         .order_by()

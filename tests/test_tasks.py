@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
+import pytest
 from django.utils import timezone
 
+from sessions_app import heartbeat
 from sessions_app.heartbeat import heartbeat_enqueue
 from sessions_app.models import HeartbeatRun, RunStatus
 from sessions_app.tasks import scheduled_heartbeat
+from tests.conftest import on_own_connection
+from tests.fake_anthropic import Reply
 
 
 def test_ticks_on_an_agent_with_a_queued_run_are_counted_on_it_not_queued_again(persistent_agent, fake_anthropic):
@@ -54,3 +59,34 @@ def test_a_tick_held_by_the_cap_on_runs_in_progress_stays_queued_without_waiting
     assert scheduled_heartbeat(str(persistent_agent.id)) == RunStatus.QUEUED
     assert time.monotonic() - started < 5  # the cluster worker is not held while the cap is full
     assert fake_anthropic.message_requests == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_ticks_of_an_idle_agent_at_once_queue_one_run(persistent_agent, fake_anthropic, monkeypatch):
+    """The second tick arrives at the worst moment: the first has found nothing to merge
+    into and has not inserted its run yet. It waits for the first's enqueue to commit and
+    counts itself on that run (kept unfinished, by a model that answers only once the
+    second tick is done, so that nothing but the queue lock decides)."""
+    real_merge = heartbeat.tick_merge
+    second = []
+
+    def first_finds_nothing_then_the_second_arrives(**kwargs):
+        found = real_merge(**kwargs)
+        if not second:
+            other = threading.Thread(
+                target=on_own_connection(lambda: second.append(scheduled_heartbeat(str(persistent_agent.id))))
+            )
+            second.append(other)
+            other.start()
+            other.join(timeout=1)  # it cannot finish while this enqueue holds the agent's queue
+        return found
+
+    monkeypatch.setattr(heartbeat, "tick_merge", first_finds_nothing_then_the_second_arrives)
+    fake_anthropic.push(Reply(before=lambda: second[0].join(timeout=30)))
+
+    first = scheduled_heartbeat(str(persistent_agent.id))
+
+    (run,) = HeartbeatRun.objects.filter(agent=persistent_agent)
+    assert first == RunStatus.SUCCEEDED
+    assert second[1] == f"merged into run {run.id}"
+    assert run.merged_ticks == 1
