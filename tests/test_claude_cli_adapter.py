@@ -228,6 +228,13 @@ def test_a_cli_that_does_not_answer_is_killed_at_its_timeout_with_its_children(c
     assert seen  # the command was running under the CLI ...
     assert not processes_running(marker)  # ... and was killed with it
     assert snapshot(agent) == before  # the stored transcript and history are as they were
+    # The call that asked for the command was billed before the kill: it is in the ledger,
+    # once, from the usage Claude Code streamed (there was no result to report it), its
+    # output counted from the tool call it streamed, not the 1 token its start reported.
+    (event,) = CostEvent.objects.filter(run=run)
+    assert event.input_tokens > 0
+    assert event.output_tokens >= len(command) // 4
+    assert run.cost_usd == event.cost_usd > 0
 
 
 def test_max_turns_fails_the_run_but_its_calls_are_billed(company, fake_anthropic):

@@ -19,6 +19,7 @@ runtime itself reads and writes no model.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -306,6 +307,53 @@ def model_usage_as_api(usage: dict) -> dict:
     }
 
 
+def streamed_usages(messages: list) -> dict[str, dict]:
+    """Each model's usage from the assistant messages a run streamed, for a run that ended
+    without its result (which carries the authoritative per-model usage). Claude Code sends
+    one message per content block, each with its API message's usage as it stood when the
+    message started: its input and cache counts are the API's, its output count is not yet
+    known, so the output is taken as the text and tool input streamed (about four
+    characters a token), never less than what was reported."""
+    from claude_agent_sdk import AssistantMessage
+
+    calls: dict[str, tuple[str, dict, int]] = {}
+    for message in messages:
+        if not (isinstance(message, AssistantMessage) and isinstance(message.usage, dict) and message.message_id):
+            continue
+        _, _, streamed = calls.get(message.message_id, ("", {}, 0))
+        streamed += len(json.dumps([block_text(block) for block in message.content], ensure_ascii=False))
+        calls[message.message_id] = (storable(message.model or ""), message.usage, streamed)
+    usages: dict[str, dict] = {}
+    for model, usage, streamed in calls.values():
+        call = api_usage(usage)
+        call["output_tokens"] = max(call["output_tokens"], streamed // 4 + 1)
+        usages[model] = usage_total({"sum": usages[model], "call": call} if model in usages else {"call": call})
+    return usages
+
+
+def block_text(block) -> object:
+    """What a streamed content block's output was: its text, thinking or tool input."""
+    for name in ("text", "thinking", "input"):
+        if hasattr(block, name):
+            return getattr(block, name)
+    return ""
+
+
+def api_usage(usage: dict) -> dict:
+    """A streamed message's usage (the Messages API's own shape) with every count present."""
+    created = usage.get("cache_creation") if isinstance(usage.get("cache_creation"), dict) else {}
+    return {
+        "input_tokens": int(usage.get("input_tokens") or 0),
+        "output_tokens": int(usage.get("output_tokens") or 0),
+        "cache_read_input_tokens": int(usage.get("cache_read_input_tokens") or 0),
+        "cache_creation_input_tokens": int(usage.get("cache_creation_input_tokens") or 0),
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": int(created.get("ephemeral_5m_input_tokens") or 0),
+            "ephemeral_1h_input_tokens": int(created.get("ephemeral_1h_input_tokens") or 0),
+        },
+    }
+
+
 def usage_total(usages: dict[str, dict]) -> dict | None:
     if not usages:
         return None
@@ -519,11 +567,16 @@ class CliRun:
 
     def reply(self, conversation: Conversation, error: BaseException | None, *, timed_out: bool) -> AdapterReply:
         result = conversation.result
-        usages = {
-            storable(model): model_usage_as_api(usage)
-            for model, usage in ((result.model_usage or {}) if result is not None else {}).items()
-            if isinstance(usage, dict)
-        }
+        if result is not None:
+            usages = {
+                storable(model): model_usage_as_api(usage)
+                for model, usage in (result.model_usage or {}).items()
+                if isinstance(usage, dict)
+            }
+        else:
+            # Killed (its timeout) or dead before its result: the model calls it streamed
+            # were billed all the same.
+            usages = streamed_usages(conversation.messages)
         for model, usage in usages.items():
             if problem := usage_error(usage):
                 raise AdapterError("cli_error", f"Claude Code reported an impossible usage for {model}: {problem}")
