@@ -522,3 +522,33 @@ def test_a_system_check_names_cli_agents_whose_tools_authenticated_mode_no_longe
     (warning,) = check_cli_tools(None)
     assert warning.id == "paperclip.W006"
     assert str(shell.id) in warning.msg and "adapter_config.allowed_tools" in warning.msg and "'Bash'" in warning.msg
+
+
+def test_streamed_usage_counts_each_api_message_once_and_skips_made_up_ones():
+    from claude_agent_sdk import AssistantMessage, TextBlock, ToolUseBlock
+
+    from sessions_app.adapters.claude_cli import streamed_usages
+
+    started = {"input_tokens": 900, "output_tokens": 1, "cache_read_input_tokens": 100}
+    text = "x" * 400  # about 100 tokens
+    messages = [
+        # One API message, sent as two (one per content block), each with the usage at its start.
+        AssistantMessage(content=[TextBlock(text=text)], model="claude-haiku-4-5", usage=started, message_id="m1"),
+        AssistantMessage(
+            content=[ToolUseBlock(id="t1", name="Bash", input={"command": "ls"})],
+            model="claude-haiku-4-5",
+            usage=started,
+            message_id="m1",
+        ),
+        # What the CLI makes up to report an API error: no tokens, nothing billed.
+        AssistantMessage(
+            content=[TextBlock(text="API Error")], model="<synthetic>", usage={"input_tokens": 0}, message_id="m2"
+        ),
+    ]
+
+    usages = streamed_usages(messages)
+
+    assert set(usages) == {"claude-haiku-4-5"}
+    usage = usages["claude-haiku-4-5"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (900, 100)
+    assert 100 <= usage["output_tokens"] <= 120

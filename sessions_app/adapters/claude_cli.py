@@ -26,6 +26,8 @@ import re
 import signal
 import threading
 import uuid
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -293,18 +295,31 @@ class Conversation:
     stderr: list[str] = field(default_factory=list)
 
 
+TOKEN_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+CACHE_WRITE_KEYS = ("ephemeral_5m_input_tokens", "ephemeral_1h_input_tokens")
+# The names the CLI's `modelUsage` gives the Messages API's counts.
+CLI_USAGE_NAMES = {
+    "input_tokens": "inputTokens",
+    "output_tokens": "outputTokens",
+    "cache_read_input_tokens": "cacheReadInputTokens",
+    "cache_creation_input_tokens": "cacheCreationInputTokens",
+    "ephemeral_5m_input_tokens": "cacheCreationEphemeral5mInputTokens",
+    "ephemeral_1h_input_tokens": "cacheCreationEphemeral1hInputTokens",
+}
+
+
+def api_usage(counts: dict, cache_writes: dict) -> dict:
+    """A usage in the Messages API's shape, every count present (`cache_writes`: the cache
+    writes by lifetime)."""
+    return {key: int(counts.get(key) or 0) for key in TOKEN_KEYS} | {
+        "cache_creation": {key: int(cache_writes.get(key) or 0) for key in CACHE_WRITE_KEYS}
+    }
+
+
 def model_usage_as_api(usage: dict) -> dict:
     """A model's entry of the CLI's `modelUsage` as the Messages API reports usage."""
-    return {
-        "input_tokens": int(usage.get("inputTokens") or 0),
-        "output_tokens": int(usage.get("outputTokens") or 0),
-        "cache_read_input_tokens": int(usage.get("cacheReadInputTokens") or 0),
-        "cache_creation_input_tokens": int(usage.get("cacheCreationInputTokens") or 0),
-        "cache_creation": {
-            "ephemeral_5m_input_tokens": int(usage.get("cacheCreationEphemeral5mInputTokens") or 0),
-            "ephemeral_1h_input_tokens": int(usage.get("cacheCreationEphemeral1hInputTokens") or 0),
-        },
-    }
+    named = {key: usage.get(name) for key, name in CLI_USAGE_NAMES.items()}
+    return api_usage(named, named)
 
 
 def streamed_usages(messages: list) -> dict[str, dict]:
@@ -316,19 +331,23 @@ def streamed_usages(messages: list) -> dict[str, dict]:
     characters a token), never less than what was reported."""
     from claude_agent_sdk import AssistantMessage
 
-    calls: dict[str, tuple[str, dict, int]] = {}
+    calls: dict[str, tuple[str, dict]] = {}
+    streamed: Counter[str] = Counter()
     for message in messages:
-        if not (isinstance(message, AssistantMessage) and isinstance(message.usage, dict) and message.message_id):
-            continue
-        _, _, streamed = calls.get(message.message_id, ("", {}, 0))
-        streamed += len(json.dumps([block_text(block) for block in message.content], ensure_ascii=False))
-        calls[message.message_id] = (storable(message.model or ""), message.usage, streamed)
-    usages: dict[str, dict] = {}
-    for model, usage, streamed in calls.values():
-        call = api_usage(usage)
-        call["output_tokens"] = max(call["output_tokens"], streamed // 4 + 1)
-        usages[model] = usage_total({"sum": usages[model], "call": call} if model in usages else {"call": call})
-    return usages
+        if isinstance(message, AssistantMessage) and isinstance(message.usage, dict) and message.message_id:
+            calls[message.message_id] = (storable(message.model or ""), message.usage)
+            streamed[message.message_id] += len(
+                json.dumps([block_text(b) for b in message.content], ensure_ascii=False)
+            )
+    by_model: dict[str, list[dict]] = defaultdict(list)
+    for message_id, (model, usage) in calls.items():
+        writes = usage.get("cache_creation")
+        call = api_usage(usage, writes if isinstance(writes, dict) else {})
+        if not any(call[key] for key in TOKEN_KEYS):
+            continue  # no tokens: nothing was billed (a message the CLI made up to report an error)
+        call["output_tokens"] = max(call["output_tokens"], streamed[message_id] // 4 + 1)
+        by_model[model].append(call)
+    return {model: usage_total(calls) for model, calls in by_model.items()}
 
 
 def block_text(block) -> object:
@@ -339,31 +358,15 @@ def block_text(block) -> object:
     return ""
 
 
-def api_usage(usage: dict) -> dict:
-    """A streamed message's usage (the Messages API's own shape) with every count present."""
-    created = usage.get("cache_creation") if isinstance(usage.get("cache_creation"), dict) else {}
-    return {
-        "input_tokens": int(usage.get("input_tokens") or 0),
-        "output_tokens": int(usage.get("output_tokens") or 0),
-        "cache_read_input_tokens": int(usage.get("cache_read_input_tokens") or 0),
-        "cache_creation_input_tokens": int(usage.get("cache_creation_input_tokens") or 0),
-        "cache_creation": {
-            "ephemeral_5m_input_tokens": int(created.get("ephemeral_5m_input_tokens") or 0),
-            "ephemeral_1h_input_tokens": int(created.get("ephemeral_1h_input_tokens") or 0),
-        },
-    }
-
-
-def usage_total(usages: dict[str, dict]) -> dict | None:
+def usage_total(usages: Iterable[dict]) -> dict | None:
+    """The sum of usages in the Messages API's shape; None for none."""
+    usages = list(usages)
     if not usages:
         return None
-    total: dict[str, Any] = {"cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}}
-    for usage in usages.values():
-        for key in ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
-            total[key] = total.get(key, 0) + usage[key]
-        for key in total["cache_creation"]:
-            total["cache_creation"][key] += usage["cache_creation"][key]
-    return total
+    return api_usage(
+        {key: sum(usage[key] for usage in usages) for key in TOKEN_KEYS},
+        {key: sum(usage["cache_creation"][key] for usage in usages) for key in CACHE_WRITE_KEYS},
+    )
 
 
 def _trimmed(value, *, blocks: bool = True) -> Any:
@@ -599,7 +602,7 @@ class CliRun:
             requested_model=self.request.model,
             message_id=(result.uuid or "") if result is not None else "",
             stop_reason=(result.stop_reason or result.subtype or "") if result is not None else "",
-            usage=usage_total(usages),
+            usage=usage_total(usages.values()),
             usage_by_model=usages or None,
             runtime_report=report,
             on_commit=self.own.on_commit(self.transcript, session_id=session_id, report=report),
