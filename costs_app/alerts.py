@@ -38,6 +38,7 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
 from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, AlertThreshold, BudgetAlert, DeliveryStatus
+from paperclip.hosts import unlisted_host_problem
 from sessions_app.text import storable
 
 if TYPE_CHECKING:
@@ -258,24 +259,17 @@ def _post(delivery: AlertDelivery, *, now: datetime) -> tuple[int | None, str, i
     return code, error, _elapsed_ms(started)
 
 
-def target_url_problem(url: str, *, mode: str | None = None) -> str | None:
-    """Why an alert target's URL may not be delivered to here, or None. In authenticated
-    mode its host must be one of PAPERCLIP_ALERT_HOSTS; in local_trusted mode any host."""
+def target_url_problem(url: str) -> str | None:
+    """Why an alert target's URL may not be delivered to here, or None: an http(s) URL
+    whose host, in authenticated mode, is one of PAPERCLIP_ALERT_HOSTS."""
     try:
         parts = urlsplit(url)
-        host = (parts.hostname or "").lower()
+        host = parts.hostname or ""
     except ValueError:
         return "The URL is not valid."
     if parts.scheme.lower() not in ("http", "https"):
         return "Only http and https URLs are delivered."
-    mode = mode or settings.PAPERCLIP_DEPLOYMENT_MODE
-    if mode != "local_trusted" and host not in settings.PAPERCLIP_ALERT_HOSTS:
-        listed = ", ".join(sorted(settings.PAPERCLIP_ALERT_HOSTS)) or "none are listed"
-        return (
-            f"Host {host!r} is not one of PAPERCLIP_ALERT_HOSTS ({listed}); in authenticated mode the "
-            "operator lists the hosts alerts may be sent to."
-        )
-    return None
+    return unlisted_host_problem(host, setting="PAPERCLIP_ALERT_HOSTS", mode=settings.PAPERCLIP_DEPLOYMENT_MODE)
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):

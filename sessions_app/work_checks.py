@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
+from paperclip.hosts import unlisted_host_problem
 from sessions_app.adapters.process import (
     OutputTooLarge,
     command_launch,
@@ -137,11 +138,7 @@ def url_problem(url: object, *, mode: str) -> str | None:
     if parts.username is not None or parts.password is not None:
         # It would be stored in the agent's configuration and shown by the API.
         return "must not carry credentials (user:password@)"
-    hosts = settings.PAPERCLIP_WORK_CHECK_HOSTS
-    if mode != "local_trusted" and host.lower() not in hosts:
-        listed = ", ".join(sorted(hosts)) if hosts else "none are listed"
-        return f"host {host!r} is not one of PAPERCLIP_WORK_CHECK_HOSTS ({listed}); in authenticated mode the operator lists them"
-    return None
+    return unlisted_host_problem(host, setting="PAPERCLIP_WORK_CHECK_HOSTS", mode=mode)
 
 
 # Running a check (by the engine, outside any transaction).
