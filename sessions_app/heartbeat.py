@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -211,7 +212,7 @@ def heartbeat_enqueue(
         with transaction.atomic():
             _queue_lock(agent)
             if merge and (merged := tick_merge(agent_id=agent.pk)) is not None:
-                return HeartbeatRun.objects.get(pk=merged), False
+                return merged, False
             _refuse_when_queue_full_or_unpriced(agent, now=now)
             # A duplicate key needs a savepoint of its own to leave the transaction usable.
             with transaction.atomic() if idempotency_key else nullcontext():
@@ -243,18 +244,22 @@ def _queue_lock(agent: Agent) -> None:
             cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [QUEUE_LOCK_NAMESPACE, agent.pk.int % 2**31])
 
 
-def tick_merge(*, agent_id) -> str | None:
+def tick_merge(*, agent_id) -> HeartbeatRun | None:
     """No pile-up: a tick for an agent with a queued or running run is counted on that run
-    (its oldest queued one, else the running one) instead of queueing another. Returns the
-    run's id, or None when the agent has no unfinished run. Called under `_queue_lock`.
+    (its oldest queued one, else the running one) instead of queueing another. Returns that
+    run, or None when the agent has no unfinished run. Called under `_queue_lock`, so no
+    other tick counts itself meanwhile.
 
     The UPDATE re-checks the status, so a run that finished meanwhile is not counted: the
     tick then queues a run of its own."""
     unfinished = HeartbeatRun.objects.filter(agent_id=agent_id)
     for status in (RunStatus.QUEUED, RunStatus.RUNNING):
-        oldest = unfinished.filter(status=status).order_by("created_at").values_list("pk", flat=True).first()
-        if oldest and HeartbeatRun.objects.filter(pk=oldest, status=status).update(merged_ticks=F("merged_ticks") + 1):
-            return str(oldest)
+        oldest = unfinished.filter(status=status).order_by("created_at").first()
+        if oldest and HeartbeatRun.objects.filter(pk=oldest.pk, status=status).update(
+            merged_ticks=F("merged_ticks") + 1
+        ):
+            oldest.merged_ticks += 1
+            return oldest
     return None
 
 
@@ -633,7 +638,7 @@ def _call(beat: ClaimedRun, plan: Plan, request: AdapterRequest, *, reserve: Res
     return call_with_tools(beat, request, session_id=session_id, reserve=reserve)
 
 
-def _fail(beat: ClaimedRun, failure: RunFailure, *, billed: list[AdapterReply] = ()) -> None:
+def _fail(beat: ClaimedRun, failure: RunFailure, *, billed: Sequence[AdapterReply] = ()) -> None:
     """A step failed: the run keeps its code and message; a refused budget pauses agents.
     A runtime stopped at one of its caps (`billed`) did work: the run keeps what it cost and
     the runtime's report of it (turns, tool calls), as a succeeded run does."""
