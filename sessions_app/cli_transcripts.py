@@ -346,26 +346,23 @@ class SessionTranscripts:
         return RunTranscript(store.session_entries(self.resumed_id))
 
     def on_commit(self, transcript: RunTranscript | None, *, session_id: str, report: dict):
-        return transcript_commit(transcript, session_id=session_id, report=report)
+        """The `on_commit` of a Claude Code reply: inside the heartbeat's commit, the session
+        row gets the CLI's id and the store what the CLI appended; a disagreement over 1%
+        between the ledger's cost and the CLI's own figure is logged."""
 
+        def commit(session: AgentSession | None, cost: Decimal | None) -> StagedTranscript | None:
+            cost_check(report, cost)
+            if session is None or transcript is None:
+                return None
+            if session.cli_session_id != session_id:
+                AgentSession.objects.filter(pk=session.pk).update(cli_session_id=session_id)
+                session.cli_session_id = session_id
+            store = transcripts_for(agent_id=session.agent_id, store=session.store)
+            staged = StagedTranscript(store, transcript.appended)
+            staged.write()
+            return staged
 
-def transcript_commit(transcript: RunTranscript | None, *, session_id: str, report: dict):
-    """The `on_commit` of a Claude Code reply: inside the heartbeat's commit, the session
-    row gets the CLI's id and the store what the CLI appended; a disagreement over 1%
-    between the ledger's cost and the CLI's own figure is logged."""
-
-    def commit(session: AgentSession | None, cost: Decimal | None) -> StagedTranscript | None:
-        cost_check(report, cost)
-        if session is None or transcript is None:
-            return None
-        if session.cli_session_id != session_id:
-            AgentSession.objects.filter(pk=session.pk).update(cli_session_id=session_id)
-            session.cli_session_id = session_id
-        staged = StagedTranscript(transcripts_for(agent_id=session.agent_id, store=session.store), transcript.appended)
-        staged.write()
-        return staged
-
-    return commit
+        return commit
 
 
 def cost_check(report: dict, cost: Decimal | None) -> None:
