@@ -311,6 +311,22 @@ def test_the_rounds_of_the_run_that_starts_a_session_are_billed_to_that_session(
     assert session.total_cost_usd == sum((row.cost_usd for row in rows), Decimal(0)) > 0
 
 
+@pytest.mark.django_db(transaction=True)
+def test_when_the_commit_that_starts_the_session_fails_its_rounds_stay_billed_to_no_session(
+    company, fake_anthropic, refuse_at_commit
+):
+    agent = memory_agent(company, session_mode="persistent")
+    refuse_at_commit("agent_sessions", when="1 = 1", event="INSERT")
+
+    run = beat(agent, FACT)  # a round billed at once, then the answer whose commit fails
+
+    assert run.status == RunStatus.FAILED
+    assert not AgentSession.objects.exists()
+    rows = CostEvent.objects.filter(run=run).order_by("call_number")
+    # Every call is billed once, and none names a session that was never created.
+    assert [(row.call_number, row.session_id) for row in rows] == [(1, None), (2, None)]
+
+
 def test_memory_is_a_claude_code_setting_only():
     from sessions_app.adapters import AgentConfigError, validate_agent_config
 
