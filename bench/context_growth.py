@@ -59,8 +59,9 @@ def main() -> None:
     from django.utils import timezone
 
     from costs_app.models import CostEvent
-    from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+    from sessions_app.heartbeat import heartbeat_execute
     from sessions_app.models import Agent, Company, HeartbeatRun
+    from sessions_app.run_queue import heartbeat_enqueue
     from tests.fake_anthropic import FakeAnthropic
 
     fake = FakeAnthropic().start()
@@ -273,9 +274,10 @@ def defaults_main(interval_minutes: float) -> None:
 
     from costs_app.models import CostEvent, CostKind
     from sessions_app.context import SUMMARY_SYSTEM
-    from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+    from sessions_app.heartbeat import heartbeat_execute
     from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, SessionCompaction
     from sessions_app.pins import pin_create
+    from sessions_app.run_queue import heartbeat_enqueue
     from tests.fake_anthropic import FakeAnthropic, plain_system
 
     fake = FakeAnthropic().start()

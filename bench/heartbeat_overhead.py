@@ -66,8 +66,9 @@ def main() -> None:
     from django.utils import timezone
 
     from costs_app.models import CostEvent
-    from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+    from sessions_app.heartbeat import heartbeat_execute
     from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun
+    from sessions_app.run_queue import heartbeat_enqueue
     from sessions_app.stores import store_for
 
     # The fake runs in its own process so it does not compete for this one's GIL.

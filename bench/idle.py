@@ -101,8 +101,9 @@ def simulate(*, work_checks: bool, marker: bool, work_server: WorkServer, fake_u
     from django_q.models import Schedule
 
     from costs_app.models import CostEvent
-    from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+    from sessions_app.heartbeat import heartbeat_execute
     from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, RunTrigger
+    from sessions_app.run_queue import heartbeat_enqueue
     from sessions_app.schedules import agent_schedule_sync, schedule_name
 
     for model in (CostEvent, HeartbeatRun, AgentSession, Agent, Company):

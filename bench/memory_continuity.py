@@ -78,8 +78,9 @@ def main() -> None:
     from django.utils import timezone
 
     from costs_app.models import CostEvent
-    from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+    from sessions_app.heartbeat import heartbeat_execute
     from sessions_app.models import Agent, Company, HeartbeatRun
+    from sessions_app.run_queue import heartbeat_enqueue
     from tests.fake_anthropic import FakeAnthropic
 
     fake = FakeAnthropic().start()

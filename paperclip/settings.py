@@ -209,7 +209,7 @@ if REDIS_URL:
 else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.db.DatabaseCache", "LOCATION": "paperclip_cache"}}
 # A run's deadline moves before each of its requests to that request's own limit
-# (heartbeat.run_deadline): at most 3600 s on each of 11 attempts with a 60 s wait between
+# (run_queue.run_deadline): at most 3600 s on each of 11 attempts with a 60 s wait between
 # them (validation's bounds), plus PAPERCLIP_RUN_TIMEOUT_SECONDS. A run makes at most a
 # handoff note, 3 summaries, the answer and the token counts that size them: under 32; a
 # tool loop adds up to 50 more answers (max_tool_rounds), each with its token count.

@@ -22,15 +22,7 @@ from paperclip.errors import RunFailure
 from sessions_app.adapters import get_adapter
 from sessions_app.compaction import compaction_commit, compaction_refused, summary_call, summary_not_shrinking
 from sessions_app.context import choose_split, estimate_tokens, summary_pair
-from sessions_app.heartbeat import (
-    ClaimedRun,
-    Reservation,
-    RunClock,
-    _finish_failed,
-    dispatch_after_run,
-    run_deadline,
-    worker_id,
-)
+from sessions_app.heartbeat import ClaimedRun, Reservation, RunClock
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     AgentSession,
@@ -39,6 +31,7 @@ from sessions_app.models import (
     RunTrigger,
     SessionCompaction,
 )
+from sessions_app.run_queue import dispatch_after_run, run_deadline, run_fail, worker_id
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import store_for
 
@@ -62,12 +55,12 @@ def session_compact(
     try:
         record = compact(beat, session, keep_recent_turns=keep_recent_turns)
     except RunFailure as failure:
-        _finish_failed(run, code=failure.code, message=failure.message, now=clock())
+        run_fail(run, code=failure.code, message=failure.message, now=clock())
         if isinstance(failure, BudgetExceeded):
             budgets_enforce(agent=agent, now=now)
         raise
     except BaseException:
-        _finish_failed(run, code="internal_error", message="The compaction failed unexpectedly.", now=clock())
+        run_fail(run, code="internal_error", message="The compaction failed unexpectedly.", now=clock())
         raise
     finally:
         dispatch_after_run(agent_id=agent.id)

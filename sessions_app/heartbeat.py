@@ -14,34 +14,27 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Protocol
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, F, Min, OuterRef, Subquery
-from django.db.models.functions import Coalesce
+from django.db import transaction
 from django.utils import timezone
 
 from costs_app.budgets import (
     BudgetExceeded,
     budget_headroom,
     budget_reserve,
-    budgets_exist,
     call_cost_bound,
-    money_budgets_exist,
 )
 from costs_app.ledger import billed_call_record, cost_event_record, run_calls_join_session, run_cost
 from costs_app.models import CostKind
-from costs_app.pricing import call_cost, price_for, token_counts
-from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, adapter_for, get_adapter
+from costs_app.pricing import call_cost, token_counts
+from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.cli_transcripts import SessionTranscripts
 from sessions_app.compaction import (
     BeforeCall,
@@ -60,7 +53,7 @@ from sessions_app.context import (
     reported_artifacts,
     user_turn_content,
 )
-from sessions_app.errors import HeartbeatRefused, QueueUnavailable, RunAbandoned, RunFailure
+from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -69,60 +62,24 @@ from sessions_app.models import (
     AgentStatus,
     HeartbeatRun,
     RunStatus,
-    RunTrigger,
     SessionStatus,
 )
 from sessions_app.no_work import check_for_work, heartbeat_skip, idle_streak_record
 from sessions_app.plan import HANDOFF_REASONS, Plan, idle_pause, plan_session
+from sessions_app.run_queue import (
+    claim_run,
+    dispatch_after_run,
+    heartbeat_dispatch,
+    heartbeat_enqueue,
+    run_deadline,
+    run_fail,
+)
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import NOTHING_STAGED, StagedHistory, configured_store_name, store_for
-from sessions_app.text import is_storable, storable
 from sessions_app.tool_loop import call_with_tools, loop_cost
-from sessions_app.work_checks import check_seconds, is_nothing_to_do
+from sessions_app.work_checks import is_nothing_to_do
 
 logger = logging.getLogger(__name__)
-HOSTNAME = socket.gethostname()
-
-
-def worker_id() -> str:
-    # Read at claim time: cluster workers are forked after this module may be imported.
-    return f"{HOSTNAME}:{os.getpid()}"
-
-
-IDEMPOTENCY_KEY_LENGTH = HeartbeatRun._meta.get_field("idempotency_key").max_length
-
-
-def validate_task(task: object) -> str:
-    if not isinstance(task, str) or not task.strip():
-        raise HeartbeatRefused("invalid_task", "task must be a non-empty string.")
-    if not is_storable(task):
-        raise HeartbeatRefused("invalid_task", "task must be valid Unicode without NUL characters.")
-    if len(task) > settings.PAPERCLIP_MAX_TASK_CHARS:
-        raise HeartbeatRefused(
-            "task_too_long", f"task is {len(task)} characters; the limit is {settings.PAPERCLIP_MAX_TASK_CHARS}."
-        )
-    return task
-
-
-def refuse_unless_active(agent: Agent) -> None:
-    if refusal := agent.refusal():
-        raise HeartbeatRefused(*refusal)
-
-
-def refuse_unpriced(agent: Agent, *, now: datetime) -> None:
-    """An agent under a money budget whose model has no price is refused before anything
-    is queued: its calls could not be held against the budget (each run would fail
-    model_unpriced). Called only for such agents (`_refuse_when_queue_full_or_unpriced`)."""
-    models = {agent.model_name}
-    if agent.is_persistent:
-        models.add(context_settings(agent).summary_model)
-    unpriced = sorted(model for model in models if price_for(model=model, at=now) is None)
-    if unpriced:
-        raise HeartbeatRefused(
-            "model_unpriced",
-            f"The agent has a budget but its model {unpriced[0]!r} has no price, so its calls cannot be held "
-            "against the budget. Add a model price (admin: Costs > Model prices) or configure a priced model.",
-        )
 
 
 def heartbeat_start(
@@ -171,285 +128,6 @@ def heartbeat_start(
             "queue_unavailable", f"The task queue is unavailable; run {run.id} is recorded but not started."
         ) from exc
     return run, True
-
-
-def heartbeat_enqueue(
-    *,
-    agent: Agent,
-    task: str,
-    now: datetime,
-    idempotency_key: str | None = None,
-    force_fresh: bool = False,
-    trigger: str = RunTrigger.API,
-    merge: bool = False,
-) -> tuple[HeartbeatRun, bool]:
-    """Create a queued run; with a used idempotency key, return the earlier run (False).
-    With `merge` (a scheduled tick), an agent that has a queued or running run gets no
-    other: the tick is counted on that run, which is returned (False).
-
-    The task is validated first, as input is everywhere (400 before any state's 409)."""
-    validate_task(task)
-    if idempotency_key and (len(idempotency_key) > IDEMPOTENCY_KEY_LENGTH or not is_storable(idempotency_key)):
-        raise HeartbeatRefused(
-            "invalid_idempotency_key",
-            f"idempotency_key must be at most {IDEMPOTENCY_KEY_LENGTH} characters of valid Unicode without NUL.",
-        )
-    if idempotency_key:
-        earlier = HeartbeatRun.objects.filter(agent=agent, idempotency_key=idempotency_key).first()
-        if earlier is not None:
-            return _same_request(earlier, task), False
-    refuse_unless_active(agent)
-    fields = {
-        "company_id": agent.company_id,
-        "agent": agent,
-        "task": task,
-        "idempotency_key": idempotency_key or None,
-        "force_fresh": force_fresh,
-        "trigger": trigger,
-        "created_at": now,
-    }
-    try:
-        with transaction.atomic():
-            _queue_lock(agent)
-            if merge and (merged := tick_merge(agent_id=agent.pk)) is not None:
-                return merged, False
-            _refuse_when_queue_full_or_unpriced(agent, now=now)
-            # A duplicate key needs a savepoint of its own to leave the transaction usable.
-            with transaction.atomic() if idempotency_key else nullcontext():
-                run = HeartbeatRun.objects.create(**fields)
-    except IntegrityError:
-        if not idempotency_key:
-            raise
-        # Another request with the same key won the race; theirs is the run.
-        earlier = HeartbeatRun.objects.get(agent=agent, idempotency_key=idempotency_key)
-        return _same_request(earlier, task), False
-    return run, True
-
-
-# Keys of the transaction-level advisory lock that makes an agent's queue bound exact.
-QUEUE_LOCK_NAMESPACE = 7_301
-
-
-def _queue_lock(agent: Agent) -> None:
-    """Inside the enqueue's transaction, until it ends: one enqueue of the agent at a time.
-
-    Two enqueues of one agent must not both see room for one run (the queue bound), nor two
-    ticks both see no run to merge into. On PostgreSQL they take an advisory lock on the
-    agent, which only enqueues take (a lock on the agent's row would also stall, and be
-    stalled by, every update of the agent and every insert that references it); SQLite's
-    IMMEDIATE transactions already run one writer at a time. Two agents whose ids share 31
-    bits share a lock, which only makes their enqueues wait for each other."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [QUEUE_LOCK_NAMESPACE, agent.pk.int % 2**31])
-
-
-def tick_merge(*, agent_id) -> HeartbeatRun | None:
-    """No pile-up: a tick for an agent with a queued or running run is counted on that run
-    (its oldest queued one, else the running one) instead of queueing another. Returns that
-    run, or None when the agent has no unfinished run. Called under `_queue_lock`, so no
-    other tick counts itself meanwhile.
-
-    The UPDATE re-checks the status, so a run that finished meanwhile is not counted: the
-    tick then queues a run of its own."""
-    unfinished = HeartbeatRun.objects.filter(agent_id=agent_id)
-    for status in (RunStatus.QUEUED, RunStatus.RUNNING):
-        oldest = unfinished.filter(status=status).order_by("created_at").first()
-        if oldest and HeartbeatRun.objects.filter(pk=oldest.pk, status=status).update(
-            merged_ticks=F("merged_ticks") + 1
-        ):
-            oldest.merged_ticks += 1
-            return oldest
-    return None
-
-
-def _refuse_when_queue_full_or_unpriced(agent: Agent, *, now: datetime) -> None:
-    """Refuse `model_unpriced` (`refuse_unpriced`), then `queue_full` when the agent already
-    has PAPERCLIP_MAX_QUEUED_RUNS queued runs.
-
-    Called inside the enqueue's transaction, under `_queue_lock`: the count is exact. It
-    reads runs_unfinished_idx. Whether a money budget applies is read in the same query as
-    the count: every heartbeat enqueues, and one round trip fewer is ~5% of an unbudgeted
-    turn's overhead (bench/RESULTS.md).
-    """
-    bound = settings.PAPERCLIP_MAX_QUEUED_RUNS
-    queued_runs = (
-        HeartbeatRun.objects.filter(agent_id=OuterRef("pk"), status=RunStatus.QUEUED)
-        .order_by()
-        .values("agent_id")
-        .annotate(n=Count("pk"))
-        .values("n")
-    )
-    found = (
-        Agent.objects.filter(pk=agent.pk)
-        .annotate(
-            queued=Coalesce(Subquery(queued_runs), 0),
-            budgeted=money_budgets_exist(company_id_ref="company_id", agent_id_ref="pk"),
-        )
-        .values_list("queued", "budgeted")
-        .first()
-    )
-    # A deleted row leaves the insert's foreign key to refuse the run, as before.
-    queued, budgeted = found or (0, False)
-    if budgeted:
-        refuse_unpriced(agent, now=now)
-    if queued >= bound:
-        raise HeartbeatRefused(
-            "queue_full", f"The agent already has {bound} queued runs (PAPERCLIP_MAX_QUEUED_RUNS); try again later."
-        )
-
-
-def _same_request(earlier: HeartbeatRun, task: str) -> HeartbeatRun:
-    if earlier.task != task:
-        raise HeartbeatRefused("idempotency_key_reused", "This idempotency key was already used for a different task.")
-    return earlier
-
-
-def heartbeat_dispatch(*, run: HeartbeatRun) -> None:
-    """Hand a queued run to the django-q2 cluster once the current transaction commits."""
-    from django_q.tasks import async_task
-
-    run_id = str(run.id)
-    transaction.on_commit(lambda: async_task("sessions_app.tasks.execute_run", run_id, task_name=f"heartbeat {run_id}"))
-
-
-def dispatch_next_queued(*, agent_id) -> None:
-    """Wake the oldest queued run of an agent (after a run finished or was reaped)."""
-    nxt = (
-        HeartbeatRun.objects.filter(agent_id=agent_id, status=RunStatus.QUEUED)
-        .order_by("created_at")
-        .only("id")
-        .first()
-    )
-    if nxt is not None:
-        heartbeat_dispatch(run=nxt)
-
-
-def dispatch_waiting(*, agent_ids=None) -> int:
-    """Wake the oldest queued run of each agent with nothing running, oldest first; under
-    PAPERCLIP_MAX_CONCURRENT_RUNS only as many active agents' runs as there are free places
-    (a paused or deleted agent's run is woken regardless: its claim fails it). Returns how
-    many agents were woken. Used after a run finishes and by the maintenance pass."""
-    free = free_run_places()
-    waiting = HeartbeatRun.objects.filter(status=RunStatus.QUEUED)
-    if agent_ids is not None:
-        waiting = waiting.filter(agent_id__in=agent_ids)
-    running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
-    heads = (
-        waiting.exclude(agent_id__in=running)
-        .values("agent_id", "agent__status")
-        .annotate(first=Min("created_at"))
-        .order_by("first")
-    )
-    woken = 0
-    for head in heads.iterator():
-        if free is not None and head["agent__status"] == AgentStatus.ACTIVE:
-            if free <= 0:
-                continue
-            free -= 1
-        dispatch_next_queued(agent_id=head["agent_id"])
-        woken += 1
-    return woken
-
-
-def free_run_places() -> int | None:
-    """Places left under PAPERCLIP_MAX_CONCURRENT_RUNS (None: no cap)."""
-    cap = settings.PAPERCLIP_MAX_CONCURRENT_RUNS
-    if not cap:
-        return None
-    return cap - HeartbeatRun.objects.filter(status=RunStatus.RUNNING).count()
-
-
-# Key of the transaction-level advisory lock that makes the deployment's run cap exact.
-RUN_CAP_LOCK = (7_302, 0)
-
-
-def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
-    """1. claim: move a queued run to running unless another run of its agent is running,
-    or the deployment's runs in progress are at PAPERCLIP_MAX_CONCURRENT_RUNS.
-
-    The database decides: a partial unique index allows one `running` row per agent, so
-    of two processes claiming at once (any host, any worker) exactly one update succeeds;
-    the other gets an IntegrityError and leaves its run queued. The cap is checked in the
-    claim's transaction (`_claim_under_cap`). The run comes back with its agent and
-    `budgeted` (whether any budget applies), all read in one query.
-    """
-    run = (
-        HeartbeatRun.objects.select_related("agent")
-        .annotate(budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"))
-        .get(id=run_id)
-    )
-    if run.status != RunStatus.QUEUED:
-        return run, False
-    agent = run.agent
-    if refusal := agent.refusal():
-        code, _ = refusal
-        _finish_failed(run, code=code, message=f"The agent is {agent.status}.", now=now)
-        run.refresh_from_db()
-        return run, False
-    deadline = run_deadline(adapter_for(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now)
-    deadline += timedelta(seconds=check_seconds(agent.adapter_config))  # the work check comes first
-    capped = bool(settings.PAPERCLIP_MAX_CONCURRENT_RUNS)
-    try:
-        # One statement is its own transaction; only inside a caller's transaction does
-        # the refusal need a savepoint to leave that transaction usable.
-        with transaction.atomic() if capped or connection.in_atomic_block else nullcontext():
-            if capped and not _run_place_free(run):
-                return run, False
-            claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
-                status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id()
-            )
-    except IntegrityError:
-        return run, False  # another run of this agent is running
-    if not claimed:
-        run.refresh_from_db()
-        return run, False
-    run.status, run.started_at, run.deadline_at = RunStatus.RUNNING, now, deadline
-    return run, True
-
-
-def _run_place_free(run: HeartbeatRun) -> bool:
-    """Whether `run` may start under PAPERCLIP_MAX_CONCURRENT_RUNS: a place is free and no
-    older run waits for it (each agent with nothing running counts its oldest queued run).
-
-    Called inside the claim's transaction. Two claims must not both take the last place:
-    on PostgreSQL they take one advisory lock until commit (only claims under a cap take
-    it, and hold it for two queries, never across a model call); SQLite's IMMEDIATE
-    transactions run one writer at a time. A run deferring to older ones wakes them, in
-    case nobody else will (their waiter timed out, their task was lost)."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(RUN_CAP_LOCK))
-    free = free_run_places()
-    if free <= 0:
-        return False
-    running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
-    ahead = list(
-        HeartbeatRun.objects.filter(
-            status=RunStatus.QUEUED, created_at__lt=run.created_at, agent__status=AgentStatus.ACTIVE
-        )
-        .exclude(agent_id=run.agent_id)
-        .exclude(agent_id__in=running)
-        .values("agent_id")
-        .annotate(first=Min("created_at"))
-        .order_by("first")[:free]
-    )
-    for older in ahead if len(ahead) >= free else ():
-        dispatch_next_queued(agent_id=older["agent_id"])
-    return len(ahead) < free
-
-
-def run_deadline(adapter, config: dict, *, at: datetime) -> datetime:
-    """When a run whose next call starts at `at` is presumed dead: that call's own limit
-    (the agent's timeout for each attempt, its retries and the waits between them) plus
-    PAPERCLIP_RUN_TIMEOUT_SECONDS for the work around it (history, commit)."""
-    try:
-        seconds = adapter.call_seconds(config) if adapter is not None else 0
-    except (TypeError, ValueError):
-        # A configuration edited past validation: the claim must not fail on it (the
-        # call will, with its own error); the run timeout alone bounds the wait.
-        seconds = 0
-    return at + timedelta(seconds=seconds + settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
 
 
 class RunCalls:
@@ -533,7 +211,7 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
         # Never leave a run `running` behind an unexpected error (a bug, a dropped
         # database connection): fail it with the class name and keep the traceback in logs.
         logger.exception("Heartbeat run %s failed unexpectedly", run.id)
-        _finish_failed(run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=clock())
+        run_fail(run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=clock())
     return _release(run, current=current, now=now)  # 8
 
 
@@ -647,7 +325,7 @@ def _fail(beat: ClaimedRun, failure: RunFailure, *, billed: Sequence[AdapterRepl
     if reports:
         cost = run_cost(run_id=beat.run.id)
         kept = {"cost_usd": cost, "runtime_report": {**reports[0], "ledger_cost_usd": str(cost)}}
-    _finish_failed(beat.run, code=failure.code, message=failure.message, now=beat.clock(), **kept)
+    run_fail(beat.run, code=failure.code, message=failure.message, now=beat.clock(), **kept)
     if isinstance(failure, BudgetExceeded):
         budgets_enforce(agent=beat.agent, now=beat.now)
 
@@ -662,15 +340,6 @@ def _release(run: HeartbeatRun, *, current: bool, now: datetime) -> HeartbeatRun
     if run.status == RunStatus.FAILED and run.session_id is not None:
         session_release(session_id=run.session_id, agent=run.agent, finished=run.finished_at or now)
     return run
-
-
-def dispatch_after_run(*, agent_id) -> None:
-    """A run of the agent ended (a heartbeat, a compaction): wake its next queued run or,
-    under a cap on runs in progress, the oldest runs of any agent waiting for the place."""
-    if settings.PAPERCLIP_MAX_CONCURRENT_RUNS:
-        dispatch_waiting()
-    else:
-        dispatch_next_queued(agent_id=agent_id)
 
 
 def session_release(*, session_id, agent: Agent, finished: datetime) -> None:
@@ -834,19 +503,6 @@ def cache_lifetimes(value) -> frozenset[str]:
     return frozenset(found)
 
 
-def _finish_failed(run: HeartbeatRun, *, code: str, message: str, now: datetime, **kept) -> None:
-    # Messages quote what failed (an agent command's stderr, an API error body): made
-    # storable, or the failure itself would fail to be written.
-    HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING]).update(
-        status=RunStatus.FAILED,
-        error_code=code,
-        error=storable(message[:5000]),
-        finished_at=now,
-        reserved_usd=0,
-        **kept,
-    )
-
-
 def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, finished: datetime) -> bool:
     """7. commit: in one durable transaction, the agent row locked first, the session the
     answer goes to (retiring or creating one as planned), the answer's ledger row, the turn
@@ -900,7 +556,7 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
         _record_discarded_calls(run, agent=agent, plan=plan, reply=reply, finished=finished)
         if not isinstance(exc, RunFailure):
             raise
-        _finish_failed(run, code=exc.code, message=exc.message, now=finished)
+        run_fail(run, code=exc.code, message=exc.message, now=finished)
         return False
     staged.publish()
     runtime_staged.publish()

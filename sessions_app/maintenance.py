@@ -18,7 +18,6 @@ from django.db.models import F
 
 from costs_app.alerts import alert_deliveries_retry
 from sessions_app.cli_transcripts import cli_sessions_delete
-from sessions_app.heartbeat import dispatch_waiting
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     ENDED_SESSION_STATUSES,
@@ -32,6 +31,7 @@ from sessions_app.models import (
     RunStatus,
     SessionStatus,
 )
+from sessions_app.run_queue import dispatch_waiting
 from sessions_app.schedules import schedules_arm_missing
 from sessions_app.services import budgets_release
 from sessions_app.stores import STORES

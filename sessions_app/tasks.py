@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from django.utils import timezone
 
-from sessions_app.heartbeat import HeartbeatRefused, heartbeat_execute, heartbeat_start
+from sessions_app.errors import HeartbeatRefused
+from sessions_app.heartbeat import heartbeat_execute, heartbeat_start
 from sessions_app.models import Agent, AgentStatus, RunTrigger
 from sessions_app.schedules import agent_schedule_sync
 from sessions_app.wakes import HeartbeatPlan

@@ -17,8 +17,9 @@ from django.utils import timezone
 from costs_app.models import CostEvent
 from paperclip.env import parse_process_commands
 from sessions_app.context import SUMMARY_SYSTEM
-from sessions_app.heartbeat import heartbeat_enqueue, heartbeat_execute
+from sessions_app.heartbeat import heartbeat_execute
 from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, HistoryStore, RunStatus
+from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.stores import store_for
 from tests.fake_anthropic import FakeAnthropic, plain_messages, plain_system
 

@@ -17,8 +17,10 @@ from costs_app.budgets import budget_uses
 from costs_app.models import Budget, CostEvent, CostKind, ModelPrice
 from costs_app.pricing import MILLION, price_for
 from sessions_app.context import build_request, context_settings, estimate_tokens
-from sessions_app.heartbeat import HeartbeatRefused, heartbeat_enqueue, heartbeat_execute, heartbeat_wait
+from sessions_app.errors import HeartbeatRefused
+from sessions_app.heartbeat import heartbeat_execute, heartbeat_wait
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
+from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.services import budgets_release
 from sessions_app.stores import store_for
 from tests.conftest import beat, context_agent

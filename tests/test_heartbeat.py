@@ -12,15 +12,11 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
-from sessions_app.heartbeat import (
-    HeartbeatRefused,
-    heartbeat_enqueue,
-    heartbeat_execute,
-    heartbeat_start,
-    heartbeat_wait,
-)
+from sessions_app.errors import HeartbeatRefused
+from sessions_app.heartbeat import heartbeat_execute, heartbeat_start, heartbeat_wait
 from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.services import agent_delete, agent_pause
 from sessions_app.stores import store_for
 from tests.conftest import beat, failing_once, on_own_connection, refuse_writes, snapshot, terminate_backend_running
@@ -184,8 +180,9 @@ def test_a_run_answering_within_its_agents_timeout_is_not_reaped(company, fake_a
 def test_each_later_call_of_a_run_moves_its_deadline_and_a_reaped_run_calls_no_more(stateless_agent, fake_anthropic):
     from sessions_app.adapters import get_adapter
     from sessions_app.context import build_request, context_settings
-    from sessions_app.heartbeat import RunAbandoned, RunCalls, claim_run
+    from sessions_app.heartbeat import RunAbandoned, RunCalls
     from sessions_app.maintenance import runs_reap
+    from sessions_app.run_queue import claim_run
 
     start = timezone.now()
     queued, _ = heartbeat_enqueue(agent=stateless_agent, task="many calls", now=start)
@@ -596,7 +593,7 @@ def test_a_cap_of_two_holds_five_agents_heartbeating_at_once_to_two_running_in_o
 def test_two_claims_racing_for_the_last_place_under_the_cap_let_one_in(settings, company):
     """The second claim counts while the first's move to `running` is still uncommitted
     (held by a sleeping trigger): without serialization both would see a free place."""
-    from sessions_app.heartbeat import claim_run
+    from sessions_app.run_queue import claim_run
 
     settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
     now = timezone.now()

@@ -17,9 +17,9 @@ from django.utils import timezone
 from django_q.models import Schedule
 
 from costs_app.models import CostEvent
-from sessions_app.heartbeat import heartbeat_dispatch, heartbeat_enqueue
 from sessions_app.maintenance import histories_purge, maintenance_pass, runs_reap, sessions_expire, sessions_pause_idle
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
+from sessions_app.run_queue import heartbeat_dispatch, heartbeat_enqueue
 from sessions_app.schedules import agent_schedule_sync, schedule_name
 from sessions_app.services import agent_delete, agent_pause, agent_resume
 from sessions_app.stores import store_for

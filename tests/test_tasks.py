@@ -8,9 +8,9 @@ import time
 import pytest
 from django.utils import timezone
 
-from sessions_app import heartbeat
-from sessions_app.heartbeat import heartbeat_enqueue
+from sessions_app import run_queue
 from sessions_app.models import HeartbeatRun, RunStatus
+from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.tasks import scheduled_heartbeat
 from tests.conftest import on_own_connection
 from tests.fake_anthropic import Reply
@@ -67,7 +67,7 @@ def test_two_ticks_of_an_idle_agent_at_once_queue_one_run(persistent_agent, fake
     into and has not inserted its run yet. It waits for the first's enqueue to commit and
     counts itself on that run (kept unfinished, by a model that answers only once the
     second tick is done, so that nothing but the queue lock decides)."""
-    real_merge = heartbeat.tick_merge
+    real_merge = run_queue.tick_merge
     second = []
 
     def first_finds_nothing_then_the_second_arrives(**kwargs):
@@ -81,7 +81,7 @@ def test_two_ticks_of_an_idle_agent_at_once_queue_one_run(persistent_agent, fake
             other.join(timeout=1)  # it cannot finish while this enqueue holds the agent's queue
         return found
 
-    monkeypatch.setattr(heartbeat, "tick_merge", first_finds_nothing_then_the_second_arrives)
+    monkeypatch.setattr(run_queue, "tick_merge", first_finds_nothing_then_the_second_arrives)
     fake_anthropic.push(Reply(before=lambda: second[0].join(timeout=30)))
 
     first = scheduled_heartbeat(str(persistent_agent.id))

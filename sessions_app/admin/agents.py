@@ -383,7 +383,8 @@ class AgentAdmin(admin.ModelAdmin):
             self.start_heartbeat(request, agent=agent, task=DEFAULT_HEARTBEAT_TASK)
 
     def start_heartbeat(self, request, *, agent: Agent, task: str) -> HeartbeatRun | None:
-        from sessions_app.heartbeat import HeartbeatRefused, heartbeat_start
+        from sessions_app.errors import HeartbeatRefused
+        from sessions_app.heartbeat import heartbeat_start
 
         try:
             with transaction.atomic():

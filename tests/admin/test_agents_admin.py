@@ -11,6 +11,7 @@ from django.utils import timezone
 from django_q.models import Schedule
 
 from sessions_app import heartbeat, services
+from sessions_app.errors import HeartbeatRefused
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, HistoryStore, RunTrigger
 from sessions_app.schedules import schedule_name
 from sessions_app.stores import STORES
@@ -114,7 +115,7 @@ def fake_engine(monkeypatch):
 
     def enqueue(*, agent, task, now, trigger, **kwargs):
         if agent.status != AgentStatus.ACTIVE:
-            raise heartbeat.HeartbeatRefused("agent_paused", "The agent is paused.")
+            raise HeartbeatRefused("agent_paused", "The agent is paused.")
         run = HeartbeatRun.objects.create(company=agent.company, agent=agent, task=task, trigger=trigger)
         calls["enqueued"].append((agent, task, trigger))
         return run, True

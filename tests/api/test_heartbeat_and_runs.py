@@ -8,8 +8,8 @@ from django.utils import timezone
 from django_q.models import OrmQ
 
 from costs_app.models import CostEvent
-from sessions_app import heartbeat
 from sessions_app.api_keys import api_key_create
+from sessions_app.errors import HeartbeatRefused
 from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus
 from sessions_app.views import refusal_error, seconds_until_next_utc_month
 from tests.api.conftest import Api, agent_url, assert_error, make_run
@@ -149,7 +149,7 @@ def test_heartbeat_body_that_is_not_an_object_is_400(api, persistent_agent):
 
 def test_budget_refusal_is_429_with_retry_after_until_the_month_turns():
     now = datetime(2026, 11, 30, 23, 0, tzinfo=UTC)
-    error = refusal_error(heartbeat.HeartbeatRefused("budget_exceeded", "Monthly budget spent."), now)
+    error = refusal_error(HeartbeatRefused("budget_exceeded", "Monthly budget spent."), now)
     assert error.status_code == 429
     assert error.retry_after == 3600 == seconds_until_next_utc_month(now)
     assert seconds_until_next_utc_month(datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC)) == 1

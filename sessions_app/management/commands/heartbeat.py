@@ -8,7 +8,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from sessions_app.heartbeat import HeartbeatRefused, heartbeat_start, heartbeat_wait
+from sessions_app.errors import HeartbeatRefused
+from sessions_app.heartbeat import heartbeat_start, heartbeat_wait
 from sessions_app.models import Agent, AgentStatus, RunStatus, RunTrigger, parse_uuid
 
 
