@@ -1,23 +1,22 @@
 """Every row of the cost ledger is written here, through `ledger_write`.
 
-Two kinds of row: a model call's usage (`cost_event_record`, priced by pricing.py) and a
-session's active time (`session_hours_record`). Callers hand in what happened; how a row
-is priced, deduplicated and inserted is decided in this one place.
+Two kinds of row: a model call's usage (`cost_event_record`, priced by pricing.py, called
+by `sessions_app.run_calls` the moment a call returns) and a session's active time
+(`session_hours_record`). Callers hand in what happened; how a row is priced,
+deduplicated and inserted is decided in this one place.
 """
 
 from __future__ import annotations
 
-import logging
+from contextlib import nullcontext
 from datetime import datetime
 from decimal import Decimal
 
-from django.db import IntegrityError, transaction
-from django.db.models import Sum
+from django.db import IntegrityError, connection, transaction
+from django.db.models import OuterRef, Subquery, Sum
 
 from costs_app.models import CostEvent, CostKind
 from costs_app.pricing import cost_of, ledger_usd, price_for, token_counts
-
-logger = logging.getLogger(__name__)
 
 
 def ledger_write(event: CostEvent) -> CostEvent:
@@ -32,8 +31,10 @@ def ledger_write(event: CostEvent) -> CostEvent:
         return event
     try:
         # The unique (company, run, call) index decides, in the same round trip as the
-        # insert; a lookup first would cost one more query on every call.
-        with transaction.atomic():
+        # insert; a lookup first would cost one more query on every call. Outside a
+        # transaction the insert is one statement; inside one, a savepoint keeps the
+        # caller's transaction usable after a refusal.
+        with transaction.atomic() if connection.in_atomic_block else nullcontext():
             event.save(force_insert=True)
     except IntegrityError:
         existing = CostEvent.objects.filter(
@@ -104,22 +105,15 @@ def run_cost(*, run_id) -> Decimal:
     return ledger_usd(CostEvent.objects.filter(run_id=run_id).aggregate(total=Sum("cost_usd"))["total"] or Decimal(0))
 
 
-def billed_call_record(**fields) -> None:
-    """The ledger row of a call whose result an error is throwing away: it was billed.
-
-    Best effort, for error paths: the error may be the database itself, and it is the
-    original error the caller goes on to report. The savepoint keeps a caller's
-    transaction usable when this write fails too.
-    """
-    if fields.get("usage") is None:
-        return
-    try:
-        with transaction.atomic():
-            cost_event_record(**fields)
-    except Exception:
-        logger.exception(
-            "Could not record the cost of call %s of run %s", fields.get("call_number"), fields.get("run_id")
-        )
+def spend_of(column: str, ref: str = "pk") -> Subquery:
+    """The ledger's total for the row of another query whose id is `ref`, over the rows
+    whose `column` (`run_id`, `session_id`) names it (NULL when none does): what a run or a
+    session cost is this sum, never a figure kept beside it. One index probe per row
+    (cost_events_session_idx, the run foreign key's index)."""
+    rows = CostEvent.objects.filter(**{column: OuterRef(ref)}).order_by().values(column)
+    return Subquery(
+        rows.annotate(total=Sum("cost_usd")).values("total"), output_field=CostEvent._meta.get_field("cost_usd")
+    )
 
 
 def session_hours_record(*, company_id, agent_id, session_id, seconds: float, cost: Decimal, at: datetime) -> CostEvent:

@@ -52,15 +52,22 @@ def session_compact(
     run = compaction_run(session, now=now, trigger=trigger)
     clock = RunClock(now=now, started=time.monotonic())
     beat = ClaimedRun.of(run, now=now, clock=clock)
+    beat.calls.names_session(session.pk)
     try:
         record = compact(beat, session, keep_recent_turns=keep_recent_turns)
     except RunFailure as failure:
-        run_fail(run, code=failure.code, message=failure.message, now=clock())
+        run_fail(run, code=failure.code, message=failure.message, now=clock(), cost_usd=beat.calls.cost_usd)
         if isinstance(failure, BudgetExceeded):
             budgets_enforce(agent=agent, now=now)
         raise
     except BaseException:
-        run_fail(run, code="internal_error", message="The compaction failed unexpectedly.", now=clock())
+        run_fail(
+            run,
+            code="internal_error",
+            message="The compaction failed unexpectedly.",
+            now=clock(),
+            cost_usd=beat.calls.cost_usd,
+        )
         raise
     finally:
         dispatch_after_run(agent_id=agent.id)
@@ -74,7 +81,7 @@ def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:
         raise CompactRefused(*refusal)
     if session.status not in LIVE_SESSION_STATUSES or (session.expires_at and session.expires_at <= now):
         raise CompactRefused("session_not_live", "The session has ended or expired; only a live session is compacted.")
-    if getattr(get_adapter(session.agent.adapter_type, session.agent.adapter_config), "keeps_own_session", False):
+    if get_adapter(session.agent.adapter_type, session.agent.adapter_config).keeps_own_session:
         raise CompactRefused(
             "compaction_not_supported", "The agent's runtime keeps its own session; it compacts its own context."
         )
@@ -122,17 +129,14 @@ def compact(beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int |
         )
     summary = summary_call(
         agent=beat.agent,
-        adapter=beat.adapter,
+        adapter=beat.calls,
         settings_=beat.settings_,
         turns=history[:split],
         before_call=Reservation(beat),
-        session=session,
-        run=beat.run,
-        now=beat.now,
     )
     new_history = summary_pair(summary.text, kind="summary", at=beat.now) + history[split:]
     if summary_not_shrinking(new_history[:2], history[:split]):
-        compaction_refused(session=session, run=beat.run, reply=summary.reply, replaced=split, at=beat.now)
+        compaction_refused(session=session, replaced=split, at=beat.now)
     system = beat.agent.system_prompt
     updated = compaction_commit(
         session=session,
@@ -151,7 +155,7 @@ def compact(beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int |
         finished_at=beat.clock(),
         reserved_usd=0,
         model=summary.reply.model,
-        cost_usd=record.cost_usd,
+        cost_usd=beat.calls.cost_usd,
         output=f"Compacted {record.messages_before} messages into {updated.message_count}.",
     )
     return record

@@ -1,8 +1,10 @@
 """Compaction inside a heartbeat: fitting the request into the session's budget,
 handoff notes for rotated sessions, and the server-side compaction block.
 
-Each compaction commits on its own (archive, new history, record and cost in one
-transaction) before the heartbeat's own call, so a failure leaves the session as it was.
+Each compaction commits on its own (archive, new history and record in one transaction)
+before the heartbeat's own call, so a failure leaves the session as it was. Every summary
+and handoff note is billed the moment its call returns (`sessions_app.run_calls`), kept or
+not.
 The policy (budgets, splitting, prompts, caching markers) lives in `sessions_app.context`.
 """
 
@@ -14,9 +16,7 @@ from datetime import datetime
 from decimal import Decimal
 
 from django.db import transaction
-from django.db.models import F
 
-from costs_app.ledger import billed_call_record, cost_event_record
 from costs_app.models import CostKind
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest
 from sessions_app.context import (
@@ -77,11 +77,10 @@ def write_handoff(
     )
     before_call(request)
     try:
-        reply = adapter.call(request)
+        reply = adapter.call(request, kind=CostKind.COMPACTION)
     except AdapterError as exc:
         raise StepFailed(f"handoff_{exc.code}", f"Writing the handoff note failed: {exc.message}") from None
-    # No second call here: the note's cost is held until the answer commits, and a pin it
-    # left out is carried verbatim all the same.
+    # No second call here: a pin the note left out is carried verbatim all the same.
     note = checked_summary(
         written=reply.text, attempts=1, pins=pins, candidates=fact_candidates(summary_input_text(old_history))
     )
@@ -134,13 +133,10 @@ def fit_budget(
         settings_=settings_,
         turns=plan.history[:split],
         before_call=before_call,
-        session=plan.session,
-        run=run,
-        now=now,
     )
     new_history = summary_pair(summary.text, kind="summary", at=now) + plan.history[split:]
     if summary_not_shrinking(new_history[:2], plan.history[:split]):
-        compaction_refused(session=plan.session, run=run, reply=summary.reply, replaced=split, at=now)
+        compaction_refused(session=plan.session, replaced=split, at=now)
     after = build_request(agent=agent, history=new_history, user_content=user_content, settings=settings_)
     session = compaction_commit(
         session=plan.session,
@@ -177,11 +173,11 @@ def summary_split(agent: Agent, adapter, history: list, user_content, settings_:
 class Summary:
     """A summary as it goes into the session, checked for the agent's pinned facts."""
 
-    reply: AdapterReply  # the call whose text was kept; billed with the compaction record
+    reply: AdapterReply  # the call whose text was kept
     text: str  # the model's text, with any pin it left out appended verbatim
     facts: list[dict]
     attempts: int
-    earlier_cost: Decimal  # a first attempt that was retried: already in the ledger
+    earlier_cost: Decimal  # what a first attempt that was retried cost
 
 
 def summary_call(
@@ -191,14 +187,11 @@ def summary_call(
     settings_: ContextSettings,
     turns: list,
     before_call: BeforeCall,
-    session: AgentSession,
-    run: HeartbeatRun,
-    now: datetime,
 ) -> Summary:
     """The summary of `turns`, each call reserved against the budgets before it is made.
     A summary without every pinned fact is asked for once more, naming the missing ones
-    (`sessions_app.pins`); the first is billed to the ledger before the retry is reserved,
-    so the reservation counts it."""
+    (`sessions_app.pins`); the first was billed when it returned, so the retry's
+    reservation counts it."""
     pins = pinned_texts(agent)
 
     def ask(instructions: str) -> AdapterReply:
@@ -207,7 +200,7 @@ def summary_call(
         )
         before_call(request)
         try:
-            return adapter.call(request)
+            return adapter.call(request, kind=CostKind.COMPACTION)
         except AdapterError as exc:
             raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
 
@@ -215,7 +208,7 @@ def summary_call(
     earlier_cost = Decimal(0)
     missing = facts_missing(reply.text, pins)
     if missing:
-        earlier_cost = summary_attempt_record(session=session, run=run, reply=reply, at=now)
+        earlier_cost = reply.cost_usd or Decimal(0)
         reply = ask(keep_instruction(pins) + retry_instruction(missing))
     checked = checked_summary(
         written=reply.text,
@@ -226,17 +219,6 @@ def summary_call(
     return Summary(
         reply=reply, text=checked.text, facts=checked.facts, attempts=checked.attempts, earlier_cost=earlier_cost
     )
-
-
-def summary_attempt_record(*, session: AgentSession, run: HeartbeatRun, reply: AdapterReply, at: datetime) -> Decimal:
-    """The ledger row of a summary that is asked for again, on the session's total at once:
-    it was billed whatever becomes of the retry."""
-    if reply.usage is None:
-        return Decimal(0)
-    with transaction.atomic():
-        event = cost_event_record(**summary_cost(session, run, reply, at), session_id=session.id)
-        AgentSession.objects.filter(pk=session.pk).update(total_cost_usd=F("total_cost_usd") + event.cost_usd)
-    return event.cost_usd
 
 
 def summary_not_shrinking(summary: list, replaced: list) -> bool:
@@ -270,26 +252,17 @@ def summary_not_asked_again(session: AgentSession) -> StepFailed:
     )
 
 
-def compaction_refused(*, session: AgentSession, run: HeartbeatRun, reply: AdapterReply, replaced: int, at: datetime):
+def compaction_refused(*, session: AgentSession, replaced: int, at: datetime):
     """A summary no smaller than the `replaced` messages it would replace: kept out of the
-    session (it would only grow), billed once, and the session marked so that an operator
-    sees why and no later heartbeat pays for the same summary (`summary_refused_before`)."""
-    event = None
-    try:
-        with transaction.atomic():
-            if reply.usage is not None:
-                event = cost_event_record(**summary_cost(session, run, reply, at), session_id=session.id)
-            AgentSession.objects.filter(pk=session.pk).update(
-                compaction_error=NOT_SHRINKING,
-                compaction_error_at=at,
-                compaction_error_next_seq=session.next_seq,
-                compaction_error_replaced=replaced,
-                total_cost_usd=F("total_cost_usd") + (event.cost_usd if event else 0),
-            )
-    except Exception:
-        if event is None:
-            billed_call_record(**summary_cost(session, run, reply, at))
-        raise
+    session (it would only grow; it was billed when it returned), and the session marked
+    so that an operator sees why and no later heartbeat pays for the same summary
+    (`summary_refused_before`)."""
+    AgentSession.objects.filter(pk=session.pk).update(
+        compaction_error=NOT_SHRINKING,
+        compaction_error_at=at,
+        compaction_error_next_seq=session.next_seq,
+        compaction_error_replaced=replaced,
+    )
     raise StepFailed(
         NOT_SHRINKING,
         "The summary was no shorter than the turns it would replace, so it was not kept and no other "
@@ -317,13 +290,9 @@ def compaction_record(
     facts: list | None = None,
     attempts: int = 1,
     earlier_cost: Decimal = Decimal(0),
-):
-    """The record of one compaction or handoff, and the cost event of the call that wrote
-    its summary (inside the caller's transaction); its cost includes a retried first
-    attempt's (`earlier_cost`, already in the ledger). Returns the cost event, if any."""
-    event = None
-    if reply.usage is not None:
-        event = cost_event_record(**summary_cost(session, run, reply, at), session_id=session.id)
+) -> None:
+    """The record of one compaction or handoff (inside the caller's transaction): what it
+    cost is its call's ledger row, with a retried first attempt's (`earlier_cost`)."""
     SessionCompaction.objects.create(
         session=session,
         run=run,
@@ -336,27 +305,11 @@ def compaction_record(
         tokens_after=tokens[1],
         summary=summary,
         model=reply.model,
-        cost_usd=(event.cost_usd if event else 0) + earlier_cost,
-        cost_event_id=event.id if event else None,
+        cost_usd=(reply.cost_usd or Decimal(0)) + earlier_cost,
+        cost_event_id=reply.cost_event_id,
         facts=facts or [],
         summary_attempts=attempts,
     )
-    return event
-
-
-def summary_cost(session: AgentSession, run: HeartbeatRun, reply: AdapterReply, at: datetime) -> dict:
-    """The ledger fields of the call that wrote a summary or handoff note."""
-    return {
-        "usage": reply.usage,
-        "model": reply.priced_model,
-        "company_id": session.company_id,
-        "agent_id": session.agent_id,
-        "run_id": run.id,
-        "call_number": reply.call_number,
-        "message_id": reply.message_id or None,
-        "kind": CostKind.COMPACTION,
-        "at": at,
-    }
 
 
 def compaction_commit(
@@ -371,9 +324,9 @@ def compaction_commit(
     tokens_after: int,
     at: datetime,
 ) -> AgentSession:
-    """Swap in the compacted history, archive the replaced turns, record the compaction
-    and its cost: all in one transaction, so a failure leaves the session as it was. The
-    new history is published only after the COMMIT (see `sessions_app.stores`)."""
+    """Swap in the compacted history, archive the replaced turns, record the compaction:
+    all in one transaction, so a failure leaves the session as it was (its summary stays
+    billed). The new history is published only after the COMMIT (see `sessions_app.stores`)."""
     staged = NOTHING_STAGED
     try:
         with transaction.atomic(durable=True):
@@ -386,7 +339,7 @@ def compaction_commit(
             # writer. Locked, so the reaper cannot fail it between this check and COMMIT.
             if not HeartbeatRun.objects.select_for_update().filter(id=run.id, status=RunStatus.RUNNING).exists():
                 raise StepFailed("run_timeout", "The run was reaped as timed out while the session was summarised.")
-            event = compaction_record(
+            compaction_record(
                 session=locked,
                 run=run,
                 kind=CompactionKind.SUMMARIZE,
@@ -406,13 +359,7 @@ def compaction_commit(
             locked.compaction_count += 1
             locked.compaction_error, locked.compaction_error_at = "", None
             locked.compaction_error_next_seq = locked.compaction_error_replaced = None
-            if event is not None:
-                locked.total_cost_usd += event.cost_usd
             locked.save()
-    except Exception:
-        staged.discard()
-        billed_call_record(**summary_cost(session, run, summary.reply, at))  # billed, though not kept
-        raise
     except BaseException:
         staged.discard()
         raise
@@ -448,7 +395,7 @@ def server_compaction_archive(
 
 
 def handoff_record(session: AgentSession, *, run: HeartbeatRun, handoff: Handoff, at: datetime) -> None:
-    event = compaction_record(
+    compaction_record(
         session=session,
         run=run,
         kind=CompactionKind.HANDOFF,
@@ -460,5 +407,3 @@ def handoff_record(session: AgentSession, *, run: HeartbeatRun, handoff: Handoff
         at=at,
         facts=handoff.facts,
     )
-    if event is not None:
-        session.total_cost_usd += event.cost_usd

@@ -110,7 +110,7 @@ def input_tokens_bound(payload: object) -> int:
 
 def request_size(adapter, request: AdapterRequest, budget: int) -> int:
     estimate = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
-    if estimate < MEASURE_ABOVE * budget or not hasattr(adapter, "count_tokens"):
+    if estimate < MEASURE_ABOVE * budget or not adapter.counts_tokens:
         return estimate
     try:
         return adapter.count_tokens(request)

@@ -7,15 +7,15 @@
 2. `heartbeat_execute` runs it as its steps: claim -> plan -> (handoff) -> fit -> reserve
    -> call -> commit -> release, each a function below with its own docstring. The claim
    is decided by the database (one running run per agent), the model is called outside
-   any transaction, and the user turn, the answer, the session, the cost event and the
-   run's completion commit together; a failed call changes no history.
+   any transaction, every call is billed the moment it returns (`sessions_app.run_calls`),
+   and the user turn, the answer, the session and the run's completion commit together; a
+   failed call changes no history.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -31,9 +31,8 @@ from costs_app.budgets import (
     budget_reserve,
     call_cost_bound,
 )
-from costs_app.ledger import billed_call_record, cost_event_record, run_calls_join_session, run_cost
-from costs_app.models import CostKind
-from costs_app.pricing import call_cost, token_counts
+from costs_app.ledger import run_calls_join_session
+from costs_app.pricing import token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.cli_transcripts import SessionTranscripts
 from sessions_app.compaction import (
@@ -66,17 +65,18 @@ from sessions_app.models import (
 )
 from sessions_app.no_work import check_for_work, heartbeat_skip, idle_streak_record
 from sessions_app.plan import HANDOFF_REASONS, Plan, idle_pause, plan_session
+from sessions_app.run_calls import RunCalls
 from sessions_app.run_queue import (
     claim_run,
     dispatch_after_run,
     heartbeat_dispatch,
     heartbeat_enqueue,
-    run_deadline,
+    run_cost_refresh,
     run_fail,
 )
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import NOTHING_STAGED, StagedHistory, configured_store_name, store_for
-from sessions_app.tool_loop import call_with_tools, loop_cost
+from sessions_app.tool_loop import call_with_tools
 from sessions_app.work_checks import is_nothing_to_do
 
 logger = logging.getLogger(__name__)
@@ -130,52 +130,6 @@ def heartbeat_start(
     return run, True
 
 
-class RunCalls:
-    """The adapter as one run uses it.
-
-    - Numbers the run's model calls: the run and the number are the ledger's identity of
-      a call, never an id the answer reports.
-    - Before every request after the first (a summary, the answer after a handoff note, a
-      token count), moves the run's deadline to cover it, so a run of many calls is reaped
-      only when one of them overruns its own limit; the claim's deadline covers the first.
-      A run the reaper failed meanwhile sends nothing more: run_timeout.
-    """
-
-    def __init__(self, adapter, *, run: HeartbeatRun, clock) -> None:
-        self._adapter = adapter
-        self._run = run
-        self._clock = clock
-        self._requests = 0
-        self._calls = 0
-
-    def call(self, request: AdapterRequest) -> AdapterReply:
-        self._hold_deadline(request)
-        self._calls += 1
-        number = self._calls
-        return replace(self._adapter.call(request), call_number=number)
-
-    def __getattr__(self, name: str):
-        # Everything else is the adapter's own; `hasattr(adapter, "count_tokens")` still
-        # tells whether it can measure a request.
-        attribute = getattr(self._adapter, name)
-        if name != "count_tokens":
-            return attribute
-
-        def count_tokens(request: AdapterRequest) -> int:
-            self._hold_deadline(request)
-            return attribute(request)
-
-        return count_tokens
-
-    def _hold_deadline(self, request: AdapterRequest) -> None:
-        self._requests += 1
-        if self._requests == 1:
-            return
-        deadline = run_deadline(self._adapter, request.config, at=self._clock())
-        if not HeartbeatRun.objects.filter(id=self._run.id, status=RunStatus.RUNNING).update(deadline_at=deadline):
-            raise RunAbandoned("run_timeout", "The run was reaped as timed out; it made no further call.")
-
-
 # One run, as its steps.
 
 
@@ -212,32 +166,26 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
         # database connection): fail it with the class name and keep the traceback in logs.
         logger.exception("Heartbeat run %s failed unexpectedly", run.id)
         run_fail(run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=clock())
+        run_cost_refresh(run_id=run.id)
     return _release(run, current=current, now=now)  # 8
 
 
 def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
     """Steps 2-7. True when the run succeeded and `run` holds every value written to its row."""
     beat = ClaimedRun.of(run, now=now, clock=clock)
-    plan = None
     try:
         task = check_for_work(run=run, agent=beat.agent)  # 1, the work check
         if task is None:
             return heartbeat_skip(run=run, agent=beat.agent, finished=clock(), now=now)
         plan = _plan(beat)  # 2
         plan = _handoff(beat, plan)  # 3
-        reserve = _reservation_after(beat, plan)
+        reserve = Reservation(beat)
         user_content = user_turn_content(task, plan.manifest)
         plan, request = _fit(beat, plan, user_content, reserve=reserve)  # 4
         reserve(request)  # 5
         reply = _call(beat, plan, request, reserve=reserve)  # 6
-    except Exception as exc:
-        _record_discarded_handoff(run, agent=beat.agent, plan=plan, finished=clock())
-        billed = list(getattr(exc, "billed", ()))  # a runtime stopped at a cap was still billed
-        for reply in billed:
-            _record_spend_only(run, agent=beat.agent, reply=reply, finished=clock())
-        if not isinstance(exc, RunFailure):
-            raise
-        _fail(beat, exc, billed=billed)
+    except RunFailure as exc:
+        _fail(beat, exc)
         return False
     succeeded = _commit(beat, plan, reply, user_content=user_content, finished=clock())  # 7
     if succeeded:
@@ -266,7 +214,7 @@ class ClaimedRun:
 
     run: HeartbeatRun
     agent: Agent
-    adapter: RunCalls
+    calls: RunCalls  # the adapter, every call billed as it returns
     strategy: SessionStrategy
     settings_: ContextSettings
     now: datetime
@@ -281,7 +229,7 @@ class ClaimedRun:
         return cls(
             run=run,
             agent=agent,
-            adapter=RunCalls(adapter, run=run, clock=clock),
+            calls=RunCalls(adapter, run=run, agent=agent, clock=clock, budgeted=run.budgeted),
             strategy=session_strategy(adapter),
             settings_=settings_,
             now=now,
@@ -291,8 +239,13 @@ class ClaimedRun:
 
 
 def _plan(beat: ClaimedRun) -> Plan:
-    """2. plan: resume the agent's live session or plan a new one (`sessions_app.plan`)."""
-    return beat.strategy.plan(beat)
+    """2. plan: resume the agent's live session or plan a new one (`sessions_app.plan`).
+    The run's calls from here on are billed to the session its answer goes to (a new
+    session's, once its commit creates it)."""
+    plan = beat.strategy.plan(beat)
+    if plan.session is not None and not plan.new_session:
+        beat.calls.names_session(plan.session.pk)
+    return plan
 
 
 def _handoff(beat: ClaimedRun, plan: Plan) -> Plan:
@@ -312,20 +265,22 @@ def _fit(beat: ClaimedRun, plan: Plan, user_content, *, reserve: Reservation) ->
 def _call(beat: ClaimedRun, plan: Plan, request: AdapterRequest, *, reserve: Reservation) -> AdapterReply:
     """6. call: the model, outside any transaction (an `AdapterError` when it fails); with
     tools, until its final answer, each call reserved and billed (`sessions_app.tool_loop`)."""
-    session_id = plan.session.pk if plan.session is not None and not plan.new_session else None
-    return call_with_tools(beat, request, session_id=session_id, reserve=reserve)
+    return call_with_tools(beat, request, reserve=reserve)
 
 
-def _fail(beat: ClaimedRun, failure: RunFailure, *, billed: Sequence[AdapterReply] = ()) -> None:
-    """A step failed: the run keeps its code and message; a refused budget pauses agents.
-    A runtime stopped at one of its caps (`billed`) did work: the run keeps what it cost and
-    the runtime's report of it (turns, tool calls), as a succeeded run does."""
-    reports = [reply.runtime_report for reply in billed if reply.runtime_report is not None]
-    kept = {}
-    if reports:
-        cost = run_cost(run_id=beat.run.id)
-        kept = {"cost_usd": cost, "runtime_report": {**reports[0], "ledger_cost_usd": str(cost)}}
+def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
+    """A step failed: the run keeps its code and message, and the cost of the calls it made
+    (each billed as it returned); a refused budget pauses agents. A runtime stopped at one
+    of its caps did work: the run keeps the runtime's report of it (turns, tool calls), as
+    a succeeded run does."""
+    cost = beat.calls.cost_usd
+    kept = {"cost_usd": cost}
+    report = failure.runtime_report if isinstance(failure, AdapterError) else None
+    if report is not None:
+        kept["runtime_report"] = {**report, "ledger_cost_usd": str(cost) if cost is not None else None}
     run_fail(beat.run, code=failure.code, message=failure.message, now=beat.clock(), **kept)
+    if isinstance(failure, RunAbandoned):
+        run_cost_refresh(run_id=beat.run.id)  # reaped meanwhile: its row is the reaper's, its calls ours
     if isinstance(failure, BudgetExceeded):
         budgets_enforce(agent=beat.agent, now=beat.now)
 
@@ -376,7 +331,7 @@ class ReplayedHistory:
             return plan
         return write_handoff(
             agent=beat.agent,
-            adapter=beat.adapter,
+            adapter=beat.calls,
             plan=plan,
             settings_=beat.settings_,
             now=beat.now,
@@ -386,7 +341,7 @@ class ReplayedHistory:
     def fit(self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall) -> tuple[Plan, AdapterRequest]:
         return fit_budget(
             agent=beat.agent,
-            adapter=beat.adapter,
+            adapter=beat.calls,
             run=beat.run,
             plan=plan,
             user_content=user_content,
@@ -414,52 +369,36 @@ class OwnSession:
 
 def session_strategy(adapter) -> SessionStrategy:
     """An adapter with `keeps_own_session` resumes its own session; the others are replayed."""
-    return OwnSession() if getattr(adapter, "keeps_own_session", False) else ReplayedHistory()
+    return OwnSession() if adapter.keeps_own_session else ReplayedHistory()
 
 
 @dataclass(frozen=True)
 class Reservation:
     """5. reserve: called with every request a run sends, summaries included, before it
     is sent. A budgeted run reserves the call's most possible cost or is refused
-    (`BudgetExceeded`), so a budget is never crossed by a call nobody checked. `held` is
-    what the run's earlier calls spent outside the ledger (a handoff note is recorded
-    with the answer), held on top of each later reservation."""
+    (`BudgetExceeded`), so a budget is never crossed by a call nobody checked. The run's
+    earlier calls are in the ledger already (each was billed as it returned)."""
 
     beat: ClaimedRun
-    held: Decimal = Decimal(0)
 
     def __call__(self, request: AdapterRequest) -> None:
         beat = self.beat
         if beat.budgeted:
-            reserve_budget(
-                run=beat.run, agent=beat.agent, adapter=beat.adapter, request=request, now=beat.now, held=self.held
-            )
+            reserve_budget(run=beat.run, agent=beat.agent, calls=beat.calls, request=request, now=beat.now)
 
 
-def _reservation_after(beat: ClaimedRun, plan: Plan) -> Reservation:
-    """The reservation of the calls after the handoff: it holds the note's cost."""
-    note = plan.handoff.reply if plan.handoff is not None else None
-    if not beat.budgeted or note is None or note.usage is None:
-        return Reservation(beat)
-    return Reservation(beat, held=call_cost(usage=note.usage, model=note.priced_model, at=beat.now))
-
-
-def reserve_budget(
-    *, run: HeartbeatRun, agent: Agent, adapter, request: AdapterRequest, now: datetime, held: Decimal = Decimal(0)
-) -> None:
+def reserve_budget(*, run: HeartbeatRun, agent: Agent, calls: RunCalls, request: AdapterRequest, now: datetime) -> None:
     """Refuse before the call when it could cross a hard limit; hold its most possible cost.
 
     The input is sized by its byte bound (no token is shorter than a byte), so what is held
     is never less than what the call can cost, whatever the text's language. When that
     bound comes near the money left, the input is measured with count_tokens instead, so
     a call that fits is not refused on the bound alone; a call far under every limit, or
-    over one even with no input at all, costs no extra request. `held` is what this run
-    already spent outside the ledger.
+    over one even with no input at all, costs no extra request.
     """
-    if (cap := getattr(adapter, "reservation_usd", None)) is not None:
+    if (cap := calls.adapter.reservation_usd(request.config)) is not None:
         # A runtime with a spending cap of its own (Claude Code) holds that cap.
-        estimate = cap(request.config) + held
-        if warning := budget_reserve(run=run, agent=agent, estimate=estimate, now=now, model=request.model):
+        if warning := budget_reserve(run=run, agent=agent, estimate=cap, now=now, model=request.model):
             HeartbeatRun.objects.filter(id=run.id).update(warning=warning[:2000])
         return
     max_output = request.max_tokens or int(agent.adapter_config.get("max_tokens") or 4096)
@@ -474,16 +413,15 @@ def reserve_budget(
         samplings=2 if request.config.get("context_strategy") == "server" else 1,
     )
     estimate = cost(size) if cost is not None else None
-    if estimate is not None and hasattr(adapter, "count_tokens"):
+    if estimate is not None and calls.counts_tokens:
         headroom = budget_headroom(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
         # Measuring helps only between "fits by the bound" and "over even with no input".
-        if headroom is not None and estimate + held > headroom / 2 and cost(0) + held <= headroom:
+        if headroom is not None and estimate > headroom / 2 and cost(0) <= headroom:
             try:
-                estimate = cost(adapter.count_tokens(request))
+                estimate = cost(calls.count_tokens(request))
             except AdapterError:
                 pass  # the byte bound stands: it may refuse a call that would fit, never pass one that cannot
-    total = estimate + held if estimate is not None else None
-    warning = budget_reserve(run=run, agent=agent, estimate=total, now=now, model=request.model)
+    warning = budget_reserve(run=run, agent=agent, estimate=estimate, now=now, model=request.model)
     if warning:
         HeartbeatRun.objects.filter(id=run.id).update(warning=warning[:2000])
 
@@ -505,16 +443,18 @@ def cache_lifetimes(value) -> frozenset[str]:
 
 def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, finished: datetime) -> bool:
     """7. commit: in one durable transaction, the agent row locked first, the session the
-    answer goes to (retiring or creating one as planned), the answer's ledger row, the turn
-    recorded on the session (`AgentSession.record_turn`) and the run's success. The new
-    history is published only after the COMMIT; after a failure it is discarded, and the
-    calls made are still billed.
+    answer goes to (retiring or creating one as planned, and giving a new one the ledger
+    rows of the calls made before it existed), the turn recorded on the session
+    (`AgentSession.record_turn`) and the run's success. The new history is published only
+    after the COMMIT; after a failure it is discarded. Every call was billed when it
+    returned, so nothing here writes to the ledger and a failure loses no spend.
 
     True when it committed and `run` holds every value written to its row; False when the
     run failed instead (a `RunFailure`, recorded on the run).
     """
     run, agent, now = beat.run, beat.agent, beat.now
     counts = token_counts(reply.usage) if reply.usage is not None else None
+    cost = beat.calls.cost_usd
     # A nothing-to-do answer is billed and shown on the run, never replayed in later turns
     # (an answer that carries a server compaction is: the compaction must be kept).
     replayed = not is_nothing_to_do(reply.text, agent.adapter_config) or starts_with_compaction(reply.content)
@@ -523,14 +463,13 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
         # Durable: its end is the COMMIT, and the history is published only after it.
         with transaction.atomic(durable=True):
             session = _session_for_answer(agent=agent, run=run, plan=plan, now=now)
-            if session is not None and plan.new_session and reply.exchanges:
+            if session is not None and plan.new_session and beat.calls.billed_anything:
                 run_calls_join_session(run_id=run.id, session_id=session.id)
-            cost = loop_cost(reply, _answer_cost(beat, session, reply, at=finished))
             if reply.on_commit is not None:  # a runtime's own session state (Claude Code's transcript)
                 runtime_staged = reply.on_commit(session, cost) or NOTHING_STAGED
             if session is not None:
                 turns, staged = _stage_turns(
-                    beat, session, plan, reply, user_content, counts, cost, finished=finished, replayed=replayed
+                    beat, session, plan, reply, user_content, counts, finished=finished, replayed=replayed
                 )
                 session.record_turn(
                     replayed=replayed,
@@ -544,7 +483,6 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
                     idle_pause=idle_pause(agent),
                     input_tokens=counts.total_input_tokens if counts is not None else None,
                     output_tokens=counts.output_tokens if counts is not None else None,
-                    cost_usd=cost,
                     new_messages=2 + len(reply.exchanges),
                 )
             outcome = _run_outcome(session, reply, counts, cost, finished=finished, replayed=replayed)
@@ -553,52 +491,15 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
     except Exception as exc:
         staged.discard()
         runtime_staged.discard()
-        _record_discarded_calls(run, agent=agent, plan=plan, reply=reply, finished=finished)
         if not isinstance(exc, RunFailure):
             raise
-        run_fail(run, code=exc.code, message=exc.message, now=finished)
+        _fail(beat, exc)
         return False
     staged.publish()
     runtime_staged.publish()
     for name, value in outcome.items():
         setattr(run, name, value)
     return True
-
-
-def _answer_cost(beat: ClaimedRun, session: AgentSession | None, reply: AdapterReply, *, at: datetime):
-    """The answer's ledger rows, one per model it used; their cost (None when the adapter
-    reported no usage)."""
-    if reply.usage is None:
-        return None
-    return sum(
-        (
-            cost_event_record(
-                usage=usage,
-                model=model,
-                company_id=beat.agent.company_id,
-                agent_id=beat.agent.id,
-                session_id=session.id if session else None,
-                run_id=beat.run.id,
-                call_number=number,
-                message_id=reply.message_id or None,
-                at=at,
-            ).cost_usd
-            for model, usage, number in priced_usages(reply)
-        ),
-        Decimal(0),
-    )
-
-
-def priced_usages(reply: AdapterReply) -> list[tuple[str, dict, int | None]]:
-    """(model, usage, call number) of each ledger row of a reply: one per model it used,
-    numbered on from the reply's own call number."""
-    if not reply.usage_by_model:
-        return [(reply.priced_model, reply.usage, reply.call_number)]
-    first = reply.call_number
-    return [
-        (model, usage, first + index if first is not None else None)
-        for index, (model, usage) in enumerate(sorted(reply.usage_by_model.items()))
-    ]
 
 
 def _stage_turns(
@@ -608,7 +509,6 @@ def _stage_turns(
     reply: AdapterReply,
     user_content,
     counts,
-    cost: Decimal | None,
     *,
     finished: datetime,
     replayed: bool = True,
@@ -640,7 +540,7 @@ def _stage_turns(
             "seq": session.next_seq + 1 + len(reply.exchanges),
             "message_id": reply.message_id,
             "usage": counts.__dict__ if counts else None,
-            "cost_usd": str(cost) if cost is not None else None,
+            "cost_usd": str(reply.cost_usd) if reply.cost_usd is not None else None,
         },
     ]
     turns = plan.history + new_turns
@@ -736,40 +636,6 @@ def _session_retire(plan: Plan, *, now: datetime) -> None:
         raise RunAbandoned("session_conflict", "The session being rotated ended while the handoff was written.")
     # Whoever ended it, its unbilled time is billed once (the bill zeroes what it bills).
     session_hours_bill(session_ids=[plan.retire.pk], now=now)
-
-
-def _record_spend_only(
-    run: HeartbeatRun, *, agent: Agent, reply: AdapterReply, finished: datetime, kind: str = CostKind.MESSAGE
-) -> None:
-    """The answer is discarded but the call was billed: the ledger still records it."""
-    if reply.usage is None:
-        return
-    for model, usage, number in priced_usages(reply):
-        billed_call_record(
-            usage=usage,
-            model=model,
-            company_id=agent.company_id,
-            agent_id=agent.id,
-            run_id=run.id,
-            call_number=number,
-            message_id=reply.message_id or None,
-            kind=kind,
-            at=finished,
-        )
-
-
-def _record_discarded_handoff(run: HeartbeatRun, *, agent: Agent, plan: Plan | None, finished: datetime) -> None:
-    # A handoff note's cost is written with the answer; when the run fails after the note
-    # was written, the call was still billed.
-    if plan is not None and plan.handoff is not None:
-        _record_spend_only(run, agent=agent, reply=plan.handoff.reply, finished=finished, kind=CostKind.COMPACTION)
-
-
-def _record_discarded_calls(
-    run: HeartbeatRun, *, agent: Agent, plan: Plan, reply: AdapterReply, finished: datetime
-) -> None:
-    _record_spend_only(run, agent=agent, reply=reply, finished=finished)
-    _record_discarded_handoff(run, agent=agent, plan=plan, finished=finished)
 
 
 def heartbeat_wait(*, run_id, timeout_seconds: float, poll_seconds: float = 0.1) -> HeartbeatRun:

@@ -17,6 +17,7 @@ from django.db import connection, transaction
 from django.db.models import F
 
 from costs_app.alerts import alert_deliveries_retry
+from costs_app.ledger import spend_of
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -104,6 +105,9 @@ def runs_reap(*, now: datetime) -> list:
         error_code="run_timeout",
         error="The run did not finish before its deadline; its worker was killed or stuck.",
         finished_at=now,
+        reserved_usd=0,
+        # Its calls were billed as each returned: the run shows what they cost.
+        cost_usd=spend_of("run_id"),
     )
     return sorted({agent_id for _, agent_id in stuck}, key=str)
 

@@ -28,7 +28,7 @@ def session_hours_bill(*, session_ids, now: datetime, statuses=None) -> int:
         )
         if statuses is not None:
             sessions = sessions.filter(status__in=statuses)
-        sessions = sessions.only("id", "agent_id", "company_id", "unbilled_active_seconds", "total_cost_usd")
+        sessions = sessions.only("id", "agent_id", "company_id", "unbilled_active_seconds")
         for session in sessions:
             cost = session_hours_cost(session.unbilled_active_seconds, rate=rate)
             if rate > 0:
@@ -41,7 +41,5 @@ def session_hours_bill(*, session_ids, now: datetime, statuses=None) -> int:
                     at=now,
                 )
                 billed += 1
-            AgentSession.objects.filter(id=session.id).update(
-                unbilled_active_seconds=0, total_cost_usd=session.total_cost_usd + (cost if rate > 0 else 0)
-            )
+            AgentSession.objects.filter(id=session.id).update(unbilled_active_seconds=0)
     return billed

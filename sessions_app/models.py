@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime, timedelta
-from decimal import Decimal
 
 from django.core.exceptions import ValidationError
 from django.db import models
@@ -193,7 +192,10 @@ class AgentSession(models.Model):
     last_input_tokens = models.PositiveIntegerField(null=True, blank=True)
     total_input_tokens = models.BigIntegerField(default=0, db_default=0)
     total_output_tokens = models.BigIntegerField(default=0, db_default=0)
-    total_cost_usd = models.DecimalField(max_digits=20, decimal_places=10, default=0, db_default=0)
+    # Kept by the ledger, not by this model: a database trigger on cost_events adds each
+    # row's cost to the session the row names (costs_app migration `ledger_keeps_session_
+    # totals`), so it is always the sum of those rows; `save` never writes it back.
+    total_cost_usd = models.DecimalField(max_digits=20, decimal_places=10, default=0, db_default=0, editable=False)
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.CharField(max_length=32, blank=True, default="", db_default="")
     # Set when retention removed the turns of an ended session; its metadata stays.
@@ -268,6 +270,17 @@ class AgentSession(models.Model):
     def __str__(self) -> str:
         return self.public_id
 
+    def save(self, *args, **kwargs) -> None:
+        # An instance read before one of the session's calls was billed holds an older
+        # total: saving it whole would undo the ledger's addition.
+        if not self._state.adding and kwargs.get("update_fields") is None and not kwargs.get("force_insert"):
+            kwargs["update_fields"] = [
+                field.name
+                for field in self._meta.concrete_fields
+                if not field.primary_key and field.name != "total_cost_usd"
+            ]
+        super().save(*args, **kwargs)
+
     @property
     def public_id(self) -> str:
         return session_public_id(self.id)
@@ -288,14 +301,13 @@ class AgentSession(models.Model):
         idle_pause: timedelta,
         input_tokens: int | None,
         output_tokens: int | None,
-        cost_usd: Decimal | None,
         new_messages: int = 2,
         replayed: bool = True,
     ) -> None:
         """A heartbeat's answer, committed to this session and saved: `new_messages` more
         messages (the task and the answer, and the tool loop's turns between them), the
-        clocks restarted from the end of the run (`finished`), the run's active time, tokens
-        and cost added. Called inside the heartbeat's commit, with the row locked and its
+        clocks restarted from the end of the run (`finished`), the run's active time and
+        tokens added (its cost is the ledger's: see `total_cost_usd`). Called inside the heartbeat's commit, with the row locked and its
         new history staged (`sessions_app.stores`). A turn not `replayed` (a nothing-to-do
         answer) adds no message and no turn; its call is still counted and billed."""
         self.message_count = message_count
@@ -315,8 +327,6 @@ class AgentSession(models.Model):
             self.last_input_tokens = input_tokens
             self.total_input_tokens += input_tokens
             self.total_output_tokens += output_tokens or 0
-        if cost_usd is not None:
-            self.total_cost_usd += cost_usd
         self.save()
 
 

@@ -25,6 +25,7 @@ from django.db.models import Count, F, Min, OuterRef, Subquery
 from django.db.models.functions import Coalesce
 
 from costs_app.budgets import budgets_exist, money_budgets_exist
+from costs_app.ledger import spend_of
 from costs_app.pricing import price_for
 from sessions_app.adapters import adapter_for
 from sessions_app.context import context_settings
@@ -364,6 +365,12 @@ def dispatch_after_run(*, agent_id) -> None:
         dispatch_waiting()
     else:
         dispatch_next_queued(agent_id=agent_id)
+
+
+def run_cost_refresh(*, run_id) -> None:
+    """The run's cost as the ledger has it now: for a run whose row another actor ended (the
+    reaper) while its calls went on being billed, or one that broke before it could say."""
+    HeartbeatRun.objects.filter(id=run_id).update(cost_usd=spend_of("run_id"))
 
 
 def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, **kept) -> None:

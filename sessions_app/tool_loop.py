@@ -5,9 +5,9 @@ model answers with tool_use blocks, each is carried out and answered with its to
 and the model is called again with both, until it answers without tools. Bounds:
 
 - `max_tool_rounds` (default 8): one round more fails the run `tool_rounds_exceeded`;
-- the budget: every call after the first is reserved like any other (`reserve`), and
-  every call is one ledger row, written as soon as it returns, so the next reservation
-  counts it as spent and a failure later in the loop never loses it.
+- the budget: every call after the first is reserved like any other (`reserve`); every
+  call is billed as it returns (`sessions_app.run_calls`), so the next reservation counts
+  it as spent and a failure later in the loop never loses it.
 
 Nothing here holds a transaction across a call: each memory write commits on its own (a
 version), between calls. The turns of the loop are returned on the final reply
@@ -19,9 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from decimal import Decimal
 
-from costs_app.ledger import cost_event_record
 from costs_app.pricing import token_counts
 from memory_app.models import RunToolLoop
 from memory_app.stores import Writer, memory_store_names, mounts_for
@@ -51,9 +49,8 @@ def tool_uses(reply: AdapterReply) -> list[dict]:
 class ToolLoop:
     """One run's loop: its calls, its rounds and what context editing cleared."""
 
-    def __init__(self, beat, *, session_id, reserve: Callable[[AdapterRequest], None]) -> None:
+    def __init__(self, beat, *, reserve: Callable[[AdapterRequest], None]) -> None:
         self.beat = beat
-        self.session_id = session_id
         self.reserve = reserve
         self.rounds = 0
         self.tool_calls = 0
@@ -68,12 +65,11 @@ class ToolLoop:
         request = replace(request, tools=[tool.to_dict()])
         try:
             while True:
-                reply = self.beat.adapter.call(request)
+                reply = self.beat.calls.call(request)
                 self.note_cleared(reply)
                 uses = tool_uses(reply)
                 if not uses:
                     return replace(reply, exchanges=self.exchanges, tool_rounds=self.rounds)
-                cost = self._bill(reply)
                 if self.rounds >= limit:
                     raise RunFailure(
                         "tool_rounds_exceeded",
@@ -82,7 +78,7 @@ class ToolLoop:
                     )
                 results = [self._carry_out(tool, block) for block in uses]
                 self.rounds += 1
-                self._record_exchange(reply, results, cost)
+                self._record_exchange(reply, results)
                 request = replace(request, messages=base + self._replayed())
                 self.reserve(request)
         finally:
@@ -102,25 +98,7 @@ class ToolLoop:
         self.tool_errors += bool(result.get("is_error"))
         return result
 
-    def _bill(self, reply: AdapterReply) -> Decimal | None:
-        """The ledger row of a call whose answer asked for tools, written now."""
-        if reply.usage is None:
-            return None
-        beat = self.beat
-        event = cost_event_record(
-            usage=reply.usage,
-            model=reply.priced_model,
-            company_id=beat.agent.company_id,
-            agent_id=beat.agent.id,
-            session_id=self.session_id,
-            run_id=beat.run.id,
-            call_number=reply.call_number,
-            message_id=reply.message_id or None,
-            at=beat.clock(),
-        )
-        return event.cost_usd
-
-    def _record_exchange(self, reply: AdapterReply, results: list[dict], cost: Decimal | None) -> None:
+    def _record_exchange(self, reply: AdapterReply, results: list[dict]) -> None:
         at = self.beat.clock().isoformat()
         run_id = str(self.beat.run.id)
         counts = token_counts(reply.usage) if reply.usage is not None else None
@@ -132,7 +110,7 @@ class ToolLoop:
                 "run_id": run_id,
                 "message_id": reply.message_id,
                 "usage": counts.__dict__ if counts else None,
-                "cost_usd": str(cost) if cost is not None else None,
+                "cost_usd": str(reply.cost_usd) if reply.cost_usd is not None else None,
             },
             {"role": "user", "content": results, "at": at, "run_id": run_id},
         ]
@@ -167,22 +145,14 @@ class ToolLoop:
         )
 
 
-def loop_cost(reply: AdapterReply, answer_cost: Decimal | None) -> Decimal | None:
-    """What the run's calls cost: the answer's and those of the rounds before it."""
-    earlier = [Decimal(turn["cost_usd"]) for turn in reply.exchanges if turn.get("cost_usd") is not None]
-    if answer_cost is None and not earlier:
-        return None
-    return (answer_cost or Decimal(0)) + sum(earlier, Decimal(0))
-
-
-def call_with_tools(beat, request: AdapterRequest, *, session_id, reserve) -> AdapterReply:
+def call_with_tools(beat, request: AdapterRequest, *, reserve) -> AdapterReply:
     """The model's final answer to `request`, tools carried out on the way. Without tools,
     exactly one call, as before."""
     tool = memory_tool_for(beat)
-    loop = ToolLoop(beat, session_id=session_id, reserve=reserve)
+    loop = ToolLoop(beat, reserve=reserve)
     if tool is not None:
         return loop.run(request, tool)
-    reply = beat.adapter.call(request)
+    reply = beat.calls.call(request)
     loop.note_cleared(reply)
     loop.save()
     return reply

@@ -163,7 +163,7 @@ def test_a_handoff_note_is_recorded_when_the_run_breaks_before_its_turn_is_sent(
     for i in range(2):
         assert beat(agent, f"turn {i}").status == RunStatus.SUCCEEDED
     Budget.objects.create(company=company, monthly_limit_usd=Decimal("100"))
-    # The note's reservation goes through; the turn's (the second on this run) breaks.
+    # The note is billed; releasing its reservation (and any later reservation) breaks.
     refuse_writes("heartbeat_runs", when="OLD.reserved_usd > 0 AND NEW.reserved_usd > 0")
     sent = len(fake_anthropic.message_requests)
 

@@ -12,6 +12,7 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
+from sessions_app.adapters.base import Adapter
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_start, heartbeat_wait
 from sessions_app.maintenance import runs_reap
@@ -177,37 +178,6 @@ def test_a_run_answering_within_its_agents_timeout_is_not_reaped(company, fake_a
     assert run.deadline_at == start + timedelta(seconds=2 * 3600 + 60 + 600)
 
 
-def test_each_later_call_of_a_run_moves_its_deadline_and_a_reaped_run_calls_no_more(stateless_agent, fake_anthropic):
-    from sessions_app.adapters import get_adapter
-    from sessions_app.context import build_request, context_settings
-    from sessions_app.heartbeat import RunAbandoned, RunCalls
-    from sessions_app.maintenance import runs_reap
-    from sessions_app.run_queue import claim_run
-
-    start = timezone.now()
-    queued, _ = heartbeat_enqueue(agent=stateless_agent, task="many calls", now=start)
-    run, claimed = claim_run(run_id=queued.id, now=start)
-    assert claimed
-    one_call = timedelta(seconds=3 * 600 + 2 * 60 + 600)  # the defaults: 600 s x 3 attempts
-    assert run.deadline_at == start + one_call
-    later = start + timedelta(minutes=50)  # a summary took 50 minutes before this call
-    calls = RunCalls(get_adapter("claude-code"), run=run, clock=lambda: later)
-    request = build_request(
-        agent=stateless_agent, history=[], user_content="go", settings=context_settings(stateless_agent)
-    )
-
-    replies = [calls.call(request), calls.call(request)]
-
-    assert [reply.call_number for reply in replies] == [1, 2]
-    assert HeartbeatRun.objects.get(id=run.id).deadline_at == later + one_call
-    assert runs_reap(now=later + one_call - timedelta(seconds=1)) == []
-    assert runs_reap(now=later + one_call + timedelta(seconds=1)) == [stateless_agent.id]
-    with pytest.raises(RunAbandoned) as abandoned:
-        calls.call(request)
-    assert abandoned.value.code == "run_timeout"
-    assert len(fake_anthropic.message_requests) == 2
-
-
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("resumed", [False, True], ids=["new-session", "resumed-session"])
 def test_an_agent_deleted_during_its_heartbeat_gains_no_session(
@@ -341,7 +311,7 @@ def test_two_enqueues_racing_for_the_last_place_in_the_queue_let_one_in(postgres
     assert HeartbeatRun.objects.filter(agent=persistent_agent, status=RunStatus.QUEUED).count() == 2
 
 
-class SessionKeepingAdapter:
+class SessionKeepingAdapter(Adapter):
     """A runtime that resumes a session it keeps itself: it is sent only the new turn."""
 
     type_name = "own-session-test"

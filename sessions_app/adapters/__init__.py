@@ -51,9 +51,8 @@ def adapter_for(adapter_type: str, config: dict) -> Adapter | None:
     return _selected(adapter, config) if adapter is not None else None
 
 
-def _selected(adapter, config) -> Adapter:
-    select = getattr(adapter, "for_config", None)
-    return select(config) if select is not None and isinstance(config, dict) else adapter
+def _selected(adapter: Adapter, config) -> Adapter:
+    return adapter.for_config(config) if isinstance(config, dict) else adapter
 
 
 def validate_agent_config(adapter_type: str, config: object) -> dict:

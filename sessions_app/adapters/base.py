@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypedDict
+from decimal import Decimal
+from typing import Any, ClassVar, Protocol, TypedDict
 
 from django.core.exceptions import ValidationError
 
@@ -52,6 +53,20 @@ class OwnSessionStore(Protocol):
         """The reply's `on_commit`: writes what the run added, in the heartbeat's commit."""
 
 
+class CallMeter(Protocol):
+    """What the engine hands a runtime that makes several model requests in one call and
+    reports each one's usage as it goes (`bills_while_running`): each report is billed to
+    the ledger at once, so a run cut short keeps what it spent."""
+
+    def bill(self, *, usage: dict, model: str, message_id: str = "") -> Decimal:
+        """Bill one model request now; returns its cost. A message id this call reported
+        before is billed once (a runtime may report one request in parts)."""
+
+    @property
+    def billed_usd(self) -> Decimal:
+        """What this call has billed so far."""
+
+
 @dataclass
 class AdapterRequest:
     model: str
@@ -64,6 +79,8 @@ class AdapterRequest:
     # For a runtime that keeps its own session: the engine's handle on it (`OwnSessionStore`).
     own_session: OwnSessionStore | None = None
     tools: list | None = None  # tool definitions the model may call (the tool loop)
+    # For a runtime that `bills_while_running`: where it reports each model request's usage.
+    meter: CallMeter | None = None
 
 
 @dataclass
@@ -78,9 +95,10 @@ class AdapterReply:
     # The model the request named: what the call is priced by. `model` is what the answer
     # says, which may be a dated snapshot of it (or anything an agent command prints).
     requested_model: str = ""
-    # Which call of its run this was (1, 2, ...), numbered by the engine: with the run,
-    # the ledger's identity of the call.
-    call_number: int | None = None
+    # What the engine billed for this call the moment it returned (`sessions_app.run_calls`):
+    # its cost (None when no usage was reported) and, for a single model request, its row.
+    cost_usd: Decimal | None = None
+    cost_event_id: int | None = None
     # A runtime that calls several models in one reply (Claude Code) reports each one's
     # usage: the ledger gets a row per model, `usage` is their sum.
     usage_by_model: dict | None = None
@@ -149,29 +167,53 @@ def usage_error(usage: dict | None) -> str | None:
 class AdapterError(RunFailure):
     """A model call that failed. `code` is stable and stored on the run for operators."""
 
-    def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
+    def __init__(self, code: str, message: str, *, retryable: bool = False, runtime_report: dict | None = None) -> None:
         super().__init__(code, message)
         self.retryable = retryable
-        # Replies the failed call was billed for (a runtime stopped at a cap): the ledger
-        # still records them.
-        self.billed: list[AdapterReply] = []
+        # What a runtime stopped short (at one of its caps, its timeout) reports of the work
+        # it did: kept on the failed run, as on a succeeded one.
+        self.runtime_report = runtime_report
 
 
-class Adapter(Protocol):
-    type_name: str
+class Adapter:
+    """What every adapter is. The optional abilities are declared here, absent by default,
+    and an adapter that has one says so: callers read the declaration, never probe."""
+
+    type_name: ClassVar[str]
+    config_keys: ClassVar[set[str]]
     # False: the engine keeps the session's history and replays it with every request
     # (planned, rotated, compacted to fit). True: the runtime resumes a session it keeps
     # itself; the engine sends only the new turn and records the turn it reports back.
-    keeps_own_session: bool
+    keeps_own_session: ClassVar[bool] = False
+    # True: one call may make several model requests, whose usage the runtime reports to
+    # `request.meter` as each ends (Claude Code); the engine bills the reply's usage otherwise.
+    bills_while_running: ClassVar[bool] = False
+    # True: `count_tokens` measures a request's input exactly.
+    counts_tokens: ClassVar[bool] = False
 
-    def validate_config(self, config: dict, errors: dict[str, str]) -> dict: ...
+    def validate_config(self, config: dict, errors: dict[str, str]) -> dict:
+        raise NotImplementedError
 
-    def call(self, request: AdapterRequest) -> AdapterReply: ...
+    def call(self, request: AdapterRequest) -> AdapterReply:
+        raise NotImplementedError
 
     def call_seconds(self, config: dict) -> float:
         """The longest one call (or token count) with this configuration may take, its
         retries and the waits between them included: the run's deadline covers it."""
-        ...
+        raise NotImplementedError
+
+    def count_tokens(self, request: AdapterRequest) -> int:
+        """The request's input tokens (only where `counts_tokens`)."""
+        raise NotImplementedError
+
+    def reservation_usd(self, config: dict) -> Decimal | None:
+        """What a budgeted heartbeat holds before the call, for a runtime with a spending cap
+        of its own that covers the whole call; None: each request is sized and reserved."""
+        return None
+
+    def for_config(self, config: dict) -> Adapter:
+        """The adapter an agent's configuration selects (an adapter type with runtimes)."""
+        return self
 
 
 class AgentConfigError(ValidationError):

@@ -19,14 +19,14 @@ runtime itself reads and writes no model.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
+import queue
 import re
 import signal
 import threading
 import uuid
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -37,9 +37,11 @@ from typing import Any
 from django.conf import settings
 
 from sessions_app.adapters.base import (
+    Adapter,
     AdapterError,
     AdapterReply,
     AdapterRequest,
+    CallMeter,
     is_int,
     is_number,
     usage_error,
@@ -310,10 +312,12 @@ CLI_USAGE_NAMES = {
 
 def api_usage(counts: dict, cache_writes: dict) -> dict:
     """A usage in the Messages API's shape, every count present (`cache_writes`: the cache
-    writes by lifetime)."""
-    return {key: int(counts.get(key) or 0) for key in TOKEN_KEYS} | {
-        "cache_creation": {key: int(cache_writes.get(key) or 0) for key in CACHE_WRITE_KEYS}
-    }
+    writes by lifetime; none reported means the default lifetime, five minutes)."""
+    usage = {key: int(counts.get(key) or 0) for key in TOKEN_KEYS}
+    split = {key: int(cache_writes.get(key) or 0) for key in CACHE_WRITE_KEYS}
+    if not any(split.values()):
+        split["ephemeral_5m_input_tokens"] = usage["cache_creation_input_tokens"]
+    return usage | {"cache_creation": split}
 
 
 def model_usage_as_api(usage: dict) -> dict:
@@ -322,40 +326,71 @@ def model_usage_as_api(usage: dict) -> dict:
     return api_usage(named, named)
 
 
-def streamed_usages(messages: list) -> dict[str, dict]:
-    """Each model's usage from the assistant messages a run streamed, for a run that ended
-    without its result (which carries the authoritative per-model usage). Claude Code sends
-    one message per content block, each with its API message's usage as it stood when the
-    message started: its input and cache counts are the API's, its output count is not yet
-    known, so the output is taken as the text and tool input streamed (about four
-    characters a token), never less than what was reported."""
-    from claude_agent_sdk import AssistantMessage
+class StreamedCalls:
+    """The model requests of one run, each billed through the engine's meter the moment
+    Claude Code streams its end (`message_delta` carries its final output count; its start,
+    the input and cache counts), so a worker killed at any moment leaves every answered
+    request in the ledger. Requests of sub-agents stream beside the main loop's, told apart
+    by the tool use that started them. What the result reports beyond these (requests
+    Claude Code made without streaming them) is billed when the result arrives
+    (`bill_unstreamed`). The run is stopped once the ledger reaches `cap`."""
 
-    calls: dict[str, tuple[str, dict]] = {}
-    streamed: Counter[str] = Counter()
-    for message in messages:
-        if isinstance(message, AssistantMessage) and isinstance(message.usage, dict) and message.message_id:
-            calls[message.message_id] = (storable(message.model or ""), message.usage)
-            streamed[message.message_id] += len(
-                json.dumps([block_text(b) for b in message.content], ensure_ascii=False)
-            )
-    by_model: dict[str, list[dict]] = defaultdict(list)
-    for message_id, (model, usage) in calls.items():
-        writes = usage.get("cache_creation")
-        call = api_usage(usage, writes if isinstance(writes, dict) else {})
-        if not any(call[key] for key in TOKEN_KEYS):
-            continue  # no tokens: nothing was billed (a message the CLI made up to report an error)
-        call["output_tokens"] = max(call["output_tokens"], streamed[message_id] // 4 + 1)
-        by_model[model].append(call)
-    return {model: usage_total(calls) for model, calls in by_model.items()}
+    def __init__(self, meter: CallMeter, *, default_model: str, cap: Decimal) -> None:
+        self.meter = meter
+        self.default_model = default_model
+        self.cap = cap
+        self.open: dict[str | None, tuple[str, str, dict]] = {}
+        self.billed: dict[str, list[dict]] = defaultdict(list)
+
+    def see(self, message) -> None:
+        event = message.event if isinstance(message.event, dict) else {}
+        stream = message.parent_tool_use_id
+        if event.get("type") == "message_start":
+            started = event.get("message") if isinstance(event.get("message"), dict) else {}
+            usage = started.get("usage") if isinstance(started.get("usage"), dict) else {}
+            self.open[stream] = (str(started.get("id") or ""), storable(started.get("model") or ""), dict(usage))
+        elif event.get("type") == "message_delta" and stream in self.open:
+            message_id, model, usage = self.open.pop(stream)
+            if isinstance(event.get("usage"), dict):
+                usage.update({key: value for key, value in event["usage"].items() if value is not None})
+            self.bill(model or self.default_model, usage, message_id=message_id)
+
+    def bill(self, model: str, reported: dict, *, message_id: str = "") -> None:
+        writes = reported.get("cache_creation")
+        usage = api_usage(reported, writes if isinstance(writes, dict) else {})
+        if not any(usage[key] for key in TOKEN_KEYS):
+            return  # no tokens: nothing was billed (a message the CLI made up to report an error)
+        if problem := usage_error(usage):
+            raise AdapterError("cli_error", f"Claude Code reported an impossible usage for {model}: {problem}")
+        self.meter.bill(usage=usage, model=model, message_id=message_id)
+        self.billed[model].append(usage)
+        if self.meter.billed_usd >= self.cap:
+            raise LedgerCapReached(self.meter.billed_usd)
+
+    def bill_unstreamed(self, totals: dict[str, dict]) -> None:
+        """Bill, per model, what the result's `modelUsage` reports beyond the requests
+        streamed (a request Claude Code made without streaming it)."""
+        for model, total in totals.items():
+            streamed = usage_total(self.billed.get(model, ())) or api_usage({}, {})
+            rest = {key: total[key] - streamed[key] for key in TOKEN_KEYS}
+            writes = {key: total["cache_creation"][key] - streamed["cache_creation"][key] for key in CACHE_WRITE_KEYS}
+            if any(value < 0 for value in [*rest.values(), *writes.values()]):
+                # Never billed below what was streamed: each streamed request is the API's own count.
+                logger.warning("Claude Code's result reports less for %s than it streamed: %s", model, total)
+                continue
+            if any(rest.values()):
+                self.bill(model, {**rest, "cache_creation": writes})
+
+    def usage_by_model(self) -> dict[str, dict]:
+        return {model: usage_total(usages) for model, usages in self.billed.items()}
 
 
-def block_text(block) -> object:
-    """What a streamed content block's output was: its text, thinking or tool input."""
-    for name in ("text", "thinking", "input"):
-        if hasattr(block, name):
-            return getattr(block, name)
-    return ""
+class LedgerCapReached(Exception):
+    """The run's billed total reached its cap: Claude Code is stopped."""
+
+    def __init__(self, billed: Decimal) -> None:
+        super().__init__(f"billed {billed}")
+        self.billed = billed
 
 
 def usage_total(usages: Iterable[dict]) -> dict | None:
@@ -422,9 +457,10 @@ FAILURES = {
 }
 
 
-class ClaudeCliAdapter:
+class ClaudeCliAdapter(Adapter):
     type_name = "claude-code"
     keeps_own_session = True  # the CLI resumes its own session; the engine sends only the new turn
+    bills_while_running = True  # each model request Claude Code makes is billed as it ends
     config_keys = CONFIG_KEYS
 
     def validate_config(self, config: dict, errors: dict[str, str]) -> dict:
@@ -474,6 +510,8 @@ class CliRun:
         self.resume_id = self.own.resumed_id
         self.transcript = None
         self.session_id = ""
+        self.cap = Decimal(str(self.config.get("max_budget_usd") or settings.PAPERCLIP_CLI_DEFAULT_BUDGET_USD))
+        self.calls = StreamedCalls(request.meter, default_model=request.model, cap=self.cap)
 
     def execute(self) -> AdapterReply:
         try:
@@ -498,12 +536,11 @@ class CliRun:
         pidfile = agent_home(self.agent_id) / f"run-{self.mark}.pid"
         timeout = float(self.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
         conversation = Conversation()
-        error: BaseException | None = None
         with Watchdog(pidfile, timeout, mark=self.mark) as watchdog:
-            try:
-                asyncio.run(asyncio.wait_for(self.converse(conversation, pidfile), timeout + KILL_GRACE_SECONDS))
-            except Exception as exc:  # classified below, once the process group is gone
-                error = exc
+            # Classified below, once the process group is gone.
+            error = self.converse_and_bill(
+                conversation, pidfile, watchdog=watchdog, seconds=timeout + KILL_GRACE_SECONDS
+            )
         try:
             return self.reply(conversation, error, timed_out=watchdog.fired)
         except AdapterError:
@@ -546,6 +583,8 @@ class CliRun:
             effort=config.get("effort"),
             thinking=config.get("thinking"),
             session_store=self.transcript,
+            # The API's own stream events: each model request's usage as it ends, billed then.
+            include_partial_messages=True,
         )
         if self.resume_id:
             options.resume = self.resume_id
@@ -553,11 +592,54 @@ class CliRun:
             options.session_id = self.session_id
         return options
 
-    async def converse(self, conversation: Conversation, pidfile: Path) -> None:
-        from claude_agent_sdk import ResultMessage, query
+    def converse_and_bill(
+        self, conversation: Conversation, pidfile: Path, *, watchdog: Watchdog, seconds: float
+    ) -> BaseException | None:
+        """Claude Code's conversation, on an event loop in a thread of its own, while this
+        thread (the engine's, whose database connection the ledger uses; the loop never
+        touches the ORM) bills each model request as its end is streamed. At the ledger's
+        cap the CLI is killed. Returns what ended the conversation early, if anything."""
+        reports: queue.SimpleQueue = queue.SimpleQueue()
+        loop = asyncio.new_event_loop()
+        conversing = loop.create_task(
+            asyncio.wait_for(self.converse(conversation, pidfile, reports), seconds), name="claude-code"
+        )
+
+        def run() -> None:
+            try:
+                loop.run_until_complete(conversing)
+                reports.put((None, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the engine's thread
+                reports.put((None, exc))
+            finally:
+                loop.close()
+
+        thread = threading.Thread(target=run, name=f"claude-code-{self.mark[:8]}", daemon=True)
+        thread.start()
+        stopped: BaseException | None = None
+        while True:
+            event, ended = reports.get()
+            if event is None:
+                break
+            if stopped is not None:
+                continue  # the CLI is being stopped; what it streamed after the cap was not answered by us
+            try:
+                self.calls.see(event)
+            except (LedgerCapReached, AdapterError) as exc:
+                stopped = exc
+                watchdog.kill()
+                loop.call_soon_threadsafe(conversing.cancel)
+        thread.join()
+        return stopped or ended
+
+    async def converse(self, conversation: Conversation, pidfile: Path, reports: queue.SimpleQueue) -> None:
+        from claude_agent_sdk import ResultMessage, StreamEvent, query
 
         prompt = self.prompt()
         async for message in query(prompt=prompt, options=self.options(conversation, pidfile)):
+            if isinstance(message, StreamEvent):
+                reports.put((message, None))
+                continue
             conversation.messages.append(message)
             if isinstance(message, ResultMessage):
                 conversation.result = message
@@ -571,18 +653,16 @@ class CliRun:
     def reply(self, conversation: Conversation, error: BaseException | None, *, timed_out: bool) -> AdapterReply:
         result = conversation.result
         if result is not None:
-            usages = {
+            totals = {
                 storable(model): model_usage_as_api(usage)
                 for model, usage in (result.model_usage or {}).items()
                 if isinstance(usage, dict)
             }
-        else:
-            # Killed (its timeout) or dead before its result: the model calls it streamed
-            # were billed all the same.
-            usages = streamed_usages(conversation.messages)
-        for model, usage in usages.items():
-            if problem := usage_error(usage):
-                raise AdapterError("cli_error", f"Claude Code reported an impossible usage for {model}: {problem}")
+            try:
+                self.calls.bill_unstreamed(totals)
+            except LedgerCapReached:
+                pass  # the run is over: nothing more to stop
+        usages = self.calls.usage_by_model()
         content = content_blocks(conversation.messages)
         session_id = result.session_id if result is not None and result.session_id else self.session_id
         report = {
@@ -595,7 +675,11 @@ class CliRun:
             ),
             "duration_ms": result.duration_ms if result is not None else None,
         }
-        reply = AdapterReply(
+        failure = self.failure(conversation, error, timed_out=timed_out)
+        if failure is not None:
+            failure.runtime_report = report
+            raise failure
+        return AdapterReply(
             text=(result.result or "") if result is not None else "",
             content=content,
             model=self.request.model,
@@ -607,15 +691,18 @@ class CliRun:
             runtime_report=report,
             on_commit=self.own.on_commit(self.transcript, session_id=session_id, report=report),
         )
-        failure = self.failure(conversation, error, timed_out=timed_out)
-        if failure is not None:
-            failure.billed = [reply] if usages else []
-            raise failure
-        return reply
 
     def failure(self, conversation: Conversation, error: BaseException | None, *, timed_out: bool):
         result = conversation.result
         stderr = "\n".join(conversation.stderr)[-1000:]
+        if isinstance(error, AdapterError):
+            return error
+        if isinstance(error, LedgerCapReached):
+            return AdapterError(
+                "cli_budget_cap",
+                f"Claude Code was stopped when this heartbeat's calls reached max_budget_usd (${self.cap}) in the "
+                f"ledger: ${error.billed} billed.",
+            )
         if timed_out or isinstance(error, (TimeoutError, asyncio.TimeoutError)):
             timeout = self.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)
             return AdapterError("cli_timeout", f"Claude Code did not finish within {timeout} seconds; it was killed.")

@@ -13,6 +13,7 @@ from typing import Any
 import anthropic
 
 from sessions_app.adapters.base import (
+    Adapter,
     AdapterError,
     AdapterReply,
     AdapterRequest,
@@ -140,9 +141,9 @@ def context_management_of(message) -> dict | None:
     return found.model_dump(mode="json", exclude_none=True) if hasattr(found, "model_dump") else dict(found)
 
 
-class ClaudeCodeAdapter:
+class ClaudeCodeAdapter(Adapter):
     type_name = "claude-code"
-    keeps_own_session = False  # the engine replays the session's history with every request
+    counts_tokens = True  # the API's free count_tokens endpoint
     config_keys = {
         "runtime",
         "model",

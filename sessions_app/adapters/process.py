@@ -24,7 +24,14 @@ from typing import Any
 
 from django.conf import settings
 
-from sessions_app.adapters.base import AdapterError, AdapterReply, AdapterRequest, usage_error, validate_timeout
+from sessions_app.adapters.base import (
+    Adapter,
+    AdapterError,
+    AdapterReply,
+    AdapterRequest,
+    usage_error,
+    validate_timeout,
+)
 from sessions_app.text import MESSAGE_ID_MAX_LENGTH, STOP_REASON_MAX_LENGTH
 
 DEFAULT_TIMEOUT_SECONDS = 600
@@ -125,9 +132,8 @@ def command_launch(config: dict, *, commands: Mapping[str, dict], environ: Mappi
     return Launch(argv=argv, cwd=cwd, env={name: environ[name] for name in names if name in environ})
 
 
-class ProcessAdapter:
+class ProcessAdapter(Adapter):
     type_name = "process"
-    keeps_own_session = False  # the engine replays the session's history with every request
     config_keys = {"command", "args", "timeout_seconds", "model", "cwd"}
 
     def validate_config(self, config: dict, errors: dict[str, str]) -> dict:
