@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import call_cost
-from sessions_app.adapters import AgentConfigError
+from sessions_app.adapters import AgentConfigError, get_adapter
 from sessions_app.adapters.claude_cli import config_dir, workspace_for
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
 from sessions_app.services import session_delete
@@ -67,22 +67,33 @@ def test_the_agent_writes_a_file_in_its_workspace_and_the_ledger_matches_the_fak
     assert all(body["stream"] for body in bodies)
     assert "You are the release engineer." in str(bodies[0]["system"])
     assert sorted(tool["name"] for tool in bodies[0]["tools"]) == ["Bash", "Edit", "Glob", "Grep", "Read", "Write"]
-    # The ledger, to the token: the usage the fake reported over both requests.
-    usages = [r["usage"] for r in fake_anthropic.requests if r["path"] == "/v1/messages"]
-    assert len(usages) == 2
-    (event,) = CostEvent.objects.filter(run=run)
-    assert event.model == "claude-sonnet-4-5"
-    assert event.input_tokens == sum(u["input_tokens"] for u in usages)
-    assert event.output_tokens == sum(u["output_tokens"] for u in usages)
-    assert event.cache_creation_5m_input_tokens == sum(u["cache_creation_input_tokens"] for u in usages)
-    assert event.cache_read_input_tokens == sum(u["cache_read_input_tokens"] for u in usages)
-    assert run.cost_usd == event.cost_usd == call_cost(usage=event.raw_usage, model=event.model, at=event.created_at)
-    assert Decimal(run.runtime_report["cli_total_cost_usd"]).quantize(Decimal("0.000001")) == event.cost_usd.quantize(
+    # The ledger, to the token: a row per request, each the usage the fake reported for it.
+    assert_ledger_is_the_fakes(run, fake_anthropic)
+    assert Decimal(run.runtime_report["cli_total_cost_usd"]).quantize(Decimal("0.000001")) == run.cost_usd.quantize(
         Decimal("0.000001")
     )
     # Stateless: no CLI session is kept, here or in the CLI's own directory.
     assert not AgentSession.objects.filter(agent=agent).exists()
     assert not list(config_dir(agent.id).glob("projects/*/*.jsonl"))
+
+
+def assert_ledger_is_the_fakes(run: HeartbeatRun, fake_anthropic, *, answered: int | None = None) -> list[CostEvent]:
+    """A ledger row per request the fake answered (the first `answered` of them), in order,
+    each with the tokens the fake reported for it, priced as the pricing module prices them;
+    the run's cost is their sum."""
+    usages = [(r["body"]["model"], r["usage"]) for r in fake_anthropic.requests if r.get("usage")]
+    usages = usages[:answered] if answered is not None else usages
+    events = list(CostEvent.objects.filter(run=run).order_by("call_number"))
+    assert [event.call_number for event in events] == list(range(1, len(usages) + 1))
+    for event, (model, usage) in zip(events, usages, strict=True):
+        assert event.model == model
+        assert (event.input_tokens, event.output_tokens) == (usage["input_tokens"], usage["output_tokens"])
+        assert event.cache_creation_input_tokens == usage["cache_creation_input_tokens"]
+        assert event.cache_read_input_tokens == usage["cache_read_input_tokens"]
+        assert event.cost_usd == call_cost(usage=usage, model=model, at=event.created_at)
+    run.refresh_from_db()
+    assert run.cost_usd == sum((event.cost_usd for event in events), Decimal(0))
+    return events
 
 
 def test_configuration_is_validated_when_the_agent_is_saved(company):
@@ -434,15 +445,15 @@ def test_a_second_model_claude_code_calls_gets_a_ledger_row_of_its_own(company, 
     run = beat(agent, "explore")
 
     assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
-    answered = {}
-    for record in fake_anthropic.requests:
-        model = record["body"]["model"]
-        answered[model] = answered.get(model, 0) + record["usage"]["input_tokens"]
-    events = {event.model: event for event in CostEvent.objects.filter(run=run)}
-    assert set(events) == set(answered) == {"claude-sonnet-4-5", "claude-haiku-5-5"}
-    assert {model: event.input_tokens for model, event in events.items()} == answered
-    assert sorted(event.call_number for event in events.values()) == [1, 2]
-    assert run.cost_usd == sum(event.cost_usd for event in events.values())
+    # The main loop's requests are billed as they stream; the sub-agent's, which Claude Code
+    # does not stream, from its result: last.
+    fakes = [(r["body"]["model"], r["usage"]) for r in fake_anthropic.requests if r.get("usage")]
+    assert [model for model, _ in fakes] == ["claude-sonnet-4-5", "claude-haiku-5-5", "claude-sonnet-4-5"]
+    events = list(CostEvent.objects.filter(run=run).order_by("call_number"))
+    assert [(e.model, e.input_tokens, e.output_tokens) for e in events] == [
+        (model, usage["input_tokens"], usage["output_tokens"]) for model, usage in [fakes[0], fakes[2], fakes[1]]
+    ]
+    assert run.cost_usd == sum(event.cost_usd for event in events)
     # Claude Code prices the smaller model by its own table, not by ours: kept, and logged.
     assert run.runtime_report["ledger_cost_usd"] == str(run.cost_usd)
     theirs = Decimal(run.runtime_report["cli_total_cost_usd"])
@@ -524,31 +535,41 @@ def test_a_system_check_names_cli_agents_whose_tools_authenticated_mode_no_longe
     assert str(shell.id) in warning.msg and "adapter_config.allowed_tools" in warning.msg and "'Bash'" in warning.msg
 
 
-def test_streamed_usage_counts_each_api_message_once_and_skips_made_up_ones():
-    from claude_agent_sdk import AssistantMessage, TextBlock, ToolUseBlock
+@pytest.mark.django_db(transaction=True)
+def test_each_streamed_request_is_billed_once_as_it_ends_and_made_up_ones_not_at_all(stateless_agent, fake_anthropic):
+    """Claude Code's stream, as the SDK hands it over: a request billed at its end from its
+    start's input counts and its end's output count; the same request reported again is
+    billed once; a message the CLI makes up (no tokens) is not billed; the result's
+    `modelUsage` beyond what was streamed (a request it did not stream) is billed then."""
+    from claude_agent_sdk import StreamEvent
 
-    from sessions_app.adapters.claude_cli import streamed_usages
+    from sessions_app.adapters.claude_cli import StreamedCalls, model_usage_as_api
+    from sessions_app.run_calls import RunCalls, RunMeter
+    from sessions_app.run_queue import claim_run, heartbeat_enqueue
 
-    started = {"input_tokens": 900, "output_tokens": 1, "cache_read_input_tokens": 100}
-    text = "x" * 400  # about 100 tokens
-    messages = [
-        # One API message, sent as two (one per content block), each with the usage at its start.
-        AssistantMessage(content=[TextBlock(text=text)], model="claude-haiku-4-5", usage=started, message_id="m1"),
-        AssistantMessage(
-            content=[ToolUseBlock(id="t1", name="Bash", input={"command": "ls"})],
-            model="claude-haiku-4-5",
-            usage=started,
-            message_id="m1",
-        ),
-        # What the CLI makes up to report an API error: no tokens, nothing billed.
-        AssistantMessage(
-            content=[TextBlock(text="API Error")], model="<synthetic>", usage={"input_tokens": 0}, message_id="m2"
-        ),
-    ]
+    now = timezone.now()
+    queued, _ = heartbeat_enqueue(agent=stateless_agent, task="go", now=now)
+    run, _ = claim_run(run_id=queued.id, now=now)
+    calls = RunCalls(
+        get_adapter("claude-code", {"runtime": "cli"}),
+        run=run,
+        agent=stateless_agent,
+        clock=lambda: now,
+        budgeted=False,
+    )
+    streamed = StreamedCalls(RunMeter(calls, kind="message"), default_model="claude-sonnet-4-5", cap=Decimal(100))
 
-    usages = streamed_usages(messages)
+    def event(payload, parent=None):
+        return StreamEvent(uuid="u", session_id="s", event=payload, parent_tool_use_id=parent)
 
-    assert set(usages) == {"claude-haiku-4-5"}
-    usage = usages["claude-haiku-4-5"]
-    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (900, 100)
-    assert 100 <= usage["output_tokens"] <= 120
+    start = {"id": "msg_1", "model": "claude-sonnet-4-5", "usage": {"input_tokens": 900, "output_tokens": 1}}
+    for _ in range(2):  # reported twice
+        streamed.see(event({"type": "message_start", "message": start}))
+        streamed.see(event({"type": "message_delta", "usage": {"output_tokens": 120}}))
+    made_up = {"id": "msg_2", "model": "<synthetic>", "usage": {"input_tokens": 0, "output_tokens": 0}}
+    streamed.see(event({"type": "message_start", "message": made_up}))
+    streamed.see(event({"type": "message_delta", "usage": {"output_tokens": 0}}))
+    streamed.bill_unstreamed({"claude-sonnet-4-5": model_usage_as_api({"inputTokens": 1900, "outputTokens": 150})})
+
+    rows = list(CostEvent.objects.filter(run_id=run.id).order_by("call_number"))
+    assert [(r.message_id, r.input_tokens, r.output_tokens) for r in rows] == [("msg_1", 900, 120), (None, 1000, 30)]

@@ -332,8 +332,9 @@ class StreamedCalls:
     the input and cache counts), so a worker killed at any moment leaves every answered
     request in the ledger. Requests of sub-agents stream beside the main loop's, told apart
     by the tool use that started them. What the result reports beyond these (requests
-    Claude Code made without streaming them) is billed when the result arrives
-    (`bill_unstreamed`). The run is stopped once the ledger reaches `cap`."""
+    Claude Code made without streaming them: a sub-agent's, this version of Claude Code
+    streams only the main loop's) is billed when the result arrives (`bill_unstreamed`).
+    The run is stopped once the ledger reaches `cap`."""
 
     def __init__(self, meter: CallMeter, *, default_model: str, cap: Decimal) -> None:
         self.meter = meter
@@ -341,6 +342,7 @@ class StreamedCalls:
         self.cap = cap
         self.open: dict[str | None, tuple[str, str, dict]] = {}
         self.billed: dict[str, list[dict]] = defaultdict(list)
+        self.billed_ids: set[str] = set()
 
     def see(self, message) -> None:
         event = message.event if isinstance(message.event, dict) else {}
@@ -356,6 +358,8 @@ class StreamedCalls:
             self.bill(model or self.default_model, usage, message_id=message_id)
 
     def bill(self, model: str, reported: dict, *, message_id: str = "") -> None:
+        if message_id in self.billed_ids:
+            return  # the same request reported again
         writes = reported.get("cache_creation")
         usage = api_usage(reported, writes if isinstance(writes, dict) else {})
         if not any(usage[key] for key in TOKEN_KEYS):
@@ -364,6 +368,8 @@ class StreamedCalls:
             raise AdapterError("cli_error", f"Claude Code reported an impossible usage for {model}: {problem}")
         self.meter.bill(usage=usage, model=model, message_id=message_id)
         self.billed[model].append(usage)
+        if message_id:
+            self.billed_ids.add(message_id)
         if self.meter.billed_usd >= self.cap:
             raise LedgerCapReached(self.meter.billed_usd)
 
