@@ -6,15 +6,19 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
 import sys
 import time
+from decimal import Decimal
 from importlib import import_module
+from pathlib import Path
 
 import pytest
 from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent
+from costs_app.pricing import call_cost
 from paperclip.env import parse_process_commands
 from sessions_app.context import SUMMARY_SYSTEM
 from sessions_app.heartbeat import heartbeat_execute
@@ -337,3 +341,66 @@ def failing_once(monkeypatch, name: str, error: int = errno.EIO):
 
     monkeypatch.setattr(f"sessions_app.stores.os.{name}", fail_once)
     return calls
+
+
+# Workers in processes of their own, and the ledger against what the fake answered.
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def database_environment(settings) -> dict:
+    """What a worker process needs to use the test's database and sandbox."""
+    db = connection.settings_dict
+    if connection.vendor == "sqlite":
+        url = f"sqlite:///{db['NAME']}"
+    else:
+        url = f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    return {
+        "DATABASE_URL": url,
+        "PAPERCLIP_HOME": str(settings.PAPERCLIP_HOME),
+        "PAPERCLIP_SESSION_STORE": settings.PAPERCLIP_SESSION_STORE,
+    }
+
+
+def worker_heartbeat(agent, task: str, settings) -> subprocess.Popen:
+    """The worker, as another process: `manage.py heartbeat`, on the test's database."""
+    return subprocess.Popen(
+        [sys.executable, "manage.py", "heartbeat", str(agent.id), "--task", task],
+        cwd=ROOT,
+        env={**os.environ, **database_environment(settings)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def kill_once_billed(worker: list, *, agent, calls: int, then=None):
+    """For the fake's `before` of the request after the `calls`-th: once the worker has
+    billed those calls (its ledger rows exist), SIGKILL it, then `then`; the request itself
+    is then refused, so that the fake answered exactly `calls` requests."""
+
+    def action():
+        deadline = time.monotonic() + 60
+        while CostEvent.objects.filter(agent_id=agent.id).count() < calls:
+            assert time.monotonic() < deadline, "the worker never billed its answered calls"
+            time.sleep(0.02)
+        worker[0].kill()
+        worker[0].wait(timeout=10)
+        if then is not None:
+            then()
+
+    return on_own_connection(action)
+
+
+def answered_usages(fake_anthropic) -> list[tuple[str, dict]]:
+    return [(r["body"]["model"], r["usage"]) for r in fake_anthropic.requests if r.get("usage")]
+
+
+def assert_ledger_holds_exactly(run, answered: list[tuple[str, dict]]) -> None:
+    rows = list(CostEvent.objects.filter(run_id=run.id).order_by("call_number"))
+    assert [(row.model, row.input_tokens, row.output_tokens, row.cache_read_input_tokens) for row in rows] == [
+        (model, usage["input_tokens"], usage["output_tokens"], usage.get("cache_read_input_tokens", 0))
+        for model, usage in answered
+    ]
+    assert all(row.cost_usd == call_cost(usage=row.raw_usage, model=row.model, at=row.created_at) for row in rows)
+    run.refresh_from_db()
+    assert run.cost_usd == sum((row.cost_usd for row in rows), Decimal(0))

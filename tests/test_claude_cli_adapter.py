@@ -4,6 +4,7 @@ Messages API. Kept few: each starts the CLI (about half a second)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -13,20 +14,28 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from django.db import connection
+from django.db.models import F
 from django.utils import timezone
 
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import call_cost
 from sessions_app.adapters import AgentConfigError, get_adapter
 from sessions_app.adapters.claude_cli import config_dir, workspace_for
+from sessions_app.adapters.cli_home import agent_home
+from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
 from sessions_app.services import session_delete
 from sessions_app.stores import store_for
-from tests.conftest import beat
+from tests.conftest import (
+    ROOT,
+    answered_usages,
+    assert_ledger_holds_exactly,
+    beat,
+    database_environment,
+    kill_once_billed,
+    worker_heartbeat,
+)
 from tests.fake_anthropic import Reply
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli_agent(company, **config) -> Agent:
@@ -363,19 +372,6 @@ def test_a_worker_killed_mid_run_leaves_no_run_running_after_the_reaper(company,
     assert not CliTranscriptEntry.objects.exists()
 
 
-def database_environment(settings) -> dict:
-    db = connection.settings_dict
-    if connection.vendor == "sqlite":
-        url = f"sqlite:///{db['NAME']}"
-    else:
-        url = f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
-    return {
-        "DATABASE_URL": url,
-        "PAPERCLIP_HOME": str(settings.PAPERCLIP_HOME),
-        "PAPERCLIP_SESSION_STORE": settings.PAPERCLIP_SESSION_STORE,
-    }
-
-
 def processes_running(marker: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -573,3 +569,87 @@ def test_each_streamed_request_is_billed_once_as_it_ends_and_made_up_ones_not_at
 
     rows = list(CostEvent.objects.filter(run_id=run.id).order_by("call_number"))
     assert [(r.message_id, r.input_tokens, r.output_tokens) for r in rows] == [("msg_1", 900, 120), (None, 1000, 30)]
+
+
+PRICE_COLUMNS = (
+    "input_usd_per_mtok",
+    "output_usd_per_mtok",
+    "cache_write_5m_usd_per_mtok",
+    "cache_write_1h_usd_per_mtok",
+    "cache_read_usd_per_mtok",
+)
+
+
+def cli_processes_of(agent: Agent) -> list[int]:
+    """The processes of the agent's Claude Code runs (their HOME is the agent's own)."""
+    home = f"HOME={agent_home(agent.id)}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if home in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def kill_cli_of(agent: Agent) -> None:
+    """The orphaned CLI of a killed worker, ended as the reaper's sweep ends it."""
+    for pid in cli_processes_of(agent):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("calls", [1, 2, 3])
+def test_a_worker_killed_after_claude_codes_nth_answered_call_leaves_exactly_those_calls_billed(
+    company, fake_anthropic, settings, calls
+):
+    """Claude Code's calls are billed as they stream: SIGKILL of the worker after the 1st,
+    2nd and 3rd answered call leaves exactly the calls the fake answered in the ledger, no
+    more, no less, and the reaper's failure of the run shows their cost."""
+    agent = cli_agent(company, session_mode="persistent")
+    worker: list = []
+    steps = [Reply.tool_use("Bash", {"command": f"echo step {n}", "description": "step"}) for n in range(3)]
+    refuse = Reply(
+        kind="error",
+        status=400,
+        before=kill_once_billed(worker, agent=agent, calls=calls, then=lambda: kill_cli_of(agent)),
+    )
+    fake_anthropic.push(*steps[:calls], refuse)
+
+    worker.append(worker_heartbeat(agent, "three steps", settings))
+    worker[0].wait(timeout=180)
+
+    run = HeartbeatRun.objects.get(agent=agent)
+    assert run.status == RunStatus.RUNNING  # as the killed worker left it
+    assert runs_reap(now=run.deadline_at + timedelta(seconds=1)) == [agent.id]
+    assert len(answered_usages(fake_anthropic)) == calls
+    assert_ledger_holds_exactly(run, answered_usages(fake_anthropic))
+    assert not cli_processes_of(agent)
+
+
+def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_by_our_ledger(company, fake_anthropic):
+    """An operator's price three times what Claude Code assumes: Claude Code's own
+    --max-budget-usd would let about three times the cap through; the ledger stops the run
+    at the call that reaches the cap."""
+    listed = ModelPrice.objects.filter(model="claude-sonnet-4-5").latest("effective_from")
+    ModelPrice.objects.filter(pk=listed.pk).update(
+        **{name: F(name) * 3 for name in PRICE_COLUMNS},
+    )
+    cap = Decimal("0.2")
+    agent = cli_agent(company, max_budget_usd=float(cap), max_turns=20)
+    fake_anthropic.push(*[Reply.tool_use("Bash", {"command": f"echo {n}", "description": "step"}) for n in range(12)])
+
+    run = beat(agent, "keep going")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_budget_cap"), run.error
+    rows = list(CostEvent.objects.filter(run=run).order_by("call_number"))
+    spent = [sum((row.cost_usd for row in rows[:n]), Decimal(0)) for n in range(len(rows) + 1)]
+    assert spent[-2] < cap <= spent[-1]  # stopped at the call that reached the cap: one call over, no more
+    assert len(answered_usages(fake_anthropic)) == len(rows)  # every answered call billed
+    # Claude Code's own table prices the same calls at a third: under its --max-budget-usd.
+    assert spent[-1] / 3 < cap
+    assert run.cost_usd == spent[-1]

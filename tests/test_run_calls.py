@@ -3,21 +3,36 @@ billed the moment it returns, through the real SDK against the fake Messages API
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.db import connection, transaction
 from django.utils import timezone
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from costs_app.models import Budget, CostEvent, CostKind
+from costs_app.pricing import call_cost
 from sessions_app.adapters import AdapterRequest, get_adapter
 from sessions_app.context import build_request, context_settings
 from sessions_app.errors import RunAbandoned
 from sessions_app.maintenance import runs_reap
-from sessions_app.models import HeartbeatRun
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus
 from sessions_app.run_calls import RunCalls
 from sessions_app.run_queue import claim_run, heartbeat_enqueue
-from tests.conftest import on_own_connection
+from tests.conftest import (
+    answered_usages,
+    assert_ledger_holds_exactly,
+    beat,
+    context_agent,
+    kill_once_billed,
+    on_own_connection,
+    worker_heartbeat,
+)
 from tests.fake_anthropic import Reply
 
 
@@ -142,3 +157,142 @@ def test_a_meter_bills_each_reported_request_once(stateless_agent, fake_anthropi
         (2, "claude-haiku-4-5", "msg_b"),
     ]
     assert reply.cost_usd == sum(row.cost_usd for row in rows) == calls.cost_usd
+
+
+# Money under faults: a worker SIGKILLed at any moment leaves every answered call billed.
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("calls", [1, 2, 3])
+def test_a_worker_killed_after_its_nth_answered_tool_round_leaves_exactly_those_calls_billed(
+    company, fake_anthropic, settings, calls
+):
+    agent = Agent.objects.create(
+        company=company,
+        name="Rememberer",
+        adapter_type="claude-code",
+        adapter_config={"model": "claude-opus-4-5", "memory": True, "session_mode": "persistent", "max_retries": 0},
+    )
+    worker: list = []
+    rounds = [Reply.tool_calls({"command": "create", "path": f"/memories/r{n}.md", "file_text": "x"}) for n in range(3)]
+    fake_anthropic.push(
+        *rounds[:calls], Reply(kind="error", status=500, before=kill_once_billed(worker, agent=agent, calls=calls))
+    )
+
+    worker.append(worker_heartbeat(agent, "remember three things", settings))
+    worker[0].wait(timeout=120)
+
+    run = HeartbeatRun.objects.get(agent=agent)
+    assert run.status == RunStatus.RUNNING  # as the killed worker left it
+    assert runs_reap(now=run.deadline_at + timedelta(seconds=1)) == [agent.id]
+    assert_ledger_holds_exactly(run, answered_usages(fake_anthropic))
+    assert len(answered_usages(fake_anthropic)) == calls
+    assert not AgentSession.objects.filter(agent=agent).exists()  # nothing of the turn was committed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_killed_while_its_commit_waits_leaves_the_answer_billed(
+    company, fake_anthropic, settings, postgres_only
+):
+    """The answer is billed when it returns, not in the commit: the worker is killed while
+    its commit waits for the agent's row (held by another connection), and the answer is
+    in the ledger all the same. PostgreSQL: on SQLite one writer at a time means the
+    ledger's own insert would wait for the same holder."""
+    agent = Agent.objects.create(
+        company=company, name="Waiter", adapter_type="claude-code", adapter_config={"session_mode": "persistent"}
+    )
+    worker: list = []
+    release = threading.Event()
+    holding = threading.Event()
+
+    def hold_the_agent_row():
+        with transaction.atomic():
+            Agent.objects.select_for_update().get(pk=agent.pk)
+            holding.set()
+            release.wait(timeout=60)
+
+    holder = threading.Thread(target=on_own_connection(hold_the_agent_row))
+    fake_anthropic.push(Reply.message("done", before=lambda: (holder.start(), holding.wait(timeout=30))))
+
+    worker.append(worker_heartbeat(agent, "answer me", settings))
+    try:
+        deadline = time.monotonic() + 60
+        while not commit_waiting_on_a_lock():
+            assert time.monotonic() < deadline, "the worker's commit never waited for the agent's row"
+            time.sleep(0.02)
+        worker[0].kill()
+        worker[0].wait(timeout=10)
+    finally:
+        release.set()
+        holder.join(timeout=30)
+
+    run = HeartbeatRun.objects.get(agent=agent)
+    assert runs_reap(now=run.deadline_at + timedelta(seconds=1)) == [agent.id]
+    assert_ledger_holds_exactly(run, answered_usages(fake_anthropic))
+    assert len(answered_usages(fake_anthropic)) == 1
+    assert not AgentSession.objects.filter(agent=agent).exists()
+
+
+def commit_waiting_on_a_lock() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+            ['%FROM "agents"%FOR NO KEY UPDATE%'],
+        )
+        return cursor.fetchone()[0] > 0
+
+
+# The ledger over random runs: whatever happens, every answered call is one row, once.
+
+STEPS = st.sampled_from(["answer", "tools", "long", "tools_then_error", "summary_error", "answer_error"])
+
+
+@given(steps=st.lists(STEPS, min_size=1, max_size=6))
+@hypothesis_settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+def test_over_any_sequence_of_calls_and_failures_the_ledger_is_what_the_api_reported(company, fake_anthropic, steps):
+    """Answers, tool rounds, summaries, handoff notes (rotation every third turn) and
+    failures at each of those steps, in any order: the ledger holds one row per call the
+    fake answered, to the token and priced to the cent's millionth; each session's total is
+    the sum of the rows that name it, each run's cost the sum of its own."""
+    agent = context_agent(
+        company, memory=True, context_budget_tokens=1200, keep_recent_turns=1, rotate_after_turns=3, max_retries=0
+    )
+    fake_anthropic.reset_log()
+    for step in steps:
+        task = "y" * 2400 if step in ("long", "summary_error") else f"remember step {step}"
+        if step == "tools":
+            fake_anthropic.push(Reply.tool_calls({"command": "view", "path": "/memories"}))
+        if step == "tools_then_error":
+            fake_anthropic.push(Reply.tool_calls({"command": "view", "path": "/memories"}), Reply.error(400))
+        if step in ("summary_error", "answer_error"):
+            fake_anthropic.push(Reply.error(400))
+        run = beat(agent, task)
+        fake_anthropic.scripted.clear()  # what a step scripted and did not use is not the next one's
+        assert run.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)
+
+    answered = answered_usages(fake_anthropic)
+    rows = list(CostEvent.objects.filter(agent_id=agent.id).order_by("id"))
+    calls = [row for row in rows if row.kind != CostKind.SESSION_HOURS]
+    assert [
+        (r.model, r.input_tokens, r.output_tokens, r.cache_creation_input_tokens, r.cache_read_input_tokens)
+        for r in calls
+    ] == [
+        (
+            model,
+            u["input_tokens"],
+            u["output_tokens"],
+            u.get("cache_creation_input_tokens", 0),
+            u.get("cache_read_input_tokens", 0),
+        )
+        for model, u in answered
+    ]
+    for row in calls:
+        assert row.cost_usd == call_cost(usage=row.raw_usage, model=row.model, at=row.created_at)
+    for session in AgentSession.objects.filter(agent=agent):
+        named = sum((r.cost_usd for r in rows if r.session_id == session.id), Decimal(0))
+        assert abs(session.total_cost_usd - named) < Decimal("0.000001")
+    for run in HeartbeatRun.objects.filter(agent=agent):
+        own = [r.cost_usd for r in rows if r.run_id == run.id]
+        assert run.cost_usd == (sum(own, Decimal(0)) if own else None)
