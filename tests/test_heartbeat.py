@@ -401,11 +401,11 @@ def test_terminated_connection_mid_commit_leaves_history_whole_and_still_bills(
     beat(persistent_agent, "first")
     count, history, costs = snapshot(persistent_agent)
     with connection.cursor() as cursor:
-        # Hold the commit transaction open: the ledger insert sleeps, so it can be killed.
+        # Hold the commit transaction open: the turn's update of the session sleeps, so it can be killed.
         cursor.execute(
-            "CREATE FUNCTION slow_ledger() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$ "
-            "LANGUAGE plpgsql; CREATE TRIGGER slow_ledger BEFORE INSERT ON cost_events "
-            "FOR EACH ROW EXECUTE FUNCTION slow_ledger();"
+            "CREATE FUNCTION slow_turn() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$ "
+            "LANGUAGE plpgsql; CREATE TRIGGER slow_turn BEFORE UPDATE ON agent_sessions "
+            "FOR EACH ROW WHEN (NEW.message_count <> OLD.message_count) EXECUTE FUNCTION slow_turn();"
         )
     outcome = {}
 
@@ -420,14 +420,14 @@ def test_terminated_connection_mid_commit_leaves_history_whole_and_still_bills(
     thread = threading.Thread(target=run_heartbeat)
     thread.start()
     try:
-        terminate_backend_running('%INSERT INTO "cost_events"%')
+        terminate_backend_running('%UPDATE "agent_sessions"%')
         thread.join(timeout=30)
     finally:
         with connection.cursor() as cursor:
-            cursor.execute("DROP TRIGGER IF EXISTS slow_ledger ON cost_events; DROP FUNCTION IF EXISTS slow_ledger();")
+            cursor.execute("DROP TRIGGER IF EXISTS slow_turn ON agent_sessions; DROP FUNCTION IF EXISTS slow_turn();")
 
-    # Nothing of the answer's commit was written, but the answer was billed: the ledger
-    # records it on a new connection.
+    # Nothing of the answer's commit was written, but the answer was billed when it
+    # returned, before the commit began.
     assert snapshot(persistent_agent) == (count, history, costs + 1)
     stuck = HeartbeatRun.objects.get(task="second")
     assert CostEvent.objects.get(run=stuck).kind == "message"
