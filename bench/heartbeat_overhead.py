@@ -146,6 +146,8 @@ def main() -> None:
     # Warm both paths (connections, imports) before measuring.
     engine(stateless, 5)
     bare_sdk(engine_requests())
+    trips = {"stateless": round_trips(lambda: engine(stateless, 1))}
+    engine_requests()
 
     results = {"turn 1 (stateless)": measure(stateless, PER_ROUND)}
     # The floor sends the engine's requests with the task as plain text (the SQL stores it).
@@ -158,6 +160,8 @@ def main() -> None:
     results[floor_label] = Figures(floor_rates, bare_rates)
     # Grow the persistent session to 199 turns through the engine itself.
     engine(persistent, HISTORY_TURNS)
+    trips["persistent"] = round_trips(lambda: engine(persistent, 1))
+    engine_requests()
     session = AgentSession.objects.get(agent=persistent, status="active")
     prior = session.message_count
     results[f"turn {HISTORY_TURNS + 1}+ (persistent, {prior} prior messages)"] = measure(persistent, PER_ROUND // 4)
@@ -168,6 +172,10 @@ def main() -> None:
     fake.wait()
 
     print(f"store={store_for(session).name} fake latency={latency:g} ms rounds={ROUNDS} per_round={PER_ROUND}")
+    print(
+        "database round trips per heartbeat, enqueue to release (counted by libpq's trace): "
+        + ", ".join(f"{kind} {count}" for kind, count in trips.items())
+    )
     # The restated goals (issue 13): with a model's latency, the engine keeps 0.95 of the
     # bare rate; with none, what it adds per heartbeat is compared with what the floor adds.
     goal = " (goal >= 0.95)" if latency else ""
@@ -212,6 +220,28 @@ class Figures:
         self.overhead_ms = statistics.median(
             1000 / ours - 1000 / theirs for ours, theirs in zip(engine_rates, bare_rates, strict=True)
         )
+
+
+def round_trips(action) -> int:
+    """The database round trips `action` makes on this thread's connection, counted from
+    libpq's own trace of the protocol: every exchange ends with the server's ReadyForQuery
+    (BEGIN and COMMIT are exchanges of their own)."""
+    import tempfile
+
+    from django.db import connection
+    from psycopg import pq
+
+    connection.ensure_connection()
+    pgconn = connection.connection.pgconn
+    with tempfile.TemporaryFile(mode="w+") as trace:
+        pgconn.trace(trace.fileno())
+        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            action()
+        finally:
+            pgconn.untrace()
+        trace.seek(0)
+        return sum(1 for line in trace if "\tReadyForQuery\t" in line)
 
 
 def committed_write_ms(n: int = 2000, idle_seconds: float = 0) -> float:
