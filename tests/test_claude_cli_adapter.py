@@ -352,6 +352,75 @@ def test_a_worker_killed_mid_run_leaves_no_run_running_after_the_reaper(company,
     assert not CliTranscriptEntry.objects.exists()
 
 
+# A `manage.py heartbeat` worker that dies (SIGKILL, no `except` or `finally` runs) inside
+# the heartbeat's commit: after what the run appended to the transcript is written and
+# before the COMMIT, when the session row with the new turn is saved.
+DIES_BEFORE_ITS_COMMIT = """
+import os, signal, sys
+import django
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "paperclip.settings")
+django.setup()
+from django.core.management import call_command
+from django.db.models.signals import pre_save
+from sessions_app.models import AgentSession
+
+def die(sender, instance, **kwargs):
+    if instance.message_count > 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+pre_save.connect(die, sender=AgentSession)
+call_command("heartbeat", sys.argv[1], task=sys.argv[2])
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("store", ["file", "database"])
+def test_a_worker_killed_between_the_transcript_append_and_the_commit_is_not_resumed_from(
+    company, fake_anthropic, settings, store
+):
+    """The dead run's turn ("drop the staging database") never reached the COMMIT: the
+    next heartbeat resumes Claude Code from the transcript as the last good run left it."""
+    from sessions_app.maintenance import runs_reap
+
+    settings.PAPERCLIP_SESSION_STORE = store
+    agent = cli_agent(company, session_mode="persistent")
+    assert beat(agent, "remember the codeword heron").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    transcript = sorted(p.read_bytes() for p in session_store_root(agent).rglob("*.jsonl"))
+
+    worker = subprocess.run(
+        [sys.executable, "-c", DIES_BEFORE_ITS_COMMIT, str(agent.id), "drop the staging database"],
+        cwd=ROOT,
+        env={**os.environ, **database_environment(settings)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert worker.returncode == -9, worker.stderr[-2000:]
+    dead = HeartbeatRun.objects.get(task="drop the staging database")
+    assert dead.status == RunStatus.RUNNING  # as the killed worker left it
+    if store == "file":  # the worker did append the run's lines before it died
+        assert sorted(p.read_bytes() for p in session_store_root(agent).rglob("*.jsonl")) != transcript
+    assert runs_reap(now=dead.deadline_at + timedelta(seconds=1)) == [agent.id]
+    fake_anthropic.reset_log()
+
+    run = beat(agent, "what was the last task?")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    (body,) = fake_anthropic.message_requests
+    assert "remember the codeword heron" in str(body["messages"])
+    assert "drop the staging database" not in str(body["messages"])
+    session.refresh_from_db()
+    assert session.message_count == 4
+    assert [m["content"] for m in store_for(session).read(session) if m["role"] == "user"] == [
+        "remember the codeword heron",
+        "what was the last task?",
+    ]
+    fake_anthropic.reset_log()
+    assert beat(agent, "and before that?").status == RunStatus.SUCCEEDED
+    assert "drop the staging database" not in str(fake_anthropic.message_requests[0]["messages"])
+
+
 def database_environment(settings) -> dict:
     db = connection.settings_dict
     if connection.vendor == "sqlite":
