@@ -408,8 +408,9 @@ class SessionTranscripts:
     `session` is None or has no CLI session yet): the runtime's `OwnSessionStore`. It reads
     the transcript before the run and writes what the run appended in the commit."""
 
-    def __init__(self, session: AgentSession | None) -> None:
+    def __init__(self, session: AgentSession | None, *, agent_id) -> None:
         self.session = session
+        self.agent_id = agent_id
         self.resumed_id = session.cli_session_id if session is not None else ""
 
     def run_transcript(self) -> RunTranscript:
@@ -424,8 +425,16 @@ class SessionTranscripts:
         between the ledger's cost and the CLI's own figure is logged."""
 
         def commit(session: AgentSession | None, cost: Decimal | None) -> StagedTranscript | None:
+            """`session` None: no session takes this run's transcript (a stateless agent,
+            or a nothing-to-do answer, which is never replayed)."""
             cost_check(report, cost)
             if session is None or transcript is None:
+                if not self.resumed_id:
+                    # A CLI session no row will ever name: not even the CLI's local copy is kept.
+                    try:
+                        local_copy_delete(agent_id=self.agent_id, cli_session_id=session_id)
+                    except OSError as exc:
+                        logger.warning("Could not delete the local copy of CLI session %s: %s", session_id, exc)
                 return None
             if session.cli_session_id != session_id:  # a new transcript: nothing of it is committed yet
                 AgentSession.objects.filter(pk=session.pk).update(cli_session_id=session_id, cli_transcript_sizes={})

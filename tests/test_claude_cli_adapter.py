@@ -191,6 +191,49 @@ def test_deleting_the_session_removes_its_transcript_from_the_store_and_disk(
     assert not list(config_dir(agent.id).rglob(f"*{cli_id}*"))
 
 
+@pytest.mark.parametrize("store", ["database", "file"])
+def test_a_nothing_to_do_answer_leaves_claude_codes_transcript_as_it_was(company, fake_anthropic, settings, store):
+    """The answer is billed and shown on the run, never replayed: not in the session's
+    history, and not in the transcript Claude Code resumes from either."""
+    settings.PAPERCLIP_SESSION_STORE = store
+    agent = cli_agent(company, session_mode="persistent", nothing_to_do_marker="NOTHING_TO_DO")
+    assert beat(agent, "remember the codeword heron").status == RunStatus.SUCCEEDED
+    before = snapshot(agent)
+    fake_anthropic.push(Reply.message("NOTHING_TO_DO"))
+
+    idle = beat(agent, "check the ticket queue")
+
+    assert (idle.status, idle.nothing_to_do) == (RunStatus.SUCCEEDED, True), idle.error
+    assert CostEvent.objects.filter(run=idle).exists()
+    assert snapshot(agent) == before  # history, CLI session and stored transcript
+    fake_anthropic.reset_log()
+    assert beat(agent, "what was the codeword?").status == RunStatus.SUCCEEDED
+    (body,) = fake_anthropic.message_requests
+    assert "remember the codeword heron" in str(body["messages"])
+    assert "check the ticket queue" not in str(body["messages"])
+    assert "NOTHING_TO_DO" not in str(body["messages"])
+
+
+def test_a_first_nothing_to_do_answer_keeps_the_session_and_the_next_run_starts_its_transcript(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent", nothing_to_do_marker="NOTHING_TO_DO")
+    fake_anthropic.push(Reply.message("NOTHING_TO_DO"))
+    idle = beat(agent, "check the ticket queue")
+    assert idle.nothing_to_do
+    session = AgentSession.objects.get(agent=agent)
+    assert (session.message_count, session.cli_session_id) == (0, "")
+    assert not list(config_dir(agent.id).rglob(f"*{idle.runtime_report['cli_session_id']}*"))  # nor a local copy
+    fake_anthropic.reset_log()
+
+    run = beat(agent, "remember the codeword heron")
+
+    assert run.status == RunStatus.SUCCEEDED and run.session_id == session.id, run.error
+    assert "check the ticket queue" not in str(fake_anthropic.message_requests[0]["messages"])
+    session.refresh_from_db()
+    assert session.cli_session_id and session.message_count == 2
+    assert beat(agent, "the codeword?").status == RunStatus.SUCCEEDED
+    assert "remember the codeword heron" in str(fake_anthropic.message_requests[-1]["messages"])
+
+
 def session_store_root(agent) -> Path:
     from django.conf import settings
 
