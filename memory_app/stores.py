@@ -3,7 +3,8 @@
 Every write runs in one short transaction that locks its store's row first, so writes to
 a store happen one at a time on every host: a write reads the content it changes under
 the lock (a str_replace of one run and an insert of another both land), and the store's
-size limit is checked against a total no concurrent write can move. No lock is ever held
+size limit is checked against a total no concurrent write can move. A run's write also
+locks its run's row and is made only while the run is running. No lock is ever held
 across a model call: the tool loop calls these between calls.
 """
 
@@ -26,7 +27,8 @@ from memory_app.models import (
     MemoryVersion,
     MemoryWriter,
 )
-from sessions_app.models import Agent
+from sessions_app.errors import RunAbandoned
+from sessions_app.models import Agent, HeartbeatRun, RunStatus
 from sessions_app.text import is_storable
 
 ROOT = "/memories"
@@ -210,7 +212,19 @@ def file_write(
         raise MemoryFault("memory_path_invalid", f"{ROOT} is a directory; name a file below it.")
     with transaction.atomic():
         store = MemoryStore.objects.select_for_update().get(pk=mount.store.pk)
+        _writer_check(writer)
         return _write_locked(store, path, change, operation=operation, writer=writer, expected=expected_version)
+
+
+def _writer_check(writer: Writer) -> None:
+    """A run writes only while it is running: a reaped run commits nothing. Its row stays
+    locked until the write commits, so the reaper (an UPDATE of that row) waits for a
+    write that found the run running, and a write after the reaper's COMMIT sees it failed."""
+    if writer.run_id is None:
+        return
+    running = HeartbeatRun.objects.select_for_update(no_key=True).filter(id=writer.run_id, status=RunStatus.RUNNING)
+    if not running.exists():
+        raise RunAbandoned("run_timeout", "The run was reaped as timed out; its memory write was not made.")
 
 
 def _write_locked(store, path, change, *, operation, writer, expected) -> MemoryFile:
@@ -306,6 +320,7 @@ def tree_rename(mount: Mount, old: str, new: str, *, writer: Writer) -> int:
         raise MemoryFault("memory_path_invalid", "A path cannot be moved into itself.")
     with transaction.atomic():
         store = MemoryStore.objects.select_for_update().get(pk=mount.store.pk)
+        _writer_check(writer)
         paths = _paths_at(store, old)
         moves = [(each, new + each[len(old) :]) for each in paths]
         taken = MemoryFile.objects.filter(store=store, deleted=False, path__in=[to for _, to in moves])
