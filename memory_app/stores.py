@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models.functions import Substr
 from django.utils import timezone
 
 from memory_app.models import (
@@ -176,8 +177,15 @@ def files_under(store: MemoryStore, directory: str):
     """Live files of the store at or below `directory` ("" for all), without content."""
     files = MemoryFile.objects.filter(store=store, deleted=False).defer("content").order_by("path")
     if directory:
-        files = files.filter(path__startswith=directory.rstrip("/") + "/")
+        files = below(files, directory.rstrip("/") + "/")
     return files
+
+
+def below(files, prefix: str):
+    """The files whose path starts with `prefix`, letter case included. Django's
+    `__startswith` is SQLite's LIKE, which ignores ASCII case (`Notes/` matched `notes/a.md`),
+    so the prefix is also compared exactly; LIKE narrows first (PostgreSQL's is exact)."""
+    return files.filter(path__startswith=prefix).alias(head=Substr("path", 1, len(prefix))).filter(head=prefix)
 
 
 # --- writes -----------------------------------------------------------------------------
@@ -277,8 +285,8 @@ def _prefix_clash(store: MemoryStore, path: str) -> bool:
     """A file may not share its path with a directory (other files below it), nor sit below
     another file."""
     parents = [path.rsplit("/", depth)[0] for depth in range(1, path.count("/") + 1)]
-    below = MemoryFile.objects.filter(store=store, deleted=False, path__startswith=path + "/").exists()
-    return below or MemoryFile.objects.filter(store=store, deleted=False, path__in=parents).exists()
+    inside = below(MemoryFile.objects.filter(store=store, deleted=False), path + "/").exists()
+    return inside or MemoryFile.objects.filter(store=store, deleted=False, path__in=parents).exists()
 
 
 def limits_check(store: MemoryStore, path: str, *, size: int, old_size: int) -> None:

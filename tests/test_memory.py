@@ -104,6 +104,37 @@ def test_the_commands_work_and_every_write_is_a_version(memory_agent):
     assert {v.written_by for v in MemoryVersion.objects.all()} == {MemoryWriter.OPERATOR}
 
 
+def test_paths_are_case_sensitive_on_every_database(memory_agent):
+    """SQLite's LIKE (Django's `__startswith`) ignores ASCII case: `Notes` named the folder
+    `notes/` for delete, view and rename, and a file `Notes` clashed with that folder."""
+    tool = tool_for(memory_agent)
+    tool.call({"command": "create", "path": "/memories/notes/a.md", "file_text": "a"})
+    tool.call({"command": "create", "path": "/memories/notes/b.md", "file_text": "b"})
+
+    for command in (
+        {"command": "delete", "path": "/memories/Notes"},
+        {"command": "view", "path": "/memories/Notes"},
+        {"command": "rename", "old_path": "/memories/Notes", "new_path": "/memories/moved"},
+    ):
+        result = tool_result(tool, {"id": "t", "input": command})
+        assert result["is_error"] and "does not exist" in result["content"], (command, result)
+    assert sorted(MemoryFile.objects.filter(deleted=False).values_list("path", flat=True)) == [
+        "notes/a.md",
+        "notes/b.md",
+    ]
+
+    tool.call({"command": "create", "path": "/memories/Notes", "file_text": "a file beside the folder"})
+    tool.call({"command": "create", "path": "/memories/NOTES/c.md", "file_text": "another folder"})
+    assert "notes/a.md" in tool.call({"command": "view", "path": "/memories/notes"})
+    assert "NOTES" not in tool.call({"command": "view", "path": "/memories/notes"})
+    tool.call({"command": "delete", "path": "/memories/NOTES"})
+    assert sorted(MemoryFile.objects.filter(deleted=False).values_list("path", flat=True)) == [
+        "Notes",
+        "notes/a.md",
+        "notes/b.md",
+    ]
+
+
 def test_a_deleted_file_created_again_continues_its_versions_and_can_be_reverted(memory_agent):
     tool = tool_for(memory_agent)
     tool.call({"command": "create", "path": "/memories/a.md", "file_text": "one"})

@@ -51,6 +51,13 @@ def test_put_get_list_and_delete_a_file(api, memory_agent):
     assert api.get(agent_url(memory_agent, "/memory")).json()["files"] == []
 
 
+def test_a_path_differing_in_case_names_another_file(api, memory_agent):
+    written(memory_agent, "notes/todo.md", "buy milk")
+    assert_error(api.delete(agent_url(memory_agent, "/memory/Notes")), 404, "memory_not_found")
+    assert_error(api.get(agent_url(memory_agent, "/memory/Notes/todo.md")), 404, "memory_not_found")
+    assert api.get(agent_url(memory_agent, "/memory/notes/todo.md")).json()["content"] == "buy milk"
+
+
 def test_a_stale_version_is_a_conflict_not_a_lost_write(api, memory_agent):
     url = agent_url(memory_agent, "/memory/a.md")
     api.put(url, {"content": "one"})
