@@ -238,7 +238,7 @@ def _writer_check(writer: Writer) -> None:
 def _write_locked(store, path, change, *, operation, writer, expected) -> MemoryFile:
     found = MemoryFile.objects.filter(store=store, path=path).first()
     current = None if found is None or found.deleted else found.content
-    if expected is not None and (found.version if found else 0) != expected:
+    if expected is not None and expected not in _versions_now(found):
         raise MemoryFault(
             "memory_version_conflict",
             f"{ROOT}/{path} is at version {found.version if found else 0}, not {expected}: it changed meanwhile.",
@@ -275,6 +275,15 @@ def _write_locked(store, path, change, *, operation, writer, expected) -> Memory
     store.bytes_used = store.bytes_used - _old_size(current) + size
     MemoryStore.objects.filter(pk=store.pk).update(bytes_used=store.bytes_used)
     return found
+
+
+def _versions_now(found: MemoryFile | None) -> tuple[int, ...]:
+    """The versions a conditional write may name for the file as it is: its number, or 0
+    when there is no file. A deleted file is no file (a reader gets 404 and may create it
+    with 0), and its deletion's number still names it (the admin's form, read before)."""
+    if found is None:
+        return (0,)
+    return (0, found.version) if found.deleted else (found.version,)
 
 
 def _old_size(current: str | None) -> int:
