@@ -274,7 +274,23 @@ def _write_locked(store, path, change, *, operation, writer, expected) -> Memory
         MemoryVersion.objects.filter(file=found, number__lte=found.version - kept).delete()
     store.bytes_used = store.bytes_used - _old_size(current) + size
     MemoryStore.objects.filter(pk=store.pk).update(bytes_used=store.bytes_used)
+    if new is None:
+        _deleted_files_prune(store)
     return found
+
+
+def _deleted_files_prune(store: MemoryStore) -> None:
+    """A deleted file keeps its row and versions, so that it can be reverted or created
+    again with its numbering; the store's byte limit counts live files only, so without a
+    bound create/delete cycles over new paths would grow the versions for ever. A store
+    keeps its PAPERCLIP_MEMORY_DELETED_FILES_KEPT most recently deleted files; older ones
+    go with their versions. Under the store's lock, like every write."""
+    kept = settings.PAPERCLIP_MEMORY_DELETED_FILES_KEPT
+    deleted = MemoryFile.objects.filter(store=store, deleted=True).order_by("-updated_at", "-id")
+    stale = list(deleted.values_list("id", flat=True)[kept:])
+    if stale:
+        MemoryVersion.objects.filter(file_id__in=stale).delete()
+        MemoryFile.objects.filter(id__in=stale).delete()
 
 
 def _versions_now(found: MemoryFile | None) -> tuple[int, ...]:

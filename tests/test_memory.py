@@ -188,6 +188,31 @@ def test_old_versions_are_pruned_past_the_setting(memory_agent, settings):
     assert list(MemoryVersion.objects.order_by("number").values_list("number", flat=True)) == [4, 5, 6]
 
 
+def test_the_versions_of_deleted_files_are_pruned_past_the_setting(memory_agent, settings):
+    """Create/delete cycles over new paths: each deleted file keeps its row and versions
+    (the store's byte limit counts live files only), so they grew without bound."""
+    settings.PAPERCLIP_MEMORY_DELETED_FILES_KEPT = 3
+    tool = tool_for(memory_agent)
+    for n in range(10):
+        tool.call({"command": "create", "path": f"/memories/scratch-{n}.md", "file_text": f"note {n}"})
+        tool.call({"command": "delete", "path": f"/memories/scratch-{n}.md"})
+    tool.call({"command": "create", "path": "/memories/kept.md", "file_text": "live"})
+    tool.call({"command": "rename", "old_path": "/memories/kept.md", "new_path": "/memories/moved.md"})
+
+    deleted = MemoryFile.objects.filter(deleted=True).order_by("path")
+    assert list(deleted.values_list("path", flat=True)) == ["kept.md", "scratch-8.md", "scratch-9.md"]
+    assert MemoryVersion.objects.filter(file__deleted=True).count() == 6  # each: its content, its deletion
+    assert content(memory_agent, "moved.md") == "live"
+    # The newest deleted ones can still be restored from their versions.
+    tool.call({"command": "create", "path": "/memories/scratch-9.md", "file_text": "back"})
+    assert MemoryFile.objects.get(path="scratch-9.md").version == 3
+    # 0: a deleted file is forgotten at once, versions and all.
+    settings.PAPERCLIP_MEMORY_DELETED_FILES_KEPT = 0
+    assert tool.call({"command": "delete", "path": "/memories/scratch-9.md"}).startswith("Successfully deleted")
+    assert not MemoryFile.objects.filter(deleted=True).exists()
+    assert not MemoryVersion.objects.filter(file__path__startswith="scratch").exists()
+
+
 def test_a_shared_store_is_mounted_by_name_read_only_or_read_write(company, memory_agent):
     team = MemoryStore.objects.create(company=company, agent=memory_agent, name="team")
     reader = Agent.objects.create(company=company, name="Reader", adapter_config={"memory": ["team"]})
