@@ -356,6 +356,15 @@ def tree_rename(mount: Mount, old: str, new: str, *, writer: Writer) -> int:
         _writer_check(writer)
         paths = _paths_at(store, old)
         moves = [(each, new + each[len(old) :]) for each in paths]
+        for _, target in moves:
+            # Each path named was within the limit; a folder's file moved below a longer
+            # name may not be (the column would refuse it, or store a path no one can name).
+            if len(shown(mount, target)) > MAX_PATH_CHARS:
+                raise MemoryFault(
+                    "memory_path_invalid",
+                    f"Renaming would make the path {shown(mount, target)[:80]}... longer than {MAX_PATH_CHARS} "
+                    "characters. Choose a shorter name.",
+                )
         taken = MemoryFile.objects.filter(store=store, deleted=False, path__in=[to for _, to in moves])
         if taken.exists():
             raise MemoryFault("memory_exists", f"{ROOT}/{taken.first().path} already exists.")

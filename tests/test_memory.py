@@ -135,6 +135,26 @@ def test_paths_are_case_sensitive_on_every_database(memory_agent):
     ]
 
 
+def test_a_rename_that_would_build_a_path_over_the_limit_is_a_tool_error(memory_agent):
+    """Each path named is within 512 characters, but a folder's file moved below a longer
+    name is not: on PostgreSQL the column refused it (DataError: the run failed
+    internal_error); SQLite stored a file nobody could name again to read or delete."""
+    tool = tool_for(memory_agent)
+    deep = "/memories/d/" + "f" * 490
+    tool.call({"command": "create", "path": deep, "file_text": "deep"})
+    versions = MemoryVersion.objects.count()
+
+    result = tool_result(
+        tool,
+        {"id": "t", "input": {"command": "rename", "old_path": "/memories/d", "new_path": "/memories/" + "e" * 30}},
+    )
+
+    assert result["is_error"] and "512" in result["content"], result
+    assert list(MemoryFile.objects.filter(deleted=False).values_list("path", flat=True)) == ["d/" + "f" * 490]
+    assert MemoryVersion.objects.count() == versions
+    assert tool.call({"command": "view", "path": deep}).endswith("deep")
+
+
 def test_a_deleted_file_created_again_continues_its_versions_and_can_be_reverted(memory_agent):
     tool = tool_for(memory_agent)
     tool.call({"command": "create", "path": "/memories/a.md", "file_text": "one"})
