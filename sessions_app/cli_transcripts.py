@@ -341,7 +341,8 @@ class StagedTranscript:
         if self.committed is None:  # kept before sizes were: its files as they are
             self.committed = store.session_sizes(self.cli_session_id)
         committed = self.committed
-        sizes = dict(committed)
+        # Kept as it grows, so that `discard` cuts back a write that failed half way.
+        self.sizes = sizes = dict(committed)
         try:
             for key, entries in self.appended:
                 path = store.path_for(key)
@@ -356,7 +357,6 @@ class StagedTranscript:
             raise HistoryUnavailable(
                 "history_unwritable", f"The Claude Code transcript cannot be written: {exc.strerror or exc}."
             ) from None
-        self.sizes = sizes
         return sizes
 
     def publish(self) -> None:

@@ -163,3 +163,26 @@ def test_a_transcript_kept_before_sizes_were_is_read_whole_and_its_next_write_na
         "": [{"type": "a"}, {"type": "c"}],
         "subagents/agent-1": [{"type": "b"}],
     }
+
+
+def test_a_write_that_fails_half_way_is_cut_back_by_the_failed_heartbeat():
+    """The main transcript is appended, then a subagent's cannot be (its folder is a file):
+    the heartbeat fails `history_unwritable`, and its discard cuts the main one back, even
+    for a transcript kept before sizes were (read whole)."""
+    from sessions_app.errors import HistoryUnavailable
+
+    store = FileTranscripts(uuid.uuid4())
+    main = {"project_key": "p", "session_id": "s"}
+    store.append_now(main, [{"type": "a"}])
+    (store.path_for(main).parent / "sub").write_text("in the way")
+    session = AgentSession(id=uuid.uuid4(), cli_session_id="s", cli_transcript_sizes=None)
+    staged = StagedTranscript(
+        store, [(main, [{"type": "b"}]), ({**main, "subpath": "subagents/x"}, [{"type": "c"}])], session=session
+    )
+
+    with pytest.raises(HistoryUnavailable) as failure:
+        staged.write()
+    staged.discard()
+
+    assert failure.value.code == "history_unwritable"
+    assert store.session_entries("s") == {"": [{"type": "a"}]}
