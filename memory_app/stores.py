@@ -3,7 +3,8 @@
 Every write runs in one short transaction that locks its store's row first, so writes to
 a store happen one at a time on every host: a write reads the content it changes under
 the lock (a str_replace of one run and an insert of another both land), and the store's
-size limit is checked against a total no concurrent write can move. No lock is ever held
+size limit is checked against a total no concurrent write can move. A run's write also
+locks its run's row and is made only while the run is running. No lock is ever held
 across a model call: the tool loop calls these between calls.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models.functions import Substr
 from django.utils import timezone
 
 from memory_app.models import (
@@ -26,7 +28,8 @@ from memory_app.models import (
     MemoryVersion,
     MemoryWriter,
 )
-from sessions_app.models import Agent
+from sessions_app.errors import RunAbandoned
+from sessions_app.models import Agent, HeartbeatRun, RunStatus
 from sessions_app.text import is_storable
 
 ROOT = "/memories"
@@ -174,8 +177,15 @@ def files_under(store: MemoryStore, directory: str):
     """Live files of the store at or below `directory` ("" for all), without content."""
     files = MemoryFile.objects.filter(store=store, deleted=False).defer("content").order_by("path")
     if directory:
-        files = files.filter(path__startswith=directory.rstrip("/") + "/")
+        files = below(files, directory.rstrip("/") + "/")
     return files
+
+
+def below(files, prefix: str):
+    """The files whose path starts with `prefix`, letter case included. Django's
+    `__startswith` is SQLite's LIKE, which ignores ASCII case (`Notes/` matched `notes/a.md`),
+    so the prefix is also compared exactly; LIKE narrows first (PostgreSQL's is exact)."""
+    return files.filter(path__startswith=prefix).alias(head=Substr("path", 1, len(prefix))).filter(head=prefix)
 
 
 # --- writes -----------------------------------------------------------------------------
@@ -210,13 +220,25 @@ def file_write(
         raise MemoryFault("memory_path_invalid", f"{ROOT} is a directory; name a file below it.")
     with transaction.atomic():
         store = MemoryStore.objects.select_for_update().get(pk=mount.store.pk)
+        _writer_check(writer)
         return _write_locked(store, path, change, operation=operation, writer=writer, expected=expected_version)
+
+
+def _writer_check(writer: Writer) -> None:
+    """A run writes only while it is running: a reaped run commits nothing. Its row stays
+    locked until the write commits, so the reaper (an UPDATE of that row) waits for a
+    write that found the run running, and a write after the reaper's COMMIT sees it failed."""
+    if writer.run_id is None:
+        return
+    running = HeartbeatRun.objects.select_for_update(no_key=True).filter(id=writer.run_id, status=RunStatus.RUNNING)
+    if not running.exists():
+        raise RunAbandoned("run_timeout", "The run was reaped as timed out; its memory write was not made.")
 
 
 def _write_locked(store, path, change, *, operation, writer, expected) -> MemoryFile:
     found = MemoryFile.objects.filter(store=store, path=path).first()
     current = None if found is None or found.deleted else found.content
-    if expected is not None and (found.version if found else 0) != expected:
+    if expected is not None and expected not in _versions_now(found):
         raise MemoryFault(
             "memory_version_conflict",
             f"{ROOT}/{path} is at version {found.version if found else 0}, not {expected}: it changed meanwhile.",
@@ -252,7 +274,32 @@ def _write_locked(store, path, change, *, operation, writer, expected) -> Memory
         MemoryVersion.objects.filter(file=found, number__lte=found.version - kept).delete()
     store.bytes_used = store.bytes_used - _old_size(current) + size
     MemoryStore.objects.filter(pk=store.pk).update(bytes_used=store.bytes_used)
+    if new is None:
+        _deleted_files_prune(store)
     return found
+
+
+def _deleted_files_prune(store: MemoryStore) -> None:
+    """A deleted file keeps its row and versions, so that it can be reverted or created
+    again with its numbering; the store's byte limit counts live files only, so without a
+    bound create/delete cycles over new paths would grow the versions for ever. A store
+    keeps its PAPERCLIP_MEMORY_DELETED_FILES_KEPT most recently deleted files; older ones
+    go with their versions. Under the store's lock, like every write."""
+    kept = settings.PAPERCLIP_MEMORY_DELETED_FILES_KEPT
+    deleted = MemoryFile.objects.filter(store=store, deleted=True).order_by("-updated_at", "-id")
+    stale = list(deleted.values_list("id", flat=True)[kept:])
+    if stale:
+        MemoryVersion.objects.filter(file_id__in=stale).delete()
+        MemoryFile.objects.filter(id__in=stale).delete()
+
+
+def _versions_now(found: MemoryFile | None) -> tuple[int, ...]:
+    """The versions a conditional write may name for the file as it is: its number, or 0
+    when there is no file. A deleted file is no file (a reader gets 404 and may create it
+    with 0), and its deletion's number still names it (the admin's form, read before)."""
+    if found is None:
+        return (0,)
+    return (0, found.version) if found.deleted else (found.version,)
 
 
 def _old_size(current: str | None) -> int:
@@ -263,8 +310,8 @@ def _prefix_clash(store: MemoryStore, path: str) -> bool:
     """A file may not share its path with a directory (other files below it), nor sit below
     another file."""
     parents = [path.rsplit("/", depth)[0] for depth in range(1, path.count("/") + 1)]
-    below = MemoryFile.objects.filter(store=store, deleted=False, path__startswith=path + "/").exists()
-    return below or MemoryFile.objects.filter(store=store, deleted=False, path__in=parents).exists()
+    inside = below(MemoryFile.objects.filter(store=store, deleted=False), path + "/").exists()
+    return inside or MemoryFile.objects.filter(store=store, deleted=False, path__in=parents).exists()
 
 
 def limits_check(store: MemoryStore, path: str, *, size: int, old_size: int) -> None:
@@ -306,8 +353,18 @@ def tree_rename(mount: Mount, old: str, new: str, *, writer: Writer) -> int:
         raise MemoryFault("memory_path_invalid", "A path cannot be moved into itself.")
     with transaction.atomic():
         store = MemoryStore.objects.select_for_update().get(pk=mount.store.pk)
+        _writer_check(writer)
         paths = _paths_at(store, old)
         moves = [(each, new + each[len(old) :]) for each in paths]
+        for _, target in moves:
+            # Each path named was within the limit; a folder's file moved below a longer
+            # name may not be (the column would refuse it, or store a path no one can name).
+            if len(shown(mount, target)) > MAX_PATH_CHARS:
+                raise MemoryFault(
+                    "memory_path_invalid",
+                    f"Renaming would make the path {shown(mount, target)[:80]}... longer than {MAX_PATH_CHARS} "
+                    "characters. Choose a shorter name.",
+                )
         taken = MemoryFile.objects.filter(store=store, deleted=False, path__in=[to for _, to in moves])
         if taken.exists():
             raise MemoryFault("memory_exists", f"{ROOT}/{taken.first().path} already exists.")

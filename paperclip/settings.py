@@ -73,6 +73,8 @@ PAPERCLIP_MAX_CONCURRENT_RUNS = env_int("PAPERCLIP_MAX_CONCURRENT_RUNS", 0, mini
 PAPERCLIP_MEMORY_MAX_FILE_BYTES = env_int("PAPERCLIP_MEMORY_MAX_FILE_BYTES", 64 * 1024, minimum=1)
 PAPERCLIP_MEMORY_MAX_STORE_BYTES = env_int("PAPERCLIP_MEMORY_MAX_STORE_BYTES", 1024 * 1024, minimum=1)
 PAPERCLIP_MEMORY_VERSIONS_KEPT = env_int("PAPERCLIP_MEMORY_VERSIONS_KEPT", 50, minimum=1)
+# Deleted files a store keeps with their versions (to revert or re-create), newest deletions first.
+PAPERCLIP_MEMORY_DELETED_FILES_KEPT = env_int("PAPERCLIP_MEMORY_DELETED_FILES_KEPT", 100, minimum=0)
 # Budget alert webhooks (costs_app.alerts): attempts per delivery, the first retry's wait
 # (each later one waits four times longer), and each request's timeout.
 PAPERCLIP_ALERT_MAX_ATTEMPTS = env_int("PAPERCLIP_ALERT_MAX_ATTEMPTS", 5, minimum=1, maximum=20)

@@ -18,6 +18,12 @@ transcript loaded before the run and buffers what the CLI appends. The engine wr
 buffer in the heartbeat's commit (`on_commit`), so the ORM is never used
 from the SDK's event loop, no transaction is held across the CLI's run, and a failed
 heartbeat leaves the stored transcript as it was.
+
+The file store cannot join the COMMIT, so the row names what it committed, as it names a
+history file's version: `AgentSession.cli_transcript_sizes`, the size of each transcript
+file the COMMIT covers. A run appends its lines before that COMMIT; until the COMMIT names
+their sizes no reader sees them, so a worker killed between the append and the COMMIT
+leaves lines nobody resumes from, and the next write cuts them off first.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ from urllib.parse import quote, unquote
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, transaction
 
 from sessions_app.adapters.cli_home import local_copy_delete
+from sessions_app.errors import HistoryUnavailable
 from sessions_app.models import AgentSession, CliTranscriptEntry, HistoryStore
 
 logger = logging.getLogger(__name__)
@@ -94,10 +101,11 @@ class TranscriptStore:
     def delete_now(self, key) -> None:
         raise NotImplementedError
 
-    def session_entries(self, session_id: str) -> dict[str, list[dict]]:
+    def session_entries(self, session_id: str, *, committed: dict[str, int] | None = None) -> dict[str, list[dict]]:
         """Every transcript of a CLI session in this scope, whatever project it was kept
         under, by subpath ("" for the main one). A workspace path that differs between
-        hosts changes the project key, never which session an agent resumes."""
+        hosts changes the project key, never which session an agent resumes. `committed`
+        is the row's `cli_transcript_sizes` (the file store reads only that much)."""
         raise NotImplementedError
 
     def delete_session(self, session_id: str) -> None:
@@ -148,7 +156,8 @@ class DatabaseTranscripts(TranscriptStore):
         rows = self._rows(project, session)
         (rows.filter(subpath=subpath) if subpath else rows).delete()
 
-    def session_entries(self, session_id: str) -> dict[str, list[dict]]:
+    def session_entries(self, session_id: str, *, committed: dict[str, int] | None = None) -> dict[str, list[dict]]:
+        # Rows commit with the heartbeat: every row there is committed.
         found: dict[str, list[dict]] = {}
         rows = CliTranscriptEntry.objects.filter(scope=self.scope, session_id=session_id).order_by("id")
         for subpath, line in rows.values_list("subpath", "line"):
@@ -210,13 +219,33 @@ class FileTranscripts(TranscriptStore):
         else:
             shutil.rmtree(self._session_dir(project, session), ignore_errors=True)
 
-    def session_entries(self, session_id: str) -> dict[str, list[dict]]:
-        found: dict[str, list[dict]] = {}
+    def session_files(self, session_id: str) -> list[tuple[str, Path]]:
+        """(subpath, file) of every transcript of a CLI session, under every project."""
+        found = []
         for folder in self.root.glob(f"*/{quote(session_id, safe='')}"):
-            if (main := _read_jsonl(folder / "main.jsonl")) is not None:
-                found.setdefault("", []).extend(main)
-            for sub in (folder / "sub").glob("*.jsonl"):
-                found.setdefault(unquote(sub.name[: -len(".jsonl")]), []).extend(_read_jsonl(sub) or [])
+            found.append(("", folder / "main.jsonl"))
+            found.extend((unquote(sub.name[: -len(".jsonl")]), sub) for sub in (folder / "sub").glob("*.jsonl"))
+        return found
+
+    def name_of(self, path: Path) -> str:
+        """A transcript file's name in `cli_transcript_sizes`: its path below the root."""
+        return path.relative_to(self.root).as_posix()
+
+    def session_sizes(self, session_id: str) -> dict[str, int]:
+        """The size of each transcript file of a CLI session, as it is on disk now."""
+        return {self.name_of(path): path.stat().st_size for _, path in self.session_files(session_id) if path.exists()}
+
+    def session_entries(self, session_id: str, *, committed: dict[str, int] | None = None) -> dict[str, list[dict]]:
+        found: dict[str, list[dict]] = {}
+        for subpath, path in self.session_files(session_id):
+            if committed is None:  # written before sizes were kept: the whole file
+                entries = _read_jsonl(path)
+            elif self.name_of(path) in committed:
+                entries = _read_jsonl(path, limit=committed[self.name_of(path)])
+            else:
+                continue  # appended by a run that never committed
+            if entries is not None:
+                found.setdefault(subpath, []).extend(entries)
         return found
 
     def delete_session(self, session_id: str) -> None:
@@ -224,9 +253,11 @@ class FileTranscripts(TranscriptStore):
             shutil.rmtree(folder)
 
 
-def _read_jsonl(path: Path) -> list[dict] | None:
+def _read_jsonl(path: Path, *, limit: int | None = None) -> list[dict] | None:
+    """The entries of a JSONL file, or of its first `limit` bytes (what a COMMIT named)."""
     try:
-        text = path.read_text(encoding="ascii")
+        with open(path, "rb") as handle:
+            text = handle.read(limit if limit is not None else -1).decode("ascii")
     except FileNotFoundError:
         return None
     # A line cut short by a crash mid-append is the end of what was written.
@@ -283,32 +314,74 @@ def _uuid_of(entry) -> str | None:
 
 
 class StagedTranscript:
-    """What a heartbeat appended, written inside its commit transaction. The database
-    store's rows commit or roll back with it; the file store appends before the COMMIT and
-    cuts the files back to their former length when the transaction fails."""
+    """What a heartbeat appended, written inside its commit transaction (`write`). The
+    database store's rows commit or roll back with it. The file store appends to its files
+    before the COMMIT, first cutting off anything past the sizes the row names (lines of a
+    run that died before its COMMIT); `write` returns the files' new sizes, which the
+    caller saves on the row in the same transaction: that COMMIT is their publication."""
 
-    def __init__(self, store: TranscriptStore, appended: list[tuple[dict, list[dict]]]) -> None:
+    def __init__(
+        self, store: TranscriptStore, appended: list[tuple[dict, list[dict]]], *, session: AgentSession
+    ) -> None:
         self.store = store
         self.appended = appended
-        self.sizes: dict[Path, int] = {}
+        self.session_id = session.pk
+        self.cli_session_id = session.cli_session_id
+        self.committed = session.cli_transcript_sizes
+        self.sizes: dict[str, int] | None = None  # after `write`, what the row is to name
 
-    def write(self) -> None:
-        for key, entries in self.appended:
-            if isinstance(self.store, FileTranscripts):
-                path = self.store.path_for(key)
-                self.sizes.setdefault(path, path.stat().st_size if path.exists() else 0)
-            self.store.append_now(key, entries)
+    def write(self) -> dict[str, int] | None:
+        """Append the run's entries; for the file store, the size of every file of the
+        transcript afterwards (None for the database store)."""
+        if not isinstance(self.store, FileTranscripts):
+            for key, entries in self.appended:
+                self.store.append_now(key, entries)
+            return None
+        store = self.store
+        if self.committed is None:  # kept before sizes were: its files as they are
+            self.committed = store.session_sizes(self.cli_session_id)
+        committed = self.committed
+        # Kept as it grows, so that `discard` cuts back a write that failed half way.
+        self.sizes = sizes = dict(committed)
+        try:
+            for key, entries in self.appended:
+                path = store.path_for(key)
+                name = store.name_of(path)
+                if name not in sizes or (path.exists() and path.stat().st_size != sizes[name]):
+                    sizes[name] = committed.get(name, 0)
+                    if path.exists():
+                        os.truncate(path, sizes[name])  # lines no COMMIT named
+                store.append_now(key, entries)
+                sizes[name] = path.stat().st_size
+        except OSError as exc:
+            raise HistoryUnavailable(
+                "history_unwritable", f"The Claude Code transcript cannot be written: {exc.strerror or exc}."
+            ) from None
+        return sizes
 
     def publish(self) -> None:
-        pass
+        pass  # the COMMIT that names the sizes published the lines
 
     def discard(self) -> None:
-        for path, size in self.sizes.items():
+        """After a failed transaction: cut the files back, once the row provably does not
+        name their new sizes (a COMMIT that lost its connection may have committed). Lines
+        left behind are never read, and the next write cuts them."""
+        if self.sizes is None:
+            return
+        try:
+            named = AgentSession.objects.filter(pk=self.session_id).values_list("cli_transcript_sizes", flat=True)
+            if list(named) == [self.sizes]:
+                return
+        except DatabaseError:
+            return
+        committed = self.committed or {}
+        for name, size in self.sizes.items():
+            if size == committed.get(name):
+                continue
             try:
-                with open(path, "r+b") as handle:
-                    handle.truncate(size)
+                os.truncate(self.store.root / name, committed.get(name, 0))
             except OSError as exc:
-                logger.warning("Could not cut %s back after a failed heartbeat: %s", path, exc)
+                logger.warning("Could not cut %s back after a failed heartbeat: %s", name, exc)
 
 
 def cli_sessions_delete(rows: list[tuple]) -> None:
@@ -335,15 +408,16 @@ class SessionTranscripts:
     `session` is None or has no CLI session yet): the runtime's `OwnSessionStore`. It reads
     the transcript before the run and writes what the run appended in the commit."""
 
-    def __init__(self, session: AgentSession | None) -> None:
+    def __init__(self, session: AgentSession | None, *, agent_id) -> None:
         self.session = session
+        self.agent_id = agent_id
         self.resumed_id = session.cli_session_id if session is not None else ""
 
     def run_transcript(self) -> RunTranscript:
         if not self.resumed_id:
             return RunTranscript()
         store = transcripts_for(agent_id=self.session.agent_id, store=self.session.store)
-        return RunTranscript(store.session_entries(self.resumed_id))
+        return RunTranscript(store.session_entries(self.resumed_id, committed=self.session.cli_transcript_sizes))
 
     def on_commit(self, transcript: RunTranscript | None, *, session_id: str, report: dict):
         """The `on_commit` of a Claude Code reply: inside the heartbeat's commit, the session
@@ -351,15 +425,27 @@ class SessionTranscripts:
         between the ledger's cost and the CLI's own figure is logged."""
 
         def commit(session: AgentSession | None, cost: Decimal | None) -> StagedTranscript | None:
+            """`session` None: no session takes this run's transcript (a stateless agent,
+            or a nothing-to-do answer, which is never replayed)."""
             cost_check(report, cost)
             if session is None or transcript is None:
+                if not self.resumed_id:
+                    # A CLI session no row will ever name: not even the CLI's local copy is kept.
+                    try:
+                        local_copy_delete(agent_id=self.agent_id, cli_session_id=session_id)
+                    except OSError as exc:
+                        logger.warning("Could not delete the local copy of CLI session %s: %s", session_id, exc)
                 return None
-            if session.cli_session_id != session_id:
-                AgentSession.objects.filter(pk=session.pk).update(cli_session_id=session_id)
-                session.cli_session_id = session_id
+            if session.cli_session_id != session_id:  # a new transcript: nothing of it is committed yet
+                AgentSession.objects.filter(pk=session.pk).update(cli_session_id=session_id, cli_transcript_sizes={})
+                session.cli_session_id, session.cli_transcript_sizes = session_id, {}
             store = transcripts_for(agent_id=session.agent_id, store=session.store)
-            staged = StagedTranscript(store, transcript.appended)
-            staged.write()
+            staged = StagedTranscript(store, transcript.appended, session=session)
+            sizes = staged.write()
+            if sizes is not None:
+                # Saved here and by the turn's save that follows (which writes every field).
+                AgentSession.objects.filter(pk=session.pk).update(cli_transcript_sizes=sizes)
+                session.cli_transcript_sizes = sizes
             return staged
 
         return commit

@@ -3,7 +3,8 @@
 It runs as a run of the agent, so the rules of a heartbeat's compaction hold unchanged:
 - one writer per session: the index that allows one `running` run per agent refuses it
   while a heartbeat runs (`session_busy`), and a heartbeat arriving meanwhile stays
-  queued and is dispatched when the compaction ends, so no turn is lost;
+  queued and is dispatched when the compaction ends, so no turn is lost; a scheduled tick
+  is never counted on the compaction's run (`tick_merge`), it queues its own;
 - the summary is reserved against the budgets before it is sent and billed to the
   ledger under the run (kind `compaction`); the record is the heartbeat's own
   (`compaction_commit`), and a summary that does not shrink the session is refused the
@@ -31,11 +32,9 @@ from sessions_app.models import (
     RunTrigger,
     SessionCompaction,
 )
-from sessions_app.run_queue import dispatch_after_run, run_deadline, run_fail, worker_id
+from sessions_app.run_queue import COMPACT_TASK, dispatch_after_run, run_deadline, run_fail, worker_id
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import store_for
-
-COMPACT_TASK = "Compact the session now."
 
 
 class CompactRefused(RunFailure):

@@ -364,7 +364,7 @@ class OwnSession:
 
     def fit(self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall) -> tuple[Plan, AdapterRequest]:
         request = build_request(agent=beat.agent, history=[], user_content=user_content, settings=beat.settings_)
-        return plan, replace(request, own_session=SessionTranscripts(plan.session))
+        return plan, replace(request, own_session=SessionTranscripts(plan.session, agent_id=beat.agent.id))
 
 
 def session_strategy(adapter) -> SessionStrategy:
@@ -466,7 +466,9 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
             if session is not None and plan.new_session and beat.calls.billed_anything:
                 run_calls_join_session(run_id=run.id, session_id=session.id)
             if reply.on_commit is not None:  # a runtime's own session state (Claude Code's transcript)
-                runtime_staged = reply.on_commit(session, cost) or NOTHING_STAGED
+                # Not replayed by the runtime either: its session stays as it was, so it
+                # never resumes from a nothing-to-do answer.
+                runtime_staged = reply.on_commit(session if replayed else None, cost) or NOTHING_STAGED
             if session is not None:
                 turns, staged = _stage_turns(
                     beat, session, plan, reply, user_content, counts, finished=finished, replayed=replayed

@@ -227,6 +227,12 @@ class AgentSession(models.Model):
     # The Claude Code CLI's own id for this session (`runtime: "cli"`): what a heartbeat
     # resumes. Its transcript is kept in `cli_transcript_entries` or under PAPERCLIP_HOME.
     cli_session_id = models.CharField(max_length=64, blank=True, default="", db_default="")
+    # The file store's version of that transcript: the committed size in bytes of each of
+    # its files (by path below the agent's `cli/` folder). A run appends its lines before
+    # the COMMIT that names their new sizes, so lines past a file's size (a worker killed
+    # before its COMMIT) or a file not named are never read, and the next write cuts them.
+    # NULL: written before sizes were kept; the files are read whole.
+    cli_transcript_sizes = models.JSONField(null=True, blank=True, default=None)
 
     class Meta:
         db_table = "agent_sessions"

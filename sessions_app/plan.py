@@ -96,8 +96,10 @@ def retire_reason(
         return "force_fresh"
     if live.model not in ("", agent.model_name) or live.adapter_type not in ("", agent.adapter_type):
         return "config_changed"
-    if bool(live.cli_session_id) != agent.runs_claude_code_cli:
-        return "config_changed"  # the runtime changed: a CLI session and a chat transcript do not mix
+    if bool(live.cli_session_id) != agent.runs_claude_code_cli and (live.cli_session_id or live.message_count):
+        # The runtime changed: a CLI session and a chat transcript do not mix. A session
+        # holding neither (its answers were all nothing to do) starts the runtime's own.
+        return "config_changed"
     # Only a run that a budget applies to can have a session limit (one query when it may).
     if getattr(run, "budgeted", True) and session_limit_reached(
         company_id=agent.company_id, agent_id=agent.id, session_id=live.pk

@@ -150,6 +150,11 @@ def _queue_lock(agent: Agent) -> None:
             cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [QUEUE_LOCK_NAMESPACE, agent.pk.int % 2**31])
 
 
+# The task of compact-now's run (`sessions_app.compact_now`): a run of the agent that only
+# summarises its session.
+COMPACT_TASK = "Compact the session now."
+
+
 def tick_merge(*, agent_id) -> HeartbeatRun | None:
     """No pile-up: a tick for an agent with a queued or running run is counted on that run
     (its oldest queued one, else the running one) instead of queueing another. Returns that
@@ -157,8 +162,10 @@ def tick_merge(*, agent_id) -> HeartbeatRun | None:
     other tick counts itself meanwhile.
 
     The UPDATE re-checks the status, so a run that finished meanwhile is not counted: the
-    tick then queues a run of its own."""
-    unfinished = HeartbeatRun.objects.filter(agent_id=agent_id)
+    tick then queues a run of its own. A compaction's run does no task, so a tick is never
+    counted on it (a heartbeat asked for with that very task text is passed over too: its
+    tick queues a run of its own, which loses nothing)."""
+    unfinished = HeartbeatRun.objects.filter(agent_id=agent_id).exclude(task=COMPACT_TASK)
     for status in (RunStatus.QUEUED, RunStatus.RUNNING):
         oldest = unfinished.filter(status=status).order_by("created_at").first()
         if oldest and HeartbeatRun.objects.filter(pk=oldest.pk, status=status).update(

@@ -11,8 +11,9 @@ for good whichever of the two systems fails:
 1. `stage()` writes the new history where no reader looks yet (flushed to disk) and sets
    the row fields that name it (`StagedHistory.fields`);
 2. the caller saves the row and COMMITs;
-3. after the COMMIT, `publish()` puts the history in place; after a failed transaction,
-   `discard()` drops it.
+3. after the COMMIT, `publish()` puts the history in place, under the row's lock and
+   only while the row still names its version (a late rename never lands on a newer
+   version or a deleted session); after a failed transaction, `discard()` drops it.
 A crash or a failing rename after the COMMIT leaves the row naming a version only the
 staged file holds: the next read publishes it. A failed COMMIT leaves the old file.
 
@@ -148,14 +149,30 @@ class StagedFile(StagedHistory):
         self.replaced = replaced
 
     def publish(self) -> None:
+        """Rename the staged version into place, only while the row still names it. The
+        check and the rename happen under the row's lock, which every writer's COMMIT of
+        a newer version (or a deletion) needs: a late publication never replaces a newer
+        version, and never gives a deleted session a file. A version the row no longer
+        names is superseded for good (versions are never reused), so its file goes."""
         try:
-            os.replace(self.path, self.target)
+            with transaction.atomic():
+                current = AgentSession.objects.select_for_update().filter(
+                    pk=self.session_id, history_version=self.version
+                )
+                if current.exists():
+                    os.replace(self.path, self.target)
+                    published = True
+                else:
+                    published = False
         except FileNotFoundError:
-            return  # a reader published it first (or the session was deleted meanwhile)
-        except OSError as exc:
+            return  # a reader published it first (or the session's files were deleted meanwhile)
+        except (OSError, DatabaseError) as exc:
             # The row is committed and names this version; the staged file stays, and the
             # next read puts it in place.
             logger.warning("History of session %s stays staged until its next read: %s", self.public_id, exc)
+            return
+        if not published:
+            _unlink_quietly(self.path)
             return
         try:
             # The rename is durable only once the directory entry is on disk; if it is lost
@@ -275,11 +292,9 @@ class FileStore(HistoryBackend):
         document = self._load(session, staged.path)
         if document is not None and _names_row(document, session):
             # Committed but never published (a crash or a failed rename after the COMMIT).
-            # Under the row's lock, which every writer takes, and only while the row still
-            # names this version: a newer version published meanwhile is never replaced.
-            with transaction.atomic():
-                if _row_unchanged(session, "history_version"):
-                    staged.publish()
+            # `publish` renames it only while the row still names it: a newer version
+            # published meanwhile is never replaced.
+            staged.publish()
             return document["messages"]
         # Its writer may have published it since the file was first read.
         document = self._load(session, staged.target)

@@ -127,7 +127,9 @@ class HeartbeatPlan:
             (first,) = cron_wakes(
                 expression=self.cron, zone_name=self.zone_name, after=armed - timedelta(seconds=1), count=1
             )
-            if first == armed:
+            # Compared in UTC: an ambiguous local time (the hour repeated in autumn) never
+            # equals a time in another zone (PEP 495), however the two instants agree.
+            if first.astimezone(UTC) == armed.astimezone(UTC):
                 return armed
         (first,) = self._cron_wakes(after=now, count=1)
         return first.astimezone(UTC)

@@ -211,6 +211,49 @@ def test_deleting_the_session_removes_its_transcript_from_the_store_and_disk(
     assert not list(config_dir(agent.id).rglob(f"*{cli_id}*"))
 
 
+@pytest.mark.parametrize("store", ["database", "file"])
+def test_a_nothing_to_do_answer_leaves_claude_codes_transcript_as_it_was(company, fake_anthropic, settings, store):
+    """The answer is billed and shown on the run, never replayed: not in the session's
+    history, and not in the transcript Claude Code resumes from either."""
+    settings.PAPERCLIP_SESSION_STORE = store
+    agent = cli_agent(company, session_mode="persistent", nothing_to_do_marker="NOTHING_TO_DO")
+    assert beat(agent, "remember the codeword heron").status == RunStatus.SUCCEEDED
+    before = snapshot(agent)
+    fake_anthropic.push(Reply.message("NOTHING_TO_DO"))
+
+    idle = beat(agent, "check the ticket queue")
+
+    assert (idle.status, idle.nothing_to_do) == (RunStatus.SUCCEEDED, True), idle.error
+    assert CostEvent.objects.filter(run=idle).exists()
+    assert snapshot(agent) == before  # history, CLI session and stored transcript
+    fake_anthropic.reset_log()
+    assert beat(agent, "what was the codeword?").status == RunStatus.SUCCEEDED
+    (body,) = fake_anthropic.message_requests
+    assert "remember the codeword heron" in str(body["messages"])
+    assert "check the ticket queue" not in str(body["messages"])
+    assert "NOTHING_TO_DO" not in str(body["messages"])
+
+
+def test_a_first_nothing_to_do_answer_keeps_the_session_and_the_next_run_starts_its_transcript(company, fake_anthropic):
+    agent = cli_agent(company, session_mode="persistent", nothing_to_do_marker="NOTHING_TO_DO")
+    fake_anthropic.push(Reply.message("NOTHING_TO_DO"))
+    idle = beat(agent, "check the ticket queue")
+    assert idle.nothing_to_do
+    session = AgentSession.objects.get(agent=agent)
+    assert (session.message_count, session.cli_session_id) == (0, "")
+    assert not list(config_dir(agent.id).rglob(f"*{idle.runtime_report['cli_session_id']}*"))  # nor a local copy
+    fake_anthropic.reset_log()
+
+    run = beat(agent, "remember the codeword heron")
+
+    assert run.status == RunStatus.SUCCEEDED and run.session_id == session.id, run.error
+    assert "check the ticket queue" not in str(fake_anthropic.message_requests[0]["messages"])
+    session.refresh_from_db()
+    assert session.cli_session_id and session.message_count == 2
+    assert beat(agent, "the codeword?").status == RunStatus.SUCCEEDED
+    assert "remember the codeword heron" in str(fake_anthropic.message_requests[-1]["messages"])
+
+
 def session_store_root(agent) -> Path:
     from django.conf import settings
 
@@ -370,6 +413,75 @@ def test_a_worker_killed_mid_run_leaves_no_run_running_after_the_reaper(company,
     assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
     assert not AgentSession.objects.filter(agent=agent, message_count__gt=0).exists()
     assert not CliTranscriptEntry.objects.exists()
+
+
+# A `manage.py heartbeat` worker that dies (SIGKILL, no `except` or `finally` runs) inside
+# the heartbeat's commit: after what the run appended to the transcript is written and
+# before the COMMIT, when the session row with the new turn is saved.
+DIES_BEFORE_ITS_COMMIT = """
+import os, signal, sys
+import django
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "paperclip.settings")
+django.setup()
+from django.core.management import call_command
+from django.db.models.signals import pre_save
+from sessions_app.models import AgentSession
+
+def die(sender, instance, **kwargs):
+    if instance.message_count > 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+pre_save.connect(die, sender=AgentSession)
+call_command("heartbeat", sys.argv[1], task=sys.argv[2])
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("store", ["file", "database"])
+def test_a_worker_killed_between_the_transcript_append_and_the_commit_is_not_resumed_from(
+    company, fake_anthropic, settings, store
+):
+    """The dead run's turn ("drop the staging database") never reached the COMMIT: the
+    next heartbeat resumes Claude Code from the transcript as the last good run left it."""
+    from sessions_app.maintenance import runs_reap
+
+    settings.PAPERCLIP_SESSION_STORE = store
+    agent = cli_agent(company, session_mode="persistent")
+    assert beat(agent, "remember the codeword heron").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    transcript = sorted(p.read_bytes() for p in session_store_root(agent).rglob("*.jsonl"))
+
+    worker = subprocess.run(
+        [sys.executable, "-c", DIES_BEFORE_ITS_COMMIT, str(agent.id), "drop the staging database"],
+        cwd=ROOT,
+        env={**os.environ, **database_environment(settings)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert worker.returncode == -9, worker.stderr[-2000:]
+    dead = HeartbeatRun.objects.get(task="drop the staging database")
+    assert dead.status == RunStatus.RUNNING  # as the killed worker left it
+    if store == "file":  # the worker did append the run's lines before it died
+        assert sorted(p.read_bytes() for p in session_store_root(agent).rglob("*.jsonl")) != transcript
+    assert runs_reap(now=dead.deadline_at + timedelta(seconds=1)) == [agent.id]
+    fake_anthropic.reset_log()
+
+    run = beat(agent, "what was the last task?")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    (body,) = fake_anthropic.message_requests
+    assert "remember the codeword heron" in str(body["messages"])
+    assert "drop the staging database" not in str(body["messages"])
+    session.refresh_from_db()
+    assert session.message_count == 4
+    assert [m["content"] for m in store_for(session).read(session) if m["role"] == "user"] == [
+        "remember the codeword heron",
+        "what was the last task?",
+    ]
+    fake_anthropic.reset_log()
+    assert beat(agent, "and before that?").status == RunStatus.SUCCEEDED
+    assert "drop the staging database" not in str(fake_anthropic.message_requests[0]["messages"])
 
 
 def processes_running(marker: str) -> list[int]:

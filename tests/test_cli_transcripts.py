@@ -9,6 +9,7 @@ from asgiref.sync import async_to_sync
 from claude_agent_sdk.testing import run_session_store_conformance
 
 from sessions_app.cli_transcripts import DatabaseTranscripts, FileTranscripts, RunTranscript, StagedTranscript
+from sessions_app.models import AgentSession
 
 pytestmark = pytest.mark.django_db
 
@@ -49,11 +50,38 @@ def test_a_failed_heartbeat_cuts_the_file_back_to_what_it_was():
     store = FileTranscripts(uuid.uuid4())
     key = {"project_key": "p", "session_id": "s"}
     store.append_now(key, [{"type": "a"}])
-    staged = StagedTranscript(store, [(key, [{"type": "b"}, {"type": "c"}])])
+    session = AgentSession(id=uuid.uuid4(), cli_session_id="s")  # a row that never committed
+    staged = StagedTranscript(store, [(key, [{"type": "b"}, {"type": "c"}])], session=session)
     staged.write()
     assert len(store.load_now(key)) == 3
     staged.discard()
     assert store.load_now(key) == [{"type": "a"}]
+
+
+def test_lines_past_the_sizes_the_row_names_are_never_read_and_the_next_write_cuts_them():
+    """A worker killed between its append and its COMMIT: its lines are on disk, its sizes
+    are not on the row."""
+    store = FileTranscripts(uuid.uuid4())
+    main = {"project_key": "p", "session_id": "s"}
+    sub = {**main, "subpath": "subagents/agent-1"}
+    session = AgentSession(id=uuid.uuid4(), cli_session_id="s", cli_transcript_sizes={})
+    session.cli_transcript_sizes = StagedTranscript(store, [(main, [{"type": "a"}])], session=session).write()
+    StagedTranscript(store, [(main, [{"type": "dead"}]), (sub, [{"type": "dead"}])], session=session).write()
+    assert len(store.load_now(main)) == 2  # ...and the worker dies: no COMMIT, no discard
+
+    assert store.session_entries("s", committed=session.cli_transcript_sizes) == {"": [{"type": "a"}]}
+    assert store.session_entries("s") == {
+        "": [{"type": "a"}, {"type": "dead"}],
+        "subagents/agent-1": [{"type": "dead"}],
+    }
+
+    sizes = StagedTranscript(store, [(main, [{"type": "b"}]), (sub, [{"type": "c"}])], session=session).write()
+    assert store.load_now(main) == [{"type": "a"}, {"type": "b"}]
+    assert store.load_now(sub) == [{"type": "c"}]
+    assert store.session_entries("s", committed=sizes) == {
+        "": [{"type": "a"}, {"type": "b"}],
+        "subagents/agent-1": [{"type": "c"}],
+    }
 
 
 def test_a_run_sees_the_loaded_session_under_any_project_key():
@@ -118,3 +146,43 @@ def test_retention_purges_an_ended_sessions_transcript(
     session.refresh_from_db()
     assert session.history_purged_at is not None
     assert CliTranscriptEntry.objects.filter(session_id=cli_id).count() == 0
+
+
+def test_a_transcript_kept_before_sizes_were_is_read_whole_and_its_next_write_names_every_file():
+    store = FileTranscripts(uuid.uuid4())
+    main = {"project_key": "p", "session_id": "s"}
+    sub = {**main, "subpath": "subagents/agent-1"}
+    store.append_now(main, [{"type": "a"}])
+    store.append_now(sub, [{"type": "b"}])
+    session = AgentSession(id=uuid.uuid4(), cli_session_id="s", cli_transcript_sizes=None)
+
+    assert store.session_entries("s", committed=None) == {"": [{"type": "a"}], "subagents/agent-1": [{"type": "b"}]}
+    sizes = StagedTranscript(store, [(main, [{"type": "c"}])], session=session).write()
+
+    assert store.session_entries("s", committed=sizes) == {
+        "": [{"type": "a"}, {"type": "c"}],
+        "subagents/agent-1": [{"type": "b"}],
+    }
+
+
+def test_a_write_that_fails_half_way_is_cut_back_by_the_failed_heartbeat():
+    """The main transcript is appended, then a subagent's cannot be (its folder is a file):
+    the heartbeat fails `history_unwritable`, and its discard cuts the main one back, even
+    for a transcript kept before sizes were (read whole)."""
+    from sessions_app.errors import HistoryUnavailable
+
+    store = FileTranscripts(uuid.uuid4())
+    main = {"project_key": "p", "session_id": "s"}
+    store.append_now(main, [{"type": "a"}])
+    (store.path_for(main).parent / "sub").write_text("in the way")
+    session = AgentSession(id=uuid.uuid4(), cli_session_id="s", cli_transcript_sizes=None)
+    staged = StagedTranscript(
+        store, [(main, [{"type": "b"}]), ({**main, "subpath": "subagents/x"}, [{"type": "c"}])], session=session
+    )
+
+    with pytest.raises(HistoryUnavailable) as failure:
+        staged.write()
+    staged.discard()
+
+    assert failure.value.code == "history_unwritable"
+    assert store.session_entries("s") == {"": [{"type": "a"}]}

@@ -10,8 +10,9 @@ from costs_app.models import CostEvent, CostKind
 from paperclip.errors import RunFailure
 from sessions_app.compact_now import session_compact
 from sessions_app.heartbeat import heartbeat_execute
-from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
+from sessions_app.models import AgentSession, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.stores import store_for
+from sessions_app.tasks import scheduled_heartbeat
 from tests.conftest import beat, compacting_agent, context_agent, on_own_connection, user_turns
 from tests.fake_anthropic import Reply
 
@@ -36,6 +37,28 @@ def test_a_heartbeat_during_compact_now_waits_and_loses_no_turn(file_store, comp
     assert user_turns(session)[-1] == "racing turn"
     assert len(store_for(session).read(session)) == session.message_count == 6
     assert CostEvent.objects.filter(run=record.run, kind=CostKind.COMPACTION).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scheduled_wake_during_compact_now_is_queued_not_absorbed(company, fake_anthropic):
+    """A tick arriving while the compaction's summary is written is not counted on the
+    compaction's run (which does no task): it queues its own run, which runs afterwards."""
+    agent = context_agent(company, keep_recent_turns=1, heartbeat_task="Send the daily report.")
+    for i in range(3):
+        assert beat(agent, f"step {i}: " + "x" * 400).status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    ticks = []
+    fake_anthropic.push(Reply(before=on_own_connection(lambda: ticks.append(scheduled_heartbeat(str(agent.id))))))
+
+    record = session_compact(session=session, now=timezone.now())
+
+    assert fake_anthropic.action_errors == []
+    assert ticks == [RunStatus.QUEUED]
+    assert HeartbeatRun.objects.get(pk=record.run_id).merged_ticks == 0
+    (tick,) = HeartbeatRun.objects.filter(agent=agent, trigger=RunTrigger.SCHEDULE)
+    assert (tick.status, tick.task) == (RunStatus.QUEUED, "Send the daily report.")
+    assert heartbeat_execute(run_id=tick.id).status == RunStatus.SUCCEEDED  # as dispatched after it
+    assert user_turns(session)[-1] == "Send the daily report."
 
 
 @pytest.mark.django_db(transaction=True)

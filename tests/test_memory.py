@@ -104,6 +104,57 @@ def test_the_commands_work_and_every_write_is_a_version(memory_agent):
     assert {v.written_by for v in MemoryVersion.objects.all()} == {MemoryWriter.OPERATOR}
 
 
+def test_paths_are_case_sensitive_on_every_database(memory_agent):
+    """SQLite's LIKE (Django's `__startswith`) ignores ASCII case: `Notes` named the folder
+    `notes/` for delete, view and rename, and a file `Notes` clashed with that folder."""
+    tool = tool_for(memory_agent)
+    tool.call({"command": "create", "path": "/memories/notes/a.md", "file_text": "a"})
+    tool.call({"command": "create", "path": "/memories/notes/b.md", "file_text": "b"})
+
+    for command in (
+        {"command": "delete", "path": "/memories/Notes"},
+        {"command": "view", "path": "/memories/Notes"},
+        {"command": "rename", "old_path": "/memories/Notes", "new_path": "/memories/moved"},
+    ):
+        result = tool_result(tool, {"id": "t", "input": command})
+        assert result["is_error"] and "does not exist" in result["content"], (command, result)
+    assert sorted(MemoryFile.objects.filter(deleted=False).values_list("path", flat=True)) == [
+        "notes/a.md",
+        "notes/b.md",
+    ]
+
+    tool.call({"command": "create", "path": "/memories/Notes", "file_text": "a file beside the folder"})
+    tool.call({"command": "create", "path": "/memories/NOTES/c.md", "file_text": "another folder"})
+    assert "notes/a.md" in tool.call({"command": "view", "path": "/memories/notes"})
+    assert "NOTES" not in tool.call({"command": "view", "path": "/memories/notes"})
+    tool.call({"command": "delete", "path": "/memories/NOTES"})
+    assert sorted(MemoryFile.objects.filter(deleted=False).values_list("path", flat=True)) == [
+        "Notes",
+        "notes/a.md",
+        "notes/b.md",
+    ]
+
+
+def test_a_rename_that_would_build_a_path_over_the_limit_is_a_tool_error(memory_agent):
+    """Each path named is within 512 characters, but a folder's file moved below a longer
+    name is not: on PostgreSQL the column refused it (DataError: the run failed
+    internal_error); SQLite stored a file nobody could name again to read or delete."""
+    tool = tool_for(memory_agent)
+    deep = "/memories/d/" + "f" * 490
+    tool.call({"command": "create", "path": deep, "file_text": "deep"})
+    versions = MemoryVersion.objects.count()
+
+    result = tool_result(
+        tool,
+        {"id": "t", "input": {"command": "rename", "old_path": "/memories/d", "new_path": "/memories/" + "e" * 30}},
+    )
+
+    assert result["is_error"] and "512" in result["content"], result
+    assert list(MemoryFile.objects.filter(deleted=False).values_list("path", flat=True)) == ["d/" + "f" * 490]
+    assert MemoryVersion.objects.count() == versions
+    assert tool.call({"command": "view", "path": deep}).endswith("deep")
+
+
 def test_a_deleted_file_created_again_continues_its_versions_and_can_be_reverted(memory_agent):
     tool = tool_for(memory_agent)
     tool.call({"command": "create", "path": "/memories/a.md", "file_text": "one"})
@@ -155,6 +206,31 @@ def test_old_versions_are_pruned_past_the_setting(memory_agent, settings):
     for n in range(6):
         tool.call({"command": "create", "path": "/memories/a.md", "file_text": f"v{n}"})
     assert list(MemoryVersion.objects.order_by("number").values_list("number", flat=True)) == [4, 5, 6]
+
+
+def test_the_versions_of_deleted_files_are_pruned_past_the_setting(memory_agent, settings):
+    """Create/delete cycles over new paths: each deleted file keeps its row and versions
+    (the store's byte limit counts live files only), so they grew without bound."""
+    settings.PAPERCLIP_MEMORY_DELETED_FILES_KEPT = 3
+    tool = tool_for(memory_agent)
+    for n in range(10):
+        tool.call({"command": "create", "path": f"/memories/scratch-{n}.md", "file_text": f"note {n}"})
+        tool.call({"command": "delete", "path": f"/memories/scratch-{n}.md"})
+    tool.call({"command": "create", "path": "/memories/kept.md", "file_text": "live"})
+    tool.call({"command": "rename", "old_path": "/memories/kept.md", "new_path": "/memories/moved.md"})
+
+    deleted = MemoryFile.objects.filter(deleted=True).order_by("path")
+    assert list(deleted.values_list("path", flat=True)) == ["kept.md", "scratch-8.md", "scratch-9.md"]
+    assert MemoryVersion.objects.filter(file__deleted=True).count() == 6  # each: its content, its deletion
+    assert content(memory_agent, "moved.md") == "live"
+    # The newest deleted ones can still be restored from their versions.
+    tool.call({"command": "create", "path": "/memories/scratch-9.md", "file_text": "back"})
+    assert MemoryFile.objects.get(path="scratch-9.md").version == 3
+    # 0: a deleted file is forgotten at once, versions and all.
+    settings.PAPERCLIP_MEMORY_DELETED_FILES_KEPT = 0
+    assert tool.call({"command": "delete", "path": "/memories/scratch-9.md"}).startswith("Successfully deleted")
+    assert not MemoryFile.objects.filter(deleted=True).exists()
+    assert not MemoryVersion.objects.filter(file__path__startswith="scratch").exists()
 
 
 def test_a_shared_store_is_mounted_by_name_read_only_or_read_write(company, memory_agent):

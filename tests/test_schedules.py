@@ -116,6 +116,20 @@ def test_saving_the_agent_re_arms_it_and_keeps_a_wake_that_is_due(persistent_age
     assert [row.next_run for row in armed(persistent_agent)] == [utc(2026, 3, 29, 1)]  # 03:00 CEST
 
 
+def test_a_save_just_after_a_wake_in_the_repeated_hour_keeps_that_wake(persistent_agent):
+    """On 2026-10-25 02:30 happens twice in Berlin; its first instance (00:30 UTC) is due
+    and not yet taken when the agent is saved. An ambiguous local time never compares equal
+    to a time in another zone (PEP 495), which re-armed the agent for the next day."""
+    make_cron_agent(persistent_agent, "30 2 * * *", now=utc(2026, 10, 24, 12))
+    assert [row.next_run for row in armed(persistent_agent)] == [utc(2026, 10, 25, 0, 30)]
+
+    agent_schedule_sync(agent=persistent_agent, now=utc(2026, 10, 25, 0, 30, 20))
+    assert [row.next_run for row in armed(persistent_agent)] == [utc(2026, 10, 25, 0, 30)]
+    # Saved again in the second 02:30 (CET), the first one still not taken: still kept.
+    agent_schedule_sync(agent=persistent_agent, now=utc(2026, 10, 25, 1, 31))
+    assert [row.next_run for row in armed(persistent_agent)] == [utc(2026, 10, 25, 0, 30)]
+
+
 def test_the_schedule_follows_pause_resume_delete_and_a_cleared_cron(persistent_agent):
     now = timezone.now()
     make_cron_agent(persistent_agent, now=now)

@@ -199,6 +199,65 @@ def test_a_reader_with_an_older_row_never_publishes_over_a_newer_version(persist
     assert file_messages(session) == third
 
 
+def held_back_publications(monkeypatch) -> tuple[list, object]:
+    """Hold back the next publication (the writer's COMMIT is done, its rename delayed: a
+    slow disk, a descheduled worker); later ones run. Returns the held ones and the real
+    `publish`, to let one land when the test chooses."""
+    from sessions_app.stores import StagedFile
+
+    real = StagedFile.publish
+    held: list = []
+    monkeypatch.setattr(StagedFile, "publish", lambda staged: real(staged) if held else held.append(staged))
+    return held, real
+
+
+def test_a_late_publish_never_replaces_a_newer_version_cleared_meanwhile(persistent_agent, fake_anthropic, monkeypatch):
+    """A heartbeat commits its turn and is delayed before its rename; meanwhile the admin's
+    "clear history" commits an empty history and renames it into place, and the late rename
+    lands right after that one. It must not put its version back on top: the row says 0
+    messages, so must the file, and the next heartbeat works."""
+    beat(persistent_agent, "one")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    held, publish = held_back_publications(monkeypatch)
+    assert beat(persistent_agent, "two").status == RunStatus.SUCCEEDED
+    assert len(held) == 1 and len(file_messages(session)) == 2  # committed, not renamed
+    real_replace = os.replace
+
+    def then_the_late_rename(source, target):
+        real_replace(source, target)  # the clear's own rename
+        while held:
+            publish(held.pop())
+
+    monkeypatch.setattr("sessions_app.stores.os.replace", then_the_late_rename)
+    session_clear_history(session=session)
+    assert not held, "the late rename never ran"
+
+    session.refresh_from_db()
+    assert session.message_count == 0
+    assert file_messages(session) == []
+    assert store_for(session).read(session) == []
+    assert not list(store_for(session).path_for(session).parent.glob(f".{session.public_id}.*"))
+    run = beat(persistent_agent, "three")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert user_turns(session) == ["three"]
+
+
+def test_a_late_publish_never_gives_a_deleted_session_a_file(persistent_agent, fake_anthropic, monkeypatch):
+    """A heartbeat starts a session, commits and is delayed before its rename; meanwhile the
+    session's deletion commits, and its process dies before removing files (they go after
+    its COMMIT). The late rename must not leave the deleted session a history file."""
+    held, publish = held_back_publications(monkeypatch)
+    assert beat(persistent_agent, "one").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=persistent_agent)
+    folder = store_for(session).path_for(session).parent
+    session_delete(session=session, now=timezone.now())  # its file removal never runs
+
+    publish(held.pop())
+
+    assert not AgentSession.objects.filter(pk=session.pk).exists()
+    assert list(folder.iterdir()) == []
+
+
 def test_every_store_implements_the_history_backend_interface():
     from sessions_app.stores import HistoryBackend
 

@@ -13,12 +13,21 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import Budget, CostEvent
-from memory_app.models import MemoryAccess, MemoryFile, MemoryStore, MemoryStoreShare, MemoryWriter, RunToolLoop
+from memory_app.models import (
+    MemoryAccess,
+    MemoryFile,
+    MemoryStore,
+    MemoryStoreShare,
+    MemoryVersion,
+    MemoryWriter,
+    RunToolLoop,
+)
 from memory_app.stores import Writer, file_write, mounts_for
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus, SessionStatus
+from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.services import session_delete
 from sessions_app.stores import store_for
-from tests.conftest import beat, context_agent
+from tests.conftest import beat, context_agent, on_own_connection
 from tests.fake_anthropic import Reply
 
 FACT = "Remember: the launch code is AZURE-PELICAN-42."
@@ -266,6 +275,119 @@ def test_two_concurrent_heartbeats_sharing_a_store_lose_no_write(postgres_only, 
     assert log.version == 3
     assert {v.run_id for v in log.versions.filter(number__gt=1)} == {r.id for r in runs.values()}
     assert HeartbeatRun.objects.filter(status=RunStatus.SUCCEEDED).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_reaped_as_its_tool_call_arrives_commits_no_memory_write(company, fake_anthropic):
+    """The reaper fails the run (on its own connection) while the model's answer asking to
+    write memory is on its way: a reaped run commits nothing, a memory write included."""
+    from sessions_app.maintenance import runs_reap
+
+    agent = memory_agent(company)
+    reaped = []
+
+    def reaper_past_the_deadline():
+        run = HeartbeatRun.objects.get(agent=agent)
+        reaped.extend(runs_reap(now=run.deadline_at + timedelta(seconds=1)))
+
+    fake_anthropic.push(
+        Reply.tool_calls(
+            {"command": "create", "path": "/memories/late.md", "file_text": "late"},
+            before=on_own_connection(reaper_past_the_deadline),
+        )
+    )
+
+    run = beat(agent, "write it down")
+
+    assert fake_anthropic.action_errors == []
+    assert reaped == [agent.id]
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
+    assert not MemoryFile.objects.exists()
+    assert not MemoryVersion.objects.exists()
+    assert len(fake_anthropic.message_requests) == 1  # and no further call
+    assert CostEvent.objects.filter(run=run).count() == 1  # the call made is billed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reaper_arriving_during_a_memory_write_waits_for_it(postgres_only, company, fake_anthropic):
+    """The worst moment: the write has checked that its run is running and not committed yet
+    (held open by a trigger waiting for a lock the test holds) when the reaper fails the
+    run. The reaper waits for the write's lock on the run, so the write committed while its
+    run was running."""
+    from sessions_app.maintenance import runs_reap
+
+    agent = memory_agent(company)
+    run, _ = heartbeat_enqueue(agent=agent, task="write", now=timezone.now())
+    HeartbeatRun.objects.filter(id=run.id).update(
+        status=RunStatus.RUNNING, started_at=timezone.now(), deadline_at=timezone.now() + timedelta(minutes=5)
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION held_version() RETURNS trigger AS $$ BEGIN PERFORM pg_advisory_xact_lock(4242); "
+            "RETURN NEW; END $$ LANGUAGE plpgsql; CREATE TRIGGER held_version BEFORE INSERT ON memory_versions "
+            "FOR EACH ROW EXECUTE FUNCTION held_version(); SELECT pg_advisory_lock(4242);"
+        )
+    seen = []
+
+    def write():
+        try:
+            file_write(
+                mounts_for(agent)[0],
+                "kept.md",
+                lambda current: "kept",
+                operation="create",
+                writer=Writer(run_id=run.id),
+            )
+        finally:
+            connection.close()
+
+    def reap():
+        try:
+            runs_reap(now=timezone.now() + timedelta(hours=1))
+        finally:
+            connection.close()
+
+    writer = threading.Thread(target=write)
+    reaper = threading.Thread(target=reap)
+    writer.start()
+    try:
+        seen.append(wait_for_activity('%INSERT INTO "memory_versions"%', waiting_on_lock=True))
+        reaper.start()
+        seen.append(wait_for_activity('UPDATE "heartbeat_runs"%', waiting_on_lock=True))
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(4242)")
+        writer.join(30)
+        if reaper.ident is not None:
+            reaper.join(30)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER IF EXISTS held_version ON memory_versions; DROP FUNCTION IF EXISTS held_version();"
+            )
+
+    assert seen == [True, True]  # the write held open, then the reaper waiting (without the lock: not)
+    assert MemoryVersion.objects.get(file__path="kept.md").run_id == run.id
+    run.refresh_from_db()
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
+
+
+def wait_for_activity(statement_like: str, *, waiting_on_lock: bool = False) -> bool:
+    """Wait until another connection runs a statement like `statement_like` (and, when
+    asked, is waiting for a lock); True once seen, False after 10 s (PostgreSQL)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE %s AND state = 'active' "
+                "AND pid <> pg_backend_pid() AND (NOT %s OR wait_event_type = 'Lock')",
+                [statement_like, waiting_on_lock],
+            )
+            if cursor.fetchone()[0]:
+                return True
+        time.sleep(0.02)
+    return False
 
 
 def test_the_run_api_reports_the_tool_loop(company, fake_anthropic, client):

@@ -86,9 +86,12 @@ def memory_write_demo(agent, reader, *, run) -> None:
 
     agent.adapter_config = {**agent.adapter_config, "memory": True}
     agent.save()
+    # Written while the run ran: a run writes memory only then.
+    HeartbeatRun.objects.filter(id=run.id).update(status=RunStatus.RUNNING)
     StoreMemoryTool(mounts_for(agent), writer=Writer(run_id=run.id)).call(
         {"command": "create", "path": "/memories/notes.md", "file_text": "The launch is on Friday."}
     )
+    HeartbeatRun.objects.filter(id=run.id).update(status=run.status)
     MemoryStoreShare.objects.create(store=mounts_for(agent)[0].store, agent=reader, access="read")
 
 

@@ -18,7 +18,7 @@ from django.db import connections
 from django.utils import timezone
 
 from costs_app.models import CostEvent
-from sessions_app.models import AgentSession, SessionCompaction, SessionStatus
+from sessions_app.models import AgentSession, HeartbeatRun, RunStatus, SessionCompaction, SessionStatus
 from sessions_app.stores import STORES
 from tests.admin.conftest import conversation, make_cost, make_run, make_session
 
@@ -248,10 +248,11 @@ def memory_journey(live_server, page, django_user_model, agent) -> None:
     django_user_model.objects.create_superuser("operator", "op@example.com", "correct horse battery")
     agent.adapter_config = {**agent.adapter_config, "memory": True}
     agent.save()
-    run = make_run(agent)
+    run = make_run(agent, status=RunStatus.RUNNING)  # a run writes memory while it runs
     StoreMemoryTool(mounts_for(agent), writer=Writer(run_id=run.id)).call(
         {"command": "create", "path": "/memories/customers.md", "file_text": "Acme pays on net 30.\n<b>bold?</b>"}
     )
+    HeartbeatRun.objects.filter(id=run.id).update(status=RunStatus.SUCCEEDED)
     page.goto(f"{live_server.url}/admin/login/?next=/admin/sessions_app/agent/{agent.pk}/change/")
     page.fill("#id_username", "operator")
     page.fill("#id_password", "correct horse battery")

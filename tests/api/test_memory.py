@@ -51,6 +51,30 @@ def test_put_get_list_and_delete_a_file(api, memory_agent):
     assert api.get(agent_url(memory_agent, "/memory")).json()["files"] == []
 
 
+def test_version_0_creates_a_file_that_was_deleted_and_only_then(api, memory_agent):
+    """A create-only-if-absent client: GET answers 404 after a delete, so version 0 (no
+    file) must be able to create it again; it continues the file's numbering."""
+    url = agent_url(memory_agent, "/memory/lock.md")
+    assert api.put(url, {"content": "held", "version": 0}).json()["version"] == 1
+    assert_error(api.put(url, {"content": "again", "version": 0}), 409, "memory_version_conflict")
+    assert api.delete(url).status_code == 204
+    assert_error(api.get(url), 404, "memory_not_found")
+
+    created = api.put(url, {"content": "held again", "version": 0})
+
+    assert created.status_code == 200, created.content
+    assert created.json()["version"] == 3
+    assert api.get(url).json()["content"] == "held again"
+    assert_error(api.put(url, {"content": "third", "version": 0}), 409, "memory_version_conflict")
+
+
+def test_a_path_differing_in_case_names_another_file(api, memory_agent):
+    written(memory_agent, "notes/todo.md", "buy milk")
+    assert_error(api.delete(agent_url(memory_agent, "/memory/Notes")), 404, "memory_not_found")
+    assert_error(api.get(agent_url(memory_agent, "/memory/Notes/todo.md")), 404, "memory_not_found")
+    assert api.get(agent_url(memory_agent, "/memory/notes/todo.md")).json()["content"] == "buy milk"
+
+
 def test_a_stale_version_is_a_conflict_not_a_lost_write(api, memory_agent):
     url = agent_url(memory_agent, "/memory/a.md")
     api.put(url, {"content": "one"})
