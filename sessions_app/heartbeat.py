@@ -33,7 +33,7 @@ from costs_app.budgets import (
 )
 from costs_app.ledger import billed_call_record, cost_event_record, run_calls_join_session, run_cost
 from costs_app.models import CostKind
-from costs_app.pricing import call_cost, token_counts
+from costs_app.pricing import call_price, token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.cli_transcripts import SessionTranscripts
 from sessions_app.compaction import (
@@ -276,7 +276,7 @@ class ClaimedRun:
     @classmethod
     def of(cls, run: HeartbeatRun, *, now: datetime, clock: RunClock) -> ClaimedRun:
         agent = run.agent
-        settings_ = context_settings(agent)
+        settings_ = context_settings(agent, now=now)
         adapter = get_adapter(agent.adapter_type, agent.adapter_config)
         return cls(
             run=run,
@@ -441,7 +441,7 @@ def _reservation_after(beat: ClaimedRun, plan: Plan) -> Reservation:
     note = plan.handoff.reply if plan.handoff is not None else None
     if not beat.budgeted or note is None or note.usage is None:
         return Reservation(beat)
-    return Reservation(beat, held=call_cost(usage=note.usage, model=note.priced_model, at=beat.now))
+    return Reservation(beat, held=call_price(usage=note.usage, model=note.priced_model, at=beat.now).cost_usd)
 
 
 def reserve_budget(
@@ -472,6 +472,7 @@ def reserve_budget(
         at=now,
         cache_lifetimes=cache_lifetimes([request.system_blocks, request.messages]),
         samplings=2 if request.config.get("context_strategy") == "server" else 1,
+        inference_geo=request.config.get("inference_geo"),
     )
     estimate = cost(size) if cost is not None else None
     if estimate is not None and hasattr(adapter, "count_tokens"):

@@ -17,7 +17,7 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import Budget, CostEvent, ModelPrice
-from costs_app.pricing import call_cost
+from costs_app.pricing import call_price
 from sessions_app.adapters import AgentConfigError
 from sessions_app.adapters.claude_cli import config_dir, workspace_for
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
@@ -76,7 +76,11 @@ def test_the_agent_writes_a_file_in_its_workspace_and_the_ledger_matches_the_fak
     assert event.output_tokens == sum(u["output_tokens"] for u in usages)
     assert event.cache_creation_5m_input_tokens == sum(u["cache_creation_input_tokens"] for u in usages)
     assert event.cache_read_input_tokens == sum(u["cache_read_input_tokens"] for u in usages)
-    assert run.cost_usd == event.cost_usd == call_cost(usage=event.raw_usage, model=event.model, at=event.created_at)
+    assert (
+        run.cost_usd
+        == event.cost_usd
+        == call_price(usage=event.raw_usage, model=event.model, at=event.created_at).cost_usd
+    )
     assert Decimal(run.runtime_report["cli_total_cost_usd"]).quantize(Decimal("0.000001")) == event.cost_usd.quantize(
         Decimal("0.000001")
     )
