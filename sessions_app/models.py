@@ -114,6 +114,11 @@ class Agent(models.Model):
         agent._stored_config = agent.__dict__.get("adapter_config")
         return agent
 
+    def refresh_from_db(self, using=None, fields=None, from_queryset=None) -> None:
+        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
+        if fields is None or "adapter_config" in fields:
+            self._stored_config = self.__dict__.get("adapter_config")
+
     def clean(self) -> None:
         config = validate_agent_config(self.adapter_type, with_default_model(self.adapter_type, self.adapter_config))
         stored = None

@@ -334,6 +334,11 @@ class FakeAnthropic:
         # asked (the API's default is 20).
         self.models: list[dict] = [dict(entry) for entry in CATALOGUE]
         self.models_page_size = 20
+        # Runs in the fake's thread when a models request arrives, before the answer (as a
+        # reply's `before`): a second actor at the moment a catalogue refresh is in flight.
+        self.models_before: Callable[[], None] | None = None
+        # An HTTP status every models request is answered with instead (None: the list).
+        self.models_error: int | None = None
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -358,6 +363,12 @@ class FakeAnthropic:
     def reset_log(self) -> None:
         with self.lock:
             self.requests.clear()
+
+    @property
+    def models_requests(self) -> list[dict]:
+        """The query of each `GET /v1/models` request, in order."""
+        with self.lock:
+            return [r["query"] for r in self.requests if r["path"] == "/v1/models"]
 
     @property
     def message_requests(self) -> list[dict]:
@@ -536,6 +547,17 @@ class FakeAnthropic:
                 with fake.lock:
                     fake.requests.append({"path": path, "query": query, "headers": dict(self.headers), "body": None})
                     models = list(fake.models)
+                if fake.models_before is not None:
+                    try:
+                        fake.models_before()
+                    except BaseException as exc:  # reported to the test, not to the client
+                        fake.action_errors.append(exc)
+                if fake.models_error is not None:
+                    error_type = ERROR_TYPES.get(fake.models_error, "api_error")
+                    self._send_json(
+                        fake.models_error, {"type": "error", "error": {"type": error_type, "message": "down"}}
+                    )
+                    return
                 if path == "/v1/models":
                     self._send_json(200, models_page(models, query, default_limit=fake.models_page_size))
                     return
