@@ -46,6 +46,7 @@ def test_a_refresh_stores_every_model_the_api_lists_on_every_page(db, fake_anthr
 
 def test_a_refresh_replaces_the_catalogue_models_dropped_included(db, fake_anthropic):
     catalogue_refresh(now=NOW)
+    assert catalogue().get(CATALOGUE[0]["id"]).lifecycle == "active"
     fake_anthropic.models = [entry for entry in CATALOGUE if entry["id"] != "claude-sonnet-5"]
     fake_anthropic.models[0] = {**fake_anthropic.models[0], "lifecycle": "deprecated"}
 
@@ -111,9 +112,12 @@ def test_two_passes_at_once_ask_the_models_api_once(fake_anthropic, settings):
     another connection): it finds the turn taken and asks nothing."""
     settings.PAPERCLIP_MODELS_REFRESH_MINUTES = 60
     second = []
-    fake_anthropic.models_before = on_own_connection(
-        lambda: second.append(maintenance_pass(now=NOW + timedelta(seconds=5))["models_refreshed"])
-    )
+
+    def second_pass():
+        fake_anthropic.models_before = None  # once
+        second.append(maintenance_pass(now=NOW + timedelta(seconds=5))["models_refreshed"])
+
+    fake_anthropic.models_before = on_own_connection(second_pass)
 
     first = maintenance_pass(now=NOW)["models_refreshed"]
 
