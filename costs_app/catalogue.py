@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import anthropic
 from django.db import transaction
@@ -84,6 +84,8 @@ class Catalogue:
     entries: dict[str, CatalogueEntry]
     source: str
     _by_family: dict[str, CatalogueEntry] = field(default_factory=dict)
+    # cheapest_of_generation's answers, per generation and UTC day (every heartbeat asks).
+    _cheapest: dict[tuple, str | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A family (an alias, a snapshot's family, a `[1m]` variant) finds its newest entry.
@@ -116,9 +118,15 @@ class Catalogue:
         entry = self.get(model)
         if entry is None or entry.generation is None:
             return None
+        key = (entry.generation, at.astimezone(UTC).date())
+        if key not in self._cheapest:
+            self._cheapest[key] = self._cheapest_of(entry.generation, at=at)
+        return self._cheapest[key]
+
+    def _cheapest_of(self, generation: int, *, at: datetime) -> str | None:
         priced = []
         for candidate in self.active():
-            if candidate.generation != entry.generation:
+            if candidate.generation != generation:
                 continue
             table = library_table(model=candidate.id, at=at)
             if table is not None:
