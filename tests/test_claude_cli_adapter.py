@@ -35,7 +35,9 @@ def cli_agent(company, **config) -> Agent:
         name="Coder",
         system_prompt="You are the release engineer.",
         adapter_type="claude-code",
-        adapter_config={"runtime": "cli", "timeout_seconds": 60, **config},
+        # The model these tests were written against (the default is the catalogue's newest
+        # Sonnet, with which the bundled CLI sends its own thinking settings and side calls).
+        adapter_config={"runtime": "cli", "model": "claude-sonnet-4-5", "timeout_seconds": 60, **config},
     )
 
 
