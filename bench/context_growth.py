@@ -241,21 +241,23 @@ def keeping_summariser(body: dict) -> str:
 def steady_parts(events, heartbeats: int) -> dict:
     """Where the money goes, per heartbeat: answers' output, plain input, cache writes and
     reads, and the summary calls."""
-    from costs_app.pricing import price_for
+    from costs_app.pricing import price_table
 
     parts = dict.fromkeys(["output", "input", "cache write", "cache read", "summaries"], Decimal(0))
     for event in events:
-        price = price_for(model=event.model, at=event.created_at)
         if event.kind == "compaction":
             parts["summaries"] += event.cost_usd
             continue
-        parts["output"] += event.output_tokens * price.output_usd_per_mtok / 1_000_000
-        parts["input"] += event.input_tokens * price.input_usd_per_mtok / 1_000_000
+        rates = price_table(model=event.model, at=event.created_at).rates(
+            prompt_tokens=event.input_tokens + event.cache_creation_input_tokens + event.cache_read_input_tokens
+        )
+        parts["output"] += event.output_tokens * rates.output / 1_000_000
+        parts["input"] += event.input_tokens * rates.input / 1_000_000
         parts["cache write"] += (
-            event.cache_creation_5m_input_tokens * price.cache_write_5m_usd_per_mtok
-            + event.cache_creation_1h_input_tokens * price.cache_write_1h_usd_per_mtok
+            event.cache_creation_5m_input_tokens * rates.cache_write_5m
+            + event.cache_creation_1h_input_tokens * rates.cache_write_1h
         ) / 1_000_000
-        parts["cache read"] += event.cache_read_input_tokens * price.cache_read_usd_per_mtok / 1_000_000
+        parts["cache read"] += event.cache_read_input_tokens * rates.cache_read / 1_000_000
     return {name: value / heartbeats for name, value in parts.items()}
 
 

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, time, timedelta
 from decimal import Decimal
 
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import Case, Count, DateTimeField, DecimalField, Max, Min, OuterRef, Subquery, Sum, When
+from django.db.models import (
+    Case,
+    Count,
+    DateTimeField,
+    DecimalField,
+    Exists,
+    Max,
+    Min,
+    OuterRef,
+    Subquery,
+    Sum,
+    When,
+)
 from django.template.defaultfilters import pluralize
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -21,8 +33,16 @@ from costs_app.alerts import target_url_problem
 from costs_app.budgets import BudgetUse, budget_uses, period_start
 from costs_app.charts import Series, limit_series, stacked_bar_chart
 from costs_app.forecast import RATE_DAYS, Forecast, budget_forecasts, crossing_date, daily_rate
-from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, Budget, CostEvent, ModelPrice
-from costs_app.pricing import model_family
+from costs_app.models import (
+    AlertAttempt,
+    AlertDelivery,
+    AlertTarget,
+    Budget,
+    CatalogueModel,
+    CostEvent,
+    ModelPrice,
+)
+from costs_app.pricing import LIBRARY_SOURCE, is_priced, library_table
 from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
 from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist
 from sessions_app.models import Agent, Company, session_public_id
@@ -33,25 +53,30 @@ REPORT_DAYS = 30
 GROWTH_MAX_AGENTS = 20
 
 
-def unpriced_models_in_use() -> list[dict]:
-    """Models whose calls were recorded unpriced and that still have no price."""
-    priced = ModelPrice.objects.values("model")
+def unpriced_models_in_use(*, now) -> list[dict]:
+    """Models whose calls were recorded unpriced and that still have no price (neither the
+    library nor an override prices them)."""
     rows = list(
         CostEvent.objects.filter(unpriced=True)
-        .exclude(model__in=priced)
         .values("model")
         .annotate(events=Count("id"), last_seen=Max("created_at"))
         .order_by("model")
     )
-    if not rows:
-        return rows
-    # A snapshot id is priced by its family's price (pricing.price_for) once there is one.
-    families = set(ModelPrice.objects.values_list("model", flat=True))
-    return [row for row in rows if model_family(row["model"]) not in families]
+    return [row for row in rows if not is_priced(model=row["model"], at=now)]
+
+
+def library_price_text(model: str, *, at) -> str:
+    table = library_table(model=model, at=at)
+    if table is None:
+        return "none: the price library does not know this model"
+    return f"{table.describe()} ({LIBRARY_SOURCE})"
 
 
 @admin.register(ModelPrice)
 class ModelPriceAdmin(admin.ModelAdmin):
+    """The operator's overrides: each wins over the price library from its effective day on.
+    Beside each, what the library would charge on that day."""
+
     list_display = [
         "model",
         "effective_from",
@@ -60,14 +85,22 @@ class ModelPriceAdmin(admin.ModelAdmin):
         "cache_write_5m_usd_per_mtok",
         "cache_write_1h_usd_per_mtok",
         "cache_read_usd_per_mtok",
+        "library_price",
     ]
     list_filter = ["model"]
     search_fields = ["model"]
     date_hierarchy = "effective_from"
+    readonly_fields = ["library_price"]
+
+    @admin.display(description="the library's price that day")
+    def library_price(self, obj: ModelPrice) -> str:
+        if not obj.model or obj.effective_from is None:
+            return "-"
+        return library_price_text(obj.model, at=datetime.combine(obj.effective_from, time(12), UTC))
 
     def changelist_view(self, request, extra_context=None):
         if request.method == "GET":
-            missing = unpriced_models_in_use()
+            missing = unpriced_models_in_use(now=timezone.now())
             if missing:
                 add_url = reverse("admin:costs_app_modelprice_add")
                 self.message_user(
@@ -93,6 +126,45 @@ class ModelPriceAdmin(admin.ModelAdmin):
                     messages.WARNING,
                 )
         return super().changelist_view(request, extra_context)
+
+
+@admin.register(CatalogueModel)
+class CatalogueModelAdmin(admin.ModelAdmin):
+    """The model catalogue, as the Models API last listed it (read-only: the maintenance
+    pass refreshes it; `manage.py prices --refresh` does now)."""
+
+    list_display = [
+        "model",
+        "display_name",
+        "line",
+        "lifecycle",
+        "retires_at",
+        "max_input_tokens",
+        "max_tokens",
+        "library_price",
+        "refreshed_at",
+    ]
+    list_filter = ["lifecycle", "line"]
+    search_fields = ["model", "display_name"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    def get_queryset(self, request):
+        # Whether an override prices the model, in the list's one query.
+        overrides = ModelPrice.objects.filter(model=OuterRef("model"))
+        return super().get_queryset(request).annotate(overridden=Exists(overrides))
+
+    @admin.display(description="the library's price today")
+    def library_price(self, obj: CatalogueModel) -> str:
+        text = library_price_text(obj.model, at=timezone.now())
+        return f"{text}; overridden (Costs > Model prices)" if getattr(obj, "overridden", False) else text
 
 
 def scope_spend(field: str, *, since=None) -> Subquery:

@@ -1,9 +1,10 @@
 """Budgets that stop spend before it happens.
 
 Before each model call the heartbeat reserves the most it can cost (its input sized by its
-byte bound, or measured with count_tokens near a limit; every input token at the dearest
-rate it can be billed at, a 1-hour cache write being 2x input, read twice under server
-compaction; every output token used) against every limit that applies, under a lock on
+byte bound, or measured with count_tokens near a limit; every token at the long-prompt
+tier that size reaches, every input token at the dearest rate it can be billed at, a
+1-hour cache write being 2x input, read twice under server compaction; every output token
+used) against every limit that applies, under a lock on
 the company row. Running runs' reservations count as spent, so concurrent heartbeats near
 a limit cannot all pass: at most the error of one count_tokens measurement can overshoot.
 
@@ -23,8 +24,8 @@ from django.db.models import Count, DecimalField, Exists, OuterRef, Q, Subquery,
 from django.db.models.functions import Coalesce
 
 from costs_app.alerts import budget_alerts_fire
-from costs_app.models import MONEY, Budget, CostEvent
-from costs_app.pricing import MILLION, price_for
+from costs_app.models import MONEY, Budget, CostEvent, Delivery
+from costs_app.pricing import MILLION, price_table
 from paperclip.errors import RunFailure
 from sessions_app.models import Company, HeartbeatRun, RunStatus
 
@@ -241,27 +242,31 @@ def call_cost_bound(
     at: datetime,
     cache_lifetimes: frozenset[str] = frozenset(),
     samplings: int = 1,
+    delivery: str = Delivery.DIRECT,
+    inference_geo: str | None = None,
 ) -> Callable[[int], Decimal] | None:
     """The most a call can cost, as a function of its input tokens (None: no price), so
-    that reservations bound the spend. The price is read once: a reservation prices the
-    same call at up to three sizes (its byte bound, no input, a measured count).
+    that reservations bound the spend: the most expensive way it can be billed. The price
+    is read once: a reservation prices the same call at up to three sizes (its byte bound,
+    no input, a measured count).
 
-    Each input token at the dearest rate it can be billed at: plain input, or a cache
-    write of a lifetime the request's markers ask for (`5m`: 1.25x input, `1h`: 2x).
-    `samplings` is how many times the model may read the input and write up to
-    max_output_tokens in this one call: 2 under server compaction, whose summarising pass
-    reads the whole input before the answer reads the compacted one. Cache reads are
-    cheaper than any of these and need no term.
+    Every token at the tier a prompt of that many input tokens is billed at (the highest
+    its prompt can reach: no more tokens than that); each input token at the dearest rate
+    it can be billed at (plain input, or a cache write of a lifetime the request's markers
+    ask for); batch and geo as the request asks. `samplings` is how many times the model
+    may read the input and write up to max_output_tokens in this one call: 2 under server
+    compaction, whose summarising pass reads the whole input before the answer reads the
+    compacted one.
     """
-    price = price_for(model=model, at=at)
-    if price is None:
+    table = price_table(model=model, at=at, delivery=delivery, inference_geo=inference_geo)
+    if table is None:
         return None
-    write_rates = {"5m": price.cache_write_5m_usd_per_mtok, "1h": price.cache_write_1h_usd_per_mtok}
-    input_rate = max([price.input_usd_per_mtok, *(write_rates[ttl] for ttl in cache_lifetimes)])
-    output_cost = max_output_tokens * price.output_usd_per_mtok
 
     def cost(input_tokens: int) -> Decimal:
-        return samplings * (input_tokens * input_rate + output_cost) / MILLION
+        rates = table.rates(prompt_tokens=input_tokens)
+        writes = {"5m": rates.cache_write_5m, "1h": rates.cache_write_1h}
+        input_rate = max([rates.input, rates.cache_read, *(writes[ttl] for ttl in cache_lifetimes)])
+        return samplings * (input_tokens * input_rate + max_output_tokens * rates.output) / MILLION
 
     return cost
 

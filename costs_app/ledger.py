@@ -15,8 +15,8 @@ from decimal import Decimal
 from django.db import IntegrityError, connection, transaction
 from django.db.models import OuterRef, Subquery, Sum
 
-from costs_app.models import CostEvent, CostKind
-from costs_app.pricing import cost_of, ledger_usd, price_for, token_counts
+from costs_app.models import CostEvent, CostKind, Delivery
+from costs_app.pricing import call_price, ledger_usd, token_counts
 
 
 def ledger_write(event: CostEvent) -> CostEvent:
@@ -58,15 +58,19 @@ def cost_event_record(
     call_number: int | None = None,
     message_id: str | None = None,
     kind: str = CostKind.MESSAGE,
+    delivery: str = Delivery.DIRECT,
+    inference_geo: str | None = None,
 ) -> CostEvent:
-    """Write one ledger row for a call's usage, priced by `model` (the model requested).
+    """Write one ledger row for a call's usage, priced by `model` (the model requested) at
+    the price in force at `at` (`pricing.call_price`); the row says where the price came
+    from. `delivery` and `inference_geo` are what the request asked for.
 
     The message id the API or an agent command reports is kept for display only: it is
     not ours, and two calls (of one agent or of two companies) may report the same one,
     so it never decides whether a row is written.
     """
     counts = token_counts(usage)
-    price = price_for(model=model, at=at)
+    price = call_price(usage=usage, model=model, at=at, delivery=delivery, inference_geo=inference_geo)
     return ledger_write(
         CostEvent(
             kind=kind,
@@ -82,9 +86,11 @@ def cost_event_record(
             cache_creation_5m_input_tokens=counts.cache_creation_5m_input_tokens,
             cache_creation_1h_input_tokens=counts.cache_creation_1h_input_tokens,
             cache_read_input_tokens=counts.cache_read_input_tokens,
-            cost_usd=ledger_usd(cost_of(counts, price)) if price else Decimal(0),
-            unpriced=price is None,
-            price=price,
+            cost_usd=price.cost_usd,
+            unpriced=price.unpriced,
+            price=price.override,
+            price_source=price.source,
+            delivery=delivery,
             message_id=message_id or None,
             raw_usage=usage,
             created_at=at,

@@ -54,11 +54,65 @@ class ModelPrice(models.Model):
         )
 
 
+class Lifecycle(models.TextChoices):
+    """A model's stage, as the Models API says (`ModelInfo.lifecycle`)."""
+
+    ACTIVE = "active"
+    DEPRECATED = "deprecated"  # still callable, headed for retirement
+    RETIRED = "retired"  # calls naming it fail
+
+
+class CatalogueModel(models.Model):
+    """One model of the Models API's list (`client.models.list()`), as last refreshed.
+
+    The table is the catalogue as a whole: a refresh replaces it (costs_app.catalogue).
+    """
+
+    model = models.CharField(max_length=200, unique=True)
+    display_name = models.CharField(max_length=200, blank=True, default="")
+    # The API's model line (opus, sonnet, haiku, ...); empty when it names none.
+    line = models.CharField(max_length=32, blank=True, default="")
+    max_input_tokens = models.PositiveIntegerField(null=True, blank=True, help_text="The context window.")
+    max_tokens = models.PositiveIntegerField(null=True, blank=True, help_text="The most max_tokens may ask for.")
+    lifecycle = models.CharField(max_length=16, choices=Lifecycle.choices, default=Lifecycle.ACTIVE)
+    released_at = models.DateTimeField(null=True, blank=True)
+    deprecated_at = models.DateTimeField(null=True, blank=True)
+    retires_at = models.DateTimeField(null=True, blank=True)
+    refreshed_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "model_catalogue"
+        ordering = ["model"]
+
+    def __str__(self) -> str:
+        return self.model
+
+
+class CatalogueRefresh(models.Model):
+    """When the catalogue was last asked for and what came of it: one row. The conditional
+    update on `attempted_at` lets one process of many ask per interval."""
+
+    attempted_at = models.DateTimeField(null=True, blank=True)
+    refreshed_at = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "model_catalogue_refreshes"
+
+    def __str__(self) -> str:
+        return f"catalogue refreshed {self.refreshed_at or 'never'}"
+
+
 class CostKind(models.TextChoices):
     MESSAGE = "message"
     COMPACTION = "compaction"
     COUNT_TOKENS = "count_tokens"
     SESSION_HOURS = "session_hours"
+
+
+class Delivery(models.TextChoices):
+    DIRECT = "direct"  # the Messages API, answered at once
+    BATCH = "batch"  # the Message Batches API: the Batch discount applies
 
 
 class CostEvent(models.Model):
@@ -105,7 +159,13 @@ class CostEvent(models.Model):
     session_seconds = models.IntegerField(default=0)
     cost_usd = models.DecimalField(**MONEY, default=Decimal(0))
     unpriced = models.BooleanField(default=False, help_text="No price was known for this model when it was recorded.")
+    # The operator's override that priced the call (price_source "override"), if any.
     price = models.ForeignKey(ModelPrice, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # Where the price came from: "library <genai-prices version>", "override", or "" (unpriced).
+    price_source = models.CharField(max_length=64, blank=True, default="")
+    delivery = models.CharField(
+        max_length=16, choices=Delivery.choices, default=Delivery.DIRECT, help_text="batch: billed at the Batch rates."
+    )
     # Which call of its run this row bills (1, 2, ...): with the run, the identity of the
     # call, so a retried write of it is refused, never billed twice.
     call_number = models.PositiveSmallIntegerField(null=True, blank=True)

@@ -59,6 +59,31 @@ def env_list(name: str, default: str) -> tuple[str, ...]:
     return items
 
 
+def env_multipliers(name: str, default: str) -> dict:
+    """A JSON object of names to positive decimal factors, such as {"us": "1.1"}."""
+    from decimal import Decimal, InvalidOperation
+
+    raw = env_str(name, default)
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a JSON object such as {default}, got {raw!r}") from None
+    if not isinstance(parsed, dict):
+        raise ImproperlyConfigured(f"{name} must be a JSON object such as {default}, got {raw!r}")
+    factors = {}
+    for key, value in parsed.items():
+        try:
+            factor = (
+                Decimal(str(value)) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+            )
+        except InvalidOperation:
+            factor = None
+        if factor is None or not factor.is_finite() or factor <= 0:
+            raise ImproperlyConfigured(f"{name}: the factor of {key!r} must be a positive number, got {value!r}")
+        factors[key] = factor
+    return factors
+
+
 def env_hosts(name: str) -> frozenset[str]:
     """A comma-separated list of host names, compared as lower case (as URLs' hosts are)."""
     return frozenset(host.strip().lower() for host in env_str(name, "").split(",") if host.strip())

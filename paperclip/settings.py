@@ -16,6 +16,7 @@ from paperclip.env import (
     env_hosts,
     env_int,
     env_list,
+    env_multipliers,
     env_str,
     env_url,
     parse_process_commands,
@@ -50,6 +51,14 @@ PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES = env_int("PAPERCLIP_PROCESS_MAX_OUTPUT_BYTES
 # The only commands `process` agents may run in authenticated mode (README, "process agents").
 PAPERCLIP_PROCESS_COMMANDS = parse_process_commands(env_str("PAPERCLIP_PROCESS_COMMANDS", ""))
 PAPERCLIP_SESSION_HOUR_USD = env_decimal("PAPERCLIP_SESSION_HOUR_USD", "0.08")
+# Prices (costs_app.pricing): the factor each `inference_geo` multiplies a call's price by
+# (Anthropic's pricing: US-only inference bills 1.1x every rate, models from Opus 4.6 on).
+PAPERCLIP_INFERENCE_GEO_MULTIPLIERS = env_multipliers("PAPERCLIP_INFERENCE_GEO_MULTIPLIERS", '{"us": "1.1"}')
+# The model catalogue (costs_app.catalogue): how often the maintenance pass asks the Models
+# API for it (0: never; `manage.py prices --refresh` asks now), and the model of an agent
+# configured without one (empty: the newest active Sonnet-line model of the catalogue).
+PAPERCLIP_MODELS_REFRESH_MINUTES = env_int("PAPERCLIP_MODELS_REFRESH_MINUTES", 360, minimum=0)
+PAPERCLIP_DEFAULT_MODEL = env_str("PAPERCLIP_DEFAULT_MODEL", "")
 # Claude Code (`runtime: "cli"`): the cap on one heartbeat's spend when the agent sets no
 # max_budget_usd and no budget applies, and the CLI to run (default: the SDK's bundled one).
 PAPERCLIP_CLI_DEFAULT_BUDGET_USD = env_decimal("PAPERCLIP_CLI_DEFAULT_BUDGET_USD", "5")

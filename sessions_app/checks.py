@@ -117,3 +117,36 @@ def check_cli_tools(app_configs, **kwargs):
         "until then its runs fail cli_not_allowed.",
         id="paperclip.W006",
     )
+
+
+@register("paperclip")
+def check_agent_models(app_configs, **kwargs):
+    """A model the catalogue lists as deprecated, with a retirement date, or retired, with
+    the agents on it (as `model` or `summary_model`): act before their runs fail."""
+    from sessions_app.model_checks import CHECKED_KEYS, CLAUDE_ADAPTER, catalogue
+    from sessions_app.models import Agent, AgentStatus
+
+    try:
+        agents = list(
+            Agent.objects.filter(adapter_type=CLAUDE_ADAPTER)
+            .exclude(status=AgentStatus.DELETED)
+            .order_by("name")
+            .values_list("name", "adapter_config")
+        )
+        models = catalogue()
+    except DatabaseError:
+        return []  # before migrate, or database down: other checks and commands report that
+    named: dict = {}
+    for name, config in agents:
+        for key in CHECKED_KEYS:
+            entry = models.get(config.get(key) or "") if isinstance(config, dict) else None
+            if entry is not None and entry.warning:
+                named.setdefault(entry, []).append(name)
+    return [
+        Warning(
+            f"{entry.warning} Agents on it: {', '.join(repr(name) for name in dict.fromkeys(names))}.",
+            hint="Set their adapter_config.model (or summary_model) to an active model (manage.py prices lists them).",
+            id="paperclip.W020",
+        )
+        for entry, names in sorted(named.items(), key=lambda item: item[0].id)
+    ]

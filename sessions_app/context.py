@@ -22,32 +22,20 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from django.utils import timezone
+
+from costs_app.catalogue import catalogue
 from sessions_app.adapters import AdapterError, AdapterRequest
 from sessions_app.models import Agent, AgentSession
 
+# The context window of a model the catalogue does not know (or gives none for); the
+# catalogue's `max_input_tokens` otherwise (costs_app.catalogue).
 DEFAULT_CONTEXT_WINDOW = 200_000
-CONTEXT_WINDOWS = {
-    "claude-opus-4-5": 200_000,
-    "claude-opus-4-6": 200_000,
-    "claude-sonnet-4-5": 200_000,
-    "claude-sonnet-4-6": 200_000,
-    "claude-haiku-4-5": 200_000,
-}
 # One turn verbatim at each compaction, and every turn since (up to GROWTH_TURNS more): each
 # turn kept is written to the cache again after the summary that precedes it. The bench
 # (bench/RESULTS.md, `defaults`) measured 1.47x stateless with one kept and 1.54x with two.
 DEFAULT_KEEP_RECENT_TURNS = 1
 SUMMARY_MAX_TOKENS = 2048
-# Summaries are written by the family's small model unless `summary_model` says otherwise:
-# they read every replaced turn at full input price, and at Opus prices they were a third
-# of what a persistent session cost beyond a stateless one (bench/RESULTS.md, `defaults`).
-# Pinned facts are checked whichever model writes them (`sessions_app.pins`).
-DEFAULT_SUMMARY_MODELS = {
-    "claude-opus-4-5": "claude-haiku-4-5",
-    "claude-opus-4-6": "claude-haiku-4-5",
-    "claude-sonnet-4-5": "claude-haiku-4-5",
-    "claude-sonnet-4-6": "claude-haiku-4-5",
-}
 # Measure exactly (count_tokens) once the estimate passes this share of the budget.
 MEASURE_ABOVE = 0.8
 SUMMARY_KINDS = ("summary", "handoff")
@@ -79,14 +67,33 @@ class ContextSettings:
     rotate_after_hours: float | None
 
 
-def context_settings(agent: Agent) -> ContextSettings:
+def model_window(model: str) -> int:
+    """The most input tokens `model` takes: the catalogue's `max_input_tokens`."""
+    entry = catalogue().get(model)
+    return entry.max_input_tokens if entry is not None and entry.max_input_tokens else DEFAULT_CONTEXT_WINDOW
+
+
+def default_summary_model(model: str, *, now: datetime) -> str:
+    """Summaries are written by the cheapest active model of the agent's family line (its
+    generation in the catalogue: Haiku 5.5 for an Opus 5.5 or Fable 5.1 agent) unless
+    `summary_model` says otherwise: they read every replaced turn at full input price, and
+    at Opus prices they were a third of what a persistent session cost beyond a stateless
+    one (bench/RESULTS.md, `defaults`). A model the catalogue does not know summarises
+    itself. Pinned facts are checked whichever model writes them (`sessions_app.pins`)."""
+    return catalogue().cheapest_of_generation(model, at=now) or model
+
+
+def context_settings(agent: Agent, *, now: datetime | None = None) -> ContextSettings:
     config = agent.adapter_config
-    window = CONTEXT_WINDOWS.get(agent.model_name, DEFAULT_CONTEXT_WINDOW)
+    window = model_window(agent.model_name)
     default_strategy = "summarize" if agent.is_persistent else "none"
+    summary_model = config.get("summary_model")
+    if not summary_model and agent.is_persistent:
+        summary_model = default_summary_model(agent.model_name, now=now or timezone.now())
     return ContextSettings(
         strategy=config.get("context_strategy") or default_strategy,
         budget_tokens=int(config.get("context_budget_tokens") or window // 2),
-        summary_model=config.get("summary_model") or DEFAULT_SUMMARY_MODELS.get(agent.model_name, agent.model_name),
+        summary_model=summary_model or agent.model_name,
         keep_recent_turns=int(config.get("keep_recent_turns") or DEFAULT_KEEP_RECENT_TURNS),
         caching=agent.adapter_type == "claude-code" and bool(config.get("prompt_caching", True)),
         cache_ttl=config.get("cache_ttl") or "5m",
@@ -248,7 +255,7 @@ def summary_input_text(messages: list) -> str:
 def summary_input_chars(settings: ContextSettings) -> int:
     # About half the summary model's window at four characters a token: the summary call
     # must fit, whatever the session holds (a huge answer, a long session handed off).
-    return CONTEXT_WINDOWS.get(settings.summary_model, DEFAULT_CONTEXT_WINDOW) * 2
+    return model_window(settings.summary_model) * 2
 
 
 def clipped(text: str, limit: int) -> str:

@@ -23,14 +23,13 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 
 from costs_app.models import CostEvent
-from costs_app.pricing import price_for
+from costs_app.pricing import price_table
 from sessions_app.context import (
-    CONTEXT_WINDOWS,
-    DEFAULT_CONTEXT_WINDOW,
     DEFAULT_KEEP_RECENT_TURNS,
     SUMMARY_KINDS,
     ContextSettings,
     estimate_tokens,
+    model_window,
 )
 from sessions_app.models import Agent, HeartbeatRun
 
@@ -79,7 +78,7 @@ def derived_budget(agent: Agent, settings_: ContextSettings, *, history: list, u
 
 
 def budget_ceiling(agent: Agent) -> int:
-    window = CONTEXT_WINDOWS.get(agent.model_name, DEFAULT_CONTEXT_WINDOW)
+    window = model_window(agent.model_name)
     return window - int(agent.adapter_config.get("max_tokens") or DEFAULT_MAX_OUTPUT_TOKENS)
 
 
@@ -136,11 +135,12 @@ def one_hour_cache_pays(agent: Agent, *, now: datetime) -> bool:
     trial = calls[: used[-1] + 1]
     read = sum(row[0] for row in trial)
     written = sum(row[1] for row in trial)
-    price = price_for(model=agent.model_name, at=now)
-    if price is None:
+    table = price_table(model=agent.model_name, at=now)
+    if table is None:
         return read >= written  # at Anthropic's multipliers (0.1x read, 2x write) about even
-    saved = read * (price.input_usd_per_mtok - price.cache_read_usd_per_mtok)
-    extra = written * (price.cache_write_1h_usd_per_mtok - price.input_usd_per_mtok)
+    rates = table.rates()
+    saved = read * (rates.input - rates.cache_read)
+    extra = written * (rates.cache_write_1h - rates.input)
     return saved >= extra
 
 

@@ -224,7 +224,7 @@ class ClaimedRun:
     @classmethod
     def of(cls, run: HeartbeatRun, *, now: datetime, clock: RunClock) -> ClaimedRun:
         agent = run.agent
-        settings_ = context_settings(agent)
+        settings_ = context_settings(agent, now=now)
         adapter = get_adapter(agent.adapter_type, agent.adapter_config)
         return cls(
             run=run,
@@ -411,6 +411,7 @@ def reserve_budget(*, run: HeartbeatRun, agent: Agent, calls: RunCalls, request:
         at=now,
         cache_lifetimes=cache_lifetimes([request.system_blocks, request.messages]),
         samplings=2 if request.config.get("context_strategy") == "server" else 1,
+        inference_geo=request.config.get("inference_geo"),
     )
     estimate = cost(size) if cost is not None else None
     if estimate is not None and calls.counts_tokens:

@@ -1,7 +1,8 @@
 """Maintenance: the time-driven state changes, each a set-based query on an indexed column.
 
 Idle sessions are paused, stale ones expired and billed, dead runs reaped, old histories
-purged, stuck queues re-dispatched and budget pauses released. Run every minute by the
+purged, stuck queues re-dispatched, budget pauses released and the model catalogue
+refreshed. Run every minute by the
 `paperclip:maintenance` schedule (`sessions_app.tasks.maintenance`) and by
 `manage.py expire_sessions`.
 """
@@ -17,6 +18,7 @@ from django.db import connection, transaction
 from django.db.models import F
 
 from costs_app.alerts import alert_deliveries_retry
+from costs_app.catalogue import catalogue_refresh, catalogue_refresh_due
 from costs_app.ledger import spend_of
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.metering import session_hours_bill
@@ -163,6 +165,23 @@ def budget_pauses_release(*, now: datetime) -> int:
     return sum(budgets_release(company_id=company_id, now=now) for company_id in set(companies))
 
 
+def models_refresh(*, now: datetime) -> int | None:
+    """Refresh the model catalogue from the Models API, at most once per
+    PAPERCLIP_MODELS_REFRESH_MINUTES across every process (0: never). Returns the models
+    stored, 0 when it was not this pass's turn, None when the refresh failed: logged, and
+    the last catalogue is kept."""
+    minutes = settings.PAPERCLIP_MODELS_REFRESH_MINUTES
+    if not minutes or not catalogue_refresh_due(now=now, interval=timedelta(minutes=minutes)):
+        return 0
+    try:
+        return catalogue_refresh(now=now)
+    except Exception as exc:
+        logger.warning(
+            "The model catalogue could not be refreshed (%s: %s); the last one is kept", type(exc).__name__, exc
+        )
+        return None
+
+
 MAINTENANCE_STEPS = {
     "paused": sessions_pause_idle,
     "expired": sessions_expire,
@@ -173,6 +192,7 @@ MAINTENANCE_STEPS = {
     "budget_resumed": budget_pauses_release,
     "alerts_queued": alert_deliveries_retry,
     "schedules_armed": schedules_arm_missing,
+    "models_refreshed": models_refresh,
 }
 
 

@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from paperclip.errors import RunFailure
 from sessions_app.adapters import validate_agent_config
+from sessions_app.model_checks import agent_models_validate, with_default_model
 from sessions_app.text import MESSAGE_ID_MAX_LENGTH, STOP_REASON_MAX_LENGTH, is_storable
 
 SESSION_ID_PREFIX = "sess_"
@@ -103,9 +104,29 @@ class Agent(models.Model):
                 if not field.primary_key and field.name not in skipped and field.attname not in skipped
             ]
         super().save(*args, **kwargs)
+        self._stored_config = self.adapter_config
+
+    @classmethod
+    def from_db(cls, db, field_names, values):
+        agent = super().from_db(db, field_names, values)
+        # The configuration as stored: the model checks run on what a save changes.
+        agent._stored_config = agent.__dict__.get("adapter_config")
+        return agent
+
+    def refresh_from_db(self, using=None, fields=None, from_queryset=None) -> None:
+        super().refresh_from_db(using=using, fields=fields, from_queryset=from_queryset)
+        if fields is None or "adapter_config" in fields:
+            self._stored_config = self.__dict__.get("adapter_config")
 
     def clean(self) -> None:
-        self.adapter_config = validate_agent_config(self.adapter_type, self.adapter_config)
+        config = validate_agent_config(self.adapter_type, with_default_model(self.adapter_type, self.adapter_config))
+        stored = None
+        if not self._state.adding:
+            # A deferred configuration was just loaded, unchanged, by reading it above.
+            stored = getattr(self, "_stored_config", None)
+            stored = config if stored is None else stored
+        agent_models_validate(adapter_type=self.adapter_type, config=config, previous=stored, now=timezone.now())
+        self.adapter_config = config
 
     @property
     def session_mode(self) -> str:

@@ -89,15 +89,30 @@ class RunCalls:
         reply = self.adapter.call(request)
         if reply.usage is None:
             return reply
-        event = self.bill(usage=reply.usage, model=reply.priced_model, message_id=reply.message_id, kind=kind)
+        event = self.bill(
+            usage=reply.usage,
+            model=reply.priced_model,
+            message_id=reply.message_id,
+            kind=kind,
+            inference_geo=request.config.get("inference_geo"),
+        )
         return replace(reply, cost_usd=event.cost_usd, cost_event_id=event.id)
 
     def count_tokens(self, request: AdapterRequest) -> int:
         self._hold_deadline(request)
         return self.adapter.count_tokens(request)
 
-    def bill(self, *, usage: dict, model: str, message_id: str = "", kind: str = CostKind.MESSAGE) -> CostEvent:
-        """Write the ledger row of one model request of this run, now."""
+    def bill(
+        self,
+        *,
+        usage: dict,
+        model: str,
+        message_id: str = "",
+        kind: str = CostKind.MESSAGE,
+        inference_geo: str | None = None,
+    ) -> CostEvent:
+        """Write the ledger row of one model request of this run, now, priced with the
+        request's own factors (its `inference_geo`)."""
         self._rows += 1
         fields = {
             "usage": usage,
@@ -109,6 +124,7 @@ class RunCalls:
             "call_number": self._rows,
             "message_id": message_id or None,
             "kind": kind,
+            "inference_geo": inference_geo,
             "at": self._clock(),
         }
         try:

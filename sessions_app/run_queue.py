@@ -26,10 +26,11 @@ from django.db.models.functions import Coalesce
 
 from costs_app.budgets import budgets_exist, money_budgets_exist
 from costs_app.ledger import spend_of
-from costs_app.pricing import price_for
+from costs_app.pricing import is_priced
 from sessions_app.adapters import adapter_for
 from sessions_app.context import context_settings
 from sessions_app.errors import HeartbeatRefused
+from sessions_app.model_checks import retired_model_refusal
 from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.text import is_storable, storable
 from sessions_app.work_checks import check_seconds
@@ -63,14 +64,21 @@ def refuse_unless_active(agent: Agent) -> None:
         raise HeartbeatRefused(*refusal)
 
 
+def refuse_retired(agent: Agent) -> None:
+    """A model the catalogue lists as retired fails every call: refused before anything is
+    queued (runs queued before it retired fail so at their claim)."""
+    if message := retired_model_refusal(agent.adapter_config):
+        raise HeartbeatRefused("model_retired", message)
+
+
 def refuse_unpriced(agent: Agent, *, now: datetime) -> None:
     """An agent under a money budget whose model has no price is refused before anything
     is queued: its calls could not be held against the budget (each run would fail
     model_unpriced). Called only for such agents (`_refuse_when_queue_full_or_unpriced`)."""
     models = {agent.model_name}
     if agent.is_persistent:
-        models.add(context_settings(agent).summary_model)
-    unpriced = sorted(model for model in models if price_for(model=model, at=now) is None)
+        models.add(context_settings(agent, now=now).summary_model)
+    unpriced = sorted(model for model in models if not is_priced(model=model, at=now))
     if unpriced:
         raise HeartbeatRefused(
             "model_unpriced",
@@ -105,6 +113,7 @@ def heartbeat_enqueue(
         if earlier is not None:
             return _same_request(earlier, task), False
     refuse_unless_active(agent)
+    refuse_retired(agent)
     fields = {
         "company_id": agent.company_id,
         "agent": agent,
@@ -298,6 +307,10 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     if refusal := agent.refusal():
         code, _ = refusal
         run_fail(run, code=code, message=f"The agent is {agent.status}.", now=now)
+        run.refresh_from_db()
+        return run, False
+    if message := retired_model_refusal(agent.adapter_config):
+        run_fail(run, code="model_retired", message=message, now=now)
         run.refresh_from_db()
         return run, False
     deadline = run_deadline(adapter_for(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now)

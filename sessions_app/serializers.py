@@ -12,6 +12,7 @@ from decimal import Decimal
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from sessions_app.model_checks import agent_model_info
 from sessions_app.models import (
     MAX_PIN_CHARS,
     Agent,
@@ -78,6 +79,22 @@ class NoUnknownFieldsMixin:
 # Companies
 
 
+AGENT_MODEL_INFO_SCHEMA = {
+    "type": "object",
+    "nullable": True,
+    "properties": {
+        "model": {"type": "string"},
+        "display_name": {"type": "string", "nullable": True},
+        "lifecycle": {"type": "string", "enum": ["active", "deprecated", "retired", "unknown"]},
+        "deprecated_at": {"type": "string", "format": "date-time", "nullable": True},
+        "retires_at": {"type": "string", "format": "date-time", "nullable": True},
+        "max_input_tokens": {"type": "integer", "nullable": True},
+        "max_tokens": {"type": "integer", "nullable": True},
+        "warning": {"type": "string"},
+    },
+}
+
+
 class CompanySerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
     name = StrictCharField(max_length=200, allow_blank=False, trim_whitespace=True)
 
@@ -97,8 +114,9 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
     adapter_type = StrictCharField(required=False, max_length=64)
     adapter_config = StrictDictField(
         required=False,
-        help_text="Adapter settings, e.g. {'model': 'claude-opus-4-5', 'session_mode': 'persistent', "
-        "'session_ttl_hours': 24}. Validated when saved; a bad value is a 400 naming `adapter_config.<key>`. "
+        help_text="Adapter settings, e.g. {'session_mode': 'persistent', 'session_ttl_hours': 24}; `model` names "
+        "a model of the catalogue (or one with an override price; unset: the default model). Validated when "
+        "saved; a bad value is a 400 naming `adapter_config.<key>`. "
         "PATCH replaces the whole object. A `process` agent names a command of the operator's "
         "PAPERCLIP_PROCESS_COMMANDS (`command`, with `args` its entry allows).",
     )
@@ -114,6 +132,11 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
         help_text="How many times the heartbeat interval is stretched by the back-off (1: none); "
         "a cron agent wakes on every n-th time of its expression."
     )
+    model_info = serializers.SerializerMethodField(
+        help_text="What the model catalogue says of `adapter_config.model`: `lifecycle` (active, deprecated, "
+        "retired, or unknown when the catalogue does not list it), `deprecated_at`, `retires_at`, "
+        "`max_input_tokens`, `max_tokens`, and a `warning` naming a deprecation or retirement; null without a model."
+    )
 
     class Meta:
         model = Agent
@@ -128,6 +151,7 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
             "paused_reason",
             "idle_streak",
             "backoff_factor",
+            "model_info",
             "created_at",
             "updated_at",
         ]
@@ -135,6 +159,13 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
 
     def get_backoff_factor(self, agent: Agent) -> int:
         return agent_backoff(agent.adapter_config, agent.idle_streak)
+
+    @extend_schema_field(AGENT_MODEL_INFO_SCHEMA)
+    def get_model_info(self, agent: Agent) -> dict | None:
+        info = agent_model_info(agent.adapter_config)
+        if info is None:
+            return None
+        return {**info, "deprecated_at": iso_time(info["deprecated_at"]), "retires_at": iso_time(info["retires_at"])}
 
 
 # Sessions

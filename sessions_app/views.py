@@ -170,6 +170,8 @@ REFUSALS = {
     "budget_exceeded": TooManyRequests,
     # The agent's configuration and the price list disagree: fixed by a price, not by waiting.
     "model_unpriced": Conflict,
+    # The catalogue lists the agent's model as retired: fixed by another model.
+    "model_retired": Conflict,
     "queue_full": TooManyRequests,
 }
 

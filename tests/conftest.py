@@ -10,22 +10,23 @@ import subprocess
 import sys
 import time
 from decimal import Decimal
-from importlib import import_module
 from pathlib import Path
 
 import pytest
+from anthropic.types import ModelInfo
 from django.db import connection
 from django.utils import timezone
 
+from costs_app.catalogue import catalogue_forget, catalogue_row, catalogue_store
 from costs_app.models import CostEvent
-from costs_app.pricing import call_cost
+from costs_app.pricing import call_price
 from paperclip.env import parse_process_commands
 from sessions_app.context import SUMMARY_SYSTEM
 from sessions_app.heartbeat import heartbeat_execute
 from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, HistoryStore, RunStatus
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.stores import store_for
-from tests.fake_anthropic import FakeAnthropic, plain_messages, plain_system
+from tests.fake_anthropic import CATALOGUE, FakeAnthropic, plain_messages, plain_system
 
 FAKE_API_KEY = "sk-ant-test-0000-secret-never-logged"
 
@@ -49,17 +50,30 @@ def paperclip_home(settings, tmp_path):
 
 
 @pytest.fixture(autouse=True)
-def seeded_list_prices(request):
-    """A transactional test ends by emptying every table, rows of data migrations included;
-    put the seeded list prices back before each one, so that none depends on running first."""
-    marker = request.node.get_closest_marker("django_db")
-    transactional = marker is not None and bool(marker.kwargs.get("transaction") or marker.args[:1] == (True,))
-    if not (transactional or "live_server" in request.fixturenames):
-        return
-    request.getfixturevalue("transactional_db")
-    from django.apps import apps
+def model_catalogue(settings):
+    """Each test reads the catalogue its own database holds (none: the price library's
+    models), never one an earlier test left in this process's memory; the maintenance pass
+    refreshes it only in a test that sets PAPERCLIP_MODELS_REFRESH_MINUTES."""
+    settings.PAPERCLIP_MODELS_REFRESH_MINUTES = 0
+    catalogue_forget()
+    yield
+    catalogue_forget()
 
-    import_module("costs_app.migrations.0002_seed_list_prices").seed_prices(apps, None)
+
+def catalogue_stored(entries: list[dict] = CATALOGUE, *, now=None) -> None:
+    """Store `entries` (as the fake Models API lists them) as the catalogue, as a refresh
+    that read them would."""
+    catalogue_store([catalogue_row(ModelInfo.model_validate(entry), now=now or timezone.now()) for entry in entries])
+    catalogue_forget()
+
+
+def agent_on_unknown_model(company: Company, model: str, **config) -> Agent:
+    """An agent on a model neither the catalogue nor an override knows, as one saved before
+    the model checks existed (or written by SQL) is: validation would refuse it now."""
+    agent = Agent.objects.create(company=company, name=f"on {model}", adapter_config=config)
+    Agent.objects.filter(pk=agent.pk).update(adapter_config={**agent.adapter_config, "model": model})
+    agent.refresh_from_db()
+    return agent
 
 
 @pytest.fixture
@@ -401,6 +415,8 @@ def assert_ledger_holds_exactly(run, answered: list[tuple[str, dict]]) -> None:
         (model, usage["input_tokens"], usage["output_tokens"], usage.get("cache_read_input_tokens", 0))
         for model, usage in answered
     ]
-    assert all(row.cost_usd == call_cost(usage=row.raw_usage, model=row.model, at=row.created_at) for row in rows)
+    assert all(
+        row.cost_usd == call_price(usage=row.raw_usage, model=row.model, at=row.created_at).cost_usd for row in rows
+    )
     run.refresh_from_db()
     assert run.cost_usd == sum((row.cost_usd for row in rows), Decimal(0))

@@ -30,6 +30,10 @@ not answered by a tool_result in the next message.
 request whose system prompt contains a key is answered with its value (an idle agent that
 says "NOTHING_TO_DO" in a benchmark); FAKE_SYSTEM_ANSWERS sets it as JSON when run alone.
 
+The Models API: `GET /v1/models` pages `fake.models` (CATALOGUE by default: the 5.x
+generation and the 4.x models the tests use, some deprecated, one retired) as the API does,
+`GET /v1/models/{id}` answers one.
+
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
 arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
 operator, a delete) at the moment a call is in flight. An exception from it is kept in
@@ -49,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs
 
 
 def estimate_tokens(payload: Any) -> int:
@@ -182,6 +187,109 @@ class Reply:
         return cls(kind="message", content=blocks, extra={"stop_reason": "tool_use"}, **kwargs)
 
 
+def model_entry(
+    model_id: str,
+    display_name: str,
+    line: str,
+    released: str,
+    *,
+    max_input_tokens: int = 1_000_000,
+    max_tokens: int = 64_000,
+    lifecycle: str = "active",
+    deprecated_at: str | None = None,
+    retires_at: str | None = None,
+) -> dict:
+    """One model as the Models API lists it (`ModelInfo`)."""
+    return {
+        "type": "model",
+        "id": model_id,
+        "display_name": display_name,
+        "line": line,
+        "created_at": f"{released}T00:00:00Z",
+        "lifecycle": lifecycle,
+        "max_input_tokens": max_input_tokens,
+        "max_tokens": max_tokens,
+        "deprecated_at": f"{deprecated_at}T00:00:00Z" if deprecated_at else None,
+        "retires_at": f"{retires_at}T00:00:00Z" if retires_at else None,
+    }
+
+
+# What `GET /v1/models` lists by default: the 5.x generation, and the 4.x models the tests
+# use (two deprecated with a retirement date, one retired), newest first as the API lists.
+CATALOGUE = sorted(
+    [
+        model_entry("claude-opus-5-5", "Claude Opus 5.5", "opus", "2026-11-18", max_tokens=128_000),
+        model_entry("claude-sonnet-5-5", "Claude Sonnet 5.5", "sonnet", "2026-11-18"),
+        model_entry("claude-haiku-5-5", "Claude Haiku 5.5", "haiku", "2026-11-25"),
+        model_entry("claude-fable-5-1", "Claude Fable 5.1", "fable", "2026-10-01", max_tokens=128_000),
+        model_entry("claude-opus-5", "Claude Opus 5", "opus", "2026-07-01", max_tokens=128_000),
+        model_entry("claude-sonnet-5", "Claude Sonnet 5", "sonnet", "2026-06-15"),
+        model_entry("claude-opus-4-6", "Claude Opus 4.6", "opus", "2026-02-05", max_tokens=128_000),
+        model_entry("claude-sonnet-4-6", "Claude Sonnet 4.6", "sonnet", "2026-02-17"),
+        model_entry(
+            "claude-opus-4-5",
+            "Claude Opus 4.5",
+            "opus",
+            "2025-11-24",
+            max_input_tokens=200_000,
+            lifecycle="deprecated",
+            deprecated_at="2026-11-01",
+            retires_at="2027-02-01",
+        ),
+        model_entry(
+            "claude-sonnet-4-5",
+            "Claude Sonnet 4.5",
+            "sonnet",
+            "2025-09-29",
+            max_input_tokens=200_000,
+            lifecycle="deprecated",
+            deprecated_at="2026-11-01",
+            retires_at="2027-03-01",
+        ),
+        model_entry("claude-haiku-4-5", "Claude Haiku 4.5", "haiku", "2025-10-15", max_input_tokens=200_000),
+        model_entry(
+            "claude-opus-4-1",
+            "Claude Opus 4.1",
+            "opus",
+            "2025-08-05",
+            max_input_tokens=200_000,
+            max_tokens=32_000,
+            lifecycle="retired",
+            deprecated_at="2026-04-01",
+            retires_at="2026-10-01",
+        ),
+    ],
+    key=lambda entry: entry["created_at"],
+    reverse=True,
+)
+
+
+def models_page(models: list[dict], query: dict[str, list[str]], *, default_limit: int) -> dict:
+    """`GET /v1/models` as the API pages it: `limit` (1..1000), `after_id` or `before_id`,
+    `lifecycle` (active and deprecated unless asked; retired only when asked)."""
+    lifecycles = query.get("lifecycle[]") or query.get("lifecycle") or ["active", "deprecated"]
+    listed = [model for model in models if model["lifecycle"] in lifecycles]
+    ids = [model["id"] for model in listed]
+    limit = int((query.get("limit") or [default_limit])[0])
+    if "after_id" in query:
+        start = ids.index(query["after_id"][0]) + 1
+        page = listed[start : start + limit]
+        has_more = start + limit < len(listed)
+    elif "before_id" in query:
+        end = ids.index(query["before_id"][0])
+        page = listed[max(end - limit, 0) : end]
+        has_more = end - limit > 0
+    else:
+        page = listed[:limit]
+        has_more = limit < len(listed)
+    return {
+        "data": page,
+        "has_more": has_more,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+    }
+
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -222,6 +330,15 @@ class FakeAnthropic:
         self.writer: Callable[[dict], str | None] | None = None
         self.count_output = False
         self.action_errors: list[BaseException] = []
+        # The Models API: what `GET /v1/models` lists, and its page size when no limit is
+        # asked (the API's default is 20).
+        self.models: list[dict] = [dict(entry) for entry in CATALOGUE]
+        self.models_page_size = 20
+        # Runs in the fake's thread when a models request arrives, before the answer (as a
+        # reply's `before`): a second actor at the moment a catalogue refresh is in flight.
+        self.models_before: Callable[[], None] | None = None
+        # An HTTP status every models request is answered with instead (None: the list).
+        self.models_error: int | None = None
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -246,6 +363,12 @@ class FakeAnthropic:
     def reset_log(self) -> None:
         with self.lock:
             self.requests.clear()
+
+    @property
+    def models_requests(self) -> list[dict]:
+        """The query of each `GET /v1/models` request, in order."""
+        with self.lock:
+            return [r["query"] for r in self.requests if r["path"] == "/v1/models"]
 
     @property
     def message_requests(self) -> list[dict]:
@@ -365,6 +488,9 @@ class FakeAnthropic:
             blocks, usage = compaction
             message["content"] = blocks + message["content"]
             message["usage"] = usage
+        if body.get("inference_geo") and message["usage"] is not None:
+            # Where it ran, as the API reports it for a request that names a geo.
+            message["usage"] = {**message["usage"], "inference_geo": body["inference_geo"]}
         if scripted:
             message["content"], message["stop_reason"] = scripted, "tool_use"
         if any(block.get("type") == "tool_use" for block in message["content"]):
@@ -405,14 +531,41 @@ class FakeAnthropic:
                 self.wfile.write(data)
 
             def do_GET(self):
+                path, _, query = self.path.partition("?")
+                if path == "/v1/models" or path.startswith("/v1/models/"):
+                    self._models(path, parse_qs(query))
+                    return
                 # For benchmarks running the fake in its own process: the Messages request
                 # bodies it received, from index `after` on, so a baseline can replay them.
-                path, _, query = self.path.partition("?")
                 if path != "/_fake/message_requests":
                     self._send_json(404, {"type": "error", "error": {"type": "not_found_error", "message": path}})
                     return
                 after = int(query.partition("after=")[2] or 0)
                 self._send_json(200, {"bodies": fake.message_requests[after:]})
+
+            def _models(self, path: str, query: dict[str, list[str]]) -> None:
+                with fake.lock:
+                    fake.requests.append({"path": path, "query": query, "headers": dict(self.headers), "body": None})
+                    models = list(fake.models)
+                if fake.models_before is not None:
+                    try:
+                        fake.models_before()
+                    except BaseException as exc:  # reported to the test, not to the client
+                        fake.action_errors.append(exc)
+                if fake.models_error is not None:
+                    error_type = ERROR_TYPES.get(fake.models_error, "api_error")
+                    self._send_json(
+                        fake.models_error, {"type": "error", "error": {"type": error_type, "message": "down"}}
+                    )
+                    return
+                if path == "/v1/models":
+                    self._send_json(200, models_page(models, query, default_limit=fake.models_page_size))
+                    return
+                found = next((model for model in models if model["id"] == path.rsplit("/", 1)[1]), None)
+                if found is None:
+                    self._send_json(404, {"type": "error", "error": {"type": "not_found_error", "message": path}})
+                else:
+                    self._send_json(200, found)
 
             def do_POST(self):
                 length = int(self.headers.get("Content-Length") or 0)

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from costs_app.budgets import budget_uses
 from costs_app.models import Budget, CostEvent, CostKind, ModelPrice
-from costs_app.pricing import MILLION, price_for
+from costs_app.pricing import MILLION, price_table
 from sessions_app.context import build_request, context_settings, estimate_tokens
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_wait
@@ -23,7 +23,7 @@ from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, 
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.services import budgets_release
 from sessions_app.stores import store_for
-from tests.conftest import beat, context_agent
+from tests.conftest import agent_on_unknown_model, beat, context_agent
 from tests.fake_anthropic import Reply, dense_tokens
 
 
@@ -31,9 +31,9 @@ def plain_input_estimate(agent, task: str, history: list | None = None) -> Decim
     """What a reservation pricing every input token at the plain input rate holds."""
     request = build_request(agent=agent, history=history or [], user_content=task, settings=context_settings(agent))
     size = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
-    price = price_for(model=agent.model_name, at=timezone.now())
+    rates = price_table(model=agent.model_name, at=timezone.now()).rates(prompt_tokens=size)
     max_tokens = agent.adapter_config.get("max_tokens", 4096)
-    return (size * price.input_usd_per_mtok + max_tokens * price.output_usd_per_mtok) / MILLION
+    return (size * rates.input + max_tokens * rates.output) / MILLION
 
 
 def spent() -> Decimal:
@@ -116,7 +116,7 @@ def test_server_compaction_is_reserved_as_two_readings_of_the_input(settings, co
 
 
 def test_a_budgeted_agent_on_an_unpriced_model_is_refused_before_any_call(company, fake_anthropic):
-    agent = Agent.objects.create(company=company, name="new", adapter_config={"model": "claude-future-9"})
+    agent = agent_on_unknown_model(company, "claude-future-9")
     run, _ = heartbeat_enqueue(agent=agent, task="queued before the budget", now=timezone.now())
     Budget.objects.create(company=company, monthly_limit_usd=Decimal("5"))
 
@@ -132,10 +132,11 @@ def test_a_budgeted_agent_on_an_unpriced_model_is_refused_before_any_call(compan
 
 def test_an_unpriced_summary_model_is_refused_too(company, fake_anthropic):
     agent = Agent.objects.create(
-        company=company,
-        name="summarising",
-        adapter_config={"model": "claude-opus-4-5", "session_mode": "persistent", "summary_model": "cheap-unknown"},
+        company=company, name="summarising", adapter_config={"model": "claude-opus-4-5", "session_mode": "persistent"}
     )
+    # Saved before the model checks (which refuse an unknown summary model now).
+    Agent.objects.filter(pk=agent.pk).update(adapter_config={**agent.adapter_config, "summary_model": "cheap-unknown"})
+    agent.refresh_from_db()
     Budget.objects.create(company=company, agent=agent, monthly_limit_usd=Decimal("5"))
 
     with pytest.raises(HeartbeatRefused) as refused:
@@ -144,7 +145,7 @@ def test_an_unpriced_summary_model_is_refused_too(company, fake_anthropic):
 
 
 def test_an_unpriced_model_without_a_money_limit_still_runs(company, fake_anthropic):
-    agent = Agent.objects.create(company=company, name="capped", adapter_config={"model": "claude-future-9"})
+    agent = agent_on_unknown_model(company, "claude-future-9")
     Budget.objects.create(company=company, daily_run_limit=5)
 
     run = beat(agent, "go")

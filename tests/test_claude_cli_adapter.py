@@ -18,7 +18,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from costs_app.models import Budget, CostEvent, ModelPrice
-from costs_app.pricing import call_cost
+from costs_app.pricing import call_price
 from sessions_app.adapters import AgentConfigError, get_adapter
 from sessions_app.adapters.claude_cli import config_dir, workspace_for
 from sessions_app.adapters.cli_home import agent_home
@@ -44,7 +44,9 @@ def cli_agent(company, **config) -> Agent:
         name="Coder",
         system_prompt="You are the release engineer.",
         adapter_type="claude-code",
-        adapter_config={"runtime": "cli", "timeout_seconds": 60, **config},
+        # The model these tests were written against (the default is the catalogue's newest
+        # Sonnet, with which the bundled CLI sends its own thinking settings and side calls).
+        adapter_config={"runtime": "cli", "model": "claude-sonnet-4-5", "timeout_seconds": 60, **config},
     )
 
 
@@ -99,7 +101,7 @@ def assert_ledger_is_the_fakes(run: HeartbeatRun, fake_anthropic, *, answered: i
         assert (event.input_tokens, event.output_tokens) == (usage["input_tokens"], usage["output_tokens"])
         assert event.cache_creation_input_tokens == usage["cache_creation_input_tokens"]
         assert event.cache_read_input_tokens == usage["cache_read_input_tokens"]
-        assert event.cost_usd == call_cost(usage=usage, model=model, at=event.created_at)
+        assert event.cost_usd == call_price(usage=usage, model=model, at=event.created_at).cost_usd
     run.refresh_from_db()
     assert run.cost_usd == sum((event.cost_usd for event in events), Decimal(0))
     return events

@@ -227,7 +227,7 @@ def test_300_heartbeats_never_exceed_the_budget_and_lose_nothing(company, fake_a
     )
     compaction = session.compactions.first()
     assert compaction.tokens_before > budget >= compaction.tokens_after
-    # Written by the family's small model (DEFAULT_SUMMARY_MODELS), priced as such.
+    # Written by the cheapest model of the agent's family line, priced as such.
     assert compaction.summary and compaction.model == "claude-haiku-4-5"
     assert CostEvent.objects.filter(kind=CostKind.COMPACTION, session=session).count() == session.compaction_count
 

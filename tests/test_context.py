@@ -6,11 +6,13 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
 from costs_app.models import CostEvent
-from sessions_app.context import estimate_tokens
-from sessions_app.models import AgentSession, RunStatus, SessionCompaction
-from tests.conftest import beat, context_agent, is_summary_request, summary_text
+from sessions_app.context import context_settings, estimate_tokens, model_window, summary_input_chars
+from sessions_app.context_defaults import budget_ceiling
+from sessions_app.models import Agent, AgentSession, RunStatus, SessionCompaction
+from tests.conftest import beat, catalogue_stored, context_agent, is_summary_request, summary_text
 from tests.fake_anthropic import Reply, plain_messages, strip_markers
 
 
@@ -145,3 +147,37 @@ def test_an_empty_answer_does_not_break_the_session(persistent_agent, fake_anthr
     assert replayed in ("(no content)", [{"type": "text", "text": "(no content)"}])
     session = AgentSession.objects.get(agent=persistent_agent)
     assert session.message_count == 6  # the empty answer is kept as the model gave it
+
+
+def test_a_1m_token_model_has_its_whole_window(company):
+    """The context window is the catalogue's max_input_tokens: a 1M-token model is not a 200k one."""
+    agent = Agent.objects.create(company=company, name="long", adapter_config={"model": "claude-sonnet-5-5"})
+    assert model_window("claude-sonnet-5-5") == 1_000_000
+    assert budget_ceiling(agent) == 1_000_000 - 4096
+    assert context_settings(agent).budget_tokens == 500_000
+    catalogue_stored()  # the Models API says so too
+    assert model_window("claude-sonnet-5-5[1m]") == 1_000_000
+    assert model_window("claude-opus-4-5") == 200_000
+    assert model_window("claude-unknown-1") == 200_000  # unknown: the common window
+
+
+@pytest.mark.parametrize(
+    ("model", "summary_model"),
+    [
+        ("claude-opus-5-5", "claude-haiku-5-5"),
+        ("claude-fable-5-1", "claude-haiku-5-5"),
+        ("claude-haiku-5-5", "claude-haiku-5-5"),
+        ("claude-sonnet-4-6", "claude-haiku-4-5"),
+    ],
+)
+def test_summaries_are_written_by_the_cheapest_active_model_of_the_agents_line(company, model, summary_model):
+    catalogue_stored()
+    agent = context_agent(company, model=model)
+    assert context_settings(agent, now=timezone.now()).summary_model == summary_model
+    pinned = context_agent(company, model=model, summary_model="claude-sonnet-5-5")
+    assert context_settings(pinned).summary_model == "claude-sonnet-5-5"
+
+
+def test_a_1m_token_summary_model_reads_half_its_window(company, fake_anthropic):
+    agent = context_agent(company, model="claude-opus-5-5", context_budget_tokens=1000)
+    assert summary_input_chars(context_settings(agent)) == 1_000_000 * 2  # Haiku 5.5: 1M tokens

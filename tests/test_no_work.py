@@ -293,7 +293,9 @@ def test_a_command_printing_past_the_bound_fails_the_check(stateless_agent, fake
 )
 def test_a_bad_work_check_names_its_field(company, check, field):
     with pytest.raises(AgentConfigError) as refused:
-        Agent.objects.create(company=company, name="x", adapter_config={"model": "m", "work_check": check})
+        Agent.objects.create(
+            company=company, name="x", adapter_config={"model": "claude-haiku-4-5", "work_check": check}
+        )
     assert field in refused.value.fields
 
 
@@ -302,11 +304,15 @@ def test_authenticated_mode_asks_only_listed_hosts(company, settings):
     settings.PAPERCLIP_WORK_CHECK_HOSTS = frozenset({"tracker.example"})
     with pytest.raises(AgentConfigError) as refused:
         Agent.objects.create(
-            company=company, name="x", adapter_config={"model": "m", "work_check": {"url": "http://169.254.169.254/"}}
+            company=company,
+            name="x",
+            adapter_config={"model": "claude-haiku-4-5", "work_check": {"url": "http://169.254.169.254/"}},
         )
     assert "PAPERCLIP_WORK_CHECK_HOSTS" in refused.value.fields["adapter_config.work_check.url"]
     Agent.objects.create(
-        company=company, name="y", adapter_config={"model": "m", "work_check": {"url": "https://tracker.example/w"}}
+        company=company,
+        name="y",
+        adapter_config={"model": "claude-haiku-4-5", "work_check": {"url": "https://tracker.example/w"}},
     )
 
 

@@ -16,7 +16,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from costs_app.models import Budget, CostEvent, CostKind
-from costs_app.pricing import call_cost
+from costs_app.pricing import call_price
 from sessions_app.adapters import AdapterRequest, get_adapter
 from sessions_app.context import build_request, context_settings
 from sessions_app.errors import RunAbandoned
@@ -289,7 +289,7 @@ def test_over_any_sequence_of_calls_and_failures_the_ledger_is_what_the_api_repo
         for model, u in answered
     ]
     for row in calls:
-        assert row.cost_usd == call_cost(usage=row.raw_usage, model=row.model, at=row.created_at)
+        assert row.cost_usd == call_price(usage=row.raw_usage, model=row.model, at=row.created_at).cost_usd
     for session in AgentSession.objects.filter(agent=agent):
         named = sum((r.cost_usd for r in rows if r.session_id == session.id), Decimal(0))
         assert abs(session.total_cost_usd - named) < Decimal("0.000001")

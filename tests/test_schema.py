@@ -13,6 +13,7 @@ from django.conf import settings
 from django.db import connection
 
 from costs_app.models import CostEvent, ModelPrice
+from costs_app.pricing import price_table
 from sessions_app.models import AgentSession
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("postgres_only")]
@@ -105,13 +106,18 @@ def test_tutorial_create_table_columns_exist_with_their_types():
     assert "agents" in agent_fk_targets
 
 
-def test_list_prices_are_seeded():
-    opus = ModelPrice.objects.get(model="claude-opus-4-5")
-    assert (opus.input_usd_per_mtok, opus.output_usd_per_mtok) == (Decimal(5), Decimal(25))
-    assert opus.cache_write_5m_usd_per_mtok == Decimal("6.25")
-    assert opus.cache_write_1h_usd_per_mtok == Decimal(10)
-    assert opus.cache_read_usd_per_mtok == Decimal("0.5")
-    assert ModelPrice.objects.get(model="claude-haiku-4-5").output_usd_per_mtok == Decimal(5)
+def test_no_prices_are_seeded_the_library_prices_the_models():
+    """The hand-seeded list prices are gone after migrate (docs/data-model.md, `model_prices`):
+    the model_prices table holds only an operator's overrides."""
+    assert not ModelPrice.objects.exists()
+    opus = price_table(model="claude-opus-4-5", at=datetime(2026, 12, 1, tzinfo=UTC)).rates()
+    assert (opus.input, opus.output, opus.cache_write_5m, opus.cache_write_1h, opus.cache_read) == (
+        Decimal(5),
+        Decimal(25),
+        Decimal("6.25"),
+        Decimal(10),
+        Decimal("0.5"),
+    )
 
 
 def test_histories_are_compressed_with_lz4(persistent_agent):

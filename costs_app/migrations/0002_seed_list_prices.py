@@ -19,21 +19,23 @@ LIST_PRICES = {
 EFFECTIVE_FROM = datetime.date(2025, 1, 1)
 
 
+def seeded_values(model: str) -> dict:
+    """The rates this migration writes for `model` (0009 removes rows still equal to them)."""
+    input_price, output_price = LIST_PRICES[model]
+    base = Decimal(input_price)
+    return {
+        "input_usd_per_mtok": base,
+        "output_usd_per_mtok": Decimal(output_price),
+        "cache_write_5m_usd_per_mtok": base * Decimal("1.25"),
+        "cache_write_1h_usd_per_mtok": base * 2,
+        "cache_read_usd_per_mtok": base * Decimal("0.1"),
+    }
+
+
 def seed_prices(apps, schema_editor):
     ModelPrice = apps.get_model("costs_app", "ModelPrice")
-    for model, (input_price, output_price) in LIST_PRICES.items():
-        base = Decimal(input_price)
-        ModelPrice.objects.get_or_create(
-            model=model,
-            effective_from=EFFECTIVE_FROM,
-            defaults={
-                "input_usd_per_mtok": base,
-                "output_usd_per_mtok": Decimal(output_price),
-                "cache_write_5m_usd_per_mtok": base * Decimal("1.25"),
-                "cache_write_1h_usd_per_mtok": base * 2,
-                "cache_read_usd_per_mtok": base * Decimal("0.1"),
-            },
-        )
+    for model in LIST_PRICES:
+        ModelPrice.objects.get_or_create(model=model, effective_from=EFFECTIVE_FROM, defaults=seeded_values(model))
 
 
 def unseed_prices(apps, schema_editor):

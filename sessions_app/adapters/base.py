@@ -316,10 +316,14 @@ def validate_cron(config: dict, errors: dict[str, str], clean: dict) -> None:
         clean["heartbeat_timezone"] = zone
 
 
-def validate_model(config: dict, errors: dict[str, str], clean: dict, *, default: str) -> None:
-    model = config.get("model", default)
+def validate_model(config: dict, errors: dict[str, str], clean: dict) -> None:
+    """`model` is a model id (whether the catalogue knows it is checked when the agent is
+    saved: sessions_app.model_checks, which also fills in the default model)."""
+    if "model" not in config:
+        return
+    model = config["model"]
     if not isinstance(model, str) or not model.strip() or len(model) > 200:
-        errors["model"] = f"must be a model name such as 'claude-sonnet-4-5', got {model!r}"
+        errors["model"] = f"must be a model id from the model catalogue (manage.py prices), got {model!r}"
     clean["model"] = model
 
 

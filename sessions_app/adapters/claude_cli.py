@@ -54,7 +54,6 @@ from sessions_app.text import storable
 logger = logging.getLogger(__name__)
 
 RUNTIME = "cli"
-DEFAULT_MODEL = "claude-sonnet-4-5"
 # File reading, editing and search, and the shell, inside the workspace; no web tools.
 DEFAULT_ALLOWED_TOOLS = ["Read", "Edit", "Write", "Glob", "Grep", "Bash"]
 PERMISSION_MODES = ("dontAsk", "default", "acceptEdits", "plan", "bypassPermissions")
@@ -122,7 +121,7 @@ def _tools(config: dict, key: str, errors: dict[str, str], default: list[str]) -
 
 def validate_cli_config(config: dict, errors: dict[str, str]) -> dict:
     clean: dict[str, Any] = {"runtime": RUNTIME}
-    validate_model(config, errors, clean, default=DEFAULT_MODEL)
+    validate_model(config, errors, clean)
     clean["allowed_tools"] = _tools(config, "allowed_tools", errors, DEFAULT_ALLOWED_TOOLS)
     clean["disallowed_tools"] = _tools(config, "disallowed_tools", errors, [])
     mode = config.get("permission_mode", DEFAULT_PERMISSION_MODE)

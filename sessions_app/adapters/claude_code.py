@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Any
 
 import anthropic
@@ -32,10 +33,11 @@ from sessions_app.adapters.tool_config import (
     validate_tool_config,
 )
 
-DEFAULT_MODEL = "claude-sonnet-4-5"
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_TIMEOUT_SECONDS = 600
 DEFAULT_MAX_RETRIES = 2
+# `inference_geo`: where the model runs ("global", the default, or "us"; the API may add more).
+INFERENCE_GEO = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 # The SDK waits as long as a retry-after header asks; the API asks for seconds, not
 # minutes. A run's deadline allows this much between two attempts.
 RETRY_WAIT_SECONDS = 60
@@ -154,6 +156,7 @@ class ClaudeCodeAdapter(Adapter):
         "prompt_caching",
         "cache_ttl",
         "compaction_trigger_tokens",
+        "inference_geo",
     } | TOOL_CONFIG_KEYS
 
     def for_config(self, config: dict):
@@ -167,7 +170,7 @@ class ClaudeCodeAdapter(Adapter):
             if config["runtime"] != "api":
                 errors["runtime"] = f"must be 'api' or 'cli', got {config['runtime']!r}"
             clean["runtime"] = config["runtime"]
-        validate_model(config, errors, clean, default=DEFAULT_MODEL)
+        validate_model(config, errors, clean)
         max_tokens = config.get("max_tokens", DEFAULT_MAX_TOKENS)
         if not is_int(max_tokens) or not 1 <= max_tokens <= 128_000:
             errors["max_tokens"] = f"must be a whole number in 1..128000, got {max_tokens!r}"
@@ -199,6 +202,11 @@ class ClaudeCodeAdapter(Adapter):
             if trigger is not None and (not is_int(trigger) or not 50_000 <= trigger <= 2_000_000):
                 errors["compaction_trigger_tokens"] = f"must be a whole number of at least 50000, got {trigger!r}"
             clean["compaction_trigger_tokens"] = trigger
+        if "inference_geo" in config:
+            geo = config["inference_geo"]
+            if geo is not None and (not isinstance(geo, str) or not INFERENCE_GEO.fullmatch(geo)):
+                errors["inference_geo"] = f"must be a geo such as 'us' or 'global', or null, got {geo!r}"
+            clean["inference_geo"] = geo
         clean.update(validate_tool_config(config, errors))
         return clean
 
@@ -223,6 +231,9 @@ class ClaudeCodeAdapter(Adapter):
             kwargs["max_tokens"] = request.max_tokens
         if extra_body:
             kwargs["extra_body"] = extra_body
+        if request.config.get("inference_geo"):
+            # Where the model runs (the API's `inference_geo`); priced with its factor.
+            kwargs["inference_geo"] = request.config["inference_geo"]
         betas, edits = beta_features(request)
         try:
             if betas:

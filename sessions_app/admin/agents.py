@@ -35,6 +35,7 @@ from sessions_app.admin.common import (
     deletion_summary,
     humane_expiry,
 )
+from sessions_app.model_checks import agent_model_info, model_warning
 from sessions_app.models import (
     MAX_PINS_PER_AGENT,
     Agent,
@@ -84,8 +85,9 @@ class AgentAdminForm(forms.ModelForm):
         required=False,
         widget=forms.Textarea(attrs={"rows": 10, "cols": 70, "class": "vLargeTextField", "spellcheck": "false"}),
         help_text=(
-            'A JSON object, e.g. {"model": "claude-opus-4-5", "session_mode": "persistent", '
-            '"session_ttl_hours": 24}. Defaults are filled in when saved; unknown keys are refused. '
+            'A JSON object, e.g. {"session_mode": "persistent", "session_ttl_hours": 24}, and for Claude '
+            '"model": a model of the catalogue (Costs > Model catalogue; unset: the default model). '
+            "Defaults are filled in when saved; unknown keys are refused. "
             'Scheduled heartbeats: "heartbeat_interval_minutes": 60, or "heartbeat_cron": "0 9 * * 1-5" '
             'with "heartbeat_timezone": "Europe/Berlin". Heartbeats without work: "work_check": '
             '{"command": "has-work"} or {"url": "https://..."}, "nothing_to_do_marker": "NOTHING_TO_DO".'
@@ -208,6 +210,7 @@ class AgentAdmin(admin.ModelAdmin):
         return [
             "id",
             *fields,
+            "model_status",
             "next_wakes",
             "backoff",
             "memory",
@@ -221,7 +224,7 @@ class AgentAdmin(admin.ModelAdmin):
     def get_readonly_fields(self, request, obj=None):
         # Only the change page shows wake times: one schedule lookup for one agent.
         return (
-            [*self.readonly_fields, "next_wakes", "memory", "workspace_files"]
+            [*self.readonly_fields, "model_status", "next_wakes", "memory", "workspace_files"]
             if obj is not None
             else self.readonly_fields
         )
@@ -245,6 +248,34 @@ class AgentAdmin(admin.ModelAdmin):
             more,
             rows,
         )
+
+    @admin.display(description="model")
+    def model_status(self, obj: Agent) -> str:
+        """What the model catalogue says of the agent's model: its window, its largest
+        answer and its lifecycle, a deprecation or retirement said out loud."""
+        info = agent_model_info(obj.adapter_config)
+        if info is None:
+            return "none"
+        if info["lifecycle"] == "unknown":
+            return f"{info['model']}: not in the model catalogue (priced by an override, or saved before the check)"
+        facts = ", ".join(
+            part
+            for part in (
+                info["display_name"] or "",
+                f"context window {info['max_input_tokens']:,} tokens" if info["max_input_tokens"] else "",
+                f"answers up to {info['max_tokens']:,} tokens" if info["max_tokens"] else "",
+                info["lifecycle"],
+            )
+            if part
+        )
+        if info["warning"]:
+            return format_html(
+                '{}: {} <strong class="model-warning" style="color:#ba2121">{}</strong>',
+                info["model"],
+                facts,
+                info["warning"],
+            )
+        return f"{info['model']}: {facts}"
 
     @admin.display(description="memory")
     def memory(self, obj: Agent):
@@ -329,6 +360,12 @@ class AgentAdmin(admin.ModelAdmin):
             "costs_url": changelist_url(CostEvent, agent=unquote(object_id)),
         }
         return super().change_view(request, object_id, form_url, extra_context)
+
+    def render_change_form(self, request, context, add=False, change=False, form_url="", obj=None):
+        # A deprecated or retired model is said at the top of the agent's page too.
+        if obj is not None and request.method == "GET" and (warning := model_warning(obj.adapter_config)):
+            self.message_user(request, warning, messages.WARNING)
+        return super().render_change_form(request, context, add, change, form_url, obj)
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)

@@ -10,9 +10,10 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, Budget, BudgetAlert, CostEvent
+from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, Budget, BudgetAlert, CostEvent, ModelPrice
 from sessions_app.models import AgentSession, ApiKey, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
 from sessions_app.stores import store_for
+from tests.conftest import catalogue_stored
 
 
 def conversation(turns: int, *, run_id: str = "", text: str = "turn") -> list[dict]:
@@ -144,4 +145,6 @@ def full_house(db, company, persistent_agent, stateless_agent, other_agent):
     )
     OrmQ.objects.create(key="paperclip", payload=SignedPackage.dumps(task), lock=now)
     memory_write_demo(persistent_agent, stateless_agent, run=run)
+    catalogue_stored()
+    ModelPrice.from_list_price("claude-opus-5-5", now.date(), Decimal("3"), Decimal("15")).save()
     return {"session": session, "db_session": db_session, "run": run, "key": key}

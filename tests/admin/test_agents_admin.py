@@ -16,6 +16,7 @@ from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, 
 from sessions_app.schedules import schedule_name
 from sessions_app.stores import STORES
 from tests.admin.conftest import conversation, make_run, make_session
+from tests.conftest import catalogue_stored
 
 ADD = "admin:sessions_app_agent_add"
 CHANGELIST = "admin:sessions_app_agent_changelist"
@@ -394,3 +395,20 @@ def test_a_bad_pin_is_a_field_error_in_the_admin(admin_client, persistent_agent,
     (errors,) = response.context["inline_admin_formsets"][0].formset.errors
     assert "text" in errors
     assert not PinnedFact.objects.exists()
+
+
+def test_a_model_the_catalogue_does_not_have_is_a_field_error_with_close_matches(admin_client, company):
+    catalogue_stored()
+    response = admin_client.post(reverse(ADD), agent_form(company, adapter_config='{"model": "claude-haiku-5-6"}'))
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors["adapter_config"]
+    assert any("model: unknown model 'claude-haiku-5-6'" in error and "'claude-haiku-5-5'" in error for error in errors)
+    assert not Agent.objects.filter(name="Writer").exists()
+
+
+def test_the_agent_page_says_its_model_is_deprecated_and_when_it_retires(admin_client, persistent_agent):
+    catalogue_stored()  # claude-opus-4-5: deprecated, retires on 2027-02-01
+    page = admin_client.get(reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])).content.decode()
+    # The message at the top of the page, and the model field.
+    assert page.lower().count("claude-opus-4-5 is deprecated and retires on 2027-02-01") == 2
+    assert "context window 200,000 tokens" in page

@@ -31,9 +31,8 @@ ARTIFACTS = Path(settings.BASE_DIR) / "test-artifacts"
 
 pytestmark = [
     pytest.mark.browser,
-    # Transactional, for the live server's thread; the seeded prices are put back by the
-    # `seeded_list_prices` fixture (serialized_rollback would re-insert the content types an
-    # earlier transactional test's flush already re-created, and fail).
+    # Transactional, for the live server's thread (serialized_rollback would re-insert the
+    # content types an earlier transactional test's flush already re-created, and fail).
     pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(not shutil.which(CHROMIUM), reason=f"{CHROMIUM} is missing (apt-get install -y chromium)"),
 ]

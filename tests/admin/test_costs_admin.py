@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import re
-from datetime import timedelta
+from datetime import date, timedelta
 from decimal import Decimal
 
 from django.urls import reverse
 from django.utils import timezone
 
 from costs_app.admin import GROWTH_MAX_AGENTS
-from costs_app.models import CostEvent
+from costs_app.models import CostEvent, ModelPrice
 from costs_app.reports import GROWTH_ADVICE
 from sessions_app.models import Agent, ApiKey
 from tests.admin.conftest import make_cost
+from tests.conftest import catalogue_stored
 
 REPORT = "admin:costs_app_costevent_report"
 
@@ -262,3 +263,25 @@ def test_bad_alert_settings_in_the_admin_are_refused_with_a_message(admin_client
         assert field in response.context["adminform"].form.errors
     budget.refresh_from_db()
     assert (budget.alert_percent, budget.session_limit_usd) == (95, None)
+
+
+def test_the_model_price_page_shows_the_librarys_price_beside_each_override(admin_client):
+    override = ModelPrice.from_list_price("claude-sonnet-5-5", date(2026, 12, 1), Decimal("1.5"), Decimal("8"))
+    override.save()
+    ModelPrice.from_list_price("acme-finetune-1", date(2026, 12, 1), Decimal("1"), Decimal("2")).save()
+
+    page = admin_client.get(reverse("admin:costs_app_modelprice_changelist")).content.decode()
+    change = admin_client.get(reverse("admin:costs_app_modelprice_change", args=[override.pk])).content.decode()
+
+    library = "$2 in / $10 out, cache writes $2.5 (5m) / $4 (1h), reads $0.1 per MTok (library"
+    assert library in page and library in change
+    assert "none: the price library does not know this model" in page
+
+
+def test_the_catalogue_page_lists_the_models_with_their_lifecycle_and_price(admin_client):
+    catalogue_stored()
+    ModelPrice.from_list_price("claude-opus-5-5", date(2026, 1, 1), Decimal("3"), Decimal("15")).save()
+    page = admin_client.get(reverse("admin:costs_app_cataloguemodel_changelist")).content.decode()
+    assert "claude-haiku-5-5" in page and "retired" in page
+    assert "prompts over 100,000 tokens: $0.5 in / $2.5 out" in page
+    assert "overridden (Costs &gt; Model prices)" in page

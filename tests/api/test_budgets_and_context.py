@@ -7,7 +7,7 @@ from decimal import Decimal
 from costs_app.models import Budget, CostEvent
 from sessions_app.models import Agent, AgentSession, AgentStatus
 from sessions_app.services import agent_pause
-from tests.conftest import beat
+from tests.conftest import agent_on_unknown_model, beat
 
 
 def test_company_budget_is_read_set_and_reported_with_its_use(client, company, persistent_agent):
@@ -102,7 +102,7 @@ def test_out_of_range_limits_are_400_not_500(client, company):
 
 
 def test_a_heartbeat_of_a_budgeted_agent_on_an_unpriced_model_is_409(client, company):
-    agent = Agent.objects.create(company=company, name="new", adapter_config={"model": "claude-future-9"})
+    agent = agent_on_unknown_model(company, "claude-future-9")
     Budget.objects.create(company=company, monthly_limit_usd=Decimal("5"))
 
     response = client.post(

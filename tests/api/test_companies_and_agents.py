@@ -5,6 +5,7 @@ from django_q.models import Schedule
 
 from sessions_app.models import Agent, AgentStatus, Company
 from tests.api.conftest import agent_url, assert_error, make_run, make_session
+from tests.conftest import agent_on_unknown_model, catalogue_stored
 
 pytestmark = pytest.mark.django_db
 
@@ -167,3 +168,48 @@ def test_put_is_405(api, persistent_agent):
 
 def test_get_on_the_companies_collection_is_405(api):
     assert_error(api.get("/api/companies"), 405)
+
+
+def test_an_agent_on_a_model_the_catalogue_does_not_have_is_400_naming_the_field(api, company):
+    catalogue_stored()
+    body = {**AGENT_BODY, "adapter_config": {**AGENT_BODY["adapter_config"], "model": "claude-opus-5-6"}}
+
+    error = assert_error(api.post(f"/api/companies/{company.id}/agents", body), 400, "invalid")
+
+    assert set(error["fields"]) == {"adapter_config.model"}
+    assert "'claude-opus-5-5'" in error["fields"]["adapter_config.model"]  # a close match
+    assert not Agent.objects.exists()
+
+
+def test_the_agent_object_says_what_the_catalogue_says_of_its_model(api, company):
+    catalogue_stored()
+    created = api.post(f"/api/companies/{company.id}/agents", AGENT_BODY).json()  # claude-opus-4-5: deprecated
+
+    info = api.get(f"/api/companies/{company.id}/agents/{created['id']}").json()["model_info"]
+
+    assert info["model"] == "claude-opus-4-5" and info["lifecycle"] == "deprecated"
+    assert (info["deprecated_at"], info["retires_at"]) == ("2026-11-01T00:00:00Z", "2027-02-01T00:00:00Z")
+    assert (info["max_input_tokens"], info["max_tokens"]) == (200_000, 64_000)
+    assert "retires on 2027-02-01" in info["warning"]
+    listed = api.get(f"/api/companies/{company.id}/agents").json()["agents"][0]["model_info"]
+    assert listed == info
+    current = {**AGENT_BODY["adapter_config"], "model": "claude-sonnet-5-5"}
+    patched = api.patch(f"/api/companies/{company.id}/agents/{created['id']}", {"adapter_config": current}).json()
+    assert (patched["model_info"]["lifecycle"], patched["model_info"]["warning"]) == ("active", "")
+
+
+def test_an_agent_whose_model_left_the_catalogue_can_still_be_paused(api, company):
+    agent = agent_on_unknown_model(company, "claude-legacy-1")
+    response = api.patch(agent_url(agent, ""), {"status": "paused"})
+    assert response.status_code == 200, response.json()
+    assert response.json()["model_info"]["lifecycle"] == "unknown"
+
+
+def test_a_heartbeat_of_an_agent_on_a_retired_model_is_409_model_retired(api, company, fake_anthropic):
+    agent = Agent.objects.create(company=company, name="old", adapter_config={"model": "claude-opus-4-1"})
+    catalogue_stored()
+
+    error = assert_error(api.post(agent_url(agent, "/heartbeat"), {"task": "go"}), 409, "model_retired")
+
+    assert "claude-opus-4-1" in error["message"]
+    assert fake_anthropic.message_requests == []

@@ -82,7 +82,7 @@ def run(statements):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("costs_app", "0007_alerts_once_per_limit"),
+        ("costs_app", "0009_drop_hand_seeded_prices"),
         ("sessions_app", "0018_session_total_kept_by_ledger"),
     ]
 
