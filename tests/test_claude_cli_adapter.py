@@ -14,11 +14,10 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from django.db.models import F
 from django.utils import timezone
 
 from costs_app.models import Budget, CostEvent, ModelPrice
-from costs_app.pricing import call_price
+from costs_app.pricing import call_price, library_table
 from sessions_app.adapters import AgentConfigError, get_adapter
 from sessions_app.adapters.claude_cli import config_dir, workspace_for
 from sessions_app.adapters.cli_home import agent_home
@@ -685,15 +684,6 @@ def test_each_streamed_request_is_billed_once_as_it_ends_and_made_up_ones_not_at
     assert [(r.message_id, r.input_tokens, r.output_tokens) for r in rows] == [("msg_1", 900, 120), (None, 1000, 30)]
 
 
-PRICE_COLUMNS = (
-    "input_usd_per_mtok",
-    "output_usd_per_mtok",
-    "cache_write_5m_usd_per_mtok",
-    "cache_write_1h_usd_per_mtok",
-    "cache_read_usd_per_mtok",
-)
-
-
 def cli_processes_of(agent: Agent) -> list[int]:
     """The processes of the agent's Claude Code runs (their HOME is the agent's own)."""
     home = f"HOME={agent_home(agent.id)}".encode()
@@ -749,9 +739,15 @@ def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_
     """An operator's price three times what Claude Code assumes: Claude Code's own
     --max-budget-usd would let about three times the cap through; the ledger stops the run
     at the call that reaches the cap."""
-    listed = ModelPrice.objects.filter(model="claude-sonnet-4-5").latest("effective_from")
-    ModelPrice.objects.filter(pk=listed.pk).update(
-        **{name: F(name) * 3 for name in PRICE_COLUMNS},
+    listed = library_table(model="claude-sonnet-4-5", at=timezone.now()).rates()
+    ModelPrice.objects.create(
+        model="claude-sonnet-4-5",
+        effective_from=date(2020, 1, 1),
+        input_usd_per_mtok=listed.input * 3,
+        output_usd_per_mtok=listed.output * 3,
+        cache_write_5m_usd_per_mtok=listed.cache_write_5m * 3,
+        cache_write_1h_usd_per_mtok=listed.cache_write_1h * 3,
+        cache_read_usd_per_mtok=listed.cache_read * 3,
     )
     cap = Decimal("0.2")
     agent = cli_agent(company, max_budget_usd=float(cap), max_turns=20)
