@@ -23,6 +23,7 @@ from sessions_app.adapters import get_adapter
 from sessions_app.compaction import compaction_commit, compaction_refused, summary_call, summary_not_shrinking
 from sessions_app.context import choose_split, estimate_tokens, summary_pair
 from sessions_app.heartbeat import ClaimedRun, Reservation, RunClock
+from sessions_app.metering import session_run_time_record
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     AgentSession,
@@ -146,12 +147,21 @@ def compact(beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int |
         at=beat.now,
     )
     record = SessionCompaction.objects.filter(run=beat.run).latest("created_at")
-    HeartbeatRun.objects.filter(id=beat.run.id, status=RunStatus.RUNNING).update(
-        status=RunStatus.SUCCEEDED,
-        finished_at=beat.clock(),
-        reserved_usd=0,
-        model=summary.reply.model,
-        cost_usd=record.cost_usd,
-        output=f"Compacted {record.messages_before} messages into {updated.message_count}.",
-    )
+    finished = beat.clock()
+    with transaction.atomic():
+        if HeartbeatRun.objects.filter(id=beat.run.id, status=RunStatus.RUNNING).update(
+            status=RunStatus.SUCCEEDED,
+            finished_at=finished,
+            reserved_usd=0,
+            model=summary.reply.model,
+            cost_usd=record.cost_usd,
+            output=f"Compacted {record.messages_before} messages into {updated.message_count}.",
+        ):
+            # Its time is the session's active time, as a heartbeat's (a failed one's: run_fail).
+            session_run_time_record(
+                session_id=session.pk,
+                started=beat.run.started_at,
+                finished=finished,
+                expires_at=finished + beat.agent.session_ttl,
+            )
     return record

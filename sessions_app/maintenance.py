@@ -31,7 +31,7 @@ from sessions_app.models import (
     RunStatus,
     SessionStatus,
 )
-from sessions_app.run_queue import dispatch_waiting
+from sessions_app.run_queue import dispatch_waiting, run_fail
 from sessions_app.schedules import schedules_arm_missing
 from sessions_app.services import budgets_release
 from sessions_app.stores import STORES
@@ -92,20 +92,22 @@ def sessions_bill_ended(*, now: datetime) -> int:
 
 
 def runs_reap(*, now: datetime) -> list:
-    """Fail runs left `running` past their deadline (a killed worker, a lost host).
-    Returns the ids of agents whose queue can move again."""
-    stuck = list(
-        HeartbeatRun.objects.filter(status=RunStatus.RUNNING, deadline_at__lt=now).values_list("id", "agent_id")
-    )
-    if not stuck:
-        return []
-    HeartbeatRun.objects.filter(id__in=[run_id for run_id, _ in stuck], status=RunStatus.RUNNING).update(
-        status=RunStatus.FAILED,
-        error_code="run_timeout",
-        error="The run did not finish before its deadline; its worker was killed or stuck.",
-        finished_at=now,
-    )
-    return sorted({agent_id for _, agent_id in stuck}, key=str)
+    """Fail runs left `running` past their deadline (a killed worker, a lost host), each
+    with `run_fail`, so its session counts the run's time and its TTL from now, as after
+    any failed run. Returns the ids of agents whose queue can move again."""
+    stuck = HeartbeatRun.objects.filter(status=RunStatus.RUNNING, deadline_at__lt=now).only("id", "agent_id")
+    reaped = {
+        run.agent_id
+        for run in list(stuck)
+        if run_fail(
+            run,
+            code="run_timeout",
+            message="The run did not finish before its deadline; its worker was killed or stuck.",
+            now=now,
+            overdue=True,
+        )
+    }
+    return sorted(reaped, key=str)
 
 
 def histories_purge(*, now: datetime) -> int:

@@ -6,7 +6,8 @@
   first, under PAPERCLIP_MAX_CONCURRENT_RUNS;
 - `claim_run` moves a queued run to running: one per agent, decided by the database,
   within the deployment's cap;
-- `run_fail` ends a queued or running run as failed, whoever ends it.
+- `run_fail` ends a queued or running run as failed, whoever ends it, and gives its session
+  the run's time and a TTL from its end.
 
 The heartbeat engine (`sessions_app.heartbeat`) runs what is claimed here.
 """
@@ -29,7 +30,8 @@ from costs_app.pricing import price_for
 from sessions_app.adapters import adapter_for
 from sessions_app.context import context_settings
 from sessions_app.errors import HeartbeatRefused
-from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.metering import session_run_time_record
+from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.text import is_storable, storable
 from sessions_app.work_checks import check_seconds
 
@@ -366,14 +368,43 @@ def dispatch_after_run(*, agent_id) -> None:
         dispatch_next_queued(agent_id=agent_id)
 
 
-def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, **kept) -> None:
-    # Messages quote what failed (an agent command's stderr, an API error body): made
-    # storable, or the failure itself would fail to be written.
-    HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING]).update(
-        status=RunStatus.FAILED,
-        error_code=code,
-        error=storable(message[:5000]),
-        finished_at=now,
-        reserved_usd=0,
-        **kept,
-    )
+def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, overdue: bool = False, **kept) -> bool:
+    """End a queued or running run as failed, whoever ends it: its worker, its claim, or
+    (`overdue`: only a run still running past its deadline at `now`) the reaper. True when
+    this call ended it.
+
+    Of two enders (the reaper and a worker that was not dead after all) one update wins,
+    and only the winner gives the run's session what a run's end owes it: the time the
+    run was in progress, as active time, and a TTL counted from `now`
+    (`session_run_time_record`). The session row is locked before the run's, in the order
+    the heartbeat's commit takes them, so that a reaper and a committing worker never
+    deadlock."""
+    with transaction.atomic():
+        linked = HeartbeatRun.objects.filter(id=run.id).values_list("session_id", flat=True).first()
+        if linked is not None:
+            AgentSession.objects.select_for_update().filter(pk=linked).values_list("pk", flat=True).first()
+        ending = HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
+        if overdue:
+            ending = ending.filter(status=RunStatus.RUNNING, deadline_at__lt=now)
+        # Messages quote what failed (an agent command's stderr, an API error body): made
+        # storable, or the failure itself would fail to be written.
+        if not ending.update(
+            status=RunStatus.FAILED,
+            error_code=code,
+            error=storable(message[:5000]),
+            finished_at=now,
+            reserved_usd=0,
+            **kept,
+        ):
+            return False
+        ended = (
+            HeartbeatRun.objects.filter(id=run.id, session__isnull=False, started_at__isnull=False)
+            .values("session_id", "started_at", "agent__adapter_config")
+            .first()
+        )
+        if ended is not None:
+            ttl = Agent(adapter_config=ended["agent__adapter_config"] or {}).session_ttl
+            session_run_time_record(
+                session_id=ended["session_id"], started=ended["started_at"], finished=now, expires_at=now + ttl
+            )
+    return True

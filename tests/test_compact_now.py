@@ -69,3 +69,21 @@ def test_a_refused_summary_is_asked_for_again_when_the_operator_compacts_now(com
     session.refresh_from_db()
     assert (session.compaction_count, session.compaction_error) == (1, "")
     assert beat(agent, "y" * 2400).status == RunStatus.SUCCEEDED
+
+
+def test_compact_nows_time_is_the_sessions_active_time(company, fake_anthropic):
+    agent = context_agent(company, keep_recent_turns=1)
+    for i in range(3):
+        beat(agent, f"step {i}: " + "x" * 400)
+    session = AgentSession.objects.get(agent=agent)
+    fake_anthropic.push(Reply.delay(0.3))
+    now = timezone.now()
+
+    record = session_compact(session=session, now=now)
+
+    run = record.run
+    assert (run.finished_at - run.started_at).total_seconds() >= 0.3
+    active = session.active_seconds
+    session.refresh_from_db()
+    assert session.active_seconds == pytest.approx(active + (run.finished_at - run.started_at).total_seconds())
+    assert session.expires_at == run.finished_at + agent.session_ttl
