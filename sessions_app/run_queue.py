@@ -248,15 +248,18 @@ def dispatch_waiting(*, agent_ids=None) -> int:
         .annotate(first=Min("created_at"))
         .order_by("first")
     )
-    woken = 0
+    chosen = []
     for head in heads.iterator():
         if free is not None and head["agent__status"] == AgentStatus.ACTIVE:
             if free <= 0:
                 continue
             free -= 1
-        dispatch_next_queued(agent_id=head["agent_id"])
-        woken += 1
-    return woken
+        chosen.append(head["agent_id"])
+    # Only once the query is read to its end: an enqueue on the database broker closes the
+    # connection (CONN_MAX_AGE=0 on SQLite), and with it a cursor still being read.
+    for agent_id in chosen:
+        dispatch_next_queued(agent_id=agent_id)
+    return len(chosen)
 
 
 def free_run_places() -> int | None:
