@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from datetime import datetime
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from costs_app.budgets import BudgetExceeded, budgets_exist
@@ -32,7 +33,7 @@ from sessions_app.models import (
     RunTrigger,
     SessionCompaction,
 )
-from sessions_app.run_queue import dispatch_after_run, run_deadline, run_fail, worker_id
+from sessions_app.run_queue import dispatch_after_run, run_deadline, run_fail, run_place_free, worker_id
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import store_for
 
@@ -83,10 +84,21 @@ def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:
 
 def compaction_run(session: AgentSession, *, now: datetime, trigger: str) -> HeartbeatRun:
     """The run the compaction is done and billed under, `running` from the start: the
-    database refuses it while another run of the agent is running."""
+    database refuses it while another run of the agent is running. It is a run in progress
+    like any: under PAPERCLIP_MAX_CONCURRENT_RUNS it takes a place, under the claims' lock,
+    or is refused (`run_cap_reached`); being an operator's request made now, it is not
+    queued for later."""
     agent = session.agent
     try:
         with transaction.atomic():
+            if settings.PAPERCLIP_MAX_CONCURRENT_RUNS and not run_place_free(agent_id=agent.pk, created_at=now):
+                if HeartbeatRun.objects.filter(agent_id=agent.pk, status=RunStatus.RUNNING).exists():
+                    raise _session_busy()  # its own heartbeat holds the place
+                raise CompactRefused(
+                    "run_cap_reached",
+                    f"{settings.PAPERCLIP_MAX_CONCURRENT_RUNS} runs are in progress or waiting for a place "
+                    "(PAPERCLIP_MAX_CONCURRENT_RUNS); compact the session when one has finished.",
+                )
             run = HeartbeatRun.objects.create(
                 company_id=agent.company_id,
                 agent=agent,
@@ -101,13 +113,17 @@ def compaction_run(session: AgentSession, *, now: datetime, trigger: str) -> Hea
                 claimed_by=worker_id(),
             )
     except IntegrityError:
-        raise CompactRefused(
-            "session_busy", "A heartbeat of this agent is running; compact the session when it has finished."
-        ) from None
+        raise _session_busy() from None
     return (
         HeartbeatRun.objects.select_related("agent")
         .annotate(budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"))
         .get(id=run.id)
+    )
+
+
+def _session_busy() -> CompactRefused:
+    return CompactRefused(
+        "session_busy", "A heartbeat of this agent is running; compact the session when it has finished."
     )
 
 

@@ -304,7 +304,7 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         # One statement is its own transaction; only inside a caller's transaction does
         # the refusal need a savepoint to leave that transaction usable.
         with transaction.atomic() if capped or connection.in_atomic_block else nullcontext():
-            if capped and not _run_place_free(run):
+            if capped and not run_place_free(agent_id=run.agent_id, created_at=run.created_at):
                 return run, False
             claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
                 status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id()
@@ -318,15 +318,17 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     return run, True
 
 
-def _run_place_free(run: HeartbeatRun) -> bool:
-    """Whether `run` may start under PAPERCLIP_MAX_CONCURRENT_RUNS: a place is free and no
-    older run waits for it (each agent with nothing running counts its oldest queued run).
+def run_place_free(*, agent_id, created_at: datetime) -> bool:
+    """Whether a run of `agent_id` created at `created_at` may start under
+    PAPERCLIP_MAX_CONCURRENT_RUNS: a place is free and no older run waits for it (each
+    agent with nothing running counts its oldest queued run).
 
-    Called inside the claim's transaction. Two claims must not both take the last place:
-    on PostgreSQL they take one advisory lock until commit (only claims under a cap take
-    it, and hold it for two queries, never across a model call); SQLite's IMMEDIATE
-    transactions run one writer at a time. A run deferring to older ones wakes them, in
-    case nobody else will (their waiter timed out, their task was lost)."""
+    Called inside the transaction that moves the run to `running` (a claim, or compact
+    now's insert). Two of them must not both take the last place: on PostgreSQL they take
+    one advisory lock until commit (only runs under a cap take it, and hold it for two
+    queries, never across a model call); SQLite's IMMEDIATE transactions run one writer at
+    a time. A run deferring to older ones wakes them, in case nobody else will (their
+    waiter timed out, their task was lost)."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(RUN_CAP_LOCK))
@@ -336,9 +338,9 @@ def _run_place_free(run: HeartbeatRun) -> bool:
     running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
     ahead = list(
         HeartbeatRun.objects.filter(
-            status=RunStatus.QUEUED, created_at__lt=run.created_at, agent__status=AgentStatus.ACTIVE
+            status=RunStatus.QUEUED, created_at__lt=created_at, agent__status=AgentStatus.ACTIVE
         )
-        .exclude(agent_id=run.agent_id)
+        .exclude(agent_id=agent_id)
         .exclude(agent_id__in=running)
         .values("agent_id")
         .annotate(first=Min("created_at"))
