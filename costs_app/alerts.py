@@ -264,12 +264,12 @@ def target_url_problem(url: str) -> str | None:
     whose host, in authenticated mode, is one of PAPERCLIP_ALERT_HOSTS."""
     try:
         parts = urlsplit(url)
-        host = parts.hostname or ""
+        parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         return "The URL is not valid."
     if parts.scheme.lower() not in ("http", "https"):
         return "Only http and https URLs are delivered."
-    return unlisted_host_problem(host, setting="PAPERCLIP_ALERT_HOSTS", mode=settings.PAPERCLIP_DEPLOYMENT_MODE)
+    return unlisted_host_problem(parts, setting="PAPERCLIP_ALERT_HOSTS", mode=settings.PAPERCLIP_DEPLOYMENT_MODE)
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):

@@ -138,7 +138,7 @@ def url_problem(url: object, *, mode: str) -> str | None:
     if parts.username is not None or parts.password is not None:
         # It would be stored in the agent's configuration and shown by the API.
         return "must not carry credentials (user:password@)"
-    return unlisted_host_problem(host, setting="PAPERCLIP_WORK_CHECK_HOSTS", mode=mode)
+    return unlisted_host_problem(parts, setting="PAPERCLIP_WORK_CHECK_HOSTS", mode=mode)
 
 
 # Running a check (by the engine, outside any transaction).

@@ -310,6 +310,30 @@ def test_authenticated_mode_asks_only_listed_hosts(company, settings):
     )
 
 
+@pytest.mark.parametrize(
+    ("url", "allowed"),
+    [
+        ("https://tracker.example/w", True),
+        ("https://tracker.example:443/w", True),
+        ("http://tracker.example/w", True),
+        ("https://tracker.example:5432/w", False),  # a listed host on another port
+        ("http://tracker.example:443/w", False),
+        ("http://api.internal:8080/w", True),
+        ("http://api.internal/w", False),  # listed with a port: only that one
+    ],
+)
+def test_authenticated_mode_asks_a_listed_host_only_on_its_port(company, settings, url, allowed):
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_WORK_CHECK_HOSTS = frozenset({"tracker.example", "api.internal:8080"})
+    config = {"model": "m", "work_check": {"url": url}}
+    if allowed:
+        Agent.objects.create(company=company, name="x", adapter_config=config)
+        return
+    with pytest.raises(AgentConfigError) as refused:
+        Agent.objects.create(company=company, name="x", adapter_config=config)
+    assert "PAPERCLIP_WORK_CHECK_HOSTS" in refused.value.fields["adapter_config.work_check.url"]
+
+
 # The nothing-to-do marker.
 
 
