@@ -1,7 +1,7 @@
 """Maintenance: the time-driven state changes, each a set-based query on an indexed column.
 
-Idle sessions are paused, stale ones expired and billed, dead runs reaped, old histories
-purged, stuck queues re-dispatched and budget pauses released. Run every minute by the
+Idle sessions are paused, stale ones expired and billed, dead runs reaped (and the Claude
+Code processes their dead workers left), old histories purged, stuck queues re-dispatched and budget pauses released. Run every minute by the
 `paperclip:maintenance` schedule (`sessions_app.tasks.maintenance`) and by
 `manage.py expire_sessions`.
 """
@@ -17,6 +17,7 @@ from django.db import connection, transaction
 from django.db.models import F
 
 from costs_app.alerts import alert_deliveries_retry
+from sessions_app.adapters.cli_processes import cli_orphans_kill
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -110,6 +111,18 @@ def runs_reap(*, now: datetime) -> list:
     return sorted(reaped, key=str)
 
 
+def cli_orphans_reap(*, now: datetime) -> int:
+    """Kill the Claude Code processes on this host of runs whose worker died (a SIGKILL, a
+    deploy: nobody else would stop them, and the CLI would go on calling the model) or whose
+    run has ended (reaped while its worker hung). Returns how many runs' processes."""
+
+    def ended(run_ids) -> set[str]:
+        running = HeartbeatRun.objects.filter(id__in=list(run_ids), status=RunStatus.RUNNING)
+        return set(run_ids) - {str(run_id) for run_id in running.values_list("id", flat=True)}
+
+    return cli_orphans_kill(ended=ended)
+
+
 def histories_purge(*, now: datetime) -> int:
     """Drop the turns of sessions that ended more than PAPERCLIP_RETENTION_DAYS ago.
 
@@ -166,6 +179,7 @@ MAINTENANCE_STEPS = {
     "expired": sessions_expire,
     "billed": sessions_bill_ended,
     "reaped_agents": lambda *, now: len(runs_reap(now=now)),
+    "cli_orphans_killed": cli_orphans_reap,
     "purged": histories_purge,
     "unstuck": lambda *, now: queues_unstick(),
     "budget_resumed": budget_pauses_release,

@@ -130,6 +130,7 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "expired",
         "billed",
         "reaped_agents",
+        "cli_orphans_killed",
         "purged",
         "unstuck",
         "budget_resumed",
