@@ -116,7 +116,9 @@ def cgroup_base() -> Path | None:
         if own != root and not own.startswith(root.rstrip("/") + "/"):
             continue
         base = Path(mount) / own[len(root) :].lstrip("/")
-        if (base / "cgroup.procs").is_file() and os.access(base, os.W_OK):
+        # Making a cgroup needs the directory; moving the launcher into it needs the
+        # cgroup.procs of the common ancestor, this one.
+        if (base / "cgroup.procs").is_file() and os.access(base, os.W_OK) and os.access(base / "cgroup.procs", os.W_OK):
             return base
     return None
 
