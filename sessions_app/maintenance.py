@@ -1,9 +1,9 @@
 """Maintenance: the time-driven state changes, each a set-based query on an indexed column.
 
 Idle sessions are paused, stale ones expired and billed, dead runs reaped (and the Claude
-Code processes their dead workers left), old histories purged, stuck queues re-dispatched and budget pauses released. Run every minute by the
-`paperclip:maintenance` schedule (`sessions_app.tasks.maintenance`) and by
-`manage.py expire_sessions`.
+Code processes their dead workers left), old histories purged, stuck queues re-dispatched
+and budget pauses released. Run every minute by the `paperclip:maintenance` schedule
+(`sessions_app.tasks.maintenance`) and by `manage.py expire_sessions`.
 """
 
 from __future__ import annotations
