@@ -89,31 +89,36 @@ def compaction_run(session: AgentSession, *, now: datetime, trigger: str) -> Hea
     or is refused (`run_cap_reached`); being an operator's request made now, it is not
     queued for later."""
     agent = session.agent
+    run = None
     try:
         with transaction.atomic():
+            # Refused by committing, not rolling back: a deferral wakes the older runs waiting.
             if settings.PAPERCLIP_MAX_CONCURRENT_RUNS and not run_place_free(agent_id=agent.pk, created_at=now):
-                if HeartbeatRun.objects.filter(agent_id=agent.pk, status=RunStatus.RUNNING).exists():
-                    raise _session_busy()  # its own heartbeat holds the place
-                raise CompactRefused(
-                    "run_cap_reached",
-                    f"{settings.PAPERCLIP_MAX_CONCURRENT_RUNS} runs are in progress or waiting for a place "
-                    "(PAPERCLIP_MAX_CONCURRENT_RUNS); compact the session when one has finished.",
+                busy = HeartbeatRun.objects.filter(agent_id=agent.pk, status=RunStatus.RUNNING).exists()
+            else:
+                run = HeartbeatRun.objects.create(
+                    company_id=agent.company_id,
+                    agent=agent,
+                    session=session,
+                    status=RunStatus.RUNNING,
+                    trigger=trigger,
+                    task=COMPACT_TASK,
+                    started_at=now,
+                    deadline_at=run_deadline(
+                        get_adapter(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now
+                    ),
+                    claimed_by=worker_id(),
                 )
-            run = HeartbeatRun.objects.create(
-                company_id=agent.company_id,
-                agent=agent,
-                session=session,
-                status=RunStatus.RUNNING,
-                trigger=trigger,
-                task=COMPACT_TASK,
-                started_at=now,
-                deadline_at=run_deadline(
-                    get_adapter(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now
-                ),
-                claimed_by=worker_id(),
-            )
     except IntegrityError:
         raise _session_busy() from None
+    if run is None:
+        if busy:
+            raise _session_busy()  # its own heartbeat holds the place
+        raise CompactRefused(
+            "run_cap_reached",
+            f"{settings.PAPERCLIP_MAX_CONCURRENT_RUNS} runs are in progress or waiting for a place "
+            "(PAPERCLIP_MAX_CONCURRENT_RUNS); compact the session when one has finished.",
+        )
     return (
         HeartbeatRun.objects.select_related("agent")
         .annotate(budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"))
