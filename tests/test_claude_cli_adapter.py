@@ -322,6 +322,7 @@ def test_another_process_resumes_the_session_from_the_store(company, fake_anthro
 def test_a_worker_killed_mid_run_leaves_no_run_running_after_the_reaper(company, fake_anthropic, settings):
     """The worker (a `manage.py heartbeat` process) is SIGKILLed while Claude Code waits on
     the model: nothing of the run is committed, and the reaper fails it at its deadline."""
+    from sessions_app.adapters.cli_processes import cli_orphans_kill
     from sessions_app.maintenance import runs_reap
 
     agent = cli_agent(company, session_mode="persistent")
@@ -351,6 +352,7 @@ def test_a_worker_killed_mid_run_leaves_no_run_running_after_the_reaper(company,
     assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
     assert not AgentSession.objects.filter(agent=agent, message_count__gt=0).exists()
     assert not CliTranscriptEntry.objects.exists()
+    assert cli_orphans_kill() == 1  # the CLI the dead worker left, and its cgroup
 
 
 def unique_marker() -> str:
