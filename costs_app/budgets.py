@@ -214,13 +214,24 @@ def budgets_exist(*, company_id_ref: str, agent_id_ref: str) -> Exists:
     )
 
 
+# A budget that limits money in any way (a session limit included).
+MONEY_LIMITS = (
+    Q(daily_limit_usd__isnull=False)
+    | Q(monthly_limit_usd__isnull=False)
+    | Q(lifetime_limit_usd__isnull=False)
+    | Q(session_limit_usd__isnull=False)
+)
+
+
 def money_budgets_exist(*, company_id_ref: str, agent_id_ref: str) -> Exists:
     """Whether a budget with a money limit applies to an agent, as an expression over
-    another query's columns (as `budgets_exist`): such an agent's model must have a price."""
-    money = Q(daily_limit_usd__isnull=False) | Q(monthly_limit_usd__isnull=False) | Q(lifetime_limit_usd__isnull=False)
+    another query's columns (as `budgets_exist`): such an agent's model must have a price.
+    A session limit is one: a session's spend at $0 a call would never reach it."""
     return Exists(
         Budget.objects.filter(
-            Q(agent__isnull=True) | Q(agent_id=OuterRef(agent_id_ref)), money, company_id=OuterRef(company_id_ref)
+            Q(agent__isnull=True) | Q(agent_id=OuterRef(agent_id_ref)),
+            MONEY_LIMITS,
+            company_id=OuterRef(company_id_ref),
         )
     )
 
@@ -283,6 +294,8 @@ def budget_reserve(*, run, agent, estimate: Decimal | None, now: datetime, model
         Company.objects.select_for_update().filter(id=agent.company_id).first()
         uses = budget_uses(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
         refusal = _refusal(uses, estimate, model)
+        if refusal is None and estimate is None and _session_limited(company_id=agent.company_id, agent_id=agent.id):
+            refusal = _unpriced(model)
         if refusal is None:
             HeartbeatRun.objects.filter(id=run.id).update(reserved_usd=estimate or ZERO)
     if refusal is not None:
@@ -310,10 +323,7 @@ def _refusal(uses: list[BudgetUse], estimate: Decimal | None, model: str) -> Bud
                 f"The {use.scope} {PERIOD_NAMES[use.period]} budget is $0: nothing may be spent.", use=use
             )
     if money and estimate is None:
-        return ModelUnpriced(
-            f"The model {model!r} has no price, so the cost of this call cannot be held against the budget. "
-            "Add a model price (admin: Costs > Model prices) or configure a priced model."
-        )
+        return _unpriced(model)
     for use in money:
         if use.spent + use.reserved + estimate > use.limit:
             return BudgetExceeded(
@@ -322,6 +332,20 @@ def _refusal(uses: list[BudgetUse], estimate: Decimal | None, model: str) -> Bud
                 use=use,
             )
     return None
+
+
+def _unpriced(model: str) -> ModelUnpriced:
+    return ModelUnpriced(
+        f"The model {model!r} has no price, so the cost of this call cannot be held against the budget. "
+        "Add a model price (admin: Costs > Model prices) or configure a priced model."
+    )
+
+
+def _session_limited(*, company_id, agent_id) -> bool:
+    """Whether a session limit applies to the agent: asked only of a call without a price."""
+    return Budget.objects.filter(
+        Q(agent__isnull=True) | Q(agent_id=agent_id), company_id=company_id, session_limit_usd__isnull=False
+    ).exists()
 
 
 HARD_PERIODS = ("month", "lifetime")

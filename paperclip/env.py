@@ -85,8 +85,19 @@ def env_multipliers(name: str, default: str) -> dict:
 
 
 def env_hosts(name: str) -> frozenset[str]:
-    """A comma-separated list of host names, compared as lower case (as URLs' hosts are)."""
-    return frozenset(host.strip().lower() for host in env_str(name, "").split(",") if host.strip())
+    """A comma-separated list of `host` or `host:port` entries, compared as lower case (as
+    URLs' hosts are)."""
+    from paperclip.hosts import host_entry
+
+    entries = frozenset(host.strip().lower() for host in env_str(name, "").split(",") if host.strip())
+    for entry in entries:
+        try:
+            host_entry(entry)
+        except ValueError:
+            raise ImproperlyConfigured(
+                f"{name} must list hosts or host:port entries (port 1..65535), comma-separated; got {entry!r}"
+            ) from None
+    return entries
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from datetime import datetime
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from costs_app.budgets import BudgetExceeded, budgets_exist
@@ -24,6 +25,7 @@ from sessions_app.adapters import get_adapter
 from sessions_app.compaction import compaction_commit, compaction_refused, summary_call, summary_not_shrinking
 from sessions_app.context import choose_split, estimate_tokens, summary_pair
 from sessions_app.heartbeat import ClaimedRun, Reservation, RunClock
+from sessions_app.metering import session_run_time_record
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     AgentSession,
@@ -32,7 +34,7 @@ from sessions_app.models import (
     RunTrigger,
     SessionCompaction,
 )
-from sessions_app.run_queue import COMPACT_TASK, dispatch_after_run, run_deadline, run_fail, worker_id
+from sessions_app.run_queue import COMPACT_TASK, dispatch_after_run, run_deadline, run_fail, run_place_free, worker_id
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import store_for
 
@@ -88,31 +90,51 @@ def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:
 
 def compaction_run(session: AgentSession, *, now: datetime, trigger: str) -> HeartbeatRun:
     """The run the compaction is done and billed under, `running` from the start: the
-    database refuses it while another run of the agent is running."""
+    database refuses it while another run of the agent is running. It is a run in progress
+    like any: under PAPERCLIP_MAX_CONCURRENT_RUNS it takes a place, under the claims' lock,
+    or is refused (`run_cap_reached`); being an operator's request made now, it is not
+    queued for later."""
     agent = session.agent
+    run = None
     try:
         with transaction.atomic():
-            run = HeartbeatRun.objects.create(
-                company_id=agent.company_id,
-                agent=agent,
-                session=session,
-                status=RunStatus.RUNNING,
-                trigger=trigger,
-                task=COMPACT_TASK,
-                started_at=now,
-                deadline_at=run_deadline(
-                    get_adapter(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now
-                ),
-                claimed_by=worker_id(),
-            )
+            # Refused by committing, not rolling back: a deferral wakes the older runs waiting.
+            if settings.PAPERCLIP_MAX_CONCURRENT_RUNS and not run_place_free(agent_id=agent.pk, created_at=now):
+                busy = HeartbeatRun.objects.filter(agent_id=agent.pk, status=RunStatus.RUNNING).exists()
+            else:
+                run = HeartbeatRun.objects.create(
+                    company_id=agent.company_id,
+                    agent=agent,
+                    session=session,
+                    status=RunStatus.RUNNING,
+                    trigger=trigger,
+                    task=COMPACT_TASK,
+                    started_at=now,
+                    deadline_at=run_deadline(
+                        get_adapter(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now
+                    ),
+                    claimed_by=worker_id(),
+                )
     except IntegrityError:
+        raise _session_busy() from None
+    if run is None:
+        if busy:
+            raise _session_busy()  # its own heartbeat holds the place
         raise CompactRefused(
-            "session_busy", "A heartbeat of this agent is running; compact the session when it has finished."
-        ) from None
+            "run_cap_reached",
+            f"{settings.PAPERCLIP_MAX_CONCURRENT_RUNS} runs are in progress or waiting for a place "
+            "(PAPERCLIP_MAX_CONCURRENT_RUNS); compact the session when one has finished.",
+        )
     return (
         HeartbeatRun.objects.select_related("agent")
         .annotate(budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"))
         .get(id=run.id)
+    )
+
+
+def _session_busy() -> CompactRefused:
+    return CompactRefused(
+        "session_busy", "A heartbeat of this agent is running; compact the session when it has finished."
     )
 
 
@@ -149,12 +171,21 @@ def compact(beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int |
         at=beat.now,
     )
     record = SessionCompaction.objects.filter(run=beat.run).latest("created_at")
-    HeartbeatRun.objects.filter(id=beat.run.id, status=RunStatus.RUNNING).update(
-        status=RunStatus.SUCCEEDED,
-        finished_at=beat.clock(),
-        reserved_usd=0,
-        model=summary.reply.model,
-        cost_usd=beat.calls.cost_usd,
-        output=f"Compacted {record.messages_before} messages into {updated.message_count}.",
-    )
+    finished = beat.clock()
+    with transaction.atomic():
+        if HeartbeatRun.objects.filter(id=beat.run.id, status=RunStatus.RUNNING).update(
+            status=RunStatus.SUCCEEDED,
+            finished_at=finished,
+            reserved_usd=0,
+            model=summary.reply.model,
+            cost_usd=beat.calls.cost_usd,
+            output=f"Compacted {record.messages_before} messages into {updated.message_count}.",
+        ):
+            # Its time is the session's active time, as a heartbeat's (a failed one's: run_fail).
+            session_run_time_record(
+                session_id=session.pk,
+                started=beat.run.started_at,
+                finished=finished,
+                expires_at=finished + beat.agent.session_ttl,
+            )
     return record

@@ -145,8 +145,8 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     6. call: the adapter, outside any transaction;
     7. commit: the turns, the session, the ledger row and the run in one transaction;
        the history file is published after the COMMIT;
-    8. release: the agent's next queued run is dispatched; a failed run's session counts
-       its TTL from the end of the run.
+    8. release: the agent's next queued run is dispatched (a failed run's session counts
+       its time and its TTL from the end of the run: `run_fail`).
 
     Steps 2-4 are the adapter's session strategy (`ReplayedHistory` or `OwnSession`). A
     step that fails raises a `RunFailure`, whose code and message the run keeps; anything
@@ -287,23 +287,12 @@ def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
 
 def _release(run: HeartbeatRun, *, current: bool, now: datetime) -> HeartbeatRun:
     """8. release: dispatch the agent's next queued run and, under a cap on runs in
-    progress, the oldest runs of other agents waiting for the place; after a failure, the
-    session's TTL counts from the end of the run. Returns the run as its row says."""
+    progress, the oldest runs of other agents waiting for the place (a failed run's
+    session was given its time and TTL by `run_fail`). Returns the run as its row says."""
     dispatch_after_run(agent_id=run.agent_id)
     if not current:
         run.refresh_from_db()
-    if run.status == RunStatus.FAILED and run.session_id is not None:
-        session_release(session_id=run.session_id, agent=run.agent, finished=run.finished_at or now)
     return run
-
-
-def session_release(*, session_id, agent: Agent, finished: datetime) -> None:
-    """After a failed run: its session's TTL counts from the end of the run, as after a
-    committed answer (the sweep skipped it while the run was in progress)."""
-    until = finished + agent.session_ttl
-    AgentSession.objects.filter(pk=session_id, status__in=LIVE_SESSION_STATUSES, expires_at__lt=until).update(
-        expires_at=until
-    )
 
 
 # Session strategies: steps 2-4, chosen by what the adapter declares.

@@ -1,8 +1,8 @@
 """Maintenance: the time-driven state changes, each a set-based query on an indexed column.
 
-Idle sessions are paused, stale ones expired and billed, dead runs reaped, old histories
-purged, stuck queues re-dispatched, budget pauses released and the model catalogue
-refreshed. Run every minute by the
+Idle sessions are paused, stale ones expired and billed, dead runs reaped (and the Claude
+Code processes their dead workers left), old histories purged, stuck queues re-dispatched,
+budget pauses released and the model catalogue refreshed. Run every minute by the
 `paperclip:maintenance` schedule (`sessions_app.tasks.maintenance`) and by
 `manage.py expire_sessions`.
 """
@@ -20,6 +20,7 @@ from django.db.models import F
 from costs_app.alerts import alert_deliveries_retry
 from costs_app.catalogue import catalogue_refresh, catalogue_refresh_due
 from costs_app.ledger import spend_of
+from sessions_app.adapters.cli_processes import cli_orphans_kill
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -34,7 +35,7 @@ from sessions_app.models import (
     RunStatus,
     SessionStatus,
 )
-from sessions_app.run_queue import dispatch_waiting
+from sessions_app.run_queue import dispatch_waiting, run_fail
 from sessions_app.schedules import schedules_arm_missing
 from sessions_app.services import budgets_release
 from sessions_app.stores import STORES
@@ -95,23 +96,36 @@ def sessions_bill_ended(*, now: datetime) -> int:
 
 
 def runs_reap(*, now: datetime) -> list:
-    """Fail runs left `running` past their deadline (a killed worker, a lost host).
-    Returns the ids of agents whose queue can move again."""
-    stuck = list(
-        HeartbeatRun.objects.filter(status=RunStatus.RUNNING, deadline_at__lt=now).values_list("id", "agent_id")
-    )
-    if not stuck:
-        return []
-    HeartbeatRun.objects.filter(id__in=[run_id for run_id, _ in stuck], status=RunStatus.RUNNING).update(
-        status=RunStatus.FAILED,
-        error_code="run_timeout",
-        error="The run did not finish before its deadline; its worker was killed or stuck.",
-        finished_at=now,
-        reserved_usd=0,
-        # Its calls were billed as each returned: the run shows what they cost.
-        cost_usd=spend_of("run_id"),
-    )
-    return sorted({agent_id for _, agent_id in stuck}, key=str)
+    """Fail runs left `running` past their deadline (a killed worker, a lost host), each
+    with `run_fail`, so its session counts the run's time and its TTL from now, as after
+    any failed run. Returns the ids of agents whose queue can move again."""
+    stuck = HeartbeatRun.objects.filter(status=RunStatus.RUNNING, deadline_at__lt=now).only("id", "agent_id")
+    reaped = {
+        run.agent_id
+        for run in list(stuck)
+        if run_fail(
+            run,
+            code="run_timeout",
+            message="The run did not finish before its deadline; its worker was killed or stuck.",
+            now=now,
+            overdue=True,
+            # Its calls were billed as each returned: the run shows what they cost.
+            cost_usd=spend_of("run_id"),
+        )
+    }
+    return sorted(reaped, key=str)
+
+
+def cli_orphans_reap(*, now: datetime) -> int:
+    """Kill the Claude Code processes on this host of runs whose worker died (a SIGKILL, a
+    deploy: nobody else would stop them, and the CLI would go on calling the model) or whose
+    run has ended (reaped while its worker hung). Returns how many runs' processes."""
+
+    def ended(run_ids) -> set[str]:
+        running = HeartbeatRun.objects.filter(id__in=list(run_ids), status=RunStatus.RUNNING)
+        return set(run_ids) - {str(run_id) for run_id in running.values_list("id", flat=True)}
+
+    return cli_orphans_kill(ended=ended)
 
 
 def histories_purge(*, now: datetime) -> int:
@@ -187,6 +201,7 @@ MAINTENANCE_STEPS = {
     "expired": sessions_expire,
     "billed": sessions_bill_ended,
     "reaped_agents": lambda *, now: len(runs_reap(now=now)),
+    "cli_orphans_killed": cli_orphans_reap,
     "purged": histories_purge,
     "unstuck": lambda *, now: queues_unstick(),
     "budget_resumed": budget_pauses_release,

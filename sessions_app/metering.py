@@ -10,10 +10,11 @@ from __future__ import annotations
 from datetime import datetime
 
 from django.db import transaction
+from django.db.models import Case, F, Value, When
 
 from costs_app.ledger import session_hours_record
 from costs_app.pricing import session_hour_rate, session_hours_cost
-from sessions_app.models import AgentSession
+from sessions_app.models import LIVE_SESSION_STATUSES, AgentSession
 
 
 def session_hours_bill(*, session_ids, now: datetime, statuses=None) -> int:
@@ -43,3 +44,21 @@ def session_hours_bill(*, session_ids, now: datetime, statuses=None) -> int:
                 billed += 1
             AgentSession.objects.filter(id=session.id).update(unbilled_active_seconds=0)
     return billed
+
+
+def session_run_time_record(*, session_id, started: datetime, finished: datetime, expires_at: datetime) -> None:
+    """A run of the session ended without a turn to record (it failed, was reaped, or was a
+    compaction): the time it was in progress is active time, billed with the rest when the
+    session pauses or ends (an ended session's by the maintenance pass); a live session
+    expires no sooner than `expires_at` (its TTL counted from the end of the run). Called by
+    whoever ended the run, once (`run_fail` and the compaction decide by a conditional
+    update of the run)."""
+    seconds = max((finished - started).total_seconds(), 0.0)
+    AgentSession.objects.filter(pk=session_id).update(
+        active_seconds=F("active_seconds") + seconds,
+        unbilled_active_seconds=F("unbilled_active_seconds") + seconds,
+        expires_at=Case(
+            When(status__in=LIVE_SESSION_STATUSES, expires_at__lt=expires_at, then=Value(expires_at)),
+            default=F("expires_at"),
+        ),
+    )

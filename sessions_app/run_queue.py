@@ -6,7 +6,8 @@
   first, under PAPERCLIP_MAX_CONCURRENT_RUNS;
 - `claim_run` moves a queued run to running: one per agent, decided by the database,
   within the deployment's cap;
-- `run_fail` ends a queued or running run as failed, whoever ends it.
+- `run_fail` ends a queued or running run as failed, whoever ends it, and gives its session
+  the run's time and a TTL from its end.
 
 The heartbeat engine (`sessions_app.heartbeat`) runs what is claimed here.
 """
@@ -30,8 +31,9 @@ from costs_app.pricing import is_priced
 from sessions_app.adapters import adapter_for
 from sessions_app.context import context_settings
 from sessions_app.errors import HeartbeatRefused
+from sessions_app.metering import session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
-from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.text import is_storable, storable
 from sessions_app.work_checks import check_seconds
 
@@ -263,15 +265,18 @@ def dispatch_waiting(*, agent_ids=None) -> int:
         .annotate(first=Min("created_at"))
         .order_by("first")
     )
-    woken = 0
+    chosen = []
     for head in heads.iterator():
         if free is not None and head["agent__status"] == AgentStatus.ACTIVE:
             if free <= 0:
                 continue
             free -= 1
-        dispatch_next_queued(agent_id=head["agent_id"])
-        woken += 1
-    return woken
+        chosen.append(head["agent_id"])
+    # Only once the query is read to its end: an enqueue on the database broker closes the
+    # connection (CONN_MAX_AGE=0 on SQLite), and with it a cursor still being read.
+    for agent_id in chosen:
+        dispatch_next_queued(agent_id=agent_id)
+    return len(chosen)
 
 
 def free_run_places() -> int | None:
@@ -320,7 +325,7 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         # One statement is its own transaction; only inside a caller's transaction does
         # the refusal need a savepoint to leave that transaction usable.
         with transaction.atomic() if capped or connection.in_atomic_block else nullcontext():
-            if capped and not _run_place_free(run):
+            if capped and not run_place_free(agent_id=run.agent_id, created_at=run.created_at):
                 return run, False
             claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
                 status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id()
@@ -334,15 +339,17 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     return run, True
 
 
-def _run_place_free(run: HeartbeatRun) -> bool:
-    """Whether `run` may start under PAPERCLIP_MAX_CONCURRENT_RUNS: a place is free and no
-    older run waits for it (each agent with nothing running counts its oldest queued run).
+def run_place_free(*, agent_id, created_at: datetime) -> bool:
+    """Whether a run of `agent_id` created at `created_at` may start under
+    PAPERCLIP_MAX_CONCURRENT_RUNS: a place is free and no older run waits for it (each
+    agent with nothing running counts its oldest queued run).
 
-    Called inside the claim's transaction. Two claims must not both take the last place:
-    on PostgreSQL they take one advisory lock until commit (only claims under a cap take
-    it, and hold it for two queries, never across a model call); SQLite's IMMEDIATE
-    transactions run one writer at a time. A run deferring to older ones wakes them, in
-    case nobody else will (their waiter timed out, their task was lost)."""
+    Called inside the transaction that moves the run to `running` (a claim, or compact
+    now's insert). Two of them must not both take the last place: on PostgreSQL they take
+    one advisory lock until commit (only runs under a cap take it, and hold it for two
+    queries, never across a model call); SQLite's IMMEDIATE transactions run one writer at
+    a time. A run deferring to older ones wakes them, in case nobody else will (their
+    waiter timed out, their task was lost)."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(RUN_CAP_LOCK))
@@ -352,9 +359,9 @@ def _run_place_free(run: HeartbeatRun) -> bool:
     running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
     ahead = list(
         HeartbeatRun.objects.filter(
-            status=RunStatus.QUEUED, created_at__lt=run.created_at, agent__status=AgentStatus.ACTIVE
+            status=RunStatus.QUEUED, created_at__lt=created_at, agent__status=AgentStatus.ACTIVE
         )
-        .exclude(agent_id=run.agent_id)
+        .exclude(agent_id=agent_id)
         .exclude(agent_id__in=running)
         .values("agent_id")
         .annotate(first=Min("created_at"))
@@ -393,14 +400,43 @@ def run_cost_refresh(*, run_id) -> None:
     HeartbeatRun.objects.filter(id=run_id).update(cost_usd=spend_of("run_id"))
 
 
-def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, **kept) -> None:
-    # Messages quote what failed (an agent command's stderr, an API error body): made
-    # storable, or the failure itself would fail to be written.
-    HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING]).update(
-        status=RunStatus.FAILED,
-        error_code=code,
-        error=storable(message[:5000]),
-        finished_at=now,
-        reserved_usd=0,
-        **kept,
-    )
+def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, overdue: bool = False, **kept) -> bool:
+    """End a queued or running run as failed, whoever ends it: its worker, its claim, or
+    (`overdue`: only a run still running past its deadline at `now`) the reaper. True when
+    this call ended it.
+
+    Of two enders (the reaper and a worker that was not dead after all) one update wins,
+    and only the winner gives the run's session what a run's end owes it: the time the
+    run was in progress, as active time, and a TTL counted from `now`
+    (`session_run_time_record`). The session row is locked before the run's, in the order
+    the heartbeat's commit takes them, so that a reaper and a committing worker never
+    deadlock."""
+    with transaction.atomic():
+        linked = HeartbeatRun.objects.filter(id=run.id).values_list("session_id", flat=True).first()
+        if linked is not None:
+            AgentSession.objects.select_for_update().filter(pk=linked).values_list("pk", flat=True).first()
+        ending = HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
+        if overdue:
+            ending = ending.filter(status=RunStatus.RUNNING, deadline_at__lt=now)
+        # Messages quote what failed (an agent command's stderr, an API error body): made
+        # storable, or the failure itself would fail to be written.
+        if not ending.update(
+            status=RunStatus.FAILED,
+            error_code=code,
+            error=storable(message[:5000]),
+            finished_at=now,
+            reserved_usd=0,
+            **kept,
+        ):
+            return False
+        ended = (
+            HeartbeatRun.objects.filter(id=run.id, session__isnull=False, started_at__isnull=False)
+            .values("session_id", "started_at", "agent__adapter_config")
+            .first()
+        )
+        if ended is not None:
+            ttl = Agent(adapter_config=ended["agent__adapter_config"] or {}).session_ttl
+            session_run_time_record(
+                session_id=ended["session_id"], started=ended["started_at"], finished=now, expires_at=now + ttl
+            )
+    return True

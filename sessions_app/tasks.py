@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.utils import timezone
 
 from sessions_app.errors import HeartbeatRefused
@@ -17,13 +19,16 @@ def execute_run(run_id: str) -> str:
     return heartbeat_execute(run_id=run_id).status
 
 
-def scheduled_heartbeat(agent_id: str) -> str:
+def scheduled_heartbeat(agent_id: str, wake_at: str | None = None, step_minutes: int | None = None) -> str:
+    """A scheduled wake of the agent. A ONCE row (a cron agent's, or a long interval's,
+    which passes the wake it was armed for, `wake_at`, and its step, `step_minutes`, read
+    back by the arming) fires once: its next wake is armed before anything here can fail."""
     agent = Agent.objects.filter(id=agent_id, status=AgentStatus.ACTIVE).first()
     if agent is None:
         return "skipped: agent not active"
-    # A cron schedule fires once: its next wake is armed before anything here can fail.
-    if (plan := HeartbeatPlan.of(agent.adapter_config)) and plan.cron:
-        agent_schedule_sync(agent=agent, now=timezone.now(), fired=True)
+    if (plan := HeartbeatPlan.of(agent.adapter_config)) and (plan.cron or wake_at):
+        fired = datetime.fromisoformat(wake_at) if wake_at else None
+        agent_schedule_sync(agent=agent, now=timezone.now(), fired=True, wake_at=fired)
     task = agent.adapter_config.get("heartbeat_task") or DEFAULT_SCHEDULED_TASK
     try:
         # The tick already runs in a cluster worker: it executes the run here when it can

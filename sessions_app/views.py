@@ -378,6 +378,9 @@ COMPACT_STATUSES = {
 def compact_error(failure: RunFailure, now: datetime) -> Exception:
     if failure.code == "budget_exceeded":
         return TooManyRequests(failure.message, code=failure.code, retry_after=seconds_until_next_utc_month(now))
+    if failure.code == "run_cap_reached":
+        # A place frees when a run finishes: as soon as a full queue drains one run.
+        return TooManyRequests(failure.message, code=failure.code, retry_after=QUEUE_FULL_RETRY_AFTER_SECONDS)
     if failure.code in COMPACT_STATUSES:
         return COMPACT_STATUSES[failure.code](failure.message, code=failure.code)
     if failure.code.startswith("compaction_model_") or failure.code == "history_unreadable":
@@ -394,7 +397,8 @@ class SessionCompactView(SessionLookup):
         description="Summarise the session's older turns now, keeping the last `keep_recent_turns` verbatim "
         "(same rules, record, ledger row and budget reservation as a heartbeat's compaction). 409: "
         "`session_busy` (a heartbeat is running), `nothing_to_compact`, `session_not_live`, "
-        "`compaction_not_shrinking`, `compaction_not_supported`, `agent_paused`; 429 `budget_exceeded`.",
+        "`compaction_not_shrinking`, `compaction_not_supported`, `agent_paused`; 429 `budget_exceeded`, "
+        "`run_cap_reached` (PAPERCLIP_MAX_CONCURRENT_RUNS runs in progress or waiting for a place).",
     )
     def post(self, request, company_id: UUID, agent_id: UUID, session_id: str):
         session = self.get_session(company_id, agent_id, session_id, with_history=False)

@@ -57,7 +57,12 @@ def cron_wakes(*, expression: str, zone_name: str, after: datetime, count: int) 
     """
     zone = zoneinfo.ZoneInfo(zone_name)
     wakes = CronSim(expression, after.astimezone(zone))
-    return list(itertools.islice(wakes, count))
+    found = []
+    try:
+        found.extend(itertools.islice(wakes, count))
+    except (OverflowError, ValueError):
+        pass  # past the year 9999 (a leap-day expression backed off): the wakes before it
+    return found
 
 
 def backoff_factor(*, idle_streak: int, after_runs: int, max_factor: int) -> int:
@@ -118,18 +123,19 @@ class HeartbeatPlan:
         wakes = ([next_run] if skipped else []) + [wake for wake in later if wake > now]
         return wakes[:count]
 
-    def next_cron_run(self, *, now: datetime, armed: datetime | None) -> datetime:
+    def next_cron_run(self, *, now: datetime, armed: datetime | None) -> datetime | None:
         """The wake a cron schedule is armed for: the first after `now` (the `backoff`-th
         when backed off), except that an
         armed wake that is due and still one of this expression's is kept, so a save just
-        after 09:00 does not drop the 09:00 wake the scheduler has not picked up yet."""
+        after 09:00 does not drop the 09:00 wake the scheduler has not picked up yet. None
+        when no wake is left before the year 9999."""
         if armed is not None and armed <= now:
-            (first,) = cron_wakes(
+            first = cron_wakes(
                 expression=self.cron, zone_name=self.zone_name, after=armed - timedelta(seconds=1), count=1
             )
             # Compared in UTC: an ambiguous local time (the hour repeated in autumn) never
             # equals a time in another zone (PEP 495), however the two instants agree.
-            if first.astimezone(UTC) == armed.astimezone(UTC):
+            if [wake.astimezone(UTC) for wake in first] == [armed.astimezone(UTC)]:
                 return armed
-        (first,) = self._cron_wakes(after=now, count=1)
-        return first.astimezone(UTC)
+        first = self._cron_wakes(after=now, count=1)
+        return first[0].astimezone(UTC) if first else None

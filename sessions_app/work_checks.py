@@ -20,9 +20,9 @@ database here: the adapters' validation uses it, and the engine side is `no_work
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
-from paperclip.hosts import unlisted_host_problem
+from paperclip.hosts import bounded_request, unlisted_host_problem
 from sessions_app.adapters.process import (
     OutputTooLarge,
     command_launch,
@@ -51,7 +51,6 @@ MAX_URL_CHARS = 2000
 MAX_MARKER_CHARS = 200
 COMMAND_KEYS = {"command", "args", "cwd", "timeout_seconds"}
 URL_KEYS = {"url", "timeout_seconds"}
-READ_CHUNK_BYTES = 65536
 STDERR_TAIL_CHARS = 500
 
 
@@ -138,7 +137,7 @@ def url_problem(url: object, *, mode: str) -> str | None:
     if parts.username is not None or parts.password is not None:
         # It would be stored in the agent's configuration and shown by the API.
         return "must not carry credentials (user:password@)"
-    return unlisted_host_problem(host, setting="PAPERCLIP_WORK_CHECK_HOSTS", mode=mode)
+    return unlisted_host_problem(parts, setting="PAPERCLIP_WORK_CHECK_HOSTS", mode=mode)
 
 
 # Running a check (by the engine, outside any transaction).
@@ -201,43 +200,25 @@ def _command_check(check: dict, *, timeout: float) -> Found:
     )
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    # A redirect could lead to a host the operator did not list.
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
-
-
 def _url_check(url: str, *, timeout: float) -> Found:
     limit = settings.PAPERCLIP_WORK_CHECK_MAX_OUTPUT_BYTES
-    deadline = time.monotonic() + timeout
-    # No proxy from the environment: the listed host is the one asked.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects)
     # The scheme was checked (http or https) by check_problems just before.
     request = urllib.request.Request(url, headers={"User-Agent": "paperclip-work-check"}, method="GET")  # noqa: S310
     try:
-        with opener.open(request, timeout=timeout) as response:
-            status = response.status
-            body = bytearray()
-            while len(body) <= limit:
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                chunk = response.read1(READ_CHUNK_BYTES)
-                if not chunk:
-                    break
-                body += chunk
-    except urllib.error.HTTPError as exc:
-        raise WorkCheckFailed(
-            "work_check_failed", f"The work check URL answered {exc.code} (2xx with a body: work, 204: none)."
-        ) from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        # No proxy from the environment: the listed host is the one asked. The timeout
+        # bounds the whole request, not each read.
+        status, body = bounded_request(request, timeout=timeout, max_body=limit)
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         if isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError):
             reason = f"no answer within {timeout:g} s"
         raise WorkCheckFailed("work_check_failed", f"The work check URL could not be read: {reason}") from None
     if not 200 <= status < 300:
-        raise WorkCheckFailed("work_check_failed", f"The work check URL answered {status} (2xx: work, 204: none).")
+        raise WorkCheckFailed(
+            "work_check_failed", f"The work check URL answered {status} (2xx with a body: work, 204: none)."
+        )
     # The status is known, so a long body is cut to the bound rather than failing the check.
-    text = _text(bytes(body[:limit]))
+    text = _text(body)
     if status == 204 or not text.strip():
         return Found(work=False)
     return Found(work=True, output=text)

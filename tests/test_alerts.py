@@ -10,6 +10,7 @@ import threading
 import time
 from datetime import timedelta
 from decimal import Decimal
+from urllib.parse import urlsplit
 
 import pytest
 from django.db import connection
@@ -21,7 +22,7 @@ from costs_app.budgets import budget_uses
 from costs_app.models import AlertDelivery, AlertTarget, Budget, BudgetAlert, CostEvent, DeliveryStatus
 from sessions_app.models import RunStatus
 from tests.conftest import beat
-from tests.webhook_receiver import WebhookReceiver, refused_url
+from tests.webhook_receiver import TricklingServer, WebhookReceiver, refused_url
 
 SECRET = "whsec-test-0123456789abcdef"
 
@@ -304,6 +305,51 @@ def test_a_target_whose_host_is_no_longer_listed_is_never_opened(company, statel
     assert alert_deliver(delivery_id=AlertDelivery.objects.get(alert__budget=budget).id, now=now) == "pending"
     assert receiver.requests == []
     assert "PAPERCLIP_ALERT_HOSTS" in AlertDelivery.objects.get().last_error
+
+
+def test_a_target_trickling_its_headers_is_cut_off_at_the_delivery_timeout(company, stateless_agent, settings):
+    """PAPERCLIP_ALERT_TIMEOUT_SECONDS bounds the whole request: a target sending a header
+    line every 0.5 s is recorded as a timed-out attempt after 1 s (before, it held the
+    worker for as long as it trickled)."""
+    settings.PAPERCLIP_ALERT_TIMEOUT_SECONDS = 1
+    server = TricklingServer(every=0.5, lines=120)
+    try:
+        company_budget(company, server.url)
+        spend(stateless_agent, "8.5")
+        now = timezone.now()
+        budget_alerts_fire(uses=budget_uses(company_id=company.id, agent_id=stateless_agent.id, now=now), now=now)
+        delivery = AlertDelivery.objects.get()
+        started = time.monotonic()
+
+        assert alert_deliver(delivery_id=delivery.id, now=now) == "pending"
+
+        elapsed = time.monotonic() - started
+    finally:
+        server.stop()
+    assert 1 <= elapsed < 3, elapsed
+    (attempt,) = delivery.attempt_rows.all()
+    assert attempt.status_code is None and "TimeoutError" in attempt.error, attempt.error
+    assert 1000 <= attempt.duration_ms < 3000
+
+
+def test_a_listed_host_is_opened_only_on_the_port_listed_with_it(company, stateless_agent, receiver, settings):
+    budget = company_budget(company, receiver.url)  # written in local_trusted mode: 127.0.0.1:<port>
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_ALERT_HOSTS = frozenset({"127.0.0.1"})  # http's port 80 only
+    spend(stateless_agent, "8.5")
+    now = timezone.now()
+    budget_alerts_fire(uses=budget_uses(company_id=company.id, agent_id=stateless_agent.id, now=now), now=now)
+    delivery = AlertDelivery.objects.get(alert__budget=budget)
+
+    assert alert_deliver(delivery_id=delivery.id, now=now) == "pending"
+    assert receiver.requests == []
+    assert "PAPERCLIP_ALERT_HOSTS" in AlertDelivery.objects.get().last_error
+
+    port = urlsplit(receiver.url).port
+    settings.PAPERCLIP_ALERT_HOSTS = frozenset({f"127.0.0.1:{port}"})
+    later = now + timedelta(hours=1)
+    assert alert_deliver(delivery_id=delivery.id, now=later) == "delivered"
+    assert len(receiver.requests) == 1
 
 
 @pytest.mark.django_db(transaction=True)

@@ -130,6 +130,26 @@ def test_a_budgeted_agent_on_an_unpriced_model_is_refused_before_any_call(compan
     assert fake_anthropic.message_requests == []
 
 
+@pytest.mark.parametrize("scope", ["company", "agent"])
+def test_a_session_limit_alone_refuses_an_unpriced_model(company, fake_anthropic, scope):
+    """A budget whose only limit is session_limit_usd: a session's spend could not be told
+    at $0 a call, so the model is refused as under any money limit (before, four turns
+    went to one session at $0 each)."""
+    agent = Agent.objects.create(
+        company=company, name="new", adapter_config={"model": "claude-future-9", "session_mode": "persistent"}
+    )
+    run, _ = heartbeat_enqueue(agent=agent, task="queued before the budget", now=timezone.now())
+    Budget.objects.create(company=company, agent=agent if scope == "agent" else None, session_limit_usd=Decimal("1"))
+
+    with pytest.raises(HeartbeatRefused) as refused:
+        heartbeat_enqueue(agent=agent, task="after", now=timezone.now())
+    assert refused.value.code == "model_unpriced"
+    done = heartbeat_execute(run_id=run.id)
+    assert (done.status, done.error_code) == (RunStatus.FAILED, "model_unpriced")
+    assert fake_anthropic.message_requests == []
+    assert not CostEvent.objects.exists()
+
+
 def test_an_unpriced_summary_model_is_refused_too(company, fake_anthropic):
     agent = Agent.objects.create(
         company=company, name="summarising", adapter_config={"model": "claude-opus-4-5", "session_mode": "persistent"}

@@ -4,6 +4,7 @@ Messages API. Kept few: each starts the CLI (about half a second)."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -385,6 +386,7 @@ def test_another_process_resumes_the_session_from_the_store(company, fake_anthro
 def test_a_worker_killed_mid_run_leaves_no_run_running_after_the_reaper(company, fake_anthropic, settings):
     """The worker (a `manage.py heartbeat` process) is SIGKILLed while Claude Code waits on
     the model: nothing of the run is committed, and the reaper fails it at its deadline."""
+    from sessions_app.adapters.cli_processes import cli_orphans_kill
     from sessions_app.maintenance import runs_reap
 
     agent = cli_agent(company, session_mode="persistent")
@@ -414,6 +416,95 @@ def test_a_worker_killed_mid_run_leaves_no_run_running_after_the_reaper(company,
     assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
     assert not AgentSession.objects.filter(agent=agent, message_count__gt=0).exists()
     assert not CliTranscriptEntry.objects.exists()
+    assert cli_orphans_kill() == 1  # the CLI the dead worker left, and its cgroup
+
+
+def unique_marker() -> str:
+    """A sleep's argument no other run of the suite uses (CI runs the SQLite and PostgreSQL
+    suites side by side): the test finds its process by it in /proc."""
+    return f"{secrets.randbelow(9000) + 1000}.{secrets.randbelow(10**9):09d}"
+
+
+def processes_gone(marker: str, *, within: float = 10) -> bool:
+    """Whether every process with `marker` in its command line is gone (SIGKILL is not
+    instantaneous: polled, up to `within` seconds)."""
+    deadline = time.monotonic() + within
+    while processes_running(marker):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("containment", ["cgroup", "process tree"])
+def test_a_command_that_clears_its_environment_does_not_outlive_its_run(
+    company, fake_anthropic, monkeypatch, containment
+):
+    """`env -i ... &` sheds the run's environment mark and its session: before, it outlived
+    the run. A cgroup holds it where the host offers one (cgroup v2, writable: here, as
+    root); elsewhere the process tree recorded as it grows (the CLI adopts orphans)."""
+    from sessions_app.adapters import cli_processes
+
+    if containment == "cgroup" and cli_processes.cgroup_base() is None:
+        pytest.skip("this host offers no writable cgroup v2")
+    if containment == "process tree":
+        monkeypatch.setattr(cli_processes, "cgroup_base", lambda: None)
+    agent = cli_agent(company)
+    marker = unique_marker()
+    command = f"env -i {sys.executable} -c 'import time; time.sleep({marker})' > /dev/null 2>&1 &"
+    seen = []
+    fake_anthropic.push(
+        Reply.tool_use("Bash", {"command": command, "description": "start a job"}),
+        Reply.message("Started.", before=lambda: seen.extend(processes_running(marker))),
+    )
+
+    run = beat(agent, "start the job in the background")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    assert seen  # the command was running when the CLI answered ...
+    assert processes_gone(marker)  # ... and ended with the run
+    assert not list(cli_processes.records_dir().glob("*.json"))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_maintenance_pass_kills_the_cli_of_a_worker_that_died(company, fake_anthropic, settings):
+    """The worker (a `manage.py heartbeat` process) is SIGKILLed while Claude Code runs a
+    long command: the CLI and its command outlive it. The next maintenance pass finds them
+    (their worker is gone) and kills them, long before the run's deadline."""
+    from sessions_app.adapters import cli_processes
+    from sessions_app.maintenance import maintenance_pass
+
+    agent = cli_agent(company)
+    marker = unique_marker()
+    command = f"python3 -c 'import time; time.sleep({marker})'"
+    fake_anthropic.push(Reply.tool_use("Bash", {"command": command, "description": "a long job"}))
+    worker = subprocess.Popen(
+        [sys.executable, "manage.py", "heartbeat", str(agent.id), "--task", "long job"],
+        cwd=ROOT,
+        env={**os.environ, **database_environment(settings)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not processes_running(marker):
+            assert time.monotonic() < deadline, "the command never started"
+            time.sleep(0.05)
+        worker.kill()
+        worker.wait(timeout=10)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert not processes_gone(marker, within=1)  # the dead worker's command lives on
+    run = HeartbeatRun.objects.get(agent=agent)
+    assert run.status == RunStatus.RUNNING and run.deadline_at > timezone.now()
+
+    result = maintenance_pass(now=timezone.now())
+
+    assert result["cli_orphans_killed"] == 1
+    assert processes_gone(marker)
+    assert not list(cli_processes.records_dir().glob("*.json"))
+    assert maintenance_pass(now=timezone.now())["cli_orphans_killed"] == 0
 
 
 # A `manage.py heartbeat` worker that dies (SIGKILL, no `except` or `finally` runs) inside

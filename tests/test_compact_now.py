@@ -3,18 +3,23 @@ arrives while the summary is written waits, and runs after it, losing no turn.""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
 from paperclip.errors import RunFailure
-from sessions_app.compact_now import session_compact
+from sessions_app.compact_now import COMPACT_TASK, session_compact
 from sessions_app.heartbeat import heartbeat_execute
 from sessions_app.models import AgentSession, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.run_queue import claim_run, heartbeat_enqueue
 from sessions_app.stores import store_for
 from sessions_app.tasks import scheduled_heartbeat
 from tests.conftest import beat, compacting_agent, context_agent, on_own_connection, user_turns
 from tests.fake_anthropic import Reply
+from tests.live.server import wait_until
 
 
 @pytest.mark.django_db(transaction=True)
@@ -92,3 +97,111 @@ def test_a_refused_summary_is_asked_for_again_when_the_operator_compacts_now(com
     session.refresh_from_db()
     assert (session.compaction_count, session.compaction_error) == (1, "")
     assert beat(agent, "y" * 2400).status == RunStatus.SUCCEEDED
+
+
+def test_compact_nows_time_is_the_sessions_active_time(company, fake_anthropic):
+    agent = context_agent(company, keep_recent_turns=1)
+    for i in range(3):
+        beat(agent, f"step {i}: " + "x" * 400)
+    session = AgentSession.objects.get(agent=agent)
+    fake_anthropic.push(Reply.delay(0.3))
+    now = timezone.now()
+
+    record = session_compact(session=session, now=now)
+
+    run = record.run
+    assert (run.finished_at - run.started_at).total_seconds() >= 0.3
+    active = session.active_seconds
+    session.refresh_from_db()
+    assert session.active_seconds == pytest.approx(active + (run.finished_at - run.started_at).total_seconds())
+    assert session.expires_at == run.finished_at + agent.session_ttl
+
+
+def three_turn_agents(company, count: int) -> list:
+    agents = [context_agent(company, keep_recent_turns=1) for _ in range(count)]
+    for agent in agents:
+        for i in range(3):
+            beat(agent, f"step {i}: " + "x" * 400)
+    return agents
+
+
+@pytest.mark.django_db(transaction=True)
+def test_compact_now_is_refused_while_the_cap_on_runs_in_progress_is_full(settings, company, fake_anthropic):
+    """Under PAPERCLIP_MAX_CONCURRENT_RUNS=1, compact now asked (on its own connection) while
+    another agent's heartbeat is in progress is refused `run_cap_reached` with no request
+    (before, its run was inserted `running` beside it: two in progress under a cap of 1)."""
+    busy, compacted = three_turn_agents(company, 2)
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
+    session = AgentSession.objects.get(agent=compacted)
+    refused, running = [], []
+
+    def compact_meanwhile():
+        running.append(HeartbeatRun.objects.filter(status=RunStatus.RUNNING).count())
+        try:
+            session_compact(session=session, now=timezone.now())
+        except RunFailure as failure:
+            refused.append(failure.code)
+        running.append(HeartbeatRun.objects.filter(status=RunStatus.RUNNING).count())
+
+    fake_anthropic.push(Reply(before=on_own_connection(compact_meanwhile)))
+    requests = len(fake_anthropic.message_requests)
+
+    assert beat(busy, "busy").status == RunStatus.SUCCEEDED
+
+    assert fake_anthropic.action_errors == []
+    assert (refused, running) == (["run_cap_reached"], [1, 1])
+    assert len(fake_anthropic.message_requests) == requests + 1  # the heartbeat's answer only
+    assert not HeartbeatRun.objects.filter(agent=compacted, task=COMPACT_TASK).exists()
+    session_compact(session=session, now=timezone.now())  # a place is free again
+    session.refresh_from_db()
+    assert session.compaction_count == 1
+
+
+@pytest.mark.usefixtures("postgres_only")
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_counting_while_compact_nows_run_is_uncommitted_waits_for_it(settings, company, fake_anthropic):
+    """The compaction's insert of its `running` run is held uncommitted by a sleeping
+    trigger while another agent's run is claimed: the claim waits for the cap's lock and is
+    refused (without it, it saw a free place and both ran)."""
+    compacted, other = three_turn_agents(company, 2)
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
+    session = AgentSession.objects.get(agent=compacted)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION slow_insert() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$ "
+            "LANGUAGE plpgsql; CREATE TRIGGER slow_insert BEFORE INSERT ON heartbeat_runs "
+            "FOR EACH ROW WHEN (NEW.status = 'running') EXECUTE FUNCTION slow_insert();"
+        )
+    outcomes = {}
+
+    def compact():
+        try:
+            outcomes["compacted"] = session_compact(session=session, now=timezone.now()).messages_before
+        finally:
+            connection.close()
+
+    try:
+        compacting = threading.Thread(target=compact)
+        compacting.start()
+        wait_until(
+            lambda: backend_running('INSERT INTO "heartbeat_runs"%'), 15, "the compaction's insert to be running"
+        )
+        queued, _ = heartbeat_enqueue(agent=other, task="go", now=timezone.now())
+        outcomes["claimed"] = claim_run(run_id=queued.id, now=timezone.now())[1]
+        compacting.join(30)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER slow_insert ON heartbeat_runs; DROP FUNCTION slow_insert();")
+    assert outcomes == {"claimed": False, "compacted": 6}
+    queued.refresh_from_db()
+    assert queued.status == RunStatus.QUEUED
+
+
+def backend_running(statement_like: str) -> bool:
+    """Whether another connection is running a statement like `statement_like` (PostgreSQL)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE query LIKE %s AND state = 'active' AND pid <> pg_backend_pid()",
+            [statement_like],
+        )
+        return cursor.fetchone() is not None

@@ -32,6 +32,9 @@ def run_check(tmp_path, **env):
         ({"PAPERCLIP_HOST": "0.0.0.0"}, "PAPERCLIP_HOST"),
         ({"PAPERCLIP_PUBLIC_URL": "paperclip.example.com"}, "PAPERCLIP_PUBLIC_URL"),
         ({"PAPERCLIP_TRUST_X_FORWARDED_PROTO": "maybe"}, "PAPERCLIP_TRUST_X_FORWARDED_PROTO"),
+        ({"PAPERCLIP_ALERT_HOSTS": "hooks.example:99999"}, "PAPERCLIP_ALERT_HOSTS"),
+        ({"PAPERCLIP_WORK_CHECK_HOSTS": "tracker.example,api:http"}, "PAPERCLIP_WORK_CHECK_HOSTS"),
+        ({"PAPERCLIP_WORK_CHECK_HOSTS": "https://tracker.example"}, "PAPERCLIP_WORK_CHECK_HOSTS"),
     ],
 )
 def test_bad_configuration_stops_with_one_clear_line(tmp_path, env, mentions):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from django.core.management.base import CommandError
 from django.utils import timezone
 from django_q.models import Schedule
 
-from costs_app.models import CostEvent
+from costs_app.models import CostEvent, CostKind
 from sessions_app.maintenance import histories_purge, maintenance_pass, runs_reap, sessions_expire, sessions_pause_idle
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
 from sessions_app.run_queue import heartbeat_dispatch, heartbeat_enqueue
@@ -129,6 +130,7 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "expired",
         "billed",
         "reaped_agents",
+        "cli_orphans_killed",
         "purged",
         "unstuck",
         "budget_resumed",
@@ -229,6 +231,41 @@ def test_a_failed_run_leaves_its_session_a_full_ttl_from_its_end(company, fake_a
     session = AgentSession.objects.get(id=first.session_id)
     assert session.expires_at == second.finished_at + timedelta(hours=0.05)
     assert sessions_expire(now=second.finished_at + timedelta(minutes=2)) == 0
+
+
+def test_a_reaped_run_restarts_its_sessions_ttl_from_its_end_and_its_time_is_active(settings, company, fake_anthropic):
+    """A worker died mid-run (the row as it left it: running, linked to the session). The
+    reaper ends the run at its deadline; the session's 3-minute TTL counts from that end,
+    as after a failed run, and the run's time is active time, billed when the session ends."""
+    settings.PAPERCLIP_SESSION_HOUR_USD = Decimal("0.08")
+    agent = Agent.objects.create(
+        company=company, name="brief", adapter_config={"session_mode": "persistent", "session_ttl_hours": 0.05}
+    )
+    start = timezone.now()
+    first = beat(agent, "one", now=start)
+    active = AgentSession.objects.get(id=first.session_id).active_seconds
+    HeartbeatRun.objects.create(
+        company=company,
+        agent=agent,
+        session_id=first.session_id,
+        task="two",
+        status=RunStatus.RUNNING,
+        started_at=start + timedelta(minutes=1),
+        deadline_at=start + timedelta(minutes=41),
+    )
+    reaped = start + timedelta(minutes=42)
+
+    assert maintenance_pass(now=reaped)["reaped_agents"] == 1
+
+    session = AgentSession.objects.get(id=first.session_id)
+    assert session.expires_at == reaped + timedelta(hours=0.05)
+    assert session.active_seconds == pytest.approx(active + 41 * 60)
+    assert maintenance_pass(now=reaped + timedelta(minutes=2))["expired"] == 0
+    assert maintenance_pass(now=reaped + timedelta(minutes=4))["expired"] == 1
+    session.refresh_from_db()
+    assert (session.status, session.ended_at) == (SessionStatus.EXPIRED, reaped + timedelta(minutes=3))
+    (hours,) = CostEvent.objects.filter(session_id=session.id, kind=CostKind.SESSION_HOURS)
+    assert hours.session_seconds == round(active + 41 * 60)
 
 
 def test_an_undeletable_history_file_skips_only_its_own_session(settings, persistent_agent, other_agent, caplog):

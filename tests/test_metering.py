@@ -10,9 +10,10 @@ from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
 from sessions_app.maintenance import maintenance_pass, sessions_pause_idle
-from sessions_app.models import Agent, AgentSession, SessionStatus
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.services import agent_delete, session_delete, session_expire
-from tests.conftest import beat
+from tests.conftest import beat, on_own_connection, process_agent
+from tests.fake_anthropic import Reply
 
 HALF_HOUR = 1800
 
@@ -135,3 +136,64 @@ def test_zero_rate_turns_metering_off(settings, persistent_agent, fake_anthropic
     beat(persistent_agent, "one", now=start)
     sessions_pause_idle(now=start + timedelta(hours=1))
     assert not CostEvent.objects.filter(kind=CostKind.SESSION_HOURS).exists()
+
+
+SLOW_AGENT = (
+    "import json, sys, time\n"
+    "request = json.load(sys.stdin)\n"
+    "time.sleep(0.5)\n"
+    "if 'fail' in json.dumps(request['messages'][-1]):\n"
+    "    sys.exit('failed on purpose')\n"
+    "print(json.dumps({'text': 'done', 'usage': {'input_tokens': 1, 'output_tokens': 1}}))\n"
+)
+
+
+def test_a_failed_runs_time_is_active_time_billed_like_any_other(settings, company, tmp_path):
+    """Three runs of 0.5 s on one session, two of them failed: 1.5 s are billed, not 0.5."""
+    settings.PAPERCLIP_SESSION_HOUR_USD = Decimal("0.08")
+    agent = process_agent(company, tmp_path, SLOW_AGENT)
+    start = timezone.now()
+    runs = [beat(agent, task, now=start + timedelta(minutes=i)) for i, task in enumerate(["one", "fail", "fail"])]
+
+    assert [run.status for run in runs] == [RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.FAILED]
+    assert {run.session_id for run in runs} == {runs[0].session_id}
+    in_progress = sum((run.finished_at - run.started_at).total_seconds() for run in runs)
+    assert in_progress >= 1.5
+    session = AgentSession.objects.get(id=runs[0].session_id)
+    assert session.active_seconds == pytest.approx(in_progress)
+    session_expire(session=session, now=start + timedelta(minutes=5))
+    [event] = session_hours(session.id)
+    assert event.session_seconds == round(in_progress)
+    assert event.cost_usd == (Decimal(str(session.active_seconds)) / 3600 * Decimal("0.08")).quantize(
+        Decimal("0.0000000001")
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_the_reaper_fails_while_its_worker_still_answers_is_counted_once(settings, company, fake_anthropic):
+    """The reaper fails the run from inside the model's answer (its own connection); the
+    worker's commit then finds the run failed and fails too: the run's time is added to
+    the session once, from its start to the reaper's end of it."""
+    agent = Agent.objects.create(
+        company=company, name="slow", adapter_config={"session_mode": "persistent", "session_ttl_hours": 0.05}
+    )
+    start = timezone.now()
+    first = beat(agent, "one", now=start)
+    before = AgentSession.objects.get(id=first.session_id).active_seconds
+    reaped = []
+
+    def reap():
+        run = HeartbeatRun.objects.get(agent=agent, status=RunStatus.RUNNING)
+        reaped.append(run.deadline_at + timedelta(seconds=1))
+        maintenance_pass(now=reaped[0])
+
+    fake_anthropic.push(Reply(before=on_own_connection(reap)))
+    during = start + timedelta(minutes=1)
+
+    second = beat(agent, "two", now=during)
+
+    assert fake_anthropic.action_errors == []
+    assert (second.status, second.error_code, second.finished_at) == (RunStatus.FAILED, "run_timeout", reaped[0])
+    session = AgentSession.objects.get(id=first.session_id)
+    assert session.active_seconds == pytest.approx(before + (reaped[0] - during).total_seconds())
+    assert session.expires_at == reaped[0] + timedelta(hours=0.05)

@@ -21,6 +21,7 @@ from sessions_app.schedules import agent_next_wakes, agent_schedule_sync, schedu
 from sessions_app.stores import store_for
 from tests.conftest import beat, listed_commands, on_own_connection
 from tests.fake_anthropic import Reply, last_user_text, plain_messages, text_turn
+from tests.webhook_receiver import TricklingServer
 
 pytestmark = pytest.mark.django_db
 
@@ -252,6 +253,26 @@ def test_a_url_check_reads_its_answer(stateless_agent, fake_anthropic, work_serv
         assert fake_anthropic.requests == [] and not CostEvent.objects.exists()
 
 
+def test_a_url_check_trickling_its_headers_is_stopped_at_its_timeout(stateless_agent, fake_anthropic):
+    """A header line every 0.5 s never trips a per-read timeout of 1 s: the whole request is
+    bounded (before, a 1-second check of 12 lines took 6 s, and an endless trickle held the
+    worker and a place under the cap until the reaper)."""
+    server = TricklingServer(every=0.5, lines=120)
+    try:
+        with_config(stateless_agent, work_check={"url": server.url, "timeout_seconds": 1})
+        started = time.monotonic()
+
+        run = beat(stateless_agent, "Any issues?")
+
+        elapsed = time.monotonic() - started
+    finally:
+        server.stop()
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "work_check_failed"), run.error
+    assert "no answer within 1 s" in run.error
+    assert 1 <= elapsed < 3, elapsed
+    assert fake_anthropic.requests == []
+
+
 def test_a_long_url_answer_is_cut_to_the_bound(stateless_agent, fake_anthropic, work_server, settings):
     settings.PAPERCLIP_WORK_CHECK_MAX_OUTPUT_BYTES = 1024
     work_server.answer = (200, b"x" * 100_000, 0.0)
@@ -314,6 +335,30 @@ def test_authenticated_mode_asks_only_listed_hosts(company, settings):
         name="y",
         adapter_config={"model": "claude-haiku-4-5", "work_check": {"url": "https://tracker.example/w"}},
     )
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed"),
+    [
+        ("https://tracker.example/w", True),
+        ("https://tracker.example:443/w", True),
+        ("http://tracker.example/w", True),
+        ("https://tracker.example:5432/w", False),  # a listed host on another port
+        ("http://tracker.example:443/w", False),
+        ("http://api.internal:8080/w", True),
+        ("http://api.internal/w", False),  # listed with a port: only that one
+    ],
+)
+def test_authenticated_mode_asks_a_listed_host_only_on_its_port(company, settings, url, allowed):
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_WORK_CHECK_HOSTS = frozenset({"tracker.example", "api.internal:8080"})
+    config = {"model": "m", "work_check": {"url": url}}
+    if allowed:
+        Agent.objects.create(company=company, name="x", adapter_config=config)
+        return
+    with pytest.raises(AgentConfigError) as refused:
+        Agent.objects.create(company=company, name="x", adapter_config=config)
+    assert "PAPERCLIP_WORK_CHECK_HOSTS" in refused.value.fields["adapter_config.work_check.url"]
 
 
 # The nothing-to-do marker.

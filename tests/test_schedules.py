@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -16,7 +17,7 @@ from django_q.scheduler import scheduler
 from django_q.signing import SignedPackage
 
 from sessions_app.maintenance import maintenance_pass
-from sessions_app.models import HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.models import Agent, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.schedules import agent_next_wakes, agent_schedule_sync, schedule_name
 from sessions_app.services import agent_delete, agent_pause, agent_resume
 from sessions_app.tasks import scheduled_heartbeat
@@ -307,3 +308,88 @@ def test_a_backed_off_cron_plan_wakes_on_every_nth_time():
         "Thu",
         "Mon",
     ]
+
+
+def weekly_agent_backed_off(agent, *, idle_streak: int, now: datetime):
+    """A weekly agent whose interval doubles from 1 idle run in a row (x2, then x4: four
+    weeks, 40320 minutes, past django-q2's smallint minutes on PostgreSQL)."""
+    agent.adapter_config = {
+        **agent.adapter_config,
+        "heartbeat_interval_minutes": 7 * 24 * 60,
+        "backoff_after_runs": 1,
+        "backoff_max_factor": 4,
+    }
+    agent.save()
+    agent_schedule_sync(agent=agent, now=now)
+    HeartbeatRun.objects.filter(agent=agent).delete()
+    agent.__class__.objects.filter(pk=agent.pk).update(idle_streak=idle_streak)
+    agent.refresh_from_db()
+    agent_schedule_sync(agent=agent, now=now)
+    return agent
+
+
+def test_a_back_off_past_the_schedule_tables_minutes_wakes_on_its_step(persistent_agent):
+    """x4 of a week: the wake moves to four weeks after the last one (before, on PostgreSQL
+    the update failed and the row kept x2 while the agent said x4)."""
+    now = utc(2026, 5, 1, 12)
+    weekly_agent_backed_off(persistent_agent, idle_streak=1, now=now)  # x2
+    (row,) = armed(persistent_agent)
+    last = row.next_run - timedelta(weeks=2)
+
+    Agent.objects.filter(pk=persistent_agent.pk).update(idle_streak=2)  # x4, as the engine counts it
+    persistent_agent.refresh_from_db()
+    agent_schedule_sync(agent=persistent_agent, now=now + timedelta(days=1))
+
+    (row,) = armed(persistent_agent)
+    assert row.next_run == last + timedelta(weeks=4)
+    assert agent_next_wakes(agent=persistent_agent, now=now + timedelta(days=1), count=2) == [
+        last + timedelta(weeks=4),
+        last + timedelta(weeks=8),
+    ]
+    # The first run with work puts it back to a week from its last wake (due: at once).
+    Agent.objects.filter(pk=persistent_agent.pk).update(idle_streak=0)
+    persistent_agent.refresh_from_db()
+    agent_schedule_sync(agent=persistent_agent, now=now + timedelta(days=2))
+    (row,) = armed(persistent_agent)
+    assert (row.schedule_type, row.minutes) == (Schedule.MINUTES, 7 * 24 * 60)
+    assert row.next_run == max(last + timedelta(weeks=1), now + timedelta(days=2))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_real_scheduler_pass_fires_a_long_interval_once_and_re_arms_it_a_step_later(
+    persistent_agent, fake_anthropic, tmp_path
+):
+    # (Transactional: the scheduler closes the connection it finds, as in a cluster.)
+    no_work = tmp_path / "no-work.py"
+    no_work.write_text("import sys\nsys.exit(1)\n")
+    persistent_agent.adapter_config = {
+        **persistent_agent.adapter_config,
+        "work_check": {"command": [sys.executable, str(no_work)]},
+    }
+    persistent_agent.save()
+    now = timezone.now()
+    weekly_agent_backed_off(persistent_agent, idle_streak=2, now=now - timedelta(weeks=5))
+    (due,) = armed(persistent_agent)
+    assert due.next_run < now
+    Schedule.objects.exclude(pk=due.pk).update(next_run=now + timedelta(days=1))  # maintenance
+
+    scheduler(broker=get_broker())
+    assert armed(persistent_agent) == [] and OrmQ.objects.count() == 1
+
+    assert run_queued_tasks() == [RunStatus.SKIPPED]  # no work: still x4
+    (row,) = armed(persistent_agent)
+    assert row.next_run == due.next_run + timedelta(weeks=4)
+    scheduler(broker=get_broker())  # not due yet: nothing fires
+    assert OrmQ.objects.count() == 0
+
+
+def test_a_leap_day_cron_backed_off_lists_the_wakes_before_the_year_9999():
+    """`0 0 29 2 *` at x512: five wakes would be 2,560 leap days, past what a datetime holds
+    (before, cronsim's OverflowError). The wakes that exist are listed; at x1024 it is
+    still armed for its next one."""
+    plan = HeartbeatPlan.of({"heartbeat_cron": "0 0 29 2 *"}, backoff=512)
+    wakes = plan.wakes(now=utc(2026, 12, 1), count=5)
+    assert 1 <= len(wakes) < 5 and all(wake.month == 2 and wake.day == 29 for wake in wakes)
+    assert wakes == sorted(wakes) and wakes[-1].year < 10000
+    far = HeartbeatPlan.of({"heartbeat_cron": "0 0 29 2 *"}, backoff=1024)
+    assert far.next_cron_run(now=utc(2026, 12, 1), armed=None).year > 5000

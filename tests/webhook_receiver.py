@@ -70,3 +70,48 @@ def refused_url() -> str:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     return f"http://127.0.0.1:{port}/hook"
+
+
+class TricklingServer:
+    """Answers every request with a status line, then one header line every `every` seconds
+    for `lines` lines (then an empty body): each read gets data well within a per-read
+    timeout, so only a bound on the whole request stops a client early. `served` counts
+    the header lines sent; a client that hangs up ends its connection's trickle."""
+
+    def __init__(self, *, every: float = 0.5, lines: int = 120) -> None:
+        self.every = every
+        self.lines = lines
+        self.served = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._stopped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}/slow"
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._trickle, args=(client,), daemon=True).start()
+
+    def _trickle(self, client: socket.socket) -> None:
+        with client:
+            try:
+                client.recv(65536)  # the request (small: headers and a short body)
+                client.sendall(b"HTTP/1.1 200 OK\r\n")
+                for number in range(self.lines):
+                    if self._stopped.wait(self.every):
+                        return
+                    client.sendall(f"X-Trickle-{number}: still here\r\n".encode())
+                    self.served += 1
+                client.sendall(b"Content-Length: 0\r\n\r\n")
+            except OSError:
+                return  # the client hung up
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._listener.close()

@@ -9,8 +9,9 @@ runtime itself reads and writes no model.
   PAPERCLIP_HOME, no filesystem setting sources, and an environment built from an
   allow-list (`cli_environment`): nothing else of this service's environment (database
   URL, secret key, Redis URL) reaches it or the commands it runs.
-- Time: the whole CLI run has `timeout_seconds`; then its process group (the CLI and
-  every command it started) is killed (`Watchdog`).
+- Time: the whole CLI run has `timeout_seconds`; then the CLI and every command it started
+  are killed (`Watchdog`), held in a cgroup or found in the process tree
+  (`sessions_app.adapters.cli_processes`), and whatever a run leaves behind when it ends.
 - The SDK is asynchronous: `call` runs it on an event loop of its own, and nothing on
   that loop touches the ORM (the transcript is loaded before and written by the engine's
   commit after).
@@ -23,7 +24,7 @@ import logging
 import os
 import queue
 import re
-import signal
+import sys
 import threading
 import uuid
 from collections import defaultdict
@@ -49,6 +50,7 @@ from sessions_app.adapters.base import (
     validate_timeout,
 )
 from sessions_app.adapters.cli_home import agent_home, config_dir, local_copy_delete, workspace_for
+from sessions_app.adapters.cli_processes import RUN_MARK, RunProcesses
 from sessions_app.text import storable
 
 logger = logging.getLogger(__name__)
@@ -68,8 +70,6 @@ TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*(\(.*\))?", re.DOTALL)
 # A tool result kept in the session's history (the store keeps it whole).
 RESULT_CHARS = 2000
 LAUNCHER = Path(__file__).with_name("claude_cli_launch.sh")
-# The variable that marks every process of one CLI run (`Watchdog`).
-RUN_MARK = "PAPERCLIP_CLI_RUN"
 # What the SDK itself sets for its child; the launcher keeps them beside our allow-list.
 SDK_VARIABLES = (
     "CLAUDE_CODE_ENTRYPOINT",
@@ -215,73 +215,43 @@ def cli_environment(*, agent_id, workspace: Path, mark: str) -> dict[str, str]:
     return env
 
 
-def launcher_environment(env: dict[str, str], *, pidfile: Path) -> dict[str, str]:
-    """What the SDK passes to the launcher: the CLI's variables, which of them it keeps,
-    and where the launcher says which process group to kill."""
+def launcher_environment(env: dict[str, str], *, processes: RunProcesses) -> dict[str, str]:
+    """What the SDK passes to the launcher: the CLI's variables, which of them it keeps, and
+    how the run holds its processes (the pidfile, the cgroup to enter)."""
     names = sorted({*env, *SDK_VARIABLES})
     return {
         **env,
+        **processes.launcher_environment(),
         "PAPERCLIP_CLI_ENV": " ".join(names),
-        "PAPERCLIP_CLI_PIDFILE": str(pidfile),
         "PAPERCLIP_CLI_BIN": str(cli_binary()),
+        "PAPERCLIP_CLI_PYTHON": sys.executable,
     }
 
 
 class Watchdog:
     """Kills the CLI at its deadline, whatever the event loop is doing, and with it every
-    process it started; after the run, whatever it left behind.
+    process of the run (`RunProcesses`: its cgroup, or its process tree as recorded); after
+    the run, whatever it left behind."""
 
-    Its process group is not enough: Claude Code runs each shell command in a session of
-    its own. So every process of the run carries a mark in its environment (`RUN_MARK`),
-    which it passes on to its children, and a kill also ends every process bearing it."""
-
-    def __init__(self, pidfile: Path, seconds: float, *, mark: str) -> None:
-        self.pidfile = pidfile
-        self.mark = f"{RUN_MARK}={mark}".encode()
+    def __init__(self, processes: RunProcesses, seconds: float) -> None:
+        self.processes = processes
         self.fired = False
         self.timer = threading.Timer(seconds, self.fire)
         self.timer.daemon = True
 
     def __enter__(self) -> Watchdog:
+        self.processes.track()
         self.timer.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.timer.cancel()
         # What the CLI started and left behind (a background command) goes with it.
-        self.kill()
-        self.pidfile.unlink(missing_ok=True)
+        self.processes.close()
 
     def fire(self) -> None:
         self.fired = True
-        self.kill()
-
-    def kill(self) -> None:
-        try:
-            pgid = int(self.pidfile.read_text().strip())
-        except (OSError, ValueError):
-            return  # the CLI never started
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for pid in marked_processes(self.mark):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def marked_processes(mark: bytes) -> list[int]:
-    """The processes whose environment holds `mark` (Linux's /proc; none elsewhere)."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if mark in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return found
+        self.processes.kill()
 
 
 # --- one heartbeat ------------------------------------------------------------------------
@@ -538,14 +508,19 @@ class CliRun:
                 )
         self.session_id = self.resume_id or str(uuid.uuid4())
         self.mark = uuid.uuid4().hex
-        pidfile = agent_home(self.agent_id) / f"run-{self.mark}.pid"
         timeout = float(self.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
         conversation = Conversation()
-        with Watchdog(pidfile, timeout, mark=self.mark) as watchdog:
-            # Classified below, once the process group is gone.
-            error = self.converse_and_bill(
-                conversation, pidfile, watchdog=watchdog, seconds=timeout + KILL_GRACE_SECONDS
+        try:
+            processes = RunProcesses.start(
+                mark=self.mark,
+                run_id=str(self.request.metadata.get("run_id") or ""),
+                pidfile=agent_home(self.agent_id) / f"run-{self.mark}.pid",
             )
+        except OSError as exc:
+            raise AdapterError("cli_start_failed", f"Could not record the run's processes: {exc}") from None
+        with Watchdog(processes, timeout) as watchdog:
+            # Classified below, once the run's processes are gone.
+            error = self.converse_and_bill(conversation, processes, seconds=timeout + KILL_GRACE_SECONDS)
         try:
             return self.reply(conversation, error, timed_out=watchdog.fired)
         except AdapterError:
@@ -556,7 +531,7 @@ class CliRun:
             if not self.persistent:
                 local_copy_delete(agent_id=self.agent_id, cli_session_id=self.session_id)
 
-    def options(self, conversation: Conversation, pidfile: Path):
+    def options(self, conversation: Conversation, processes: RunProcesses):
         from claude_agent_sdk import ClaudeAgentOptions
 
         config = self.config
@@ -573,7 +548,7 @@ class CliRun:
             model=self.request.model,
             cwd=str(self.workspace),
             cli_path=str(LAUNCHER),
-            env=launcher_environment(env, pidfile=pidfile),
+            env=launcher_environment(env, processes=processes),
             # The tools the model is offered at all: those allowed, by name.
             tools=sorted({name.split("(", 1)[0] for name in allowed}),
             allowed_tools=allowed,
@@ -598,7 +573,7 @@ class CliRun:
         return options
 
     def converse_and_bill(
-        self, conversation: Conversation, pidfile: Path, *, watchdog: Watchdog, seconds: float
+        self, conversation: Conversation, processes: RunProcesses, *, seconds: float
     ) -> BaseException | None:
         """Claude Code's conversation, on an event loop in a thread of its own, while this
         thread (the engine's, whose database connection the ledger uses; the loop never
@@ -607,7 +582,7 @@ class CliRun:
         reports: queue.SimpleQueue = queue.SimpleQueue()
         loop = asyncio.new_event_loop()
         conversing = loop.create_task(
-            asyncio.wait_for(self.converse(conversation, pidfile, reports), seconds), name="claude-code"
+            asyncio.wait_for(self.converse(conversation, processes, reports), seconds), name="claude-code"
         )
 
         def run() -> None:
@@ -632,22 +607,23 @@ class CliRun:
                 self.calls.see(event)
             except (LedgerCapReached, AdapterError) as exc:
                 stopped = exc
-                watchdog.kill()
+                processes.kill()
                 loop.call_soon_threadsafe(conversing.cancel)
         thread.join()
         return stopped or ended
 
-    async def converse(self, conversation: Conversation, pidfile: Path, reports: queue.SimpleQueue) -> None:
+    async def converse(self, conversation: Conversation, processes: RunProcesses, reports: queue.SimpleQueue) -> None:
         from claude_agent_sdk import ResultMessage, StreamEvent, query
 
         prompt = self.prompt()
-        async for message in query(prompt=prompt, options=self.options(conversation, pidfile)):
+        async for message in query(prompt=prompt, options=self.options(conversation, processes)):
             if isinstance(message, StreamEvent):
                 reports.put((message, None))
                 continue
             conversation.messages.append(message)
             if isinstance(message, ResultMessage):
                 conversation.result = message
+                processes.settle()
 
     def prompt(self) -> str:
         content = self.request.messages[-1]["content"]

@@ -1,9 +1,19 @@
 #!/bin/sh
 # Starts the Claude Code CLI for sessions_app/adapters/claude_cli.py.
 # The SDK hands its child the worker's whole environment; the CLI gets only the variables
-# named in PAPERCLIP_CLI_ENV. It runs in a session (so a process group) of its own, whose
-# id is written to PAPERCLIP_CLI_PIDFILE: a timeout kills the CLI with all it started.
+# named in PAPERCLIP_CLI_ENV. Before anything else it enters the run's cgroup, when it has
+# one (PAPERCLIP_CLI_CGROUP: every process it starts is born there, whatever it does to its
+# environment or session), and writes its pid to PAPERCLIP_CLI_PIDFILE. The CLI runs in a
+# session (so a process group) of its own and adopts the orphans of what it starts (a child
+# subreaper), so that without a cgroup they are still found under it
+# (sessions_app/adapters/cli_processes.py).
 set -f
+if [ -n "$PAPERCLIP_CLI_CGROUP" ]; then
+    if ! echo $$ > "$PAPERCLIP_CLI_CGROUP/cgroup.procs"; then
+        echo "Could not enter the run's cgroup $PAPERCLIP_CLI_CGROUP" >&2
+        exit 71
+    fi
+fi
 echo $$ > "$PAPERCLIP_CLI_PIDFILE" || exit 70
 if [ ! -x "$PAPERCLIP_CLI_BIN" ]; then
     echo "Claude Code is not an executable file: $PAPERCLIP_CLI_BIN" >&2
@@ -19,5 +29,17 @@ for name in $PAPERCLIP_CLI_ENV; do
     fi
 done
 # This shell is not a process group leader (the SDK does not start one), so setsid makes
-# the new session in place and the recorded pid is the group's id.
+# the new session in place and the recorded pid is the group's id. The subreaper flag
+# (prctl PR_SET_CHILD_SUBREAPER) survives the exec into the CLI.
+if [ -x "$PAPERCLIP_CLI_PYTHON" ]; then
+    exec "$PAPERCLIP_CLI_PYTHON" -I -S -c '
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+os.setsid()
+os.execvp("env", ["env", "-i", *sys.argv[1:]])
+' "$@"
+fi
 exec setsid env -i "$@"

@@ -364,6 +364,25 @@ def test_the_agent_list_and_page_show_the_back_off(admin_client, persistent_agen
         assert "3 run(s) in a row without work" in html
 
 
+def test_the_page_of_a_leap_day_cron_agent_backed_off_far_shows_the_wakes_that_exist(admin_client, persistent_agent):
+    """x512 of `0 0 29 2 *` runs past the year 9999 within five wakes (before: a 500)."""
+    persistent_agent.adapter_config = {
+        **persistent_agent.adapter_config,
+        "heartbeat_cron": "0 0 29 2 *",
+        "backoff_after_runs": 1,
+        "backoff_max_factor": 1024,
+    }
+    persistent_agent.save()
+    Agent.objects.filter(pk=persistent_agent.pk).update(idle_streak=9)  # x512, as the engine counts it
+
+    response = admin_client.get(reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk]))
+
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert '<strong class="backoff">x512</strong>' in page
+    assert 1 <= page.count('class="next-wake"') < 5
+
+
 def pin_form(agent, text: str) -> dict:
     return agent_form(
         agent.company,

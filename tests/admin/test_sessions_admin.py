@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
 from sessions_app.admin import humane_expiry
-from sessions_app.models import Agent, AgentSession, HistoryStore, SessionStatus
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
 from sessions_app.stores import STORES, store_for
 from tests.admin.conftest import conversation, make_cost, make_run, make_session
 
@@ -414,3 +414,28 @@ def test_a_compaction_shows_each_fact_it_checked_with_pass_or_fail(admin_client,
     assert page.count("<strong>fail</strong>") == 2
     assert "kept-facts block (verbatim)" in page and "dropped" in page
     assert "https://ci.example.com/&lt;b&gt;" in page
+
+
+def test_compact_now_action_takes_a_place_under_the_cap_or_names_the_refusal(
+    admin_client, settings, company, fake_anthropic
+):
+    from tests.conftest import beat, context_agent
+
+    agents = [context_agent(company, keep_recent_turns=1) for _ in range(3)]
+    for agent in agents:
+        for i in range(3):
+            beat(agent, f"step {i}: " + "x" * 400)
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
+    busy = make_run(agents[2], status=RunStatus.RUNNING)
+    sessions = [AgentSession.objects.get(agent=agent) for agent in agents[:2]]
+    sent = len(fake_anthropic.message_requests)
+    data = {"action": "compact_now", "_selected_action": [str(s.pk) for s in sessions]}
+
+    page = admin_client.post(reverse(CHANGELIST), data, follow=True).content.decode()
+
+    assert "Compacted 0 session(s)." in page
+    assert all(f"Session {s.public_id}: run_cap_reached" in page for s in sessions)
+    assert fake_anthropic.message_requests[sent:] == []
+    HeartbeatRun.objects.filter(pk=busy.pk).update(status=RunStatus.SUCCEEDED)
+    page = admin_client.post(reverse(CHANGELIST), data, follow=True).content.decode()
+    assert "Compacted 2 session(s)." in page  # one at a time: each took the free place and gave it back

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 from django_q.models import Schedule
 
 from sessions_app.models import Agent
+from sessions_app.schedules import agent_next_wakes
 from tests.api.conftest import agent_url, assert_error
 
 pytestmark = pytest.mark.django_db
@@ -69,3 +73,17 @@ def test_patching_to_an_interval_replaces_the_cron_schedule(api, company):
     assert (schedule.schedule_type, schedule.minutes) == (Schedule.MINUTES, 30)
     assert api.patch(agent_url(agent), {"adapter_config": {"model": "claude-opus-4-5"}}).status_code == 200
     assert not Schedule.objects.filter(name=f"heartbeat:{agent.id}").exists()
+
+
+def test_an_interval_longer_than_django_q2s_minutes_column_is_scheduled(api, company):
+    """`heartbeat_interval_minutes` goes to 44640 (31 days); django-q2's schedule minutes
+    are a smallint on PostgreSQL (at most 32767): before, 40000 was a 500."""
+    body = {**BODY, "adapter_config": {"model": "claude-opus-4-5", "heartbeat_interval_minutes": 40000}}
+
+    response = api.post(f"/api/companies/{company.id}/agents", body)
+
+    assert response.status_code == 201, response.content[:500]
+    agent = Agent.objects.get(pk=response.json()["id"])
+    first, second = agent_next_wakes(agent=agent, now=timezone.now(), count=2)
+    assert first == Schedule.objects.get(name=f"heartbeat:{agent.id}").next_run  # an interval starts when made
+    assert second - first == timedelta(minutes=40000)

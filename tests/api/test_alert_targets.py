@@ -61,6 +61,31 @@ def test_in_authenticated_mode_a_target_must_name_a_host_the_operator_listed(key
     assert listed.status_code == 201, listed.json()
 
 
+def test_a_listed_host_is_reachable_on_its_schemes_port_or_the_port_listed_with_it(key_api, company, budget, settings):
+    settings.PAPERCLIP_ALERT_HOSTS = frozenset({"alerts.example", "hooks.internal:8443", "[fd00::7]:9000"})
+
+    for url in [
+        "https://alerts.example:5432/hook",  # a listed host, another port: its database, say
+        "http://alerts.example:443/hook",  # http's port is 80
+        "https://hooks.internal/hook",  # listed with a port: only that one
+        "https://hooks.internal:9443/hook",
+        "http://[fd00::7]/hook",
+    ]:
+        refused = key_api.post(targets_url(company), {"url": url, "secret": SECRET})
+        assert refused.status_code == 400, url
+        assert "PAPERCLIP_ALERT_HOSTS" in refused.json()["error"]["fields"]["url"], url
+    assert not AlertTarget.objects.exists()
+
+    for url in [
+        "https://alerts.example/hook",
+        "https://alerts.example:443/hook",
+        "http://alerts.example:80/hook",
+        "https://Hooks.Internal:8443/hook",
+        "http://[fd00::7]:9000/hook",
+    ]:
+        assert key_api.post(targets_url(company), {"url": url, "secret": SECRET}).status_code == 201, url
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 from django_q.models import OrmQ
 
@@ -14,6 +17,7 @@ from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus
 from sessions_app.views import refusal_error, seconds_until_next_utc_month
 from tests.api.conftest import Api, agent_url, assert_error, make_run
 from tests.fake_anthropic import Reply, canonical_content
+from tests.live.server import wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -261,3 +265,44 @@ def test_heartbeats_of_one_key_have_a_ceiling_in_authenticated_mode(settings, ke
     response = key_api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "third"})
     assert_error(response, 429, "rate_limited")
     assert 1 <= int(response["Retry-After"]) <= 60
+
+
+@pytest.mark.django_db(transaction=True)
+def test_waiting_heartbeats_under_a_cap_answer_while_other_agents_runs_wait_for_a_place(
+    settings, company, fake_anthropic
+):
+    """Six agents under a cap of 2, half the heartbeats `"wait": true`: each waited run that
+    finishes wakes the runs waiting for its place through the database broker, whose
+    enqueue closes the connection on SQLite (CONN_MAX_AGE=0). Before, the wake iterated a
+    query across that close and the finished run's request answered 500 (`Cannot operate
+    on a closed database`)."""
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 2
+    settings.PAPERCLIP_RUN_TIMEOUT_SECONDS = 60
+    agents = [
+        Agent.objects.create(company=company, name=f"Agent {i}", adapter_config={"model": "claude-opus-4-5"})
+        for i in range(6)
+    ]
+    fake_anthropic.push(*[Reply.delay(0.3) for _ in range(3)])
+    answers: dict = {}
+
+    def post(agent, wait: bool):
+        try:
+            response = Api().post(agent_url(agent, "/heartbeat"), {"task": "go", "wait": wait})
+            answers[agent.pk] = (response.status_code, response.json().get("status"))
+        except Exception as exc:  # the test client raises what a server answers 500 to
+            answers[agent.pk] = (500, repr(exc))
+        finally:
+            connection.close()
+
+    waiting = [threading.Thread(target=post, args=(agent, True)) for agent in agents[:3]]
+    for thread in waiting:
+        thread.start()
+        time.sleep(0.02)  # created in order: the third waits for a place
+    wait_until(lambda: HeartbeatRun.objects.count() == 3, 30, "the three waited runs")
+    for agent in agents[3:]:
+        post(agent, False)  # queued behind them, for a cluster (none runs here)
+    for thread in waiting:
+        thread.join(timeout=120)
+
+    assert [answers[agent.pk] for agent in agents] == [(200, "succeeded")] * 3 + [(202, "queued")] * 3
+    assert len(fake_anthropic.message_requests) == 3

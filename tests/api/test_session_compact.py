@@ -83,6 +83,23 @@ def test_a_running_heartbeat_makes_it_409_session_busy(api, company, fake_anthro
     assert fake_anthropic.message_requests[sent:] == []
 
 
+def test_a_full_cap_on_runs_in_progress_makes_it_429_run_cap_reached(api, settings, company, fake_anthropic):
+    agent, session = talked(company)
+    other, _ = talked(company)
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
+    make_run(other, status=RunStatus.RUNNING)  # another agent's heartbeat in progress
+    sent = len(fake_anthropic.message_requests)
+
+    response = api.post(compact_url(agent, session))
+
+    assert_error(response, 429, "run_cap_reached")
+    assert int(response["Retry-After"]) > 0
+    assert fake_anthropic.message_requests[sent:] == []
+    assert HeartbeatRun.objects.filter(status=RunStatus.RUNNING).count() == 1
+    make_run(agent, status=RunStatus.RUNNING)  # its own heartbeat holds a place: that says more
+    assert_error(api.post(compact_url(agent, session)), 409, "session_busy")
+
+
 def test_a_session_with_nothing_to_compact_is_409(api, company, fake_anthropic):
     agent, session = talked(company, turns=1)
     assert_error(api.post(compact_url(agent, session)), 409, "nothing_to_compact")
