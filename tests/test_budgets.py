@@ -135,9 +135,7 @@ def test_a_session_limit_alone_refuses_an_unpriced_model(company, fake_anthropic
     """A budget whose only limit is session_limit_usd: a session's spend could not be told
     at $0 a call, so the model is refused as under any money limit (before, four turns
     went to one session at $0 each)."""
-    agent = Agent.objects.create(
-        company=company, name="new", adapter_config={"model": "claude-future-9", "session_mode": "persistent"}
-    )
+    agent = agent_on_unknown_model(company, "claude-future-9", session_mode="persistent")
     run, _ = heartbeat_enqueue(agent=agent, task="queued before the budget", now=timezone.now())
     Budget.objects.create(company=company, agent=agent if scope == "agent" else None, session_limit_usd=Decimal("1"))
 
