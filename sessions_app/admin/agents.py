@@ -185,7 +185,7 @@ class AgentAdmin(admin.ModelAdmin):
         "name",
         "company",
         "adapter_type",
-        "model",
+        "agent_model",
         "session_mode",
         "status_flag",
         "backoff",
@@ -292,8 +292,10 @@ class AgentAdmin(admin.ModelAdmin):
             stretched = "no schedule to stretch"
         return format_html('<strong class="backoff">x{}</strong>: {} ({})', factor, stretched, streak)
 
+    # Not `model`: that is ModelAdmin's own attribute (the Agent class), which shadowed this
+    # method and left the column empty, headed "Agent".
     @admin.display(description="model")
-    def model(self, obj: Agent) -> str:
+    def agent_model(self, obj: Agent) -> str:
         return obj.model_name
 
     @admin.display(description="status", ordering="status")

@@ -394,3 +394,15 @@ def test_a_bad_pin_is_a_field_error_in_the_admin(admin_client, persistent_agent,
     (errors,) = response.context["inline_admin_formsets"][0].formset.errors
     assert "text" in errors
     assert not PinnedFact.objects.exists()
+
+
+def test_the_agent_list_shows_each_agents_model_under_a_model_heading(admin_client, persistent_agent, other_agent):
+    from django.contrib.admin.templatetags.admin_list import result_headers
+
+    response = admin_client.get(reverse(CHANGELIST))
+    page = response.content.decode()
+    headings = [str(header["text"]) for header in result_headers(response.context["cl"])]
+    assert "model" in headings, headings
+    assert "Agent" not in headings, headings
+    assert '<td class="field-agent_model">claude-opus-4-5</td>' in page
+    assert '<td class="field-agent_model">claude-haiku-4-5</td>' in page
