@@ -7,11 +7,11 @@ key is an error (a typo such as `"wiat": true` must not silently queue a run).
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from decimal import Decimal
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from costs_app.money import MoneyField, usd
 from sessions_app.models import (
     MAX_PIN_CHARS,
     Agent,
@@ -177,6 +177,7 @@ class SessionSerializer(serializers.ModelSerializer):
     id = serializers.SerializerMethodField(help_text="`sess_` + 32 hex digits.")
     agent_id = serializers.UUIDField(read_only=True)
     predecessor_id = serializers.SerializerMethodField()
+    total_cost_usd = MoneyField(read_only=True, help_text="USD, as a decimal string.")
 
     class Meta:
         model = AgentSession
@@ -188,9 +189,6 @@ class SessionSerializer(serializers.ModelSerializer):
 
     def get_predecessor_id(self, session: AgentSession) -> str | None:
         return session_public_id(session.predecessor_id)
-
-
-MONEY_QUANTUM = Decimal(1).scaleb(-AgentSession._meta.get_field("total_cost_usd").decimal_places)
 
 
 def iso_time(value: datetime | None) -> str | None:
@@ -216,7 +214,7 @@ def session_list_item(row: dict) -> dict:
         "last_input_tokens": row["last_input_tokens"],
         "total_input_tokens": row["total_input_tokens"],
         "total_output_tokens": row["total_output_tokens"],
-        "total_cost_usd": f"{Decimal(row['total_cost_usd']).quantize(MONEY_QUANTUM):f}",
+        "total_cost_usd": usd(row["total_cost_usd"]),
         "ended_at": iso_time(row["ended_at"]),
         "end_reason": row["end_reason"],
         "history_purged_at": iso_time(row["history_purged_at"]),
@@ -281,6 +279,24 @@ class ToolLoopSerializer(serializers.Serializer):
     cleared_input_tokens = serializers.IntegerField(help_text="Input tokens cleared by clear_tool_uses.")
 
 
+class RuntimeReportField(serializers.JSONField):
+    """A runtime's report as stored, its cost figures as money by the one rule (Claude Code
+    reports its own as a float: 0.07438860000000001 is "0.0743886")."""
+
+    MONEY_KEYS = ("cli_total_cost_usd", "ledger_cost_usd")
+
+    def to_representation(self, value):
+        if not isinstance(value, dict):
+            return value
+        money = {}
+        for key in self.MONEY_KEYS:
+            try:
+                money[key] = usd(value[key])
+            except (KeyError, TypeError, ValueError, ArithmeticError):
+                pass  # absent, null, or not a number: as stored
+        return {**value, **money}
+
+
 class RunSerializer(serializers.ModelSerializer):
     status = serializers.ChoiceField(
         choices=RunStatus.choices, help_text="`skipped`: the work check found no work (no model call, nothing billed)."
@@ -297,8 +313,8 @@ class RunSerializer(serializers.ModelSerializer):
     error = serializers.SerializerMethodField()
     error_code = serializers.SerializerMethodField()
     warning = serializers.SerializerMethodField(help_text="e.g. a budget close to its limit; null when none.")
-    cost_usd = serializers.DecimalField(max_digits=20, decimal_places=10, allow_null=True)
-    runtime_report = serializers.JSONField(
+    cost_usd = MoneyField(allow_null=True, help_text="USD, as a decimal string; null until the call answered.")
+    runtime_report = RuntimeReportField(
         allow_null=True,
         help_text='Claude Code (`runtime: "cli"`): its session id, turns, tool calls, and its own cost figure '
         "beside the ledger's; null for a Messages API call.",

@@ -4,6 +4,7 @@ can be billed, unpriced models, zero limits, concurrent heartbeats)."""
 
 from __future__ import annotations
 
+import re
 import threading
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_DOWN, Decimal
@@ -207,6 +208,28 @@ def test_a_call_that_would_cross_the_hard_limit_is_refused_before_any_request(pe
     assert "monthly" in run.error
     assert fake_anthropic.requests == []
     assert not CostEvent.objects.exists()
+
+
+def test_a_refusal_names_a_limit_below_a_cent_as_it_is(persistent_agent, fake_anthropic):
+    Budget.objects.create(company=persistent_agent.company, daily_limit_usd=Decimal("0.005"))
+
+    run = beat(persistent_agent, "expensive")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded")
+    assert "company daily budget of $0.005 (spent $0.00, $0.00 held by running calls)" in run.error, run.error
+    estimate = re.search(r"could cost up to \$(\S+),", run.error).group(1)
+    assert Decimal(estimate) > 0 and not estimate.endswith("0"), estimate
+
+
+def test_a_run_cap_is_counted_in_whole_runs(persistent_agent, fake_anthropic):
+    Budget.objects.create(company=persistent_agent.company, agent=persistent_agent, daily_run_limit=1)
+    assert beat(persistent_agent, "first").status == RunStatus.SUCCEEDED
+    (use,) = budget_uses(company_id=persistent_agent.company_id, agent_id=persistent_agent.id, now=timezone.now())
+
+    refused = beat(persistent_agent, "second")
+
+    assert use.describe() == "agent daily run limit: 1 of 1 runs used (100%)"
+    assert refused.error == "The agent daily run cap of 1 runs is reached."
 
 
 def test_soft_warning_appears_near_the_limit(persistent_agent, fake_anthropic):

@@ -34,6 +34,7 @@ from sessions_app.admin.common import (
     changelist_url,
     deletion_summary,
     humane_expiry,
+    money_column,
 )
 from sessions_app.models import (
     MAX_PINS_PER_AGENT,
@@ -154,9 +155,7 @@ class RecentSessionsInline(ReadOnlyInline):
     def expires(self, obj: AgentSession) -> str:
         return humane_expiry(obj.expires_at, now=timezone.now())
 
-    @admin.display(description="total cost (USD)")
-    def total_cost(self, obj: AgentSession) -> str:
-        return f"{obj.total_cost_usd:.4f}"
+    total_cost = money_column("total_cost_usd", "total cost (USD)")
 
 
 class RecentRunsInline(ReadOnlyInline):
@@ -170,9 +169,10 @@ class RecentRunsInline(ReadOnlyInline):
         "finished_at",
         "input_tokens",
         "output_tokens",
-        "cost_usd",
+        "cost",
         "error_code",
     ]
+    cost = money_column("cost_usd", "cost (USD)")
 
     def get_queryset(self, request):
         return self.recent(request, super().get_queryset(request).defer("task", "output"))

@@ -406,3 +406,17 @@ def test_the_agent_list_shows_each_agents_model_under_a_model_heading(admin_clie
     assert "Agent" not in headings, headings
     assert '<td class="field-agent_model">claude-opus-4-5</td>' in page
     assert '<td class="field-agent_model">claude-haiku-4-5</td>' in page
+
+
+def test_the_agent_page_shows_run_costs_and_session_totals_by_one_rule(admin_client, persistent_agent):
+    from decimal import Decimal
+
+    make_session(persistent_agent, history=[], store=HistoryStore.DATABASE, total_cost_usd=Decimal("0.0123"))
+    make_run(persistent_agent, cost_usd=Decimal("0.0123"))
+    make_run(persistent_agent, cost_usd=Decimal("0.00004"))
+
+    page = admin_client.get(reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])).content.decode()
+
+    assert page.count("<p>0.0123</p>") == 2, re.findall(r"<p>[0-9.]+</p>", page)
+    assert "<p>0.00004</p>" in page
+    assert "0.0123000000" not in page

@@ -118,7 +118,7 @@ def test_alert_settings_and_the_session_limit_are_set_and_read(api, company):
     )
     assert response.status_code == 200, response.json()
     budget = response.json()["budget"]
-    assert (budget["alert_percent"], budget["session_limit_usd"], budget["warn_percent"]) == (90, "1.500000", 80)
+    assert (budget["alert_percent"], budget["session_limit_usd"], budget["warn_percent"]) == (90, "1.50", 80)
 
 
 def test_the_summary_and_the_budget_show_each_limits_forecast(api, company, stateless_agent):
