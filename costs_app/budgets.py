@@ -85,12 +85,15 @@ class BudgetUse:
         """One of this limit's figures: whole runs for the run cap, else money by the rule."""
         return amount_text(value, count=self.counts_runs)
 
-    def describe(self) -> str:
+    def describe(self, *, this_call: bool = False) -> str:
+        """The limit's use as `percent` counts it: what is spent, and what calls in flight
+        hold (with `this_call`, the reservation being decided is among them)."""
         unit = "runs" if self.counts_runs else "USD"
-        return (
-            f"{self.scope} {PERIOD_NAMES[self.period]} limit: {self.amount(self.spent)} of {self.amount(self.limit)} "
-            f"{unit} used ({self.percent:.0f}%)"
-        )
+        used = f"{self.amount(self.spent)} of {self.amount(self.limit)} {unit} used"
+        if self.reserved:
+            holders = "this call and calls in flight" if this_call else "calls in flight"
+            used += f" and {self.amount(self.reserved)} held for {holders}"
+        return f"{self.scope} {PERIOD_NAMES[self.period]} limit: {used} ({self.percent:.0f}%)"
 
 
 def period_start(period: str, now: datetime) -> datetime | None:
@@ -297,10 +300,11 @@ def budget_reserve(*, run, agent, estimate: Decimal | None, now: datetime, model
         if refusal.use is not None:
             budget_alerts_fire(uses=[refusal.use], now=now, refused=True)
         raise refusal
+    # A warning says what reached its threshold: the spend and the money held, this call's
+    # reservation included (the spend alone may be far below it).
+    holding = [replace(use, reserved=use.reserved + estimate) for use in uses if use.period != "day_runs"]
     warnings = [
-        use.describe()
-        for use in uses
-        if use.period != "day_runs" and replace(use, reserved=use.reserved + estimate).warning
+        f"{use.describe(this_call=True)}, past its {use.warn_percent}% warning" for use in holding if use.warning
     ]
     return "Budget warning: " + "; ".join(warnings) if warnings else ""
 

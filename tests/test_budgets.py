@@ -242,6 +242,28 @@ def test_soft_warning_appears_near_the_limit(persistent_agent, fake_anthropic):
     assert run.warning.startswith("Budget warning: company monthly limit")
 
 
+def test_a_warning_says_what_crossed_its_threshold(persistent_agent, fake_anthropic):
+    # The spend alone is 1% of the limit; with this call's reservation it is past 10%.
+    Budget.objects.create(company=persistent_agent.company, monthly_limit_usd=Decimal("0.20"), warn_percent=10)
+    CostEvent.objects.create(
+        company=persistent_agent.company, agent=persistent_agent, model="claude-opus-4-5", cost_usd=Decimal("0.002255")
+    )
+
+    run = beat(persistent_agent, "fine")
+
+    assert run.status == RunStatus.SUCCEEDED
+    match = re.fullmatch(
+        r"Budget warning: company monthly limit: (\S+) of (\S+) USD used and (\S+) held for this call and calls "
+        r"in flight \((\d+)%\), past its 10% warning",
+        run.warning,
+    )
+    assert match, run.warning
+    spent, limit, held, percent = match.groups()
+    assert (spent, limit) == ("0.002255", "0.20")
+    assert int(percent) >= 10
+    assert int(percent) == round((Decimal(spent) + Decimal(held)) / Decimal(limit) * 100)
+
+
 def test_hard_limit_pauses_the_agent_and_raising_the_budget_resumes_it(persistent_agent, fake_anthropic):
     budget = Budget.objects.create(
         company=persistent_agent.company, agent=persistent_agent, lifetime_limit_usd=Decimal("0.11")
