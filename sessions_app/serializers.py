@@ -90,6 +90,20 @@ class CompanySerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
 # Agents
 
 
+def json_merge_patch(target: object, patch: object) -> object:
+    """RFC 7386: `patch` applied to `target`. An object patch merges into an object key by
+    key, recursively, a null removing its key; anything else replaces the target whole."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = json_merge_patch(merged.get(key), value)
+    return merged
+
+
 class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
     company_id = serializers.UUIDField(read_only=True)
     name = StrictCharField(max_length=200, allow_blank=False)
@@ -98,8 +112,9 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
     adapter_config = StrictDictField(
         required=False,
         help_text="Adapter settings, e.g. {'model': 'claude-opus-4-5', 'session_mode': 'persistent', "
-        "'session_ttl_hours': 24}. Validated when saved; a bad value is a 400 naming `adapter_config.<key>`. "
-        "PATCH replaces the whole object. A `process` agent names a command of the operator's "
+        "'session_ttl_hours': 24}. Validated when saved (after a PATCH, the merged result); a bad value is a 400 "
+        "naming `adapter_config.<key>`. PATCH merges it into the agent's (RFC 7386 JSON merge patch: a key set to "
+        "null is removed) unless it changes `adapter_type`; PUT replaces it. A `process` agent names a command of the operator's "
         "PAPERCLIP_PROCESS_COMMANDS (`command`, with `args` its entry allows).",
     )
     status = serializers.ChoiceField(
@@ -135,6 +150,17 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
 
     def get_backoff_factor(self, agent: Agent) -> int:
         return agent_backoff(agent.adapter_config, agent.idle_streak)
+
+    def validate_adapter_config(self, value: dict) -> dict:
+        # A PATCH is a merge patch of the configuration the agent has (RFC 7386), unless it
+        # changes the adapter type: a configuration belongs to its type, and the old one's
+        # keys (and defaults) would be unknown to the new. The model validates the result.
+        agent = self.instance
+        if not self.partial or agent is None:
+            return value
+        if self.initial_data.get("adapter_type", agent.adapter_type) != agent.adapter_type:
+            return value
+        return json_merge_patch(agent.adapter_config, value)
 
 
 # Sessions
