@@ -19,7 +19,7 @@ from django.utils import timezone
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import call_cost
 from sessions_app.adapters import AgentConfigError
-from sessions_app.adapters.claude_cli import config_dir, workspace_for
+from sessions_app.adapters.claude_cli import cli_environment, config_dir, workspace_for, workspace_listing
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
 from sessions_app.services import session_delete
 from sessions_app.stores import store_for
@@ -195,6 +195,60 @@ def session_store_root(agent) -> Path:
     from django.conf import settings
 
     return Path(settings.PAPERCLIP_HOME) / "sessions" / str(agent.id) / "cli"
+
+
+def tool_results(body: dict) -> str:
+    """The tool results a request sends back to the model, as one text."""
+    return " ".join(
+        str(block["content"])
+        for message in body["messages"]
+        if isinstance(message["content"], list)
+        for block in message["content"]
+        if block.get("type") == "tool_result"
+    )
+
+
+def test_git_in_the_workspace_never_reaches_a_repository_around_it(company, fake_anthropic, paperclip_home):
+    # PAPERCLIP_HOME inside a git checkout (its default, .paperclip, is in the service's own).
+    outer = paperclip_home.parent
+    git = ["git", "-c", "user.name=Service", "-c", "user.email=service@example.com"]
+    subprocess.run([*git, "init", "-q", str(outer)], check=True)
+    subprocess.run(
+        [*git, "-C", str(outer), "commit", "-q", "--allow-empty", "-m", "the service's own commit"], check=True
+    )
+    agent = cli_agent(company)
+    probe = "git rev-parse --show-toplevel; git log --format=%s -1; git status --short | head -3"
+    fake_anthropic.push(Reply.tool_use("Bash", {"command": probe, "description": "probe git"}), Reply.message("done"))
+
+    run = beat(agent, "where am I?")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    output = tool_results(fake_anthropic.message_requests[1])
+    assert str(workspace(agent)) in output, output  # its own repository ...
+    assert "the service's own commit" not in output, output  # ... never the one around it
+    assert (workspace(agent) / ".git").is_dir()
+    listing = workspace_listing(agent_id=agent.id, config=agent.adapter_config)
+    assert not any(f.name.startswith(".git") for f in listing.files), listing.files
+    # A subfolder of the workspace without a repository of its own stops at the workspace too.
+    nested = workspace(agent) / "notes"
+    nested.mkdir()
+    found = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"],
+        cwd=nested,
+        env=cli_environment(agent_id=agent.id, workspace=workspace(agent), mark="probe"),
+        capture_output=True,
+        text=True,
+    )
+    assert found.stdout.strip() == str(workspace(agent))
+    (workspace(agent) / ".git").rename(workspace(agent) / "git-moved")
+    fenced = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"],
+        cwd=nested,
+        env=cli_environment(agent_id=agent.id, workspace=workspace(agent), mark="probe"),
+        capture_output=True,
+        text=True,
+    )
+    assert fenced.returncode != 0 and str(outer) not in fenced.stdout  # not a repository, never the outer one
 
 
 def test_a_cli_that_does_not_answer_is_killed_at_its_timeout_with_its_children(company, fake_anthropic):
