@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from importlib import import_module
 
 import pytest
@@ -162,14 +163,27 @@ def other_agent(other_company):
     )
 
 
-@pytest.fixture
-def fake_anthropic(monkeypatch):
-    """A fake Messages API on 127.0.0.1 that the real SDK reaches through the environment."""
+@contextmanager
+def fake_api(monkeypatch):
+    """A fake Messages API on 127.0.0.1 that the real SDK reaches through the environment.
+
+    An error raised by a reply's action (`Reply(before=...)`, `Reply.during`) is raised when
+    it closes, unless the test took it (`fake.take_action_errors()`)."""
     fake = FakeAnthropic().start()
     monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.base_url)
     monkeypatch.setenv("ANTHROPIC_API_KEY", FAKE_API_KEY)
-    yield fake
-    fake.stop()
+    try:
+        yield fake
+    finally:
+        fake.stop()
+    fake.raise_action_errors()
+
+
+@pytest.fixture
+def fake_anthropic(monkeypatch):
+    """`fake_api` for one test: a reply action that broke fails the test."""
+    with fake_api(monkeypatch) as fake:
+        yield fake
 
 
 def on_own_connection(action):
