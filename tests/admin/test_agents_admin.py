@@ -10,8 +10,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django_q.models import Schedule
 
-from sessions_app import heartbeat, services
-from sessions_app.errors import HeartbeatRefused
+from sessions_app import services
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, HistoryStore, RunTrigger
 from sessions_app.schedules import schedule_name
 from sessions_app.stores import STORES
@@ -109,41 +108,48 @@ def test_pause_and_resume_actions(admin_client, persistent_agent):
     assert persistent_agent.status == AgentStatus.ACTIVE
 
 
-@pytest.fixture
-def fake_engine(monkeypatch):
-    calls = {"enqueued": [], "dispatched": []}
+def queued_run_ids() -> list[str]:
+    """Run ids the engine handed to the task queue (the ORM broker), in order."""
+    from django_q.models import OrmQ
+    from django_q.signing import SignedPackage
 
-    def enqueue(*, agent, task, now, trigger, **kwargs):
-        if agent.status != AgentStatus.ACTIVE:
-            raise HeartbeatRefused("agent_paused", "The agent is paused.")
-        run = HeartbeatRun.objects.create(company=agent.company, agent=agent, task=task, trigger=trigger)
-        calls["enqueued"].append((agent, task, trigger))
-        return run, True
-
-    monkeypatch.setattr(heartbeat, "heartbeat_enqueue", enqueue)
-    monkeypatch.setattr(heartbeat, "heartbeat_dispatch", lambda *, run: calls["dispatched"].append(run))
-    return calls
+    return [SignedPackage.loads(row.payload)["args"][0] for row in OrmQ.objects.order_by("id")]
 
 
-def test_run_a_heartbeat_now_from_the_agent_page(admin_client, persistent_agent, fake_engine):
+def test_run_a_heartbeat_now_from_the_agent_page(admin_client, persistent_agent, django_capture_on_commit_callbacks):
     url = reverse("admin:sessions_app_agent_heartbeat", args=[persistent_agent.pk])
     assert admin_client.get(url).status_code == 200
-    response = admin_client.post(url, {"task": "Check the queue."}, follow=True)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = admin_client.post(url, {"task": "Check the queue."}, follow=True)
     run = HeartbeatRun.objects.get(agent=persistent_agent)
-    assert fake_engine["enqueued"] == [(persistent_agent, "Check the queue.", RunTrigger.ADMIN)]
-    assert fake_engine["dispatched"] == [run]
+    assert (run.task, run.trigger, run.status) == ("Check the queue.", RunTrigger.ADMIN, "queued")
+    assert queued_run_ids() == [str(run.pk)]  # handed to the task cluster by the real engine
     assert response.redirect_chain[-1][0] == reverse("admin:sessions_app_heartbeatrun_change", args=[run.pk])
     assert reverse("admin:sessions_app_heartbeatrun_change", args=[run.pk]) in response.content.decode()
 
 
-def test_run_a_heartbeat_action_reports_refusals(admin_client, persistent_agent, stateless_agent, fake_engine):
-    Agent.objects.filter(pk=stateless_agent.pk).update(status=AgentStatus.PAUSED)
-    data = {"action": "run_heartbeat_now", "_selected_action": [str(persistent_agent.pk), str(stateless_agent.pk)]}
-    page = admin_client.post(reverse(CHANGELIST), data, follow=True).content.decode()
-    assert "heartbeat queued as" in page
-    assert "Stateless: heartbeat refused (agent_paused): The agent is paused." in page
-    assert HeartbeatRun.objects.filter(agent=persistent_agent).count() == 1
-    assert not HeartbeatRun.objects.filter(agent=stateless_agent).exists()
+def test_run_a_heartbeat_action_reports_refusals(
+    admin_client, company, persistent_agent, stateless_agent, django_capture_on_commit_callbacks
+):
+    services.agent_pause(agent=stateless_agent)
+    spent = Agent.objects.create(company=company, name="Spent", adapter_config={"model": "claude-opus-4-5"})
+    services.agent_pause(agent=spent, reason="budget")
+    selected = [str(persistent_agent.pk), str(stateless_agent.pk), str(spent.pk)]
+    data = {"action": "run_heartbeat_now", "_selected_action": selected}
+
+    with django_capture_on_commit_callbacks(execute=True):
+        page = admin_client.post(reverse(CHANGELIST), data, follow=True).content.decode()
+
+    assert "Persistent: heartbeat queued as" in page
+    # The engine's own refusals, word for word.
+    assert "Stateless: heartbeat refused (agent_paused): The agent is paused (manual); resume it first." in page
+    assert (
+        "Spent: heartbeat refused (budget_exceeded): The agent is paused: its budget is spent. "
+        "Raise the budget to resume." in page
+    )
+    (run,) = HeartbeatRun.objects.all()
+    assert (run.agent_id, run.trigger) == (persistent_agent.pk, RunTrigger.ADMIN)
+    assert queued_run_ids() == [str(run.pk)]
 
 
 def test_deleting_agents_removes_their_history_files(
