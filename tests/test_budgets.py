@@ -99,6 +99,8 @@ def test_server_compaction_is_reserved_as_two_readings_of_the_input(settings, co
             "context_strategy": "server",
             "compaction_trigger_tokens": 50_000,
             "max_tokens": 16,
+            # Input at the plain rate: a cache write's 1.25x alone would exceed the margin below.
+            "prompt_caching": False,
         },
     )
     assert beat(agent, "small one").status == RunStatus.SUCCEEDED
@@ -110,10 +112,14 @@ def test_server_compaction_is_reserved_as_two_readings_of_the_input(settings, co
         Decimal("0.000001")
     )
     Budget.objects.create(company=company, monthly_limit_usd=limit)
+    sent = len(fake_anthropic.message_requests)
 
-    beat(agent, big)
+    run = beat(agent, big)
 
-    assert spent() <= limit
+    # Reserved as two readings of the input, the call does not fit: refused before it is sent.
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded"), (run.status, run.error)
+    assert len(fake_anthropic.message_requests) == sent
+    assert spent() == before <= limit
 
 
 def test_a_budgeted_agent_on_an_unpriced_model_is_refused_before_any_call(company, fake_anthropic):
