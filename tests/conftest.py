@@ -30,6 +30,9 @@ from tests.fake_anthropic import FakeAnthropic, plain_messages, plain_system
 
 FAKE_API_KEY = "sk-ant-test-0000-secret-never-logged"
 
+# The `postgres` marker on postgres_only tests, and PAPERCLIP_REQUIRE_POSTGRES (.ci/run).
+pytest_plugins = ["tests.postgres_required"]
+
 
 @pytest.fixture(autouse=True)
 def plain_static_files(settings):
