@@ -1,11 +1,16 @@
 """Input tokens per heartbeat over 300 heartbeats, and what they cost, per context strategy.
 
-Four runs with the same 300 tasks against the fake Messages API (which simulates prompt
+Five runs with the same 300 tasks against the fake Messages API (which simulates prompt
 caching and reports usage from the request size):
 - persistent, context_strategy none (the whole history replayed every time);
 - persistent, summarize (budgeted compaction), no prompt caching;
 - persistent, summarize + prompt caching;
-- stateless (no history, no caching): the baseline.
+- stateless, no prompt caching;
+- stateless + prompt caching (its system prompt read from the cache).
+
+The baseline is the best configuration of the alternative: the cheaper of the two stateless
+runs (with caching on, a stateless agent pays its long system prompt at the cache-read rate,
+not in full every time; comparing against the uncached one flattered persistence).
 
     .venv/bin/pip install -r bench/requirements.txt
     .venv/bin/python bench/context_growth.py            # SQLite in a temporary folder
@@ -17,7 +22,8 @@ The `defaults` variant runs the workload of issue 15 with no context settings: a
 agent with an 8,000-character system prompt, ~800-character tasks and ~1,200-character
 answers (output tokens counted from the text), claude-opus-4-5 prices, 300 heartbeats
 MINUTES apart (2 and 30 by default; the fake's prompt cache expires by a simulated clock). It
-prints persistent/stateless cost, where the money goes, and how many of 20 facts planted in
+prints persistent cost against the cheaper stateless configuration (the engine's default
+caching, or none), where the money goes, and how many of 20 facts planted in
 heartbeats 1-20 are still in the request at heartbeat 300, with the facts pinned and without,
 under a fake summariser that keeps what it is given to keep (at most 10 named facts a
 summary) and a ~1,000-character gist.
@@ -88,6 +94,7 @@ def main() -> None:
             "prompt_caching": True,
         },
         "stateless": {"session_mode": "stateless", "prompt_caching": False},
+        "stateless + caching": {"session_mode": "stateless", "prompt_caching": True},
     }
     series, totals = {}, {}
     for label, config in configurations.items():
@@ -108,16 +115,19 @@ def main() -> None:
         ] or Decimal(0)
     fake.stop()
 
-    baseline = totals["stateless"]
+    # The baseline is the best the alternative does: the cheaper stateless configuration.
+    best = min(("stateless", "stateless + caching"), key=lambda label: totals[label])
+    baseline = totals[best]
     print(f"{HEARTBEATS} heartbeats per configuration; budget {BUDGET} tokens; model claude-sonnet-4-5 list prices")
+    print(f"baseline: {best} (the cheaper stateless configuration)")
     for label in configurations:
         tokens = series[label]
         print(
             f"{label:34s} input tokens/heartbeat first {tokens[0]:6d} max {max(tokens):6d} last {tokens[-1]:6d}; "
-            f"total cost ${totals[label]:.4f} = {totals[label] / baseline:.2f}x stateless"
+            f"total cost ${totals[label]:.4f} = {totals[label] / baseline:.2f}x best stateless"
         )
     ratio = totals["persistent, summarize + caching"] / baseline
-    print(f"summarize + caching vs stateless: {ratio:.2f}x (goal <= 1.50x)")
+    print(f"summarize + caching vs best stateless ({best}): {ratio:.2f}x (goal <= 1.50x)")
     plot(series)
 
 
@@ -297,6 +307,8 @@ def defaults_main(interval_minutes: float) -> None:
     results = {}
     for label, mode, pinned, extra in [
         ("stateless", "stateless", False, {}),
+        # The alternative at its best is whichever stateless configuration is cheaper.
+        ("stateless, no caching", "stateless", False, {"prompt_caching": False}),
         ("persistent", "persistent", False, {}),
         ("persistent + 20 pins", "persistent", True, {}),
         # The defaults before issue 15: half the window, four turns kept, the 5-minute cache,
@@ -343,15 +355,17 @@ def defaults_main(interval_minutes: float) -> None:
             "ttl": "1h" if "'ttl': '1h'" in str(last) else ("5m" if "cache_control" in str(last) else "none"),
         }
     fake.stop()
-    base = results["stateless"]
+    best = min(("stateless", "stateless, no caching"), key=lambda label: results[label]["steady"])
+    base = results[best]
     print(
         f"defaults: {HEARTBEATS} heartbeats {interval_minutes:g} min apart, {DEFAULTS_MODEL} list prices, "
-        f"{len(DEFAULTS_PROMPT)}-char system prompt, ~800-char tasks, ~1,200-char answers, no context settings"
+        f"{len(DEFAULTS_PROMPT)}-char system prompt, ~800-char tasks, ~1,200-char answers, no context settings; "
+        f"baseline: {best} (the cheaper stateless configuration)"
     )
     for label, r in results.items():
         print(
             f"{label:24s} total ${r['total']:.4f} = {r['total'] / base['total']:.2f}x; heartbeats 101-{HEARTBEATS} "
-            f"${r['steady']:.4f} = {r['steady'] / base['steady']:.2f}x stateless; input/heartbeat max "
+            f"${r['steady']:.4f} = {r['steady'] / base['steady']:.2f}x best stateless; input/heartbeat max "
             f"{r['max_input']} last {r['last_input']}; {r['compactions']} compactions ({r['retries']} retried); "
             f"cache {r['ttl']}; facts in request {HEARTBEATS}: {r['facts']}/{len(FACTS)}"
         )
@@ -359,7 +373,7 @@ def defaults_main(interval_minutes: float) -> None:
     for label, r in results.items():
         print(f"  {label:24s} " + ", ".join(f"{name} {value:.5f}" for name, value in r["parts"].items()))
     ratio = results["persistent"]["steady"] / base["steady"]
-    print(f"steady-state persistent/stateless: {ratio:.2f}x (goal <= 1.50)")
+    print(f"steady-state persistent/best stateless: {ratio:.2f}x (goal <= 1.50)")
     print(
         f"facts planted in heartbeats 1-20 still in the request at {HEARTBEATS}: "
         f"{results['persistent + 20 pins']['facts']}/20 with pins (goal 20/20), "

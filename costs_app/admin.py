@@ -42,9 +42,10 @@ from costs_app.models import (
     CostEvent,
     ModelPrice,
 )
+from costs_app.money import amount_text, usd
 from costs_app.pricing import LIBRARY_SOURCE, is_priced, library_table
 from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
-from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist
+from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist, money_column
 from sessions_app.models import Agent, Company, session_public_id
 from sessions_app.text import is_storable
 
@@ -185,7 +186,7 @@ def use_bar(spent, limit, warn_percent: int) -> str:
     """A small bar: green under the warning level, amber past it, red at the limit."""
     spent = spent or Decimal(0)
     if limit is None:
-        return format_html("{} spent, no limit", f"${spent:.4f}")
+        return format_html("{} spent, no limit", f"${usd(spent)}")
     percent = float(spent / limit * 100) if limit else 100.0
     colour = "#ba2121" if percent >= 100 else "#c58f00" if percent >= warn_percent else "#2e7d32"
     return format_html(
@@ -195,8 +196,8 @@ def use_bar(spent, limit, warn_percent: int) -> str:
         f"{percent:.1f}%",
         f"{min(percent, 100):.1f}",
         colour,
-        f"${spent:.4f}",
-        f"${limit:.2f}",
+        f"${usd(spent)}",
+        f"${usd(limit)}",
         f"{percent:.0f}",
     )
 
@@ -244,7 +245,7 @@ class AlertTargetInline(admin.TabularInline):
 def forecast_text(forecast: Forecast | None) -> str:
     if forecast is None or forecast.date is None:
         return "not foreseen"
-    return f"crossed on {forecast.date:%Y-%m-%d} at ${forecast.daily_rate_usd:.4f}/day"
+    return f"crossed on {forecast.date:%Y-%m-%d} at ${usd(forecast.daily_rate_usd)}/day"
 
 
 @admin.register(Budget)
@@ -261,17 +262,19 @@ class BudgetAdmin(admin.ModelAdmin):
         "month_use",
         "lifetime_use",
         "forecast",
-        "daily_limit_usd",
+        "daily_limit",
         "daily_run_limit",
         "warn_percent",
         "alert_percent",
-        "session_limit_usd",
+        "session_limit",
         "updated_at",
     ]
     list_filter = ["company"]
     list_select_related = ["company", "agent"]
     search_fields = ["company__name", "agent__name"]
     readonly_fields = ["current_use", "updated_at"]
+    daily_limit = money_column("daily_limit_usd", "daily limit (USD)")
+    session_limit = money_column("session_limit_usd", "session limit (USD)")
 
     def get_queryset(self, request):
         # Spend of each budget's scope, as two correlated subqueries per period (and the
@@ -422,7 +425,11 @@ class AlertDeliveryAdmin(ReadOnlyRecords, admin.ModelAdmin):
     @admin.display(description="alert", ordering="alert__created_at")
     def alert_label(self, obj: AlertDelivery) -> str:
         alert = obj.alert
-        return f"{alert.threshold} ({alert.percent}%) of the {alert.period} limit, {alert.period_key}: ${alert.spent:.4f} of ${alert.limit:.2f}"
+        if alert.period == "day_runs":
+            figures = f"{amount_text(alert.spent, count=True)} of {amount_text(alert.limit, count=True)} runs"
+        else:
+            figures = f"${usd(alert.spent)} of ${usd(alert.limit)}"
+        return f"{alert.threshold} ({alert.percent}%) of the {alert.period} limit, {alert.period_key}: {figures}"
 
     @admin.display(description="target", ordering="target__url")
     def target_url(self, obj: AlertDelivery) -> str:
@@ -444,9 +451,10 @@ class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
         "output_tokens",
         "cache_creation_input_tokens",
         "cache_read_input_tokens",
-        "cost_usd",
+        "cost",
         "unpriced",
     ]
+    cost = money_column("cost_usd", "cost (USD)")
     list_filter = ["kind", "unpriced", ModelNameFilter, "company"]
     date_hierarchy = "created_at"
     actions = None
@@ -487,7 +495,9 @@ class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
 
     def get_fields(self, request, obj=None):
         return [
-            f.name for f in CostEvent._meta.fields if f.name not in ("agent", "company", "session", "run", "price")
+            "cost" if f.name == "cost_usd" else f.name
+            for f in CostEvent._meta.fields
+            if f.name not in ("agent", "company", "session", "run", "price")
         ] + [
             "agent_name",
             "company_name",
@@ -526,8 +536,7 @@ class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
 
 
 def format_usd(value) -> str:
-    value = float(value)
-    return f"${value:,.2f}" if value >= 1 or value == 0 else f"${value:.4f}"
+    return f"${usd(value)}"
 
 
 def format_tokens(value) -> str:

@@ -1,4 +1,5 @@
-"""Alert target endpoints: the webhooks a company's or an agent's budget notifies.
+"""Alert target endpoints: the webhooks a company's or an agent's budget notifies, and the
+deliveries sent to them with every attempt's status and error.
 
 The secret is write-only: accepted on create, never returned (and never logged)."""
 
@@ -6,14 +7,17 @@ from __future__ import annotations
 
 from uuid import UUID
 
+from django.db.models import Prefetch
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
 from costs_app.alerts import target_url_problem
-from costs_app.models import AlertTarget, Budget
-from sessions_app.api.base import ApiView, error_responses
+from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, Budget, BudgetAlert
+from costs_app.money import AmountField
+from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
 from sessions_app.api.exceptions import Conflict, NotFound
+from sessions_app.api.pagination import Keyset, parse_limit
 
 
 class AlertTargetSerializer(serializers.ModelSerializer):
@@ -67,6 +71,87 @@ class AlertTargetsView(AlertTargets):
         return Response(AlertTargetSerializer(target).data, status=status.HTTP_201_CREATED)
 
 
+class AlertAttemptSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AlertAttempt
+        fields = ["number", "at", "status_code", "error", "duration_ms"]
+
+
+class DeliveredAlertSerializer(serializers.ModelSerializer):
+    limit = AmountField(help_text="USD as a decimal string; for the daily run cap, runs.")
+    spent = AmountField(help_text="What the ledger (or the run count) held when it fired.")
+    fired_at = serializers.DateTimeField(source="created_at")
+
+    class Meta:
+        model = BudgetAlert
+        fields = ["id", "period", "period_key", "threshold", "percent", "limit", "spent", "fired_at"]
+
+    def to_representation(self, alert):
+        # The run cap's figures are counts, every other limit's money (as in alert payloads).
+        data = super().to_representation(alert)
+        if alert.period == "day_runs":
+            data["limit"], data["spent"] = int(alert.limit), int(alert.spent)
+        return data
+
+
+class TargetOfDeliverySerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AlertTarget
+        fields = ["id", "url", "active"]
+
+
+class DeliverySerializer(serializers.ModelSerializer):
+    alert = DeliveredAlertSerializer()
+    target = TargetOfDeliverySerializer()
+    attempts = AlertAttemptSerializer(
+        source="attempt_rows", many=True, help_text="Every HTTP attempt, oldest first: the status or the error."
+    )
+
+    class Meta:
+        model = AlertDelivery
+        fields = [
+            "id",
+            "alert",
+            "target",
+            "status",
+            "attempts",
+            "last_status_code",
+            "last_error",
+            "next_attempt_at",
+            "created_at",
+            "finished_at",
+        ]
+
+
+class DeliveryListSerializer(serializers.Serializer):
+    deliveries = DeliverySerializer(many=True)
+    next = serializers.CharField(allow_null=True, help_text="Cursor of the next page; null on the last page.")
+
+
+DELIVERY_ORDER = Keyset("created_at", descending=True)
+
+
+class AlertDeliveriesView(AlertTargets):
+    """The deliveries of one budget's alerts, newest first. Each attempt's status code and
+    error are shown to the budget's own company only (its URL answers 404 to any other):
+    in authenticated mode the hosts a target may name are the operator's
+    (PAPERCLIP_ALERT_HOSTS), so what an attempt reports cannot map a network."""
+
+    def get(self, request, company_id: UUID, agent_id: UUID | None = None):
+        budget = self.budget(company_id, agent_id)
+        limit = parse_limit(request.query_params.get("limit"))
+        deliveries = (
+            AlertDelivery.objects.filter(alert__budget=budget).select_related("alert", "target")
+            if budget
+            else AlertDelivery.objects.none()
+        )
+        deliveries = deliveries.prefetch_related(
+            Prefetch("attempt_rows", queryset=AlertAttempt.objects.order_by("number"))
+        )
+        rows, cursor = DELIVERY_ORDER.page(deliveries, limit=limit, cursor=request.query_params.get("next"))
+        return Response({"deliveries": DeliverySerializer(rows, many=True).data, "next": cursor})
+
+
 class AlertTargetView(AlertTargets):
     def delete(self, request, company_id: UUID, target_id: int, agent_id: UUID | None = None):
         budget = self.budget(company_id, agent_id)
@@ -86,6 +171,12 @@ CREATE = {
     "description": "Add a webhook to the budget (409 `no_budget` when there is none yet).",
 }
 DELETE = {"responses": {204: None, **error_responses()}}
+DELIVERIES = {
+    "parameters": PAGE_PARAMETERS,
+    "responses": {200: DeliveryListSerializer, **error_responses(400)},
+    "description": "The budget's alert deliveries, newest first, each with its alert, its target and every "
+    "attempt's status code or error.",
+}
 
 
 class CompanyAlertTargetsView(AlertTargetsView):
@@ -118,3 +209,15 @@ class AgentAlertTargetView(AlertTargetView):
     @extend_schema(operation_id="agent_alert_target_delete", **DELETE)
     def delete(self, request, company_id: UUID, agent_id: UUID, target_id: int):
         return super().delete(request, company_id, target_id, agent_id)
+
+
+class CompanyAlertDeliveriesView(AlertDeliveriesView):
+    @extend_schema(operation_id="company_alert_deliveries_list", **DELIVERIES)
+    def get(self, request, company_id: UUID):
+        return super().get(request, company_id)
+
+
+class AgentAlertDeliveriesView(AlertDeliveriesView):
+    @extend_schema(operation_id="agent_alert_deliveries_list", **DELIVERIES)
+    def get(self, request, company_id: UUID, agent_id: UUID):
+        return super().get(request, company_id, agent_id)

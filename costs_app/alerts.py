@@ -37,6 +37,7 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
 from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, AlertThreshold, BudgetAlert, DeliveryStatus
+from costs_app.money import amount_text
 from paperclip.hosts import bounded_request, unlisted_host_problem
 from sessions_app.text import storable
 
@@ -188,8 +189,9 @@ def alert_payload(delivery: AlertDelivery) -> dict:
         "period_key": alert.period_key,
         "threshold": alert.threshold,
         "percent": alert.percent,
-        "limit": str(alert.limit),
-        "spent": str(alert.spent),
+        # Money by the one rule; the daily run cap's figures are whole runs.
+        "limit": amount_text(alert.limit, count=alert.period == "day_runs"),
+        "spent": amount_text(alert.spent, count=alert.period == "day_runs"),
         "fired_at": alert.created_at.isoformat(),
     }
 

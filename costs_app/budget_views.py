@@ -14,6 +14,7 @@ from rest_framework.response import Response
 from costs_app.budgets import budget_uses
 from costs_app.forecast import Forecast, budget_forecasts
 from costs_app.models import Budget
+from costs_app.money import AmountField, MoneyField
 from costs_app.signals import budget_changed
 from sessions_app.api.base import ApiView, error_responses
 
@@ -27,15 +28,13 @@ LIMIT = {"max_digits": 12, "decimal_places": 6, "min_value": 0, "allow_null": Tr
 class BudgetUseSerializer(serializers.Serializer):
     scope = serializers.ChoiceField(choices=["agent", "company"])
     period = serializers.ChoiceField(choices=["day", "month", "lifetime", "day_runs"])
-    limit = serializers.DecimalField(max_digits=30, decimal_places=10)
-    spent = serializers.DecimalField(max_digits=30, decimal_places=10)
-    reserved = serializers.DecimalField(max_digits=30, decimal_places=10, help_text="Held by calls in flight.")
+    limit = AmountField(help_text="USD as a decimal string; for the daily run cap (`day_runs`), runs.")
+    spent = AmountField(help_text="USD spent (the ledger's); for the daily run cap, runs started today.")
+    reserved = AmountField(help_text="Held by calls in flight (0 for the daily run cap).")
     percent = serializers.FloatField()
     warning = serializers.BooleanField(help_text="At or past the soft warning percentage.")
     exceeded = serializers.BooleanField(help_text="At or past the hard limit.")
-    daily_rate_usd = serializers.DecimalField(
-        max_digits=30,
-        decimal_places=10,
+    daily_rate_usd = MoneyField(
         allow_null=True,
         help_text="Spend of the limit's scope per day over the last 7 days (null for the run cap).",
     )
@@ -47,15 +46,15 @@ class BudgetUseSerializer(serializers.Serializer):
 
 
 class BudgetSerializer(serializers.ModelSerializer):
-    monthly_limit_usd = serializers.DecimalField(**LIMIT, help_text="UTC calendar month; null = none.")
-    lifetime_limit_usd = serializers.DecimalField(**LIMIT)
-    daily_limit_usd = serializers.DecimalField(**LIMIT, help_text="UTC day.")
+    monthly_limit_usd = MoneyField(**LIMIT, help_text="UTC calendar month; null = none.")
+    lifetime_limit_usd = MoneyField(**LIMIT)
+    daily_limit_usd = MoneyField(**LIMIT, help_text="UTC day.")
     daily_run_limit = serializers.IntegerField(min_value=0, max_value=2_147_483_647, allow_null=True, required=False)
     warn_percent = serializers.IntegerField(min_value=1, max_value=100, required=False)
     alert_percent = serializers.IntegerField(
         min_value=1, max_value=100, required=False, help_text="Second alert threshold (percent of a limit)."
     )
-    session_limit_usd = serializers.DecimalField(
+    session_limit_usd = MoneyField(
         **{**LIMIT, "min_value": Decimal("0.000001")},
         help_text="A session that has spent this much is ended with a handoff to a new one; null = none. With "
         "both a company and an agent budget, the lower applies.",
@@ -88,9 +87,9 @@ def use_rows(uses, forecasts: dict | None = None) -> list[dict]:
         {
             "scope": u.scope,
             "period": u.period,
-            "limit": u.limit,
-            "spent": u.spent,
-            "reserved": u.reserved,
+            "limit": u.amount(u.limit),
+            "spent": u.amount(u.spent),
+            "reserved": u.amount(u.reserved),
             "percent": round(u.percent, 2),
             "warning": u.warning,
             "exceeded": u.exceeded,

@@ -25,6 +25,7 @@ from django.db.models.functions import Coalesce
 
 from costs_app.alerts import budget_alerts_fire
 from costs_app.models import MONEY, Budget, CostEvent, Delivery
+from costs_app.money import amount_text, usd
 from costs_app.pricing import MILLION, price_table
 from paperclip.errors import RunFailure
 from sessions_app.models import Company, HeartbeatRun, RunStatus
@@ -77,9 +78,23 @@ class BudgetUse:
     def exceeded(self) -> bool:
         return self.spent >= self.limit
 
-    def describe(self) -> str:
-        unit = "runs" if self.period == "day_runs" else "USD"
-        return f"{self.scope} {PERIOD_NAMES[self.period]} limit: {self.spent:.6f} of {self.limit:.6f} {unit} used ({self.percent:.0f}%)"
+    @property
+    def counts_runs(self) -> bool:
+        return self.period == "day_runs"
+
+    def amount(self, value: Decimal) -> int | str:
+        """One of this limit's figures: whole runs for the run cap, else money by the rule."""
+        return amount_text(value, count=self.counts_runs)
+
+    def describe(self, *, this_call: bool = False) -> str:
+        """The limit's use as `percent` counts it: what is spent, and what calls in flight
+        hold (with `this_call`, the reservation being decided is among them)."""
+        unit = "runs" if self.counts_runs else "USD"
+        used = f"{self.amount(self.spent)} of {self.amount(self.limit)} {unit} used"
+        if self.reserved:
+            holders = "this call and calls in flight" if this_call else "calls in flight"
+            used += f" and {self.amount(self.reserved)} held for {holders}"
+        return f"{self.scope} {PERIOD_NAMES[self.period]} limit: {used} ({self.percent:.0f}%)"
 
 
 def period_start(period: str, now: datetime) -> datetime | None:
@@ -303,10 +318,11 @@ def budget_reserve(*, run, agent, estimate: Decimal | None, now: datetime, model
         if refusal.use is not None:
             budget_alerts_fire(uses=[refusal.use], now=now, refused=True)
         raise refusal
+    # A warning says what reached its threshold: the spend and the money held, this call's
+    # reservation included (the spend alone may be far below it).
+    holding = [replace(use, reserved=use.reserved + estimate) for use in uses if use.period != "day_runs"]
     warnings = [
-        use.describe()
-        for use in uses
-        if use.period != "day_runs" and replace(use, reserved=use.reserved + estimate).warning
+        f"{use.describe(this_call=True)}, past its {use.warn_percent}% warning" for use in holding if use.warning
     ]
     return "Budget warning: " + "; ".join(warnings) if warnings else ""
 
@@ -315,7 +331,7 @@ def _refusal(uses: list[BudgetUse], estimate: Decimal | None, model: str) -> Bud
     money = [use for use in uses if use.period != "day_runs"]
     for use in uses:
         if use.period == "day_runs" and use.spent + 1 > use.limit:
-            return BudgetExceeded(f"The {use.scope} daily run cap of {use.limit:.0f} runs is reached.", use=use)
+            return BudgetExceeded(f"The {use.scope} daily run cap of {use.amount(use.limit)} runs is reached.", use=use)
     for use in money:
         if use.limit <= 0:
             # Zero means nothing may be spent, even by a call priced at nothing.
@@ -327,8 +343,9 @@ def _refusal(uses: list[BudgetUse], estimate: Decimal | None, model: str) -> Bud
     for use in money:
         if use.spent + use.reserved + estimate > use.limit:
             return BudgetExceeded(
-                f"This call could cost up to ${estimate:.6f}, which would cross the {use.scope} {PERIOD_NAMES[use.period]} "
-                f"budget of ${use.limit:.2f} (spent ${use.spent:.6f}, ${use.reserved:.6f} held by running calls).",
+                f"This call could cost up to ${usd(estimate)}, which would cross the {use.scope} "
+                f"{PERIOD_NAMES[use.period]} budget of ${usd(use.limit)} (spent ${usd(use.spent)}, "
+                f"${usd(use.reserved)} held by running calls).",
                 use=use,
             )
     return None

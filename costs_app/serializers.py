@@ -5,8 +5,7 @@ from __future__ import annotations
 from rest_framework import serializers
 
 from costs_app.budget_views import BudgetUseSerializer
-
-MONEY = {"max_digits": 30, "decimal_places": 10}
+from costs_app.money import MoneyField
 
 
 class TokenTotalsSerializer(serializers.Serializer):
@@ -14,7 +13,7 @@ class TokenTotalsSerializer(serializers.Serializer):
     output_tokens = serializers.IntegerField()
     cache_creation_input_tokens = serializers.IntegerField()
     cache_read_input_tokens = serializers.IntegerField()
-    cost_usd = serializers.DecimalField(**MONEY, help_text="USD, as a decimal string.")
+    cost_usd = MoneyField(help_text="USD, as a decimal string.")
     events = serializers.IntegerField(help_text="Cost events (usually model calls) counted.")
 
 

@@ -4,8 +4,10 @@ from django.urls import path
 
 from costs_app import views
 from costs_app.alert_views import (
+    AgentAlertDeliveriesView,
     AgentAlertTargetsView,
     AgentAlertTargetView,
+    CompanyAlertDeliveriesView,
     CompanyAlertTargetsView,
     CompanyAlertTargetView,
 )
@@ -23,6 +25,8 @@ urlpatterns = [
     path(f"{agent}/budget/targets/<int:target_id>", AgentAlertTargetView.as_view(), name="agent-alert-target"),
     path(f"{company}/budget/targets", CompanyAlertTargetsView.as_view(), name="company-alert-targets"),
     path(f"{company}/budget/targets/<int:target_id>", CompanyAlertTargetView.as_view(), name="company-alert-target"),
+    path(f"{agent}/budget/deliveries", AgentAlertDeliveriesView.as_view(), name="agent-alert-deliveries"),
+    path(f"{company}/budget/deliveries", CompanyAlertDeliveriesView.as_view(), name="company-alert-deliveries"),
     path(f"{company}/costs/daily", views.DailyCostsView.as_view(), name="costs-daily"),
     path(f"{company}/costs/summary", views.CostSummaryView.as_view(), name="costs-summary"),
 ]

@@ -7,11 +7,11 @@ key is an error (a typo such as `"wiat": true` must not silently queue a run).
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from decimal import Decimal
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from costs_app.money import MoneyField, usd
 from sessions_app.model_checks import agent_model_info
 from sessions_app.models import (
     MAX_PIN_CHARS,
@@ -107,6 +107,20 @@ class CompanySerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
 # Agents
 
 
+def json_merge_patch(target: object, patch: object) -> object:
+    """RFC 7386: `patch` applied to `target`. An object patch merges into an object key by
+    key, recursively, a null removing its key; anything else replaces the target whole."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = json_merge_patch(merged.get(key), value)
+    return merged
+
+
 class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
     company_id = serializers.UUIDField(read_only=True)
     name = StrictCharField(max_length=200, allow_blank=False)
@@ -116,8 +130,9 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
         required=False,
         help_text="Adapter settings, e.g. {'session_mode': 'persistent', 'session_ttl_hours': 24}; `model` names "
         "a model of the catalogue (or one with an override price; unset: the default model). Validated when "
-        "saved; a bad value is a 400 naming `adapter_config.<key>`. "
-        "PATCH replaces the whole object. A `process` agent names a command of the operator's "
+        "saved (after a PATCH, the merged result); a bad value is a 400 naming `adapter_config.<key>`. PATCH "
+        "merges it into the agent's (RFC 7386 JSON merge patch: a key set to null is removed) unless it changes "
+        "`adapter_type`; PUT replaces it. A `process` agent names a command of the operator's "
         "PAPERCLIP_PROCESS_COMMANDS (`command`, with `args` its entry allows).",
     )
     status = serializers.ChoiceField(
@@ -167,6 +182,17 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
             return None
         return {**info, "deprecated_at": iso_time(info["deprecated_at"]), "retires_at": iso_time(info["retires_at"])}
 
+    def validate_adapter_config(self, value: dict) -> dict:
+        # A PATCH is a merge patch of the configuration the agent has (RFC 7386), unless it
+        # changes the adapter type: a configuration belongs to its type, and the old one's
+        # keys (and defaults) would be unknown to the new. The model validates the result.
+        agent = self.instance
+        if not self.partial or agent is None:
+            return value
+        if self.initial_data.get("adapter_type", agent.adapter_type) != agent.adapter_type:
+            return value
+        return json_merge_patch(agent.adapter_config, value)
+
 
 # Sessions
 
@@ -208,6 +234,7 @@ class SessionSerializer(serializers.ModelSerializer):
     id = serializers.SerializerMethodField(help_text="`sess_` + 32 hex digits.")
     agent_id = serializers.UUIDField(read_only=True)
     predecessor_id = serializers.SerializerMethodField()
+    total_cost_usd = MoneyField(read_only=True, help_text="USD, as a decimal string.")
 
     class Meta:
         model = AgentSession
@@ -219,9 +246,6 @@ class SessionSerializer(serializers.ModelSerializer):
 
     def get_predecessor_id(self, session: AgentSession) -> str | None:
         return session_public_id(session.predecessor_id)
-
-
-MONEY_QUANTUM = Decimal(1).scaleb(-AgentSession._meta.get_field("total_cost_usd").decimal_places)
 
 
 def iso_time(value: datetime | None) -> str | None:
@@ -247,7 +271,7 @@ def session_list_item(row: dict) -> dict:
         "last_input_tokens": row["last_input_tokens"],
         "total_input_tokens": row["total_input_tokens"],
         "total_output_tokens": row["total_output_tokens"],
-        "total_cost_usd": f"{Decimal(row['total_cost_usd']).quantize(MONEY_QUANTUM):f}",
+        "total_cost_usd": usd(row["total_cost_usd"]),
         "ended_at": iso_time(row["ended_at"]),
         "end_reason": row["end_reason"],
         "history_purged_at": iso_time(row["history_purged_at"]),
@@ -312,6 +336,24 @@ class ToolLoopSerializer(serializers.Serializer):
     cleared_input_tokens = serializers.IntegerField(help_text="Input tokens cleared by clear_tool_uses.")
 
 
+class RuntimeReportField(serializers.JSONField):
+    """A runtime's report as stored, its cost figures as money by the one rule (Claude Code
+    reports its own as a float: 0.07438860000000001 is "0.0743886")."""
+
+    MONEY_KEYS = ("cli_total_cost_usd", "ledger_cost_usd")
+
+    def to_representation(self, value):
+        if not isinstance(value, dict):
+            return value
+        money = {}
+        for key in self.MONEY_KEYS:
+            try:
+                money[key] = usd(value[key])
+            except (KeyError, TypeError, ValueError, ArithmeticError):
+                pass  # absent, null, or not a number: as stored
+        return {**value, **money}
+
+
 class RunSerializer(serializers.ModelSerializer):
     status = serializers.ChoiceField(
         choices=RunStatus.choices, help_text="`skipped`: the work check found no work (no model call, nothing billed)."
@@ -328,8 +370,8 @@ class RunSerializer(serializers.ModelSerializer):
     error = serializers.SerializerMethodField()
     error_code = serializers.SerializerMethodField()
     warning = serializers.SerializerMethodField(help_text="e.g. a budget close to its limit; null when none.")
-    cost_usd = serializers.DecimalField(max_digits=20, decimal_places=10, allow_null=True)
-    runtime_report = serializers.JSONField(
+    cost_usd = MoneyField(allow_null=True, help_text="USD, as a decimal string; null until the call answered.")
+    runtime_report = RuntimeReportField(
         allow_null=True,
         help_text='Claude Code (`runtime: "cli"`): its session id, turns, tool calls, and its own cost figure '
         "beside the ledger's; null for a Messages API call.",

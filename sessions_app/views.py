@@ -133,6 +133,12 @@ class AgentListView(ApiView):
         return Response(AgentSerializer(agent).data, status=status.HTTP_201_CREATED)
 
 
+# What a PUT leaves out: the model's defaults, as for a new agent.
+AGENT_DEFAULTS = {
+    name: Agent._meta.get_field(name).get_default() for name in ("system_prompt", "adapter_type", "adapter_config")
+}
+
+
 class AgentDetailView(ApiView):
     @extend_schema(operation_id="agent_retrieve", responses={200: AgentSerializer, **error_responses()})
     def get(self, request, company_id: UUID, agent_id: UUID):
@@ -145,7 +151,23 @@ class AgentDetailView(ApiView):
     )
     def patch(self, request, company_id: UUID, agent_id: UUID):
         agent = self.get_agent(company_id, agent_id)
-        serializer = AgentSerializer(agent, data=request.data, partial=True)
+        return self.save(AgentSerializer(agent, data=request.data, partial=True))
+
+    @extend_schema(
+        operation_id="agent_replace",
+        request=AgentSerializer,
+        responses={200: AgentSerializer, **error_responses(400, 413)},
+        description="Replace the agent: `name` is required; `system_prompt`, `adapter_type` and `adapter_config` "
+        "left out take their defaults, as when the agent is created; `status` left out is kept.",
+    )
+    def put(self, request, company_id: UUID, agent_id: UUID):
+        agent = self.get_agent(company_id, agent_id)
+        body = request.data
+        if isinstance(body, dict):
+            body = {**AGENT_DEFAULTS, **body}
+        return self.save(AgentSerializer(agent, data=body))
+
+    def save(self, serializer: AgentSerializer) -> Response:
         serializer.is_valid(raise_exception=True)
         wanted = serializer.validated_data.pop("status", None)
         with transaction.atomic():

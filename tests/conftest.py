@@ -6,15 +6,19 @@ from __future__ import annotations
 import errno
 import json
 import os
+import platform
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 from anthropic.types import ModelInfo
 from django.db import connection
+from django.db.backends.signals import connection_created
 from django.utils import timezone
 
 from costs_app.catalogue import catalogue_forget, catalogue_row, catalogue_store
@@ -29,6 +33,9 @@ from sessions_app.stores import store_for
 from tests.fake_anthropic import CATALOGUE, FakeAnthropic, plain_messages, plain_system
 
 FAKE_API_KEY = "sk-ant-test-0000-secret-never-logged"
+
+# The `postgres` marker on postgres_only tests, and PAPERCLIP_REQUIRE_POSTGRES (.ci/run).
+pytest_plugins = ["tests.postgres_required"]
 
 
 @pytest.fixture(autouse=True)
@@ -180,14 +187,27 @@ def other_agent(other_company):
     )
 
 
-@pytest.fixture
-def fake_anthropic(monkeypatch):
-    """A fake Messages API on 127.0.0.1 that the real SDK reaches through the environment."""
+@contextmanager
+def fake_api(monkeypatch):
+    """A fake Messages API on 127.0.0.1 that the real SDK reaches through the environment.
+
+    An error raised by a reply's action (`Reply(before=...)`, `Reply.during`) is raised when
+    it closes, unless the test took it (`fake.take_action_errors()`)."""
     fake = FakeAnthropic().start()
     monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.base_url)
     monkeypatch.setenv("ANTHROPIC_API_KEY", FAKE_API_KEY)
-    yield fake
-    fake.stop()
+    try:
+        yield fake
+    finally:
+        fake.stop()
+    fake.raise_action_errors()
+
+
+@pytest.fixture
+def fake_anthropic(monkeypatch):
+    """`fake_api` for one test: a reply action that broke fails the test."""
+    with fake_api(monkeypatch) as fake:
+        yield fake
 
 
 def on_own_connection(action):
@@ -201,6 +221,172 @@ def on_own_connection(action):
             connection.close()
 
     return run
+
+
+class Actor(threading.Thread):
+    """A second actor: `action` in a thread of its own, on its own database connection
+    (closed afterwards), as another process would be. `result()` joins it and returns what
+    the action returned, or raises what it raised."""
+
+    def __init__(self, action) -> None:
+        super().__init__(daemon=True)
+        self.action = action
+        self.backend_pid: int | None = None  # PostgreSQL: the server process of its connection
+        self.value = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            connection.ensure_connection()
+            if connection.vendor == "postgresql":
+                self.backend_pid = connection.connection.info.backend_pid
+            self.value = self.action()
+        except BaseException as exc:  # re-raised by result()
+            self.error = exc
+        finally:
+            connection.close()
+
+    def result(self, timeout: float = 60):
+        self.join(timeout)
+        assert not self.is_alive(), f"{self.action!r} did not finish in {timeout} s"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+# The syscalls of a thread asleep (SQLite's busy handler sleeps between its tries).
+SLEEP_SYSCALLS = {"x86_64": {"35", "230"}, "aarch64": {"101", "115"}}.get(platform.machine(), set())
+
+
+def wait_until_blocked(actor: Actor, *, timeout: float = 15) -> None:
+    """Return once `actor` waits for a lock another transaction holds: on PostgreSQL, a lock
+    of its connection not granted (pg_locks); on SQLite, its thread asleep in the busy
+    handler, waiting for the write lock (Linux's /proc: the syscall it is in)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if actor.error is not None or not actor.is_alive():
+            raise AssertionError(f"the second actor finished without waiting: {actor.error or actor.value!r}")
+        if connection.vendor == "postgresql":
+            if actor.backend_pid is not None:
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted", [actor.backend_pid])
+                    if cursor.fetchone():
+                        return
+        else:
+            try:
+                syscall = Path(f"/proc/self/task/{actor.native_id}/syscall").read_text().split()[0]
+            except (OSError, IndexError) as exc:
+                raise AssertionError(f"cannot see where the second actor's thread waits: {exc}") from None
+            if syscall in SLEEP_SYSCALLS:
+                return
+        time.sleep(0.005)
+    raise AssertionError(f"the second actor was not seen waiting for a lock within {timeout} s")
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` no longer runs: absent from /proc, or a zombie (killed, and not
+    yet reaped by a parent that is not ours)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def wait_until_gone(pid: int, *, timeout: float = 10) -> None:
+    """Return once process `pid` is gone (a kill is delivered at once, but dying takes a
+    moment); fail when it still runs after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not process_gone(pid):
+        assert time.monotonic() < deadline, f"process {pid} still runs: an orphan"
+        time.sleep(0.01)
+
+
+class WriteGate:
+    """Holds the first write to `table` (`event`, rows matching the SQL condition `when`)
+    inside its transaction until the test opens the gate: the moment a second actor must
+    arrive at. A trigger waits there: on PostgreSQL for an advisory lock the test holds,
+    on SQLite in a function of the test's that waits for `open()`. Leaves no trigger behind.
+
+        with WriteGate("heartbeat_runs", event="INSERT") as gate:
+            first = Actor(...); first.start(); gate.wait_entered()
+            second = Actor(...); second.start(); wait_until_blocked(second)
+            gate.open()
+    """
+
+    KEY = 730_124  # PostgreSQL advisory lock key (advisory locks are per database)
+
+    def __init__(self, table: str, *, event: str, when: str | None = None) -> None:
+        self.table, self.event, self.when = table, event, when
+        self.entered, self.released = threading.Event(), threading.Event()
+
+    def _gate(self) -> int:  # SQLite: the trigger's function, run by the writer's connection
+        self.entered.set()
+        self.released.wait(60)
+        return 0
+
+    def _register(self, sender, connection, **kwargs) -> None:
+        if connection.vendor == "sqlite":
+            connection.connection.create_function("paperclip_test_gate", 0, self._gate)
+
+    def __enter__(self) -> WriteGate:
+        condition = f"WHEN ({self.when}) " if self.when else ""
+        connection.ensure_connection()
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute("SELECT pg_advisory_lock(%s)", [self.KEY])
+                cursor.execute(
+                    "CREATE FUNCTION paperclip_test_gate() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                    f"PERFORM pg_advisory_lock({self.KEY}); PERFORM pg_advisory_unlock({self.KEY}); RETURN NEW; END $$"
+                )
+                cursor.execute(
+                    f"CREATE TRIGGER paperclip_test_gate BEFORE {self.event} ON {self.table} FOR EACH ROW "
+                    f"{condition}EXECUTE FUNCTION paperclip_test_gate()"
+                )
+            else:
+                connection_created.connect(self._register, weak=False)
+                self._register(None, connection)
+                cursor.execute(
+                    f"CREATE TRIGGER paperclip_test_gate BEFORE {self.event} ON {self.table} FOR EACH ROW "
+                    f"{condition}BEGIN SELECT paperclip_test_gate(); END"
+                )
+        return self
+
+    def wait_entered(self, timeout: float = 15) -> None:
+        """Return once a writer is held at the gate, inside its write."""
+        if connection.vendor == "postgresql":
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT 1 FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
+                        "WHERE l.locktype = 'advisory' AND NOT l.granted AND l.classid = 0 AND l.objid = %s "
+                        "AND d.datname = current_database()",
+                        [self.KEY],
+                    )
+                    if cursor.fetchone():
+                        return
+                time.sleep(0.005)
+            raise AssertionError(f"no write to {self.table} reached the gate within {timeout} s")
+        assert self.entered.wait(timeout), f"no write to {self.table} reached the gate within {timeout} s"
+
+    def open(self) -> None:
+        if self.released.is_set():
+            return
+        self.released.set()
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s)", [self.KEY])
+
+    def __exit__(self, *exc) -> None:
+        self.open()
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute(f"DROP TRIGGER IF EXISTS paperclip_test_gate ON {self.table}")
+                cursor.execute("DROP FUNCTION IF EXISTS paperclip_test_gate()")
+            else:
+                cursor.execute("DROP TRIGGER IF EXISTS paperclip_test_gate")
+                connection_created.disconnect(self._register)
 
 
 @pytest.fixture

@@ -37,7 +37,9 @@ generation and the 4.x models the tests use, some deprecated, one retired) as th
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
 arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
 operator, a delete) at the moment a call is in flight. An exception from it is kept in
-`fake.action_errors`, not sent to the client.
+`fake.action_errors`, not sent to the client, and fails the test: the `fake_anthropic`
+fixture re-raises it when the test ends (`raise_action_errors`). A test that expects one
+takes it with `take_action_errors()` and checks it itself.
 """
 
 from __future__ import annotations
@@ -356,6 +358,21 @@ class FakeAnthropic:
         self.server.shutdown()
         self.server.server_close()
 
+    def take_action_errors(self) -> list[BaseException]:
+        """The errors the reply actions raised so far, which the test now answers for."""
+        with self.lock:
+            errors, self.action_errors = self.action_errors, []
+        return errors
+
+    def raise_action_errors(self) -> None:
+        """Re-raise the first error a reply action raised that no one took: an action that
+        broke means the second actor never acted, and the test proved nothing."""
+        errors = self.take_action_errors()
+        if errors:
+            raise AssertionError(
+                f"{len(errors)} reply action(s) of the fake API raised; the first: {errors[0]!r}"
+            ) from errors[0]
+
     def push(self, *replies: Reply) -> None:
         with self.lock:
             self.scripted.extend(replies)
@@ -595,7 +612,8 @@ class FakeAnthropic:
                     try:
                         reply.before()
                     except BaseException as exc:  # reported to the test, not to the client
-                        fake.action_errors.append(exc)
+                        with fake.lock:
+                            fake.action_errors.append(exc)
                 if reply.kind == "error":
                     headers = {}
                     if reply.retry_after_ms is not None:

@@ -20,7 +20,7 @@ from costs_app import alerts, tasks
 from costs_app.alerts import alert_deliver, alert_deliveries_retry, budget_alerts_fire
 from costs_app.budgets import budget_uses
 from costs_app.models import AlertDelivery, AlertTarget, Budget, BudgetAlert, CostEvent, DeliveryStatus
-from sessions_app.models import RunStatus
+from sessions_app.models import HeartbeatRun, RunStatus
 from tests.conftest import beat
 from tests.webhook_receiver import TricklingServer, WebhookReceiver, refused_url
 
@@ -102,7 +102,7 @@ def test_a_webhook_receives_signed_deliveries_at_each_threshold_once_per_period(
     bodies = [verified(received) for received in receiver.requests]
     assert [(b["threshold"], b["percent"]) for b in bodies] == [("soft", 80), ("second", 95), ("hard", 100)]
     assert {(b["scope"], b["period"], b["period_key"], b["limit"]) for b in bodies} == {
-        ("company", "month", f"{timezone.now():%Y-%m}", "10.0000000000")
+        ("company", "month", f"{timezone.now():%Y-%m}", "10.00")
     }
     assert Decimal(bodies[0]["spent"]) >= Decimal("8")
     assert len({received.headers["x-paperclip-delivery"] for received in receiver.requests}) == 3
@@ -247,6 +247,26 @@ def test_a_daily_limit_fires_again_the_next_day(company, stateless_agent, receiv
         (f"{now:%Y-%m-%d}", "soft"),
         (f"{tomorrow:%Y-%m-%d}", "soft"),
     ]
+
+
+def test_a_run_cap_alert_counts_runs_and_a_money_alert_keeps_its_cent_fractions(company, stateless_agent, receiver):
+    company_budget(company, receiver.url, daily_run_limit=5, daily_limit_usd=Decimal("0.005"))
+    now = timezone.now()
+    spend(stateless_agent, "0.0045")
+    for _ in range(4):
+        HeartbeatRun.objects.create(
+            company=company, agent=stateless_agent, task="go", status=RunStatus.SUCCEEDED, started_at=now
+        )
+    budget_alerts_fire(uses=budget_uses(company_id=company.id, agent_id=stateless_agent.id, now=now), now=now)
+    for delivery in AlertDelivery.objects.all():
+        alert_deliver(delivery_id=delivery.id, now=now)
+
+    bodies = {(body["period"], body["threshold"]): body for body in map(verified, receiver.requests)}
+    runs = bodies[("day_runs", "soft")]
+    assert (runs["limit"], runs["spent"]) == (5, 4)
+    money = bodies[("day", "soft")]
+    assert money["limit"] == "0.005"
+    assert Decimal(money["spent"]) >= Decimal("0.0045") and not money["spent"].endswith("0"), money["spent"]
 
 
 def test_a_raised_limit_or_a_moved_threshold_is_alerted_again(company, stateless_agent, receiver):

@@ -4,6 +4,7 @@ can be billed, unpriced models, zero limits, concurrent heartbeats)."""
 
 from __future__ import annotations
 
+import re
 import threading
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_DOWN, Decimal
@@ -98,6 +99,8 @@ def test_server_compaction_is_reserved_as_two_readings_of_the_input(settings, co
             "context_strategy": "server",
             "compaction_trigger_tokens": 50_000,
             "max_tokens": 16,
+            # Input at the plain rate: a cache write's 1.25x alone would exceed the margin below.
+            "prompt_caching": False,
         },
     )
     assert beat(agent, "small one").status == RunStatus.SUCCEEDED
@@ -109,10 +112,14 @@ def test_server_compaction_is_reserved_as_two_readings_of_the_input(settings, co
         Decimal("0.000001")
     )
     Budget.objects.create(company=company, monthly_limit_usd=limit)
+    sent = len(fake_anthropic.message_requests)
 
-    beat(agent, big)
+    run = beat(agent, big)
 
-    assert spent() <= limit
+    # Reserved as two readings of the input, the call does not fit: refused before it is sent.
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded"), (run.status, run.error)
+    assert len(fake_anthropic.message_requests) == sent
+    assert spent() == before <= limit
 
 
 def test_a_budgeted_agent_on_an_unpriced_model_is_refused_before_any_call(company, fake_anthropic):
@@ -228,6 +235,28 @@ def test_a_call_that_would_cross_the_hard_limit_is_refused_before_any_request(pe
     assert not CostEvent.objects.exists()
 
 
+def test_a_refusal_names_a_limit_below_a_cent_as_it_is(persistent_agent, fake_anthropic):
+    Budget.objects.create(company=persistent_agent.company, daily_limit_usd=Decimal("0.005"))
+
+    run = beat(persistent_agent, "expensive")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded")
+    assert "company daily budget of $0.005 (spent $0.00, $0.00 held by running calls)" in run.error, run.error
+    estimate = re.search(r"could cost up to \$(\S+),", run.error).group(1)
+    assert Decimal(estimate) > 0 and not estimate.endswith("0"), estimate
+
+
+def test_a_run_cap_is_counted_in_whole_runs(persistent_agent, fake_anthropic):
+    Budget.objects.create(company=persistent_agent.company, agent=persistent_agent, daily_run_limit=1)
+    assert beat(persistent_agent, "first").status == RunStatus.SUCCEEDED
+    (use,) = budget_uses(company_id=persistent_agent.company_id, agent_id=persistent_agent.id, now=timezone.now())
+
+    refused = beat(persistent_agent, "second")
+
+    assert use.describe() == "agent daily run limit: 1 of 1 runs used (100%)"
+    assert refused.error == "The agent daily run cap of 1 runs is reached."
+
+
 def test_soft_warning_appears_near_the_limit(persistent_agent, fake_anthropic):
     Budget.objects.create(company=persistent_agent.company, monthly_limit_usd=Decimal("1.00"), warn_percent=80)
     CostEvent.objects.create(
@@ -236,6 +265,28 @@ def test_soft_warning_appears_near_the_limit(persistent_agent, fake_anthropic):
     run = beat(persistent_agent, "fine")
     assert run.status == RunStatus.SUCCEEDED
     assert run.warning.startswith("Budget warning: company monthly limit")
+
+
+def test_a_warning_says_what_crossed_its_threshold(persistent_agent, fake_anthropic):
+    # The spend alone is 1% of the limit; with this call's reservation it is past 10%.
+    Budget.objects.create(company=persistent_agent.company, monthly_limit_usd=Decimal("0.20"), warn_percent=10)
+    CostEvent.objects.create(
+        company=persistent_agent.company, agent=persistent_agent, model="claude-opus-4-5", cost_usd=Decimal("0.002255")
+    )
+
+    run = beat(persistent_agent, "fine")
+
+    assert run.status == RunStatus.SUCCEEDED
+    match = re.fullmatch(
+        r"Budget warning: company monthly limit: (\S+) of (\S+) USD used and (\S+) held for this call and calls "
+        r"in flight \((\d+)%\), past its 10% warning",
+        run.warning,
+    )
+    assert match, run.warning
+    spent, limit, held, percent = match.groups()
+    assert (spent, limit) == ("0.002255", "0.20")
+    assert int(percent) >= 10
+    assert int(percent) == round((Decimal(spent) + Decimal(held)) / Decimal(limit) * 100)
 
 
 def test_hard_limit_pauses_the_agent_and_raising_the_budget_resumes_it(persistent_agent, fake_anthropic):

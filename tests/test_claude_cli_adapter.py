@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from datetime import date, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -20,7 +21,7 @@ from django.utils import timezone
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import call_price, library_table
 from sessions_app.adapters import AgentConfigError, get_adapter
-from sessions_app.adapters.claude_cli import config_dir, workspace_for
+from sessions_app.adapters.claude_cli import cli_environment, config_dir, workspace_for, workspace_listing
 from sessions_app.adapters.cli_home import agent_home
 from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
@@ -33,6 +34,7 @@ from tests.conftest import (
     beat,
     database_environment,
     kill_once_billed,
+    wait_until_gone,
     worker_heartbeat,
 )
 from tests.fake_anthropic import Reply
@@ -262,13 +264,68 @@ def session_store_root(agent) -> Path:
     return Path(settings.PAPERCLIP_HOME) / "sessions" / str(agent.id) / "cli"
 
 
+def tool_results(body: dict) -> str:
+    """The tool results a request sends back to the model, as one text."""
+    return " ".join(
+        str(block["content"])
+        for message in body["messages"]
+        if isinstance(message["content"], list)
+        for block in message["content"]
+        if block.get("type") == "tool_result"
+    )
+
+
+def test_git_in_the_workspace_never_reaches_a_repository_around_it(company, fake_anthropic, paperclip_home):
+    # PAPERCLIP_HOME inside a git checkout (its default, .paperclip, is in the service's own).
+    outer = paperclip_home.parent
+    git = ["git", "-c", "user.name=Service", "-c", "user.email=service@example.com"]
+    subprocess.run([*git, "init", "-q", str(outer)], check=True)
+    subprocess.run(
+        [*git, "-C", str(outer), "commit", "-q", "--allow-empty", "-m", "the service's own commit"], check=True
+    )
+    agent = cli_agent(company)
+    probe = "git rev-parse --show-toplevel; git log --format=%s -1; git status --short | head -3"
+    fake_anthropic.push(Reply.tool_use("Bash", {"command": probe, "description": "probe git"}), Reply.message("done"))
+
+    run = beat(agent, "where am I?")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    output = tool_results(fake_anthropic.message_requests[1])
+    assert str(workspace(agent)) in output, output  # its own repository ...
+    assert "the service's own commit" not in output, output  # ... never the one around it
+    assert (workspace(agent) / ".git").is_dir()
+    listing = workspace_listing(agent_id=agent.id, config=agent.adapter_config)
+    assert not any(f.name.startswith(".git") for f in listing.files), listing.files
+    # A subfolder of the workspace without a repository of its own stops at the workspace too.
+    nested = workspace(agent) / "notes"
+    nested.mkdir()
+    found = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"],
+        cwd=nested,
+        env=cli_environment(agent_id=agent.id, workspace=workspace(agent), mark="probe"),
+        capture_output=True,
+        text=True,
+    )
+    assert found.stdout.strip() == str(workspace(agent))
+    (workspace(agent) / ".git").rename(workspace(agent) / "git-moved")
+    fenced = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"],
+        cwd=nested,
+        env=cli_environment(agent_id=agent.id, workspace=workspace(agent), mark="probe"),
+        capture_output=True,
+        text=True,
+    )
+    assert fenced.returncode != 0 and str(outer) not in fenced.stdout  # not a repository, never the outer one
+
+
 def test_a_cli_that_does_not_answer_is_killed_at_its_timeout_with_its_children(company, fake_anthropic):
     agent = cli_agent(company, session_mode="persistent")
     beat(agent, "one")
     before = snapshot(agent)
     agent.adapter_config = {**agent.adapter_config, "timeout_seconds": 6}
     agent.save()
-    marker = "987.6543"
+    # Unique to this run: CI runs the two suites side by side, and /proc is the machine's.
+    marker = f"9{uuid.uuid4().int % 10**8:08d}.{os.getpid()}"
     # Claude Code refuses a bare `sleep`; a command that blocks as long is run.
     command = f"python3 -c 'import time; time.sleep({marker})'"
     fake_anthropic.push(Reply.tool_use("Bash", {"command": command, "description": "hang"}))
@@ -291,7 +348,8 @@ def test_a_cli_that_does_not_answer_is_killed_at_its_timeout_with_its_children(c
     assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_timeout"), run.error
     assert 6 <= time.monotonic() - started < 20
     assert seen  # the command was running under the CLI ...
-    assert not processes_running(marker)  # ... and was killed with it
+    for pid in set(seen):  # ... and was killed with it
+        wait_until_gone(pid)
     assert snapshot(agent) == before  # the stored transcript and history are as they were
     # The call that asked for the command was billed before the kill: it is in the ledger,
     # once, from the usage Claude Code streamed (there was no result to report it), its

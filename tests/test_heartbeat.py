@@ -20,7 +20,17 @@ from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, 
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.services import agent_delete, agent_pause
 from sessions_app.stores import store_for
-from tests.conftest import beat, failing_once, on_own_connection, refuse_writes, snapshot, terminate_backend_running
+from tests.conftest import (
+    Actor,
+    WriteGate,
+    beat,
+    failing_once,
+    on_own_connection,
+    refuse_writes,
+    snapshot,
+    terminate_backend_running,
+    wait_until_blocked,
+)
 from tests.fake_anthropic import Reply, plain_messages, plain_system, text_turn
 
 
@@ -165,18 +175,18 @@ def test_a_run_answering_within_its_agents_timeout_is_not_reaped(company, fake_a
         adapter_config={"model": "claude-opus-4-5", "timeout_seconds": 3600, "max_retries": 1},
     )
     start = timezone.now()
-    reaped = []
+    passes = []
 
     def reaper_an_hour_into_the_call():
         # The first attempt took its whole hour; the retry is answering.
-        reaped.extend(runs_reap(now=start + timedelta(minutes=61)))
+        passes.append(runs_reap(now=start + timedelta(minutes=61)))
         connection.close()
 
     fake_anthropic.push(Reply(before=reaper_an_hour_into_the_call))
 
     run = beat(agent, "think hard", now=start)
 
-    assert reaped == []
+    assert passes == [[]]  # the reaper did run while the call was answering, and reaped nothing
     assert run.status == RunStatus.SUCCEEDED, run.error
     # Two attempts of an hour, the wait between them, and the run timeout for the rest.
     assert run.deadline_at == start + timedelta(seconds=2 * 3600 + 60 + 600)
@@ -279,38 +289,30 @@ def test_the_queue_bound_refuses_with_queue_full_and_a_used_key_still_answers(se
 
 
 @pytest.mark.django_db(transaction=True)
-def test_two_enqueues_racing_for_the_last_place_in_the_queue_let_one_in(postgres_only, settings, persistent_agent):
-    """The second enqueue counts while the first's insert is still uncommitted (held by a
-    sleeping trigger): without serialization both would see room for one."""
+def test_two_enqueues_racing_for_the_last_place_in_the_queue_let_one_in(settings, persistent_agent):
+    """The second enqueue arrives while the first's insert is still uncommitted (held at a
+    gate inside it): without serialization (PostgreSQL: the agent's queue lock; SQLite:
+    IMMEDIATE transactions) both would see room for one. The gate opens only once the
+    second is seen waiting for a lock."""
     settings.PAPERCLIP_MAX_QUEUED_RUNS = 2
     heartbeat_enqueue(agent=persistent_agent, task="already queued", now=timezone.now())
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "CREATE FUNCTION slow_run_insert() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$ "
-            "LANGUAGE plpgsql; CREATE TRIGGER slow_run_insert BEFORE INSERT ON heartbeat_runs "
-            "FOR EACH ROW EXECUTE FUNCTION slow_run_insert();"
-        )
-    outcomes = {}
 
     def enqueue(name):
         try:
-            outcomes[name] = heartbeat_enqueue(agent=persistent_agent, task=name, now=timezone.now())[1]
+            return heartbeat_enqueue(agent=persistent_agent, task=name, now=timezone.now())[1]
         except HeartbeatRefused as exc:
-            outcomes[name] = exc.code
-        finally:
-            connection.close()
+            return exc.code
 
-    try:
-        first = threading.Thread(target=enqueue, args=("first",))
+    with WriteGate("heartbeat_runs", event="INSERT") as gate:
+        first = Actor(lambda: enqueue("first"))
         first.start()
-        time.sleep(0.3)  # the first is inside its insert
-        enqueue_second = threading.Thread(target=enqueue, args=("second",))
-        enqueue_second.start()
-        first.join(10)
-        enqueue_second.join(10)
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute("DROP TRIGGER slow_run_insert ON heartbeat_runs; DROP FUNCTION slow_run_insert();")
+        gate.wait_entered()
+        second = Actor(lambda: enqueue("second"))
+        second.start()
+        wait_until_blocked(second)
+        gate.open()
+        outcomes = {"first": first.result(), "second": second.result()}
+
     assert outcomes == {"first": True, "second": "queue_full"}
     assert HeartbeatRun.objects.filter(agent=persistent_agent, status=RunStatus.QUEUED).count() == 2
 
@@ -562,41 +564,31 @@ def test_a_cap_of_two_holds_five_agents_heartbeating_at_once_to_two_running_in_o
     ]
 
 
-@pytest.mark.usefixtures("postgres_only")
 @pytest.mark.django_db(transaction=True)
 def test_two_claims_racing_for_the_last_place_under_the_cap_let_one_in(settings, company):
     """The second claim counts while the first's move to `running` is still uncommitted
-    (held by a sleeping trigger): without serialization both would see a free place."""
+    (held at a gate inside its update): without serialization (PostgreSQL: the cap's lock;
+    SQLite: IMMEDIATE transactions) both would see a free place. The gate opens only once
+    the second is seen waiting for a lock."""
     from sessions_app.run_queue import claim_run
 
     settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
     now = timezone.now()
     first, second = (heartbeat_enqueue(agent=agent, task="go", now=now)[0] for agent in make_agents(company, 2))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "CREATE FUNCTION slow_claim() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$ "
-            "LANGUAGE plpgsql; CREATE TRIGGER slow_claim BEFORE UPDATE ON heartbeat_runs "
-            "FOR EACH ROW WHEN (NEW.status = 'running') EXECUTE FUNCTION slow_claim();"
-        )
-    outcomes = {}
 
     def claim(run):
-        try:
-            outcomes[run.id] = claim_run(run_id=run.id, now=timezone.now())[1]
-        finally:
-            connection.close()
+        return claim_run(run_id=run.id, now=timezone.now())[1]
 
-    try:
-        claim_first = threading.Thread(target=claim, args=(first,))
+    with WriteGate("heartbeat_runs", event="UPDATE", when="NEW.status = 'running'") as gate:
+        claim_first = Actor(lambda: claim(first))
         claim_first.start()
-        time.sleep(0.3)  # the first is inside its update
-        claim_second = threading.Thread(target=claim, args=(second,))
+        gate.wait_entered()
+        claim_second = Actor(lambda: claim(second))
         claim_second.start()
-        claim_first.join(10)
-        claim_second.join(10)
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute("DROP TRIGGER slow_claim ON heartbeat_runs; DROP FUNCTION slow_claim();")
+        wait_until_blocked(claim_second)
+        gate.open()
+        outcomes = {first.id: claim_first.result(), second.id: claim_second.result()}
+
     assert outcomes == {first.id: True, second.id: False}
     assert HeartbeatRun.objects.filter(status=RunStatus.RUNNING).count() == 1
 

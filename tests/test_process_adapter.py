@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import pytest
 
@@ -14,7 +13,7 @@ from costs_app.models import CostEvent
 from paperclip.env import parse_process_commands
 from sessions_app.adapters import AgentConfigError, validate_agent_config
 from sessions_app.models import Agent, AgentSession, RunStatus
-from tests.conftest import beat, listed_commands, process_agent, reporter_script
+from tests.conftest import beat, listed_commands, process_agent, reporter_script, wait_until_gone
 
 SECRETS = {
     "DJANGO_SECRET_KEY": "django-secret",
@@ -329,18 +328,22 @@ def test_process_adapter_runs_a_command_with_the_request_on_stdin(company, tmp_p
 
 
 def test_process_adapter_kills_its_process_group_on_timeout(company, tmp_path):
-    marker = tmp_path / "child-alive"
+    child_pid = tmp_path / "child.pid"
     script = tmp_path / "slow.sh"
-    script.write_text(f"#!/bin/sh\n(sleep 3; touch {marker}) &\nsleep 30\n")
+    # A background child that records its pid; the command waits for it, then hangs.
+    script.write_text(
+        f"#!/bin/sh\nsh -c 'echo $$ > {child_pid}.tmp; mv {child_pid}.tmp {child_pid}; exec sleep 30' &\n"
+        f"while [ ! -s {child_pid} ]; do sleep 0.01; done\nsleep 30\n"
+    )
     script.chmod(0o755)
     agent = Agent.objects.create(
         company=company,
         name="slow",
         adapter_type="process",
-        adapter_config={"command": [str(script)], "timeout_seconds": 0.5},
+        adapter_config={"command": [str(script)], "timeout_seconds": 2},
     )
     run = beat(agent, "hang")
     assert (run.status, run.error_code) == (RunStatus.FAILED, "process_timeout")
 
-    time.sleep(3.5)
-    assert not marker.exists()
+    assert child_pid.exists(), "the child never started under the command"
+    wait_until_gone(int(child_pid.read_text()))

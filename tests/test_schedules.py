@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import sys
-import threading
-import time
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 from django_q.brokers import get_broker
 from django_q.models import OrmQ, Schedule
@@ -22,6 +19,7 @@ from sessions_app.schedules import agent_next_wakes, agent_schedule_sync, schedu
 from sessions_app.services import agent_delete, agent_pause, agent_resume
 from sessions_app.tasks import scheduled_heartbeat
 from sessions_app.wakes import HeartbeatPlan, cron_wakes
+from tests.conftest import Actor, WriteGate, wait_until_blocked
 
 BERLIN = "Europe/Berlin"
 
@@ -253,39 +251,29 @@ def test_next_wakes_of_an_interval_count_from_its_schedule(persistent_agent):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_two_armings_at_once_leave_one_row(postgres_only, persistent_agent):
-    """A save and a fire's re-arm racing, the first one's insert still uncommitted (held by
-    a sleeping trigger): without the agent-row lock both find no row, both insert, and the
-    agent wakes twice at every wake."""
+def test_two_armings_at_once_leave_one_row(persistent_agent):
+    """A save and a fire's re-arm racing, the first one's insert still uncommitted (held at a
+    gate inside it): without the agent-row lock (SQLite: IMMEDIATE transactions) both find
+    no row, both insert, and the agent wakes twice at every wake. The gate opens only once
+    the second is seen waiting for a lock."""
     now = timezone.now()
     make_cron_agent(persistent_agent, "0 9 * * *", now=now)
     Schedule.objects.filter(name=schedule_name(persistent_agent.pk)).delete()
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "CREATE FUNCTION slow_schedule_insert() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; "
-            "END $$ LANGUAGE plpgsql; CREATE TRIGGER slow_schedule_insert BEFORE INSERT ON django_q_schedule "
-            "FOR EACH ROW EXECUTE FUNCTION slow_schedule_insert();"
-        )
 
     def arm():
-        try:
-            agent_schedule_sync(agent=persistent_agent, now=now)
-        finally:
-            connection.close()
+        agent_schedule_sync(agent=persistent_agent, now=now)
 
-    try:
-        first = threading.Thread(target=arm)
+    with WriteGate("django_q_schedule", event="INSERT") as gate:
+        first = Actor(arm)
         first.start()
-        time.sleep(0.3)  # the first is inside its insert
-        second = threading.Thread(target=arm)
+        gate.wait_entered()
+        second = Actor(arm)
         second.start()
-        first.join(10)
-        second.join(10)
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "DROP TRIGGER slow_schedule_insert ON django_q_schedule; DROP FUNCTION slow_schedule_insert();"
-            )
+        wait_until_blocked(second)
+        gate.open()
+        first.result()
+        second.result()
+
     assert len(armed(persistent_agent)) == 1
 
 

@@ -7,10 +7,12 @@ in agreement by itself, never by losing or inventing a turn.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -267,7 +269,20 @@ def test_every_store_implements_the_history_backend_interface():
             assert getattr(type(store), operation) is not getattr(HistoryBackend, operation), (name, operation)
 
 
-def test_file_store_faults_fail_only_their_own_session(settings, company, fake_anthropic):
+def refuse_creating_files_in(monkeypatch, folder: Path) -> None:
+    """What a folder without write permission answers any user but root: EACCES when the
+    store creates a file in it. Root ignores directory permissions, and CI runs as root."""
+    real = os.open
+
+    def guarded(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and Path(path).parent == folder:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr("sessions_app.stores.os.open", guarded)
+
+
+def test_file_store_faults_fail_only_their_own_session(settings, company, fake_anthropic, monkeypatch):
     settings.PAPERCLIP_SESSION_STORE = "file"
     agents = [
         Agent.objects.create(company=company, name=f"a{i}", adapter_config={"session_mode": "persistent"})
@@ -280,6 +295,8 @@ def test_file_store_faults_fail_only_their_own_session(settings, company, fake_a
     store_for(missing).path_for(missing).unlink()
     folder = store_for(readonly).path_for(readonly).parent
     folder.chmod(0o500)
+    if os.geteuid() == 0:
+        refuse_creating_files_in(monkeypatch, folder)
     try:
         results = [beat(agent, "again") for agent in agents]
     finally:
@@ -288,10 +305,9 @@ def test_file_store_faults_fail_only_their_own_session(settings, company, fake_a
     codes = [(r.status, r.error_code) for r in results]
     assert codes[0] == (RunStatus.FAILED, "history_corrupt")
     assert codes[1] == (RunStatus.FAILED, "history_missing")
-    if os.geteuid() != 0:  # root ignores directory permissions
-        assert codes[2] == (RunStatus.FAILED, "history_unwritable")
-        readonly.refresh_from_db()
-        assert readonly.message_count == 2
+    assert codes[2] == (RunStatus.FAILED, "history_unwritable")
+    readonly.refresh_from_db()
+    assert readonly.message_count == 2
     assert codes[3] == (RunStatus.SUCCEEDED, "")
     healthy.refresh_from_db()
     assert healthy.message_count == 4

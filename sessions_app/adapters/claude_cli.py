@@ -24,6 +24,7 @@ import logging
 import os
 import queue
 import re
+import subprocess
 import sys
 import threading
 import uuid
@@ -49,7 +50,14 @@ from sessions_app.adapters.base import (
     validate_model,
     validate_timeout,
 )
-from sessions_app.adapters.cli_home import agent_home, config_dir, local_copy_delete, workspace_for
+from sessions_app.adapters.cli_home import (
+    agent_home,
+    config_dir,
+    git_fence,
+    local_copy_delete,
+    workspace_for,
+    workspace_prepare,
+)
 from sessions_app.adapters.cli_processes import RUN_MARK, RunProcesses
 from sessions_app.text import storable
 
@@ -212,6 +220,7 @@ def cli_environment(*, agent_id, workspace: Path, mark: str) -> dict[str, str]:
         "LANG": "C.UTF-8",
     }
     env.update({name: os.environ[name] for name in PASSED_VARIABLES if os.environ.get(name)})
+    env.update(git_fence(workspace))  # git's search for a repository stops at the workspace
     return env
 
 
@@ -490,9 +499,9 @@ class CliRun:
 
     def execute(self) -> AdapterReply:
         try:
-            self.workspace.mkdir(parents=True, exist_ok=True)
             config_dir(self.agent_id).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
+            workspace_prepare(self.workspace, home=agent_home(self.agent_id))
+        except (OSError, subprocess.SubprocessError) as exc:
             raise AdapterError(
                 "cli_start_failed", f"Could not create the workspace or config directory: {exc}"
             ) from None
@@ -734,7 +743,8 @@ def workspace_listing(*, agent_id, config: dict) -> WorkspaceListing:
         listing.missing = True
         return listing
     for folder, dirs, names in os.walk(root):
-        dirs.sort()
+        # The workspace's own repository (cli_home.workspace_prepare) is not the agent's work.
+        dirs[:] = sorted(d for d in dirs if not (d == ".git" and Path(folder) == root))
         for name in sorted(names):
             listing.count += 1
             if listing.count > COUNTED_FILES:

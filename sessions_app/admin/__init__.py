@@ -20,6 +20,7 @@ from sessions_app.admin.common import (
     admin_link,
     humane_expiry,
     is_changelist,
+    money_column,
 )
 from sessions_app.admin.companies import CompanyAdmin
 from sessions_app.admin.runs import HeartbeatRunAdmin
@@ -37,4 +38,5 @@ __all__ = [
     "admin_link",
     "humane_expiry",
     "is_changelist",
+    "money_column",
 ]

@@ -34,6 +34,7 @@ from sessions_app.admin.common import (
     changelist_url,
     deletion_summary,
     humane_expiry,
+    money_column,
 )
 from sessions_app.model_checks import agent_model_info, model_warning
 from sessions_app.models import (
@@ -156,9 +157,7 @@ class RecentSessionsInline(ReadOnlyInline):
     def expires(self, obj: AgentSession) -> str:
         return humane_expiry(obj.expires_at, now=timezone.now())
 
-    @admin.display(description="total cost (USD)")
-    def total_cost(self, obj: AgentSession) -> str:
-        return f"{obj.total_cost_usd:.4f}"
+    total_cost = money_column("total_cost_usd", "total cost (USD)")
 
 
 class RecentRunsInline(ReadOnlyInline):
@@ -172,9 +171,10 @@ class RecentRunsInline(ReadOnlyInline):
         "finished_at",
         "input_tokens",
         "output_tokens",
-        "cost_usd",
+        "cost",
         "error_code",
     ]
+    cost = money_column("cost_usd", "cost (USD)")
 
     def get_queryset(self, request):
         return self.recent(request, super().get_queryset(request).defer("task", "output"))
@@ -187,7 +187,7 @@ class AgentAdmin(admin.ModelAdmin):
         "name",
         "company",
         "adapter_type",
-        "model",
+        "agent_model",
         "session_mode",
         "status_flag",
         "backoff",
@@ -323,8 +323,10 @@ class AgentAdmin(admin.ModelAdmin):
             stretched = "no schedule to stretch"
         return format_html('<strong class="backoff">x{}</strong>: {} ({})', factor, stretched, streak)
 
+    # Not `model`: that is ModelAdmin's own attribute (the Agent class), which shadowed this
+    # method and left the column empty, headed "Agent".
     @admin.display(description="model")
-    def model(self, obj: Agent) -> str:
+    def agent_model(self, obj: Agent) -> str:
         return obj.model_name
 
     @admin.display(description="status", ordering="status")

@@ -19,10 +19,24 @@ from django.utils.http import urlencode
 from django.utils.text import capfirst
 from django.utils.timesince import timesince, timeuntil
 
+from costs_app.money import usd
 from sessions_app.adapters import ADAPTERS
 from sessions_app.models import Agent
 
 RECENT_INLINE_ROWS = 10
+
+
+def money_column(field: str, description: str):
+    """A column (or read-only field) showing the money field `field` by costs_app.money's
+    rule, where Django would print every decimal place of the column. Assign it in a
+    ModelAdmin's body and name the attribute in list_display or fields."""
+
+    @admin.display(description=description, ordering=field)
+    def column(model_admin, obj) -> str:
+        value = getattr(obj, field)
+        return model_admin.get_empty_value_display() if value is None else usd(value)
+
+    return column
 
 
 class CappedCountPaginator(Paginator):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from sessions_app.admin.common import LargeTableAdmin, admin_link, is_changelist
+from sessions_app.admin.common import LargeTableAdmin, admin_link, is_changelist, money_column
 from sessions_app.models import HeartbeatRun, parse_session_id, session_public_id
 
 
@@ -21,7 +21,7 @@ class HeartbeatRunAdmin(LargeTableAdmin):
         "finished_at",
         "input_tokens",
         "output_tokens",
-        "cost_usd",
+        "cost",
         "error_code",
     ]
     list_display_links = ["run_id"]
@@ -52,8 +52,8 @@ class HeartbeatRunAdmin(LargeTableAdmin):
         "output_tokens",
         "cache_creation_input_tokens",
         "cache_read_input_tokens",
-        "cost_usd",
-        "reserved_usd",
+        "cost",
+        "reserved",
         "warning",
         "created_at",
         "started_at",
@@ -62,6 +62,9 @@ class HeartbeatRunAdmin(LargeTableAdmin):
         "claimed_by",
     ]
     readonly_fields = fields
+
+    cost = money_column("cost_usd", "cost (USD)")
+    reserved = money_column("reserved_usd", "reserved (USD)")
 
     def get_queryset(self, request):
         queryset = super().get_queryset(request).select_related("agent", "company")

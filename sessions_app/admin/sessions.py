@@ -26,6 +26,7 @@ from sessions_app.admin.common import (
     changelist_url,
     deletion_summary,
     humane_expiry,
+    money_column,
 )
 from sessions_app.admin.transcript import transcript
 from sessions_app.compact_now import session_compact
@@ -203,9 +204,7 @@ class AgentSessionAdmin(LargeTableAdmin):
     def last_used_ago(self, obj: AgentSession) -> str:
         return format_html('<span title="{}">{}</span>', obj.last_used.isoformat(), naturaltime(obj.last_used))
 
-    @admin.display(description="total cost (USD)", ordering="total_cost_usd")
-    def total_cost(self, obj: AgentSession) -> str:
-        return f"{obj.total_cost_usd:.4f}"
+    total_cost = money_column("total_cost_usd", "total cost (USD)")
 
     @admin.display(description="artifact manifest")
     def manifest_json(self, obj: AgentSession) -> str:

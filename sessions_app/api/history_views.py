@@ -10,6 +10,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 
+from costs_app.money import MoneyField
 from costs_app.reports import daily_input_growth, input_growth
 from sessions_app.api.base import ApiView, error_responses
 from sessions_app.api.exceptions import NotFound
@@ -20,6 +21,7 @@ MAX_COMPACTIONS = 100
 
 
 class CompactionSummarySerializer(serializers.ModelSerializer):
+    cost_usd = MoneyField(read_only=True, help_text="USD, as a decimal string (every call of the summary).")
     facts = serializers.JSONField(
         help_text='The facts the summary was checked for: [{"text", "source": "pin" | "candidate", "passed": in '
         'the model\'s summary, "via": "summary" | "retry" | "kept_facts" | ""}].'

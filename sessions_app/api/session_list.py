@@ -98,9 +98,12 @@ def value_sql(name: str) -> str:
     elif isinstance(field, models.DateTimeField):
         value = f"'\"' || {iso_time_sql(column, 'Z')} || '\"'"
     elif isinstance(field, models.DecimalField):
-        # numeric's text is never in exponent form; round() to the field's places is
-        # quantize(): it always prints that many decimals.
-        value = f"'\"' || round({column}, {int(field.decimal_places)})::text || '\"'"
+        # Money by costs_app.money's rule: numeric's text is never in exponent form;
+        # trim_scale() drops the zeros after the last significant digit, and an amount with
+        # fewer than two decimals left is printed with two (round() keeps trailing zeros).
+        exact = f"round({column}, {int(field.decimal_places)})"
+        money = f"CASE WHEN scale(trim_scale({exact})) < 2 THEN round({exact}, 2) ELSE trim_scale({exact}) END"
+        value = f"'\"' || ({money})::text || '\"'"
     elif isinstance(field, (models.CharField, models.TextField)):
         # to_json escapes exactly the characters Python's json module does: quote,
         # backslash, control characters as \b \f \n \r \t or \u00XX (see json_body for the rest).

@@ -10,8 +10,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django_q.models import Schedule
 
-from sessions_app import heartbeat, services
-from sessions_app.errors import HeartbeatRefused
+from sessions_app import services
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, HistoryStore, RunTrigger
 from sessions_app.schedules import schedule_name
 from sessions_app.stores import STORES
@@ -110,41 +109,48 @@ def test_pause_and_resume_actions(admin_client, persistent_agent):
     assert persistent_agent.status == AgentStatus.ACTIVE
 
 
-@pytest.fixture
-def fake_engine(monkeypatch):
-    calls = {"enqueued": [], "dispatched": []}
+def queued_run_ids() -> list[str]:
+    """Run ids the engine handed to the task queue (the ORM broker), in order."""
+    from django_q.models import OrmQ
+    from django_q.signing import SignedPackage
 
-    def enqueue(*, agent, task, now, trigger, **kwargs):
-        if agent.status != AgentStatus.ACTIVE:
-            raise HeartbeatRefused("agent_paused", "The agent is paused.")
-        run = HeartbeatRun.objects.create(company=agent.company, agent=agent, task=task, trigger=trigger)
-        calls["enqueued"].append((agent, task, trigger))
-        return run, True
-
-    monkeypatch.setattr(heartbeat, "heartbeat_enqueue", enqueue)
-    monkeypatch.setattr(heartbeat, "heartbeat_dispatch", lambda *, run: calls["dispatched"].append(run))
-    return calls
+    return [SignedPackage.loads(row.payload)["args"][0] for row in OrmQ.objects.order_by("id")]
 
 
-def test_run_a_heartbeat_now_from_the_agent_page(admin_client, persistent_agent, fake_engine):
+def test_run_a_heartbeat_now_from_the_agent_page(admin_client, persistent_agent, django_capture_on_commit_callbacks):
     url = reverse("admin:sessions_app_agent_heartbeat", args=[persistent_agent.pk])
     assert admin_client.get(url).status_code == 200
-    response = admin_client.post(url, {"task": "Check the queue."}, follow=True)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = admin_client.post(url, {"task": "Check the queue."}, follow=True)
     run = HeartbeatRun.objects.get(agent=persistent_agent)
-    assert fake_engine["enqueued"] == [(persistent_agent, "Check the queue.", RunTrigger.ADMIN)]
-    assert fake_engine["dispatched"] == [run]
+    assert (run.task, run.trigger, run.status) == ("Check the queue.", RunTrigger.ADMIN, "queued")
+    assert queued_run_ids() == [str(run.pk)]  # handed to the task cluster by the real engine
     assert response.redirect_chain[-1][0] == reverse("admin:sessions_app_heartbeatrun_change", args=[run.pk])
     assert reverse("admin:sessions_app_heartbeatrun_change", args=[run.pk]) in response.content.decode()
 
 
-def test_run_a_heartbeat_action_reports_refusals(admin_client, persistent_agent, stateless_agent, fake_engine):
-    Agent.objects.filter(pk=stateless_agent.pk).update(status=AgentStatus.PAUSED)
-    data = {"action": "run_heartbeat_now", "_selected_action": [str(persistent_agent.pk), str(stateless_agent.pk)]}
-    page = admin_client.post(reverse(CHANGELIST), data, follow=True).content.decode()
-    assert "heartbeat queued as" in page
-    assert "Stateless: heartbeat refused (agent_paused): The agent is paused." in page
-    assert HeartbeatRun.objects.filter(agent=persistent_agent).count() == 1
-    assert not HeartbeatRun.objects.filter(agent=stateless_agent).exists()
+def test_run_a_heartbeat_action_reports_refusals(
+    admin_client, company, persistent_agent, stateless_agent, django_capture_on_commit_callbacks
+):
+    services.agent_pause(agent=stateless_agent)
+    spent = Agent.objects.create(company=company, name="Spent", adapter_config={"model": "claude-opus-4-5"})
+    services.agent_pause(agent=spent, reason="budget")
+    selected = [str(persistent_agent.pk), str(stateless_agent.pk), str(spent.pk)]
+    data = {"action": "run_heartbeat_now", "_selected_action": selected}
+
+    with django_capture_on_commit_callbacks(execute=True):
+        page = admin_client.post(reverse(CHANGELIST), data, follow=True).content.decode()
+
+    assert "Persistent: heartbeat queued as" in page
+    # The engine's own refusals, word for word.
+    assert "Stateless: heartbeat refused (agent_paused): The agent is paused (manual); resume it first." in page
+    assert (
+        "Spent: heartbeat refused (budget_exceeded): The agent is paused: its budget is spent. "
+        "Raise the budget to resume." in page
+    )
+    (run,) = HeartbeatRun.objects.all()
+    assert (run.agent_id, run.trigger) == (persistent_agent.pk, RunTrigger.ADMIN)
+    assert queued_run_ids() == [str(run.pk)]
 
 
 def test_deleting_agents_removes_their_history_files(
@@ -431,3 +437,29 @@ def test_the_agent_page_says_its_model_is_deprecated_and_when_it_retires(admin_c
     # The message at the top of the page, and the model field.
     assert page.lower().count("claude-opus-4-5 is deprecated and retires on 2027-02-01") == 2
     assert "context window 200,000 tokens" in page
+
+
+def test_the_agent_list_shows_each_agents_model_under_a_model_heading(admin_client, persistent_agent, other_agent):
+    from django.contrib.admin.templatetags.admin_list import result_headers
+
+    response = admin_client.get(reverse(CHANGELIST))
+    page = response.content.decode()
+    headings = [str(header["text"]) for header in result_headers(response.context["cl"])]
+    assert "model" in headings, headings
+    assert "Agent" not in headings, headings
+    assert '<td class="field-agent_model">claude-opus-4-5</td>' in page
+    assert '<td class="field-agent_model">claude-haiku-4-5</td>' in page
+
+
+def test_the_agent_page_shows_run_costs_and_session_totals_by_one_rule(admin_client, persistent_agent):
+    from decimal import Decimal
+
+    make_session(persistent_agent, history=[], store=HistoryStore.DATABASE, total_cost_usd=Decimal("0.0123"))
+    make_run(persistent_agent, cost_usd=Decimal("0.0123"))
+    make_run(persistent_agent, cost_usd=Decimal("0.00004"))
+
+    page = admin_client.get(reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])).content.decode()
+
+    assert page.count("<p>0.0123</p>") == 2, re.findall(r"<p>[0-9.]+</p>", page)
+    assert "<p>0.00004</p>" in page
+    assert "0.0123000000" not in page

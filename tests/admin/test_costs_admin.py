@@ -14,7 +14,7 @@ from costs_app.admin import GROWTH_MAX_AGENTS
 from costs_app.models import CostEvent, ModelPrice
 from costs_app.reports import GROWTH_ADVICE
 from sessions_app.models import Agent, ApiKey
-from tests.admin.conftest import make_cost
+from tests.admin.conftest import make_cost, make_run
 from tests.conftest import catalogue_stored
 
 REPORT = "admin:costs_app_costevent_report"
@@ -133,10 +133,15 @@ def test_costs_page_queries_are_bounded(admin_client, company, django_assert_max
 def test_budget_page_shows_current_use(admin_client, company, persistent_agent):
     from costs_app.models import Budget
 
-    budget = Budget.objects.create(company=company, agent=persistent_agent, daily_limit_usd=Decimal("1"))
+    budget = Budget.objects.create(
+        company=company, agent=persistent_agent, daily_limit_usd=Decimal("1"), daily_run_limit=50
+    )
     make_cost(persistent_agent, cost_usd=Decimal("0.25"))
+    for _ in range(14):
+        make_run(persistent_agent)
     page = admin_client.get(reverse("admin:costs_app_budget_change", args=[budget.pk])).content.decode()
-    assert "agent daily limit: 0.250000 of 1.000000 USD used (25%)" in page
+    assert "agent daily limit: 0.25 of 1.00 USD used (25%)" in page
+    assert "agent daily run limit: 14 of 50 runs used (28%)" in page
 
 
 def budget_form(budget, **targets) -> dict:
@@ -232,7 +237,7 @@ def test_budget_pages_show_the_forecast(admin_client, company, persistent_agent)
 
     crossing = {f"{(timezone.now() + timedelta(days=1, seconds=s)):%Y-%m-%d}" for s in (0, 60)}
     assert any(f"lifetime limit on {day}" in changelist for day in crossing)
-    assert any(f"crossed on {day} at $5.0000/day" in page for day in crossing)
+    assert any(f"crossed on {day} at $5.00/day" in page for day in crossing)
 
 
 def test_alert_deliveries_are_read_only_with_their_attempts(admin_client, company):
@@ -250,6 +255,26 @@ def test_alert_deliveries_are_read_only_with_their_attempts(admin_client, compan
     assert admin_client.post(change, {"status": "delivered"}).status_code == 403
     listing = admin_client.get(reverse("admin:costs_app_alertdelivery_changelist")).content.decode()
     assert 'name="action"' not in listing and "HTTP 500" in listing
+
+
+def test_an_alert_of_the_run_cap_counts_runs_and_a_money_alert_keeps_its_cent_fractions(
+    admin_client, company, persistent_agent
+):
+    from costs_app.models import AlertDelivery, Budget, BudgetAlert
+    from tests.admin.conftest import budget_alert_delivered
+
+    delivery = budget_alert_delivered(Budget.objects.create(company=company, daily_run_limit=50))
+    BudgetAlert.objects.filter(pk=delivery.alert_id).update(period="day_runs", limit=50, spent=40)
+    money = budget_alert_delivered(
+        Budget.objects.create(company=company, agent=persistent_agent, daily_limit_usd=Decimal("0.005"))
+    )
+    BudgetAlert.objects.filter(pk=money.alert_id).update(period="day", limit=Decimal("0.005"), spent=Decimal("0.0045"))
+
+    listing = admin_client.get(reverse("admin:costs_app_alertdelivery_changelist")).content.decode()
+
+    assert "soft (80%) of the day_runs limit" in listing and ": 40 of 50 runs" in listing
+    assert "soft (80%) of the day limit" in listing and ": $0.0045 of $0.005" in listing
+    assert AlertDelivery.objects.count() == 2
 
 
 def test_bad_alert_settings_in_the_admin_are_refused_with_a_message(admin_client, company):

@@ -142,7 +142,7 @@ def test_session_page_renders_the_conversation(admin_client, persistent_agent):
     assert "turn 1: the answer." in page
     assert "tool call: search" in page
     assert "output_tokens: 20" in page
-    assert "cost: $0.012300" in page  # from the ledger, by the turn's run
+    assert "cost: $0.0123<" in page  # from the ledger, by the turn's run
     assert 'class="pc-kind">summary<' in page
     assert "Raw history JSON" in page
     assert f"?session={session.pk}" in page  # runs and cost events of this session
@@ -409,7 +409,7 @@ def test_a_compaction_shows_each_fact_it_checked_with_pass_or_fail(admin_client,
         ],
     )
     page = admin_client.get(change_url(session)).content.decode()
-    assert "facts checked: 1 of 3 in the model&#x27;s summary" in page or "facts checked: 1 of 3" in page
+    assert "<summary>facts checked: 1 of 3 in the model's summary</summary>" in page
     assert "asked for again: a pinned fact was missing" in page
     assert page.count("<strong>fail</strong>") == 2
     assert "kept-facts block (verbatim)" in page and "dropped" in page

@@ -101,9 +101,9 @@ def test_budget_changelist_shows_use_bars_in_constant_queries(admin_client, comp
         response = admin_client.get("/admin/costs_app/budget/")
     assert response.status_code == 200
     page = response.content.decode()
-    assert "$0.9000 of $1.00 (90%)" in page
+    assert "$0.90 of $1.00 (90%)" in page
     assert "#c58f00" in page  # past the 80% warning level
-    assert "$5.4000 of $10.00 (54%)" in page
+    assert "$5.40 of $10.00 (54%)" in page
 
 
 def test_budget_paused_agents_are_flagged(admin_client, persistent_agent):

@@ -67,11 +67,12 @@ def test_patching_to_an_interval_replaces_the_cron_schedule(api, company):
     assert list(error["fields"]) == ["adapter_config.heartbeat_timezone"]
     assert Schedule.objects.get(name=f"heartbeat:{agent.id}").schedule_type == Schedule.ONCE
 
-    config = {"model": "claude-opus-4-5", "heartbeat_interval_minutes": 30}
-    assert api.patch(agent_url(agent), {"adapter_config": config}).status_code == 200
+    # A merge patch: the cron keys are removed with null, the interval added.
+    patch = {"heartbeat_cron": None, "heartbeat_timezone": None, "heartbeat_interval_minutes": 30}
+    assert api.patch(agent_url(agent), {"adapter_config": patch}).status_code == 200
     schedule = Schedule.objects.get(name=f"heartbeat:{agent.id}")
     assert (schedule.schedule_type, schedule.minutes) == (Schedule.MINUTES, 30)
-    assert api.patch(agent_url(agent), {"adapter_config": {"model": "claude-opus-4-5"}}).status_code == 200
+    assert api.patch(agent_url(agent), {"adapter_config": {"heartbeat_interval_minutes": None}}).status_code == 200
     assert not Schedule.objects.filter(name=f"heartbeat:{agent.id}").exists()
 
 

@@ -143,7 +143,7 @@ def test_alert_settings_and_the_session_limit_are_set_and_read(api, company):
     )
     assert response.status_code == 200, response.json()
     budget = response.json()["budget"]
-    assert (budget["alert_percent"], budget["session_limit_usd"], budget["warn_percent"]) == (90, "1.500000", 80)
+    assert (budget["alert_percent"], budget["session_limit_usd"], budget["warn_percent"]) == (90, "1.50", 80)
 
 
 def test_the_summary_and_the_budget_show_each_limits_forecast(api, company, stateless_agent):
@@ -167,3 +167,84 @@ def test_the_summary_and_the_budget_show_each_limits_forecast(api, company, stat
     assert [(row["period"], row["forecast_date"]) for row in budget["use"]] == [
         (row["period"], row["forecast_date"]) for row in summary["budgets"]
     ]
+
+
+def delivered_twice(budget: Budget, url: str = "https://alerts.example/hook", threshold: str = "soft"):
+    """A soft alert of `budget` whose delivery failed with a 500, then could not connect."""
+    from costs_app.models import AlertAttempt, AlertDelivery, BudgetAlert
+
+    now = timezone.now()
+    target = AlertTarget.objects.create(budget=budget, url=url, secret=SECRET)
+    alert = BudgetAlert.objects.create(
+        budget=budget,
+        period="month",
+        period_key=f"{now:%Y-%m}",
+        threshold=threshold,
+        percent=80,
+        limit=Decimal("10"),
+        spent=Decimal("8.0125"),
+    )
+    delivery = AlertDelivery.objects.create(
+        alert=alert,
+        target=target,
+        attempts=2,
+        last_error="ConnectionRefusedError: [Errno 111] Connection refused",
+        next_attempt_at=now + timedelta(minutes=4),
+    )
+    AlertAttempt.objects.create(delivery=delivery, number=1, at=now, status_code=500, error="HTTP 500", duration_ms=12)
+    AlertAttempt.objects.create(
+        delivery=delivery,
+        number=2,
+        at=now + timedelta(minutes=1),
+        status_code=None,
+        error="ConnectionRefusedError: [Errno 111] Connection refused",
+        duration_ms=3,
+    )
+    return delivery
+
+
+def test_each_delivery_shows_every_attempts_status_and_error_to_its_company_only(
+    key_api, other_key_api, company, budget, persistent_agent, django_assert_max_num_queries
+):
+    delivery = delivered_twice(budget)
+    agent_budget = Budget.objects.create(company=company, agent=persistent_agent, daily_limit_usd=Decimal("1"))
+    delivered_twice(agent_budget, url="https://alerts.example/agent")
+    url = f"/api/companies/{company.id}/budget/deliveries"
+
+    with django_assert_max_num_queries(8):
+        response = key_api.get(url)
+
+    assert response.status_code == 200, response.json()
+    (shown,) = response.json()["deliveries"]  # the company budget's, not the agent budget's
+    assert (shown["id"], shown["status"], shown["target"]["url"]) == (delivery.id, "pending", delivery.target.url)
+    assert (shown["alert"]["threshold"], shown["alert"]["limit"], shown["alert"]["spent"]) == (
+        "soft",
+        "10.00",
+        "8.0125",
+    )
+    assert [(a["number"], a["status_code"], a["error"]) for a in shown["attempts"]] == [
+        (1, 500, "HTTP 500"),
+        (2, None, "ConnectionRefusedError: [Errno 111] Connection refused"),
+    ]
+    assert SECRET not in response.content.decode()
+    agent_url = f"/api/companies/{company.id}/agents/{persistent_agent.id}/budget/deliveries"
+    (of_agent,) = key_api.get(agent_url).json()["deliveries"]
+    assert of_agent["target"]["url"] == "https://alerts.example/agent"
+    # Another company's key sees none of it: its URL is a 404, as an unknown id is.
+    assert other_key_api.get(url).status_code == 404
+    assert other_key_api.get(agent_url).status_code == 404
+
+
+def test_deliveries_page_newest_first_with_a_cursor(api, company, budget):
+    for threshold in ("soft", "second", "hard"):
+        delivered_twice(budget, threshold=threshold)
+    url = f"/api/companies/{company.id}/budget/deliveries"
+
+    first = api.get(url, {"limit": 2}).json()
+    rest = api.get(url, {"limit": 2, "next": first["next"]}).json()
+
+    ids = [d["id"] for d in first["deliveries"] + rest["deliveries"]]
+    assert ids == sorted(ids, reverse=True) and len(set(ids)) == 3
+    assert rest["next"] is None
+    assert api.get(f"/api/companies/{company.id}/budget/deliveries").status_code == 200
+    assert api.get(url, {"next": "garbage"}).status_code == 400

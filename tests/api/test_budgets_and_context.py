@@ -19,17 +19,30 @@ def test_company_budget_is_read_set_and_reported_with_its_use(client, company, p
 
     assert response.status_code == 200, response.json()
     body = response.json()
-    assert body["budget"]["monthly_limit_usd"] == "10.000000"
+    assert body["budget"]["monthly_limit_usd"] == "10.00"
     (use,) = body["use"]
-    assert (use["scope"], use["period"], use["spent"], use["warning"], use["exceeded"]) == (
+    assert (use["scope"], use["period"], use["limit"], use["spent"], use["reserved"]) == (
         "company",
         "month",
-        "2.5000000000",
-        True,
-        False,
+        "10.00",
+        "2.50",
+        "0.00",
     )
+    assert (use["warning"], use["exceeded"], use["daily_rate_usd"]) == (True, False, "2.50")
     summary = client.get(f"/api/companies/{company.id}/costs/summary").json()
     assert summary["budgets"][0]["period"] == "month"
+
+
+def test_a_run_cap_is_a_count_and_a_limit_below_a_cent_keeps_its_digits(client, company, persistent_agent):
+    url = f"/api/companies/{company.id}/agents/{persistent_agent.id}/budget"
+    CostEvent.objects.create(company=company, agent=persistent_agent, model="m", cost_usd=Decimal("0.0002500000"))
+
+    body = client.put(url, {"daily_run_limit": 50, "daily_limit_usd": "0.005"}, content_type="application/json").json()
+
+    assert (body["budget"]["daily_run_limit"], body["budget"]["daily_limit_usd"]) == (50, "0.005")
+    uses = {use["period"]: use for use in body["use"]}
+    assert (uses["day_runs"]["limit"], uses["day_runs"]["spent"], uses["day_runs"]["reserved"]) == (50, 0, 0)
+    assert (uses["day"]["limit"], uses["day"]["spent"]) == ("0.005", "0.00025")
 
 
 def test_budget_validation_names_the_field(client, company):

@@ -137,6 +137,79 @@ def test_patch_agent_with_bad_config_is_400_and_changes_nothing(api, persistent_
     assert persistent_agent.adapter_config["session_ttl_hours"] == 24
 
 
+def test_patch_merges_adapter_config_and_keeps_the_keys_it_does_not_name(api, persistent_agent):
+    persistent_agent.adapter_config = {
+        **persistent_agent.adapter_config,
+        "memory": True,
+        "work_check": {"url": "https://tracker.internal/work", "timeout_seconds": 30},
+    }
+    persistent_agent.save()
+    patch = {"session_ttl_hours": 48, "work_check": {"timeout_seconds": 10}}
+
+    response = api.patch(agent_url(persistent_agent), {"adapter_config": patch})
+
+    assert response.status_code == 200, response.json()
+    persistent_agent.refresh_from_db()
+    config = persistent_agent.adapter_config
+    assert (config["session_mode"], config["memory"], config["session_ttl_hours"]) == ("persistent", True, 48)
+    assert config["work_check"] == {"url": "https://tracker.internal/work", "timeout_seconds": 10}  # merged
+    assert response.json()["adapter_config"] == config
+
+
+def test_patch_removes_an_adapter_config_key_set_to_null(api, persistent_agent):
+    persistent_agent.adapter_config = {**persistent_agent.adapter_config, "memory": True}
+    persistent_agent.save()
+
+    response = api.patch(agent_url(persistent_agent), {"adapter_config": {"memory": None, "session_ttl_hours": None}})
+
+    assert response.status_code == 200, response.json()
+    persistent_agent.refresh_from_db()
+    assert "memory" not in persistent_agent.adapter_config
+    assert persistent_agent.adapter_config["session_ttl_hours"] == 24  # removed: its default again
+    assert persistent_agent.is_persistent
+
+
+def test_patch_validates_the_merged_configuration(api, persistent_agent):
+    persistent_agent.adapter_config = {**persistent_agent.adapter_config, "heartbeat_cron": "0 9 * * *"}
+    persistent_agent.save()
+    before = persistent_agent.adapter_config
+
+    response = api.patch(agent_url(persistent_agent), {"adapter_config": {"heartbeat_interval_minutes": 15}})
+
+    error = assert_error(response, 400, "invalid")
+    assert list(error["fields"]) == ["adapter_config.heartbeat_cron"]  # both, once merged
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.adapter_config == before
+
+
+def test_patch_changing_the_adapter_type_replaces_the_configuration(api, persistent_agent, commands):
+    body = {"adapter_type": "process", "adapter_config": {"command": "reporter"}}
+
+    response = api.patch(agent_url(persistent_agent), body)
+
+    assert response.status_code == 200, response.json()
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.adapter_type == "process"
+    assert persistent_agent.adapter_config["command"] == "reporter"
+    assert persistent_agent.adapter_config.get("model") != "claude-opus-4-5" and not persistent_agent.is_persistent
+
+
+def test_put_replaces_the_agent_and_its_whole_adapter_config(api, persistent_agent):
+    persistent_agent.adapter_config = {**persistent_agent.adapter_config, "memory": True}
+    persistent_agent.save()
+    api.patch(agent_url(persistent_agent), {"status": "paused"})
+
+    response = api.put(agent_url(persistent_agent), {"name": "Fresh", "adapter_config": {"model": "claude-opus-4-5"}})
+
+    assert response.status_code == 200, response.json()
+    persistent_agent.refresh_from_db()
+    assert (persistent_agent.name, persistent_agent.system_prompt) == ("Fresh", "")
+    assert "memory" not in persistent_agent.adapter_config and not persistent_agent.is_persistent
+    assert persistent_agent.status == AgentStatus.PAUSED  # a pause is an action, not configuration
+    error = assert_error(api.put(agent_url(persistent_agent), {"adapter_config": {}}), 400, "invalid")
+    assert list(error["fields"]) == ["name"]
+
+
 def test_patch_status_pauses_and_resumes_the_agent(api, persistent_agent):
     assert api.patch(agent_url(persistent_agent), {"status": "paused"}).json()["status"] == "paused"
     persistent_agent.refresh_from_db()
@@ -162,8 +235,8 @@ def test_delete_agent_is_204_then_404_and_keeps_its_runs(api, persistent_agent):
     run.refresh_from_db()
 
 
-def test_put_is_405(api, persistent_agent):
-    assert_error(api.put(agent_url(persistent_agent), {"name": "x"}), 405, "method_not_allowed")
+def test_put_is_405_where_nothing_is_replaced(api, persistent_agent):
+    assert_error(api.put(f"/api/companies/{persistent_agent.company_id}", {"name": "x"}), 405, "method_not_allowed")
 
 
 def test_get_on_the_companies_collection_is_405(api):

@@ -194,6 +194,24 @@ def test_run_detail(api, persistent_agent):
     assert body["merged_ticks"] == 3
 
 
+def test_a_runs_money_is_a_decimal_string_by_one_rule_claude_codes_float_included(api, persistent_agent):
+    from decimal import Decimal
+
+    report = {"runtime": "cli", "num_turns": 2, "cli_total_cost_usd": "0.07438860000000001"}
+    run = make_run(
+        persistent_agent,
+        cost_usd=Decimal("0.0743886000"),
+        runtime_report={**report, "ledger_cost_usd": "0.0743886000"},
+    )
+    body = api.get(agent_url(persistent_agent, f"/runs/{run.id}")).json()
+    assert body["cost_usd"] == "0.0743886"
+    assert body["runtime_report"] == {
+        **report,
+        "cli_total_cost_usd": "0.0743886",
+        "ledger_cost_usd": "0.0743886",
+    }
+
+
 def test_run_of_another_agent_is_404(api, persistent_agent, stateless_agent):
     run = make_run(stateless_agent)
     assert_error(api.get(agent_url(persistent_agent, f"/runs/{run.id}")), 404)

@@ -29,7 +29,7 @@ def test_sessions_list_has_the_contract_shape(api, persistent_agent):
     for key in ("created_at", "last_used", "expires_at", "status", "agent_id", "last_input_tokens"):
         assert key in row
     assert "history" not in row
-    assert row["total_cost_usd"] == "0E-10" or isinstance(row["total_cost_usd"], str)
+    assert row["total_cost_usd"] == "0.00"
 
 
 def test_sessions_list_is_newest_use_first_and_pages_with_a_cursor(api, persistent_agent):

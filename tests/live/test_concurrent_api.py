@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+from django_q.models import OrmQ
 
 from costs_app.models import CostEvent
 from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
@@ -133,7 +134,9 @@ def test_fifty_concurrent_heartbeats_through_a_live_server_lose_nothing_and_run_
             status, run = call("POST", f"{agent_api}/heartbeat", body)
             assert status == 200, run
             assert (run["id"], run["status"]) == (run_of_key[body["idempotency_key"]], RunStatus.SUCCEEDED)
-        time.sleep(1)  # a stray dispatch would have reached the cluster by now
+        # A stray dispatch would be in the task queue before its answer was sent (the
+        # request's COMMIT hands it over): once the queue is empty, the cluster has run it.
+        wait_until(lambda: not OrmQ.objects.exists(), 60, "the task queue to drain")
         assert HeartbeatRun.objects.count() == HEARTBEATS
         assert len(fake.message_requests) == HEARTBEATS
         assert CostEvent.objects.count() == HEARTBEATS

@@ -7,6 +7,7 @@ from uuid import UUID
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from costs_app.money import usd
 from costs_app.reports import GROWTH_ADVICE, daily_costs, input_growth
 from sessions_app.models import Agent, Company
 
@@ -64,7 +65,7 @@ class Command(BaseCommand):
                     output=row["output_tokens"],
                     cache_write=row["cache_creation_input_tokens"],
                     cache_read=row["cache_read_input_tokens"],
-                    cost=f"{row['cost_usd']:.6f}",
+                    cost=usd(row["cost_usd"]),
                 )
             )
         if not rows:

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from costs_app.money import usd
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.heartbeat import heartbeat_start, heartbeat_wait
 from sessions_app.models import Agent, AgentStatus, RunStatus, RunTrigger, parse_uuid
@@ -58,7 +59,7 @@ class Command(BaseCommand):
                 f"run {run.id} succeeded; session {run.session.public_id if run.session else '-'}; "
                 f"input {run.input_tokens}, output {run.output_tokens}, cache write "
                 f"{run.cache_creation_input_tokens}, cache read {run.cache_read_input_tokens} tokens; "
-                f"cost ${run.cost_usd if run.cost_usd is not None else 0:.6f}"
+                f"cost ${usd(run.cost_usd if run.cost_usd is not None else 0)}"
             )
         elif run.status == RunStatus.SKIPPED:
             self.stdout.write(f"run {run.id} skipped: the work check found no work (no model call).")
@@ -73,7 +74,7 @@ class Command(BaseCommand):
                 "session_id": run.session.public_id if run.session else None,
                 "output": run.output,
                 "usage": usage,
-                "cost_usd": str(run.cost_usd) if run.cost_usd is not None else None,
+                "cost_usd": usd(run.cost_usd) if run.cost_usd is not None else None,
                 "error": run.error or None,
                 "error_code": run.error_code or None,
             }
