@@ -352,7 +352,7 @@ def test_authenticated_mode_asks_only_listed_hosts(company, settings):
 def test_authenticated_mode_asks_a_listed_host_only_on_its_port(company, settings, url, allowed):
     settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
     settings.PAPERCLIP_WORK_CHECK_HOSTS = frozenset({"tracker.example", "api.internal:8080"})
-    config = {"model": "m", "work_check": {"url": url}}
+    config = {"model": "claude-opus-4-5", "work_check": {"url": url}}
     if allowed:
         Agent.objects.create(company=company, name="x", adapter_config=config)
         return
