@@ -357,7 +357,7 @@ FINISHED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.SKIPPE
 
 
 class RunTrigger(models.TextChoices):
-    API = "api"
+    API = "api", "API"
     SCHEDULE = "schedule"
     COMMAND = "command"
     ADMIN = "admin"
@@ -535,6 +535,8 @@ class CliTranscriptEntry(models.Model):
 
     class Meta:
         db_table = "cli_transcript_entries"
+        verbose_name = "CLI transcript entry"
+        verbose_name_plural = "CLI transcript entries"
         indexes = [
             models.Index(fields=["scope", "project_key", "session_id", "subpath", "id"], name="cli_transcript_key_idx")
         ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.contrib import admin
 from django.contrib.admin.utils import quote
@@ -167,3 +169,16 @@ def test_a_filter_the_database_refuses_is_a_message_on_the_whole_list(admin_clie
 
     assert response.redirect_chain == [(url, 302)]
     assert "Those filters or search terms cannot be used (year 99999 is out of range)" in response.content.decode()
+
+
+def test_every_model_of_ours_is_named_in_plain_english():
+    from django.apps import apps
+
+    ours = ("sessions_app", "costs_app", "memory_app")
+    names = {
+        model.__name__: model._meta.verbose_name_plural for model in apps.get_models() if model._meta.app_label in ours
+    }
+    # "deliverys", "entrys": Django adds an "s" unless told the plural.
+    wrong = {name: plural for name, plural in names.items() if re.search(r"[^aeiou]ys$", str(plural))}
+    assert not wrong
+    assert names["AlertDelivery"] == "alert deliveries"
