@@ -98,7 +98,8 @@ ALLOWED_HOSTS = [
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    # Django's admin with the console as its front page (paperclip/admin_site.py).
+    "paperclip.admin_site.PaperclipAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -154,6 +155,8 @@ AUTH_PASSWORD_VALIDATORS = [
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
+# One date format with its zone on every admin page (paperclip/formats/en/formats.py).
+FORMAT_MODULE_PATH = ["paperclip.formats"]
 USE_I18N = True
 USE_TZ = True
 

@@ -5,7 +5,6 @@ takes on them (pause, resume, retire, delete, a heartbeat now).
 from __future__ import annotations
 
 import json
-from datetime import UTC
 from zoneinfo import ZoneInfo
 
 from django import forms
@@ -28,12 +27,15 @@ from sessions_app import services
 from sessions_app.adapters.claude_cli import workspace_listing
 from sessions_app.admin.common import (
     RECENT_INLINE_ROWS,
+    ApiIdsInUrls,
     ReadOnlyInline,
     adapter_choices,
     admin_link,
+    admin_time,
     changelist_url,
     deletion_summary,
     humane_expiry,
+    short_text,
 )
 from sessions_app.models import (
     MAX_PINS_PER_AGENT,
@@ -179,11 +181,11 @@ class RecentRunsInline(ReadOnlyInline):
 
 
 @admin.register(Agent)
-class AgentAdmin(admin.ModelAdmin):
+class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
     form = AgentAdminForm
     list_display = [
         "name",
-        "company",
+        "company_name",
         "adapter_type",
         "model",
         "session_mode",
@@ -234,7 +236,7 @@ class AgentAdmin(admin.ModelAdmin):
         rows = format_html_join(
             "",
             '<tr><td>{}</td><td style="text-align:right">{}</td><td>{}</td></tr>',
-            ((f.name, f.size, f.modified.strftime("%Y-%m-%d %H:%M:%S UTC")) for f in listing.files),
+            ((f.name, f.size, admin_time(f.modified)) for f in listing.files),
         )
         more = f" (the first {len(listing.files)} shown)" if listing.truncated else ""
         return format_html(
@@ -263,11 +265,12 @@ class AgentAdmin(admin.ModelAdmin):
         zone = ZoneInfo(HeartbeatPlan.of(obj.adapter_config).zone_name)
         return format_html_join(
             mark_safe("<br>"),
-            '<span class="next-wake">{} <span class="quiet">({} UTC)</span>{}</span>',
+            '<span class="next-wake">{} {} <span class="quiet">({})</span>{}</span>',
             (
                 (
-                    wake.astimezone(zone).strftime("%a %Y-%m-%d %H:%M %Z"),
-                    wake.astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
+                    wake.astimezone(zone).strftime("%a"),
+                    admin_time(wake, zone=zone),
+                    admin_time(wake),
                     # An interval schedule past its time (a cluster that is down) fires on the
                     # scheduler's next pass.
                     ": due, waiting for the task cluster" if wake <= now else "",
@@ -291,6 +294,10 @@ class AgentAdmin(admin.ModelAdmin):
         else:
             stretched = "no schedule to stretch"
         return format_html('<strong class="backoff">x{}</strong>: {} ({})', factor, stretched, streak)
+
+    @admin.display(description="company", ordering="company__name")
+    def company_name(self, obj: Agent) -> str:
+        return short_text(obj.company.name, 28)
 
     @admin.display(description="model")
     def model(self, obj: Agent) -> str:

@@ -182,3 +182,31 @@ def test_every_model_of_ours_is_named_in_plain_english():
     wrong = {name: plural for name, plural in names.items() if re.search(r"[^aeiou]ys$", str(plural))}
     assert not wrong
     assert names["AlertDelivery"] == "alert deliveries"
+
+
+# Django's English date format ("Nov. 30, 2026, 6:04 p.m.") beside the pages' own ISO dates.
+ENGLISH_DATE = re.compile(r"\b(Jan|Feb|March|April|May|June|July|Aug|Sept|Oct|Nov|Dec)\.? \d{1,2}, \d{4}|\b[ap]\.m\.")
+ONE_FORMAT = re.compile(r"\b\d{4}-\d\d-\d\d \d\d:\d\d UTC\b")
+
+
+def test_every_admin_page_writes_its_times_one_way_with_the_zone(admin_client, full_house):
+    from costs_app.models import AlertDelivery, CostEvent
+
+    session, run = full_house["session"], full_house["run"]
+    pages = [
+        admin_url(type(session), "changelist"),
+        admin_url(type(session), "change", session.pk),
+        admin_url(type(run), "changelist"),
+        admin_url(type(run), "change", run.pk),
+        admin_url(CostEvent, "changelist"),
+        admin_url(CostEvent, "change", CostEvent.objects.first().pk),
+        admin_url(AlertDelivery, "changelist"),
+        admin_url(AlertDelivery, "change", AlertDelivery.objects.first().pk),
+        admin_url(type(session.agent), "change", session.agent_id),
+        reverse("admin:index"),
+    ]
+    for url in pages:
+        page = admin_client.get(url).content.decode()
+        text = re.sub(r"<[^>]+>", " ", page)  # what is shown, not attributes or data
+        assert not ENGLISH_DATE.search(text), (url, ENGLISH_DATE.search(text).group(0))
+        assert ONE_FORMAT.search(text), url
