@@ -23,9 +23,10 @@ from costs_app.charts import Series, limit_series, stacked_bar_chart
 from costs_app.forecast import RATE_DAYS, Forecast, budget_forecasts, crossing_date, daily_rate
 from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, Budget, CostEvent, ModelPrice
 from costs_app.pricing import model_family
-from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
+from costs_app.reports import daily_costs_by_agent, input_growth, window_start
 from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist
 from sessions_app.admin.common import admin_time, short_text, tokens_in_out
+from sessions_app.context_defaults import growth_advice, growth_flag
 from sessions_app.models import Agent, Company, session_public_id
 from sessions_app.text import is_storable
 
@@ -534,23 +535,32 @@ def costs_report(*, company_id, now, days: int) -> dict:
         day_totals["cost_usd"] += row["cost_usd"]
         day_totals["events"] += row["events"]
 
-    names = dict(Agent.objects.filter(pk__in=list(per_agent)).values_list("id", "name"))
-    label = {agent_id: names.get(agent_id, f"(deleted {str(agent_id)[:8]})") for agent_id in per_agent}
+    agents = {
+        agent.pk: agent
+        for agent in Agent.objects.filter(pk__in=list(per_agent)).only("id", "name", "adapter_type", "adapter_config")
+    }
+    label = {
+        agent_id: agents[agent_id].name if agent_id in agents else f"(deleted {str(agent_id)[:8]})"
+        for agent_id in per_agent
+    }
 
     ranked = sorted(per_agent, key=lambda a: (-per_agent[a]["cost_usd"], -per_agent[a]["input_tokens"]))
     growth = {agent_id: input_growth(agent_id=agent_id) for agent_id in ranked[:GROWTH_MAX_AGENTS]}
 
     agents_table = []
     for agent_id in ranked:
-        g = growth.get(agent_id)
+        g, agent = growth.get(agent_id), agents.get(agent_id)
+        # Judged against what this agent's requests may grow to, and advised in its terms.
+        growing = bool(g and agent and growth_flag(agent, g))
         agents_table.append(
             {
                 "agent_id": agent_id,
                 "name": label[agent_id],
-                "exists": agent_id in names,
+                "exists": agent is not None,
                 **per_agent[agent_id],
                 "growth": g,
-                "growing": bool(g and g.is_growing),
+                "growing": growing,
+                "advice": growth_advice(agent, g) if growing else "",
             }
         )
 
@@ -571,7 +581,6 @@ def costs_report(*, company_id, now, days: int) -> dict:
         "agents_table": agents_table,
         "days_table": days_table,
         "growing_agents": [row for row in agents_table if row["growing"]],
-        "growth_advice": GROWTH_ADVICE,
         "growth_checked": min(len(ranked), GROWTH_MAX_AGENTS),
         "total_cost": sum((row["cost_usd"] for row in agents_table), Decimal(0)),
         "first_day": first_day,
