@@ -32,6 +32,8 @@ def run_check(tmp_path, **env):
         ({"PAPERCLIP_HOST": "0.0.0.0"}, "PAPERCLIP_HOST"),
         ({"PAPERCLIP_PUBLIC_URL": "paperclip.example.com"}, "PAPERCLIP_PUBLIC_URL"),
         ({"PAPERCLIP_TRUST_X_FORWARDED_PROTO": "maybe"}, "PAPERCLIP_TRUST_X_FORWARDED_PROTO"),
+        ({"PAPERCLIP_CLUSTER_NAME": "two words"}, "PAPERCLIP_CLUSTER_NAME"),
+        ({"PAPERCLIP_WEB_WORKERS": "many"}, "PAPERCLIP_WEB_WORKERS"),
     ],
 )
 def test_bad_configuration_stops_with_one_clear_line(tmp_path, env, mentions):
@@ -196,3 +198,36 @@ def test_a_trusted_proxy_header_marks_forwarded_requests_secure(tmp_path):
         "location": None,
         "hsts": "max-age=31536000; includeSubDomains; preload",
     }
+
+
+@pytest.mark.parametrize(
+    ("database_url", "mentions"),
+    [
+        ("postgres://postgres:not-shown-pw@127.0.0.1:1/paperclip", "PostgreSQL database 'paperclip' at 127.0.0.1:1"),
+        ("sqlite:////nonexistent-folder/paperclip.sqlite3", "the SQLite file /nonexistent-folder/paperclip.sqlite3"),
+    ],
+)
+def test_the_run_command_without_its_database_stops_with_one_clear_line(tmp_path, database_url, mentions):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
+    environment.update({"PAPERCLIP_HOME": str(tmp_path), "DATABASE_URL": database_url, "PAPERCLIP_PORT": "3499"})
+    result = subprocess.run(["scripts/run"], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("paperclip: configuration error: cannot reach"), lines[0]
+    assert mentions in lines[0] and "not-shown-pw" not in lines[0]
+
+
+def test_the_task_queue_is_named_by_the_setting_so_two_deployments_can_share_a_redis(tmp_path):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
+    environment.update({"PAPERCLIP_HOME": str(tmp_path), "PAPERCLIP_CLUSTER_NAME": "staging"})
+    script = "from django_q.conf import Conf; print(Conf.PREFIX, Conf.CLUSTER_NAME)"
+    result = subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", script],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.stdout.split() == ["staging", "staging"], result.stderr
