@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,25 @@ def test_the_run_command_without_its_database_stops_with_one_clear_line(tmp_path
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("paperclip: configuration error: cannot reach"), lines[0]
     assert mentions in lines[0] and "not-shown-pw" not in lines[0]
+
+
+# A variable the code reads: env_int("NAME", ...), env_str("NAME", ...), os.environ.get("NAME"), ...
+READ = re.compile(r"""(?:\benv_\w+\(|os\.environ\.get\(|os\.environ\[|os\.getenv\()\s*["']([A-Z][A-Z0-9_]+)["']""")
+# A row of the reference: the first cell names one variable or several, each in backticks.
+DOCUMENTED = re.compile(r"^\| ((?:`[A-Z][A-Z0-9_]+`(?:, )?)+) \|", re.M)
+# Read by the libraries themselves (the anthropic SDK), documented all the same.
+READ_BY_LIBRARIES = {"ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"}
+
+
+def test_every_setting_the_code_reads_is_in_the_configuration_reference():
+    read = set()
+    for module in ("paperclip/settings.py", "paperclip/env.py"):
+        read |= set(READ.findall((ROOT / module).read_text()))
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    documented = {name for row in DOCUMENTED.findall(reference) for name in re.findall(r"`([A-Z0-9_]+)`", row)}
+    assert read, "the pattern found no variable: is it still how settings read the environment?"
+    assert sorted(read - documented) == [], "read but not in docs/configuration.md"
+    assert sorted(documented - read - READ_BY_LIBRARIES) == [], "documented but never read"
 
 
 def test_the_task_queue_is_named_by_the_setting_so_two_deployments_can_share_a_redis(tmp_path):
