@@ -172,6 +172,8 @@ def task_queue(*, now: datetime) -> dict:
 
 def spend(*, now: datetime) -> dict:
     day, month = period_start("day", now), period_start("month", now)
+    # The month's rows of every company (the ledger's indexes lead with the company or the
+    # agent: every heartbeat inserts here, so none is on the time alone), as the costs page reads them.
     totals = CostEvent.objects.filter(created_at__gte=month).aggregate(
         month=Sum("cost_usd"), today=Sum("cost_usd", filter=Q(created_at__gte=day))
     )
