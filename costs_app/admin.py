@@ -44,8 +44,10 @@ from costs_app.models import (
 )
 from costs_app.money import amount_text, usd
 from costs_app.pricing import LIBRARY_SOURCE, is_priced, library_table
-from costs_app.reports import GROWTH_ADVICE, daily_costs_by_agent, input_growth, window_start
+from costs_app.reports import daily_costs_by_agent, input_growth, window_start
 from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist, money_column
+from sessions_app.admin.common import admin_time, short_text, tokens_in_out
+from sessions_app.context_defaults import growth_advice, growth_flag
 from sessions_app.models import Agent, Company, session_public_id
 from sessions_app.text import is_storable
 
@@ -110,7 +112,7 @@ class ModelPriceAdmin(admin.ModelAdmin):
                         "Unpriced models in use (their calls are recorded with cost 0): {}",
                         format_html_join(
                             ", ",
-                            '<a href="{}?{}">{}</a> ({} call{}, last {} UTC)',
+                            '<a href="{}?{}">{}</a> ({} call{}, last {})',
                             (
                                 (
                                     add_url,
@@ -118,7 +120,7 @@ class ModelPriceAdmin(admin.ModelAdmin):
                                     row["model"] or "(no model name)",
                                     row["events"],
                                     pluralize(row["events"]),
-                                    row["last_seen"].astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
+                                    admin_time(row["last_seen"]),
                                 )
                                 for row in missing
                             ),
@@ -255,19 +257,14 @@ class BudgetAdmin(admin.ModelAdmin):
 
     inlines = [AlertTargetInline]
 
+    # Inside a 1366-pixel screen beside the filters (tests/admin/test_browser.py): the two
+    # money bars and the forecast, the other limits in one column; all of them on the page.
     list_display = [
-        "__str__",
-        "company",
-        "agent",
+        "owner",
         "month_use",
         "lifetime_use",
         "forecast",
-        "daily_limit",
-        "daily_run_limit",
-        "warn_percent",
-        "alert_percent",
-        "session_limit",
-        "updated_at",
+        "other_limits",
     ]
     list_filter = ["company"]
     list_select_related = ["company", "agent"]
@@ -322,6 +319,20 @@ class BudgetAdmin(admin.ModelAdmin):
                 day = crossing_date(use, rate=rate, now=now)
                 return f"{period} limit on {day:%Y-%m-%d}" if day else "not foreseen"
         return "-"
+
+    @admin.display(description="budget of", ordering="agent__name")
+    def owner(self, obj: Budget) -> str:
+        return short_text(f"agent {obj.agent.name}" if obj.agent_id else f"company {obj.company.name}", 30)
+
+    @admin.display(description="other limits")
+    def other_limits(self, obj: Budget) -> str:
+        limits = [
+            f"${usd(obj.daily_limit_usd)} a day" if obj.daily_limit_usd is not None else "",
+            f"{obj.daily_run_limit} runs a day" if obj.daily_run_limit is not None else "",
+            f"${usd(obj.session_limit_usd)} a session" if obj.session_limit_usd is not None else "",
+        ]
+        warn = f"alerts at {obj.warn_percent}% and {obj.alert_percent}%"
+        return "; ".join([limit for limit in limits if limit] + [warn])
 
     @admin.display(description="this month")
     def month_use(self, obj: Budget) -> str:
@@ -393,18 +404,19 @@ class AlertDeliveryAdmin(ReadOnlyRecords, admin.ModelAdmin):
     """Every budget alert sent to every target, with each HTTP attempt. Read-only: the
     record of what was told to whom."""
 
+    # The columns an operator decides on, inside a 1366-pixel screen beside the filters
+    # (tests/admin/test_browser.py): long text is cut, whole on the delivery's page.
     list_display = [
         "created_at",
-        "alert_label",
-        "target_url",
+        "budget_link",
+        "threshold",
+        "target_short",
         "status",
         "attempts",
-        "last_status_code",
-        "last_error",
-        "next_attempt_at",
+        "last_error_short",
     ]
     list_filter = ["status", "alert__threshold", "alert__period"]
-    list_select_related = ["alert", "target"]
+    list_select_related = ["alert__budget__company", "alert__budget__agent", "target"]
     search_fields = ["target__url"]
     date_hierarchy = "created_at"
     inlines = [AlertAttemptInline]
@@ -435,22 +447,38 @@ class AlertDeliveryAdmin(ReadOnlyRecords, admin.ModelAdmin):
     def target_url(self, obj: AlertDelivery) -> str:
         return obj.target.url
 
+    @admin.display(description="target", ordering="target__url")
+    def target_short(self, obj: AlertDelivery) -> str:
+        return short_text(obj.target.url, 34)
+
+    @admin.display(description="budget", ordering="alert__budget")
+    def budget_link(self, obj: AlertDelivery) -> str:
+        budget = obj.alert.budget
+        owner = f"agent {budget.agent.name}" if budget.agent_id else f"company {budget.company.name}"
+        return admin_link("admin:costs_app_budget_change", budget.pk, short_text(owner, 28))
+
+    @admin.display(description="threshold", ordering="alert__threshold")
+    def threshold(self, obj: AlertDelivery) -> str:
+        alert = obj.alert
+        return f"{alert.threshold}: {alert.percent}% of the {alert.period} limit"
+
+    @admin.display(description="last error", ordering="last_error")
+    def last_error_short(self, obj: AlertDelivery) -> str:
+        return short_text(obj.last_error, 30) if obj.last_error else "-"
+
 
 @admin.register(CostEvent)
 class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
     """The ledger: money already spent. Readable and filterable, never edited."""
 
+    # The columns an operator decides on, inside a 1366-pixel screen beside the filters
+    # (tests/admin/test_browser.py); the company, session, run and cache split are on the row.
     list_display = [
         "created_at",
-        "kind",
-        "model",
         "agent_name",
-        "company_name",
-        "session_link",
-        "input_tokens",
-        "output_tokens",
-        "cache_creation_input_tokens",
-        "cache_read_input_tokens",
+        "model_name",
+        "kind",
+        "tokens",
         "cost",
         "unpriced",
     ]
@@ -472,8 +500,19 @@ class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
 
     @admin.display(description="agent", ordering="agent_label")
     def agent_name(self, obj: CostEvent) -> str:
-        label = obj.agent_label or f"(deleted {obj.agent_id})"
-        return admin_link("admin:sessions_app_agent_change", obj.agent_id, label) if obj.agent_label else label
+        if not obj.agent_label:
+            return short_text(f"(deleted {obj.agent_id})", 28)
+        return admin_link("admin:sessions_app_agent_change", obj.agent_id, short_text(obj.agent_label, 28))
+
+    @admin.display(description="model", ordering="model")
+    def model_name(self, obj: CostEvent) -> str:
+        return short_text(obj.model, 26)
+
+    @admin.display(description="tokens in / out", ordering="input_tokens")
+    def tokens(self, obj: CostEvent) -> str:
+        cache = obj.cache_read_input_tokens + obj.cache_creation_input_tokens
+        detail = f" ({obj.cache_read_input_tokens} read from the cache, {obj.cache_creation_input_tokens} written)"
+        return tokens_in_out(obj.input_tokens + cache, obj.output_tokens, detail=detail)
 
     @admin.display(description="company", ordering="company_label")
     def company_name(self, obj: CostEvent) -> str:
@@ -577,23 +616,32 @@ def costs_report(*, company_id, now, days: int) -> dict:
         day_totals["cost_usd"] += row["cost_usd"]
         day_totals["events"] += row["events"]
 
-    names = dict(Agent.objects.filter(pk__in=list(per_agent)).values_list("id", "name"))
-    label = {agent_id: names.get(agent_id, f"(deleted {str(agent_id)[:8]})") for agent_id in per_agent}
+    agents = {
+        agent.pk: agent
+        for agent in Agent.objects.filter(pk__in=list(per_agent)).only("id", "name", "adapter_type", "adapter_config")
+    }
+    label = {
+        agent_id: agents[agent_id].name if agent_id in agents else f"(deleted {str(agent_id)[:8]})"
+        for agent_id in per_agent
+    }
 
     ranked = sorted(per_agent, key=lambda a: (-per_agent[a]["cost_usd"], -per_agent[a]["input_tokens"]))
     growth = {agent_id: input_growth(agent_id=agent_id) for agent_id in ranked[:GROWTH_MAX_AGENTS]}
 
     agents_table = []
     for agent_id in ranked:
-        g = growth.get(agent_id)
+        g, agent = growth.get(agent_id), agents.get(agent_id)
+        # Judged against what this agent's requests may grow to, and advised in its terms.
+        growing = bool(g and agent and growth_flag(agent, g))
         agents_table.append(
             {
                 "agent_id": agent_id,
                 "name": label[agent_id],
-                "exists": agent_id in names,
+                "exists": agent is not None,
                 **per_agent[agent_id],
                 "growth": g,
-                "growing": bool(g and g.is_growing),
+                "growing": growing,
+                "advice": growth_advice(agent, g) if growing else "",
             }
         )
 
@@ -614,7 +662,6 @@ def costs_report(*, company_id, now, days: int) -> dict:
         "agents_table": agents_table,
         "days_table": days_table,
         "growing_agents": [row for row in agents_table if row["growing"]],
-        "growth_advice": GROWTH_ADVICE,
         "growth_checked": min(len(ranked), GROWTH_MAX_AGENTS),
         "total_cost": sum((row["cost_usd"] for row in agents_table), Decimal(0)),
         "first_day": first_day,

@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
-import anthropic
 from django.db import transaction
 from django.db.models import Q
 
@@ -36,6 +36,9 @@ SOURCE_LIBRARY = "library"
 # generation 5, as is "Claude Fable 5.1" of line fable.
 FIRST_NUMBER = re.compile(r"(\d+)(?:\.(\d+))?")
 ID_NUMBER = re.compile(r"-(\d+)(?:-(\d{1,2}))?(?=-|$)")
+
+if TYPE_CHECKING:
+    import anthropic
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,9 @@ def catalogue_refresh(*, now: datetime, client: anthropic.Anthropic | None = Non
     is recorded on the refresh row, and is raised."""
     try:
         if client is None:
+            # Imported here, not at start-up: the SDK is most of what a process would import.
+            import anthropic
+
             client = anthropic.Anthropic(timeout=REFRESH_TIMEOUT_SECONDS, max_retries=1)
         listed = list(client.models.list(lifecycle=LIFECYCLES))
         if not listed:

@@ -322,6 +322,7 @@ class AlertDelivery(models.Model):
 
     class Meta:
         db_table = "budget_alert_deliveries"
+        verbose_name_plural = "alert deliveries"
         ordering = ["-created_at"]
         indexes = [
             # The maintenance sweep: pending deliveries whose next attempt is due.

@@ -83,6 +83,14 @@ def month_to_date(*, company_id: UUID, now: datetime, agent_id: UUID | None = No
     )
 
 
+# When input growth is worth an operator's time: enough calls to be a trend, and a slope
+# that would add GROWTH_SHARE of the agent's ceiling (its context budget or its model's
+# window) within GROWTH_HORIZON_RUNS more runs. "From 12 to 119 tokens over 6 calls" is not.
+GROWTH_MIN_CALLS = 10
+GROWTH_HORIZON_RUNS = 50
+GROWTH_SHARE = 0.10
+
+
 @dataclass(frozen=True)
 class Growth:
     """Least-squares slope of input tokens per run over an agent's recent runs."""
@@ -93,14 +101,16 @@ class Growth:
     first_input_tokens: int
     last_input_tokens: int
 
-    @property
-    def is_growing(self) -> bool:
-        # A steady rise of more than 2% of the starting size per run, over enough runs to
-        # be a trend rather than noise, is what replayed history looks like.
-        if self.runs < 5:
+    def is_growing(self, *, ceiling_tokens: int) -> bool:
+        """A steady rise, over enough calls, that matters against `ceiling_tokens`: what the
+        agent's requests may grow to (sessions_app.context_defaults.growth_ceiling)."""
+        if self.runs < GROWTH_MIN_CALLS or self.last_input_tokens <= self.first_input_tokens:
             return False
-        baseline = max(self.first_input_tokens, 1)
-        return self.slope_tokens_per_run > 0.02 * baseline and self.last_input_tokens > self.first_input_tokens
+        return self.slope_tokens_per_run * GROWTH_HORIZON_RUNS >= GROWTH_SHARE * ceiling_tokens
+
+    def runs_to_add(self, tokens: int) -> int | None:
+        """Runs until the input per call has grown by `tokens` at this slope (None: flat)."""
+        return int(tokens / self.slope_tokens_per_run) if self.slope_tokens_per_run > 0 else None
 
 
 def slope(values: list[int]) -> float:
@@ -159,9 +169,3 @@ def daily_input_growth(*, agent_id: UUID, now: datetime, days: int = 14) -> dict
         ],
         "slope_tokens_per_day": slope(per_call),
     }
-
-
-GROWTH_ADVICE = (
-    "Input tokens grow with every run: the session is accumulating history. GET .../agents/{id}/growth "
-    "names the setting to change: context_strategy, context_budget_tokens, keep_recent_turns or cache_ttl."
-)

@@ -16,6 +16,7 @@ from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponseRedirect
 from django.urls import path, reverse
+from django.utils.formats import date_format
 from django.utils.html import format_html, format_html_join
 
 from memory_app.models import MemoryFile, MemoryStore, MemoryStoreShare
@@ -135,7 +136,7 @@ class MemoryFileAdmin(admin.ModelAdmin):
                     version.number,
                     version.operation,
                     writer,
-                    version.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                    date_format(version.created_at, "DATETIME_FORMAT"),
                     diff_html(previous, version.content),
                     revert_url,
                     version.number,

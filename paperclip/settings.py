@@ -32,6 +32,9 @@ PAPERCLIP_HOME.mkdir(parents=True, exist_ok=True)
 
 PAPERCLIP_PORT = env_int("PAPERCLIP_PORT", 3100, minimum=1, maximum=65535)
 PAPERCLIP_HOST = env_str("PAPERCLIP_HOST", "127.0.0.1")
+# `manage.py serve` (scripts/run): gunicorn's worker processes and threads per worker.
+PAPERCLIP_WEB_WORKERS = env_int("PAPERCLIP_WEB_WORKERS", 2, minimum=1, maximum=256)
+PAPERCLIP_WEB_THREADS = env_int("PAPERCLIP_WEB_THREADS", 8, minimum=1, maximum=1024)
 PAPERCLIP_DEPLOYMENT_MODE = env_choice("PAPERCLIP_DEPLOYMENT_MODE", "local_trusted", ("local_trusted", "authenticated"))
 
 DATABASES = {
@@ -109,7 +112,8 @@ ALLOWED_HOSTS = [
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    # Django's admin with the console as its front page (paperclip/admin_site.py).
+    "paperclip.admin_site.PaperclipAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -165,6 +169,8 @@ AUTH_PASSWORD_VALIDATORS = [
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
+# One date format with its zone on every admin page (paperclip/formats/en/formats.py).
+FORMAT_MODULE_PATH = ["paperclip.formats"]
 USE_I18N = True
 USE_TZ = True
 
@@ -226,8 +232,16 @@ else:
 # tool loop adds up to 50 more answers (max_tool_rounds), each with its token count.
 LONGEST_CALL_SECONDS = 3600 * 11 + 60 * 10
 LONGEST_RUN_SECONDS = (32 + 2 * 50) * (LONGEST_CALL_SECONDS + PAPERCLIP_RUN_TIMEOUT_SECONDS)
+# The task queue's name: its key in the broker (the ORM queue's rows, Redis's list). Two
+# deployments sharing one Redis database must have different names, or each takes the
+# other's tasks (signed with another secret key, they fail there).
+PAPERCLIP_CLUSTER_NAME = env_str("PAPERCLIP_CLUSTER_NAME", "paperclip")
+if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", PAPERCLIP_CLUSTER_NAME):
+    raise ImproperlyConfigured(
+        f"PAPERCLIP_CLUSTER_NAME must be letters, digits, '.', '_' or '-' (at most 64), got {PAPERCLIP_CLUSTER_NAME!r}"
+    )
 Q_CLUSTER = {
-    "name": "paperclip",
+    "name": PAPERCLIP_CLUSTER_NAME,
     "workers": env_int("PAPERCLIP_Q_WORKERS", 2, minimum=1),
     # The engine's deadline, not the cluster, decides when a run has failed; the task
     # timeout sits above the longest run any valid agent can make. `retry` must exceed

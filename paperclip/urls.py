@@ -1,9 +1,12 @@
 from django.contrib import admin
 from django.urls import include, path
+from django.views.generic import RedirectView
 
 from paperclip.health import health
 
 urlpatterns = [
+    # The service has no site of its own: its front page is the operator console.
+    path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("api/health", health, name="health"),
     path("api/", include("sessions_app.urls")),
     path("api/", include("costs_app.urls")),

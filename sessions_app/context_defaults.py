@@ -24,6 +24,7 @@ from datetime import datetime, timedelta
 
 from costs_app.models import CostEvent
 from costs_app.pricing import price_table
+from costs_app.reports import Growth
 from sessions_app.context import (
     DEFAULT_KEEP_RECENT_TURNS,
     SUMMARY_KINDS,
@@ -146,33 +147,62 @@ def one_hour_cache_pays(agent: Agent, *, now: datetime) -> bool:
 
 # --- the growth signal ------------------------------------------------------------------
 
+# What server-side compaction's trigger is when the agent sets none (the API's default).
+SERVER_COMPACTION_DEFAULT_TRIGGER = 150_000
+SERVER_COMPACTION_MIN_TRIGGER = 50_000
 
-def growth_advice(agent: Agent) -> str:
-    """Which setting to change when the agent's input (and so its cost) per run keeps rising."""
+
+def growth_ceiling(agent: Agent) -> int:
+    """What the agent's input per call can grow to: its `context_budget_tokens`, or else its
+    model's window less the answer's `max_tokens`. Growth matters against it."""
+    return int(agent.adapter_config.get("context_budget_tokens") or budget_ceiling(agent))
+
+
+def growth_flag(agent: Agent, growth: Growth) -> bool:
+    """Whether `growth` (costs_app.reports.input_growth) is worth the operator's time."""
+    return growth.is_growing(ceiling_tokens=growth_ceiling(agent))
+
+
+def growth_advice(agent: Agent, growth: Growth | None = None) -> str:
+    """Which setting to change, and to what, when the agent's input (and so its cost) per run
+    keeps rising; `growth` sizes a rotation to the slope it shows."""
     config = agent.adapter_config
     if not agent.is_persistent:
         return (
             "A stateless agent carries no history: its tasks or its system prompt are growing. "
             "Shorten them, or make the task refer to stored work instead of repeating it."
         )
+    # A fresh session every this many turns keeps the input under a quarter of the ceiling.
+    runs = growth.runs_to_add(growth_ceiling(agent) // 4) if growth is not None else None
+    rotate = max(2, min(runs, 1000)) if runs else 20
     strategy = config.get("context_strategy") or "summarize"
     if strategy == "none":
         return (
             "context_strategy is none, so the whole history is replayed every run. Remove it (summarize is "
-            "the default) to summarise older turns, or set rotate_after_turns."
+            f"the default) to summarise older turns, or set rotate_after_turns to {rotate}."
         )
     if strategy == "server":
-        return "Server-side compaction starts only past its trigger: lower compaction_trigger_tokens."
-    if config.get("context_budget_tokens"):
+        trigger = int(config.get("compaction_trigger_tokens") or SERVER_COMPACTION_DEFAULT_TRIGGER)
+        lower = max(trigger // 2, SERVER_COMPACTION_MIN_TRIGGER)
+        if lower < trigger:
+            return (
+                f"Server-side compaction starts only past its trigger ({trigger} tokens): set "
+                f"compaction_trigger_tokens to {lower}."
+            )
+        return f"Server-side compaction's trigger is at its lowest: set rotate_after_turns to {rotate}."
+    if budget := config.get("context_budget_tokens"):
         return (
-            f"context_budget_tokens is {config['context_budget_tokens']}: each run carries up to that much "
-            "history before a summary. Lower it, or remove it to use the budget derived from the agent's turns."
+            f"context_budget_tokens is {budget}: each run carries up to that much history before a summary. "
+            f"Lower it to {max(int(budget) // 2, 1000)}, or remove it to use the budget derived from the agent's turns."
         )
     if int(config.get("keep_recent_turns") or DEFAULT_KEEP_RECENT_TURNS) > DEFAULT_KEEP_RECENT_TURNS:
-        return "keep_recent_turns keeps many turns verbatim after each summary: lower it."
+        return (
+            f"keep_recent_turns is {config['keep_recent_turns']}: that many turns stay verbatim after each "
+            f"summary. Set it to {DEFAULT_KEEP_RECENT_TURNS} (the default)."
+        )
     if config.get("cache_ttl"):
-        return "cache_ttl is fixed: remove it, so the cache lifetime follows how often the agent wakes."
+        return f"cache_ttl is fixed at {config['cache_ttl']}: remove it, so the cache lifetime follows how often the agent wakes."
     return (
         "The turns themselves are growing (the derived budget follows them): shorten the tasks or the "
-        "answers (max_tokens), or set rotate_after_turns to start fresh sessions with a handoff note."
+        f"answers (max_tokens), or set rotate_after_turns to {rotate} to start fresh sessions with a handoff note."
     )

@@ -394,7 +394,7 @@ FINISHED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.SKIPPE
 
 
 class RunTrigger(models.TextChoices):
-    API = "api"
+    API = "api", "API"
     SCHEDULE = "schedule"
     COMMAND = "command"
     ADMIN = "admin"
@@ -460,6 +460,9 @@ class HeartbeatRun(models.Model):
                 name="runs_unfinished_idx",
                 condition=Q(status__in=UNFINISHED_RUN_STATUSES),
             ),
+            # The console's failed runs of the last day, by error code and by agent
+            # (paperclip/console.py): failures only, so it stays a fraction of the table.
+            models.Index(fields=["created_at"], name="runs_failed_created_idx", condition=Q(status="failed")),
         ]
         constraints = [
             # One writer per agent: at most one running run, enforced by the database so
@@ -572,6 +575,8 @@ class CliTranscriptEntry(models.Model):
 
     class Meta:
         db_table = "cli_transcript_entries"
+        verbose_name = "CLI transcript entry"
+        verbose_name_plural = "CLI transcript entries"
         indexes = [
             models.Index(fields=["scope", "project_key", "session_id", "subpath", "id"], name="cli_transcript_key_idx")
         ]

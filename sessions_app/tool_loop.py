@@ -19,15 +19,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from costs_app.pricing import token_counts
 from memory_app.models import RunToolLoop
 from memory_app.stores import Writer, memory_store_names, mounts_for
-from memory_app.tool import StoreMemoryTool, tool_result
 from sessions_app.adapters import AdapterReply, AdapterRequest
 from sessions_app.adapters.tool_config import DEFAULT_MAX_TOOL_ROUNDS
 from sessions_app.context import cache_marker
 from sessions_app.errors import RunFailure
+
+if TYPE_CHECKING:
+    # At run time imported by the loop itself: the memory tool is built on the anthropic
+    # SDK, which start-up need not load (sessions_app.adapters.claude_code.sdk).
+    from memory_app.tool import StoreMemoryTool
 
 
 def memory_tool_for(beat) -> StoreMemoryTool | None:
@@ -38,6 +43,8 @@ def memory_tool_for(beat) -> StoreMemoryTool | None:
         return None
     if agent.adapter_config.get("runtime", "api") != "api":
         return None
+    from memory_app.tool import StoreMemoryTool
+
     return StoreMemoryTool(mounts_for(agent), writer=Writer(run_id=beat.run.id))
 
 
@@ -94,6 +101,8 @@ class ToolLoop:
                 "is_error": True,
             }
         else:
+            from memory_app.tool import tool_result
+
             result = tool_result(tool, block)
         self.tool_errors += bool(result.get("is_error"))
         return result

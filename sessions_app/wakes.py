@@ -42,10 +42,23 @@ def cron_error(expression: object) -> str | None:
     try:
         next(CronSim(expression, datetime(2000, 1, 1, tzinfo=UTC)))
     except CronSimError as exc:
+        if day := _day_no_month_has(expression):
+            return f"never fires: none of the months it names has a day {day}: {expression!r}"
         return f"is not a valid cron expression ({exc}): {expression!r}"
     except StopIteration:
         return f"never fires: {expression!r}"
     return None
+
+
+def _day_no_month_has(expression: str) -> int | None:
+    """The day of the month an otherwise valid expression names that its months lack
+    (`0 0 30 2 *`: cronsim refuses it as a bad day-of-month), or None."""
+    minute, hour, day, month, weekday = expression.split()
+    try:
+        every_month = CronSim(f"{minute} {hour} {day} * {weekday}", datetime(2000, 1, 1, tzinfo=UTC))
+    except CronSimError:
+        return None  # the day field itself is wrong
+    return min(every_month.days)
 
 
 def cron_wakes(*, expression: str, zone_name: str, after: datetime, count: int) -> list[datetime]:

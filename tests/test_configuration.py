@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,8 @@ def run_check(tmp_path, **env):
         ({"PAPERCLIP_ALERT_HOSTS": "hooks.example:99999"}, "PAPERCLIP_ALERT_HOSTS"),
         ({"PAPERCLIP_WORK_CHECK_HOSTS": "tracker.example,api:http"}, "PAPERCLIP_WORK_CHECK_HOSTS"),
         ({"PAPERCLIP_WORK_CHECK_HOSTS": "https://tracker.example"}, "PAPERCLIP_WORK_CHECK_HOSTS"),
+        ({"PAPERCLIP_CLUSTER_NAME": "two words"}, "PAPERCLIP_CLUSTER_NAME"),
+        ({"PAPERCLIP_WEB_WORKERS": "many"}, "PAPERCLIP_WEB_WORKERS"),
     ],
 )
 def test_bad_configuration_stops_with_one_clear_line(tmp_path, env, mentions):
@@ -199,3 +202,56 @@ def test_a_trusted_proxy_header_marks_forwarded_requests_secure(tmp_path):
         "location": None,
         "hsts": "max-age=31536000; includeSubDomains; preload",
     }
+
+
+@pytest.mark.parametrize(
+    ("database_url", "mentions"),
+    [
+        ("postgres://postgres:not-shown-pw@127.0.0.1:1/paperclip", "PostgreSQL database 'paperclip' at 127.0.0.1:1"),
+        ("sqlite:////nonexistent-folder/paperclip.sqlite3", "the SQLite file /nonexistent-folder/paperclip.sqlite3"),
+    ],
+)
+def test_the_run_command_without_its_database_stops_with_one_clear_line(tmp_path, database_url, mentions):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
+    environment.update({"PAPERCLIP_HOME": str(tmp_path), "DATABASE_URL": database_url, "PAPERCLIP_PORT": "3499"})
+    result = subprocess.run(["scripts/run"], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("paperclip: configuration error: cannot reach"), lines[0]
+    assert mentions in lines[0] and "not-shown-pw" not in lines[0]
+
+
+# A variable the code reads: env_int("NAME", ...), env_str("NAME", ...), os.environ.get("NAME"), ...
+READ = re.compile(r"""(?:\benv_\w+\(|os\.environ\.get\(|os\.environ\[|os\.getenv\()\s*["']([A-Z][A-Z0-9_]+)["']""")
+# A row of the reference: the first cell names one variable or several, each in backticks.
+DOCUMENTED = re.compile(r"^\| ((?:`[A-Z][A-Z0-9_]+`(?:, )?)+) \|", re.M)
+# Read by the libraries themselves (the anthropic SDK), documented all the same.
+READ_BY_LIBRARIES = {"ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"}
+
+
+def test_every_setting_the_code_reads_is_in_the_configuration_reference():
+    read = set()
+    for module in ("paperclip/settings.py", "paperclip/env.py"):
+        read |= set(READ.findall((ROOT / module).read_text()))
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    documented = {name for row in DOCUMENTED.findall(reference) for name in re.findall(r"`([A-Z0-9_]+)`", row)}
+    assert read, "the pattern found no variable: is it still how settings read the environment?"
+    assert sorted(read - documented) == [], "read but not in docs/configuration.md"
+    assert sorted(documented - read - READ_BY_LIBRARIES) == [], "documented but never read"
+
+
+def test_the_task_queue_is_named_by_the_setting_so_two_deployments_can_share_a_redis(tmp_path):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
+    environment.update({"PAPERCLIP_HOME": str(tmp_path), "PAPERCLIP_CLUSTER_NAME": "staging"})
+    script = "from django_q.conf import Conf; print(Conf.PREFIX, Conf.CLUSTER_NAME)"
+    result = subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", script],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # (Django's shell may first say what it imported.)
+    assert result.stdout.strip().splitlines()[-1].split() == ["staging", "staging"], (result.stdout, result.stderr)

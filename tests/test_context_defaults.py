@@ -223,16 +223,29 @@ def test_the_one_hour_cache_is_tried_before_it_is_judged(company):
     ("config", "names"),
     [
         ({"session_mode": "stateless"}, "system prompt"),
-        ({"context_strategy": "none"}, "context_strategy"),
-        ({"context_budget_tokens": 80_000}, "context_budget_tokens is 80000"),
-        ({"keep_recent_turns": 12}, "keep_recent_turns"),
-        ({"cache_ttl": "1h"}, "cache_ttl"),
-        ({}, "rotate_after_turns"),
+        ({"context_strategy": "none"}, "set rotate_after_turns to 20"),
+        ({"context_budget_tokens": 80_000}, "context_budget_tokens is 80000: each run carries up to that much"),
+        ({"context_budget_tokens": 80_000}, "Lower it to 40000"),
+        ({"keep_recent_turns": 12}, "keep_recent_turns is 12"),
+        ({"keep_recent_turns": 12}, "Set it to 1 (the default)"),
+        ({"cache_ttl": "1h"}, "cache_ttl is fixed at 1h: remove it"),
+        ({"context_strategy": "server"}, "set compaction_trigger_tokens to 75000"),
+        ({"context_strategy": "server", "compaction_trigger_tokens": 60_000}, "to 50000"),
+        ({}, "set rotate_after_turns to 20"),
     ],
 )
-def test_growth_advice_names_the_setting_to_change(company, config, names):
+def test_growth_advice_names_the_setting_to_change_and_to_what(company, config, names):
     agent = plain_agent(company, **config)
     assert names in growth_advice(agent)
+
+
+def test_growth_advice_sizes_a_rotation_to_the_slope(company):
+    from costs_app.reports import Growth
+
+    agent = plain_agent(company, context_strategy="none")
+    growth = Growth(agent_id=agent.id, runs=20, slope_tokens_per_run=1000, first_input_tokens=1, last_input_tokens=2)
+    # A quarter of the window (195,904 // 4 = 48,976 tokens) at 1,000 tokens a run.
+    assert "set rotate_after_turns to 48." in growth_advice(agent, growth)
 
 
 def test_the_migration_forgets_the_cache_defaults_agents_stored(company):

@@ -9,9 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Any
-
-import anthropic
+from typing import TYPE_CHECKING, Any
 
 from sessions_app.adapters.base import (
     Adapter,
@@ -42,15 +40,25 @@ INFERENCE_GEO = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 # minutes. A run's deadline allows this much between two attempts.
 RETRY_WAIT_SECONDS = 60
 
+if TYPE_CHECKING:
+    import anthropic
+
+
+def sdk():
+    """The `anthropic` package, imported at the first call rather than at start-up: it is most
+    of what a web or cluster process would import before it can answer (bench/RESULTS.md,
+    "Restart")."""
+    import anthropic
+
+    return anthropic
+
 
 @functools.lru_cache(maxsize=32)
 def _client(base_url: str, api_key: str, timeout: float, max_retries: int) -> anthropic.Anthropic:
     # One client per configuration and process: it owns a connection pool, so reusing it
     # saves a TLS handshake per heartbeat. The environment values are part of the key so a
     # changed ANTHROPIC_BASE_URL or key takes effect without a restart.
-    return anthropic.Anthropic(
-        api_key=api_key or None, base_url=base_url or None, timeout=timeout, max_retries=max_retries
-    )
+    return sdk().Anthropic(api_key=api_key or None, base_url=base_url or None, timeout=timeout, max_retries=max_retries)
 
 
 def client_for(config: dict) -> anthropic.Anthropic:
@@ -61,13 +69,14 @@ def client_for(config: dict) -> anthropic.Anthropic:
             float(config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)),
             int(config.get("max_retries", DEFAULT_MAX_RETRIES)),
         )
-    except anthropic.AnthropicError as exc:
+    except sdk().AnthropicError as exc:
         # Typically no API key configured. The message never contains the key itself.
         raise AdapterError("adapter_not_configured", f"Anthropic client could not be created: {exc}") from None
 
 
 def error_from_sdk(exc: Exception) -> AdapterError:
     """Map an SDK exception to a stable error code; messages never carry credentials."""
+    anthropic = sdk()
     if isinstance(exc, anthropic.APITimeoutError):
         return AdapterError("model_timeout", "The Messages API did not answer in time.", retryable=True)
     if isinstance(exc, anthropic.APIConnectionError):
@@ -244,7 +253,7 @@ class ClaudeCodeAdapter(Adapter):
                 message = client.beta.messages.create(**kwargs, betas=betas)
             else:
                 message = client.messages.create(**kwargs)
-        except anthropic.AnthropicError as exc:
+        except sdk().AnthropicError as exc:
             raise error_from_sdk(exc) from None
         except TypeError as exc:
             raise missing_credentials(exc) from None
@@ -282,7 +291,7 @@ class ClaudeCodeAdapter(Adapter):
                 )
                 return counted.input_tokens
             return client.messages.count_tokens(**kwargs).input_tokens
-        except anthropic.AnthropicError as exc:
+        except sdk().AnthropicError as exc:
             raise error_from_sdk(exc) from None
         except TypeError as exc:
             raise missing_credentials(exc) from None

@@ -5,7 +5,6 @@ takes on them (pause, resume, retire, delete, a heartbeat now).
 from __future__ import annotations
 
 import json
-from datetime import UTC
 from zoneinfo import ZoneInfo
 
 from django import forms
@@ -28,13 +27,16 @@ from sessions_app import services
 from sessions_app.adapters.claude_cli import workspace_listing
 from sessions_app.admin.common import (
     RECENT_INLINE_ROWS,
+    ApiIdsInUrls,
     ReadOnlyInline,
     adapter_choices,
     admin_link,
+    admin_time,
     changelist_url,
     deletion_summary,
     humane_expiry,
     money_column,
+    short_text,
 )
 from sessions_app.model_checks import agent_model_info, model_warning
 from sessions_app.models import (
@@ -181,11 +183,11 @@ class RecentRunsInline(ReadOnlyInline):
 
 
 @admin.register(Agent)
-class AgentAdmin(admin.ModelAdmin):
+class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
     form = AgentAdminForm
     list_display = [
         "name",
-        "company",
+        "company_name",
         "adapter_type",
         "agent_model",
         "session_mode",
@@ -237,7 +239,7 @@ class AgentAdmin(admin.ModelAdmin):
         rows = format_html_join(
             "",
             '<tr><td>{}</td><td style="text-align:right">{}</td><td>{}</td></tr>',
-            ((f.name, f.size, f.modified.strftime("%Y-%m-%d %H:%M:%S UTC")) for f in listing.files),
+            ((f.name, f.size, admin_time(f.modified)) for f in listing.files),
         )
         more = f" (the first {len(listing.files)} shown)" if listing.truncated else ""
         return format_html(
@@ -294,11 +296,12 @@ class AgentAdmin(admin.ModelAdmin):
         zone = ZoneInfo(HeartbeatPlan.of(obj.adapter_config).zone_name)
         return format_html_join(
             mark_safe("<br>"),
-            '<span class="next-wake">{} <span class="quiet">({} UTC)</span>{}</span>',
+            '<span class="next-wake">{} {} <span class="quiet">({})</span>{}</span>',
             (
                 (
-                    wake.astimezone(zone).strftime("%a %Y-%m-%d %H:%M %Z"),
-                    wake.astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
+                    wake.astimezone(zone).strftime("%a"),
+                    admin_time(wake, zone=zone),
+                    admin_time(wake),
                     # An interval schedule past its time (a cluster that is down) fires on the
                     # scheduler's next pass.
                     ": due, waiting for the task cluster" if wake <= now else "",
@@ -322,6 +325,10 @@ class AgentAdmin(admin.ModelAdmin):
         else:
             stretched = "no schedule to stretch"
         return format_html('<strong class="backoff">x{}</strong>: {} ({})', factor, stretched, streak)
+
+    @admin.display(description="company", ordering="company__name")
+    def company_name(self, obj: Agent) -> str:
+        return short_text(obj.company.name, 28)
 
     # Not `model`: that is ModelAdmin's own attribute (the Agent class), which shadowed this
     # method and left the column empty, headed "Agent".

@@ -4,15 +4,16 @@ the read-only inline, and the filters that more than one changelist uses.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 
 from django.contrib import admin
-from django.contrib.admin.utils import unquote
+from django.contrib.admin.utils import quote, unquote
 from django.core.paginator import Paginator
 from django.db import connection
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponseRedirect
 from django.urls import reverse
+from django.utils.formats import date_format
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.http import urlencode
@@ -21,7 +22,7 @@ from django.utils.timesince import timesince, timeuntil
 
 from costs_app.money import usd
 from sessions_app.adapters import ADAPTERS
-from sessions_app.models import Agent
+from sessions_app.models import Agent, parse_uuid
 
 RECENT_INLINE_ROWS = 10
 
@@ -72,6 +73,42 @@ class CappedCountPaginator(Paginator):
         return self.count_cap
 
 
+class ApiIdsInUrls:
+    """Admin pages of a row opened by the id the API shows: a session's `sess_...` id, or a
+    UUID spelled another way (no dashes, capitals). Answered with a redirect to the row's own
+    URL, so what an operator pastes from an API answer or a log line opens the row."""
+
+    def parse_api_id(self, object_id: str):
+        return parse_uuid(object_id)
+
+    def get_object(self, request, object_id, from_field=None):
+        parsed = self.parse_api_id(object_id) if from_field is None else None
+        return super().get_object(request, str(parsed) if parsed else object_id, from_field)
+
+    def redirect_to_row(self, request: HttpRequest, view: str, object_id: str) -> HttpResponseRedirect | None:
+        # The id as it came in the URL: the admin's unquote() would read the "_22" of a
+        # `sess_22...` id as an escaped quote mark.
+        parsed = self.parse_api_id(object_id)
+        if parsed is None or str(parsed) == object_id:
+            return None
+        opts = self.model._meta
+        url = reverse(f"admin:{opts.app_label}_{opts.model_name}_{view}", args=[quote(str(parsed))])
+        query = request.META.get("QUERY_STRING", "")
+        return HttpResponseRedirect(f"{url}?{query}" if query else url)
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        redirect = self.redirect_to_row(request, "change", object_id)
+        return redirect or super().change_view(request, object_id, form_url, extra_context)
+
+    def delete_view(self, request, object_id, extra_context=None):
+        redirect = self.redirect_to_row(request, "delete", object_id)
+        return redirect or super().delete_view(request, object_id, extra_context)
+
+    def history_view(self, request, object_id, extra_context=None):
+        redirect = self.redirect_to_row(request, "history", object_id)
+        return redirect or super().history_view(request, object_id, extra_context)
+
+
 class LargeTableAdmin(admin.ModelAdmin):
     """For tables that grow without bound (sessions, runs, cost events): no exact count
     of the whole table and no facet counts, which would each scan it on every page."""
@@ -88,6 +125,40 @@ def humane_expiry(expires_at: datetime | None, *, now: datetime) -> str:
     if expires_at > now:
         return f"in {timeuntil(expires_at, now, depth=1)}"
     return f"expired {timesince(expires_at, now, depth=1)} ago"
+
+
+def admin_time(value: datetime | None, *, zone=None) -> str:
+    """A time as every admin page writes it (DATETIME_FORMAT: `2026-11-30 18:04 UTC`), in
+    `zone` when given (an agent's own), else in UTC."""
+    if value is None:
+        return "-"
+    return date_format(value.astimezone(zone or UTC), "DATETIME_FORMAT")
+
+
+def short_text(text: str, length: int) -> str:
+    """`text` cut to `length` characters for a list column, the whole of it in the tooltip
+    (and on the row's own page)."""
+    if len(text) <= length:
+        return text
+    return format_html('<span title="{}">{}…</span>', text, text[: length - 1])
+
+
+def tokens_text(count: int | None) -> str:
+    """A token count as a list column shows it: 950, 12.3k, 1.2M."""
+    if count is None:
+        return "-"
+    for unit, size in (("M", 1_000_000), ("k", 1_000)):
+        if abs(count) >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)
+
+
+def tokens_in_out(input_tokens: int | None, output_tokens: int | None, *, detail: str = "") -> str:
+    """`12.3k / 950`: what went in and what came out, exact figures in the tooltip."""
+    if input_tokens is None and output_tokens is None:
+        return "-"
+    title = f"{input_tokens or 0} in, {output_tokens or 0} out{detail}"
+    return format_html('<span title="{}">{} / {}</span>', title, tokens_text(input_tokens), tokens_text(output_tokens))
 
 
 def is_changelist(request: HttpRequest) -> bool:

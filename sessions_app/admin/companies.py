@@ -8,12 +8,12 @@ from django.db.models import Count
 from django.utils import timezone
 
 from sessions_app import services
-from sessions_app.admin.common import deletion_summary
+from sessions_app.admin.common import ApiIdsInUrls, deletion_summary
 from sessions_app.models import Agent, AgentSession, ApiKey, Company, HeartbeatRun, SessionCompaction
 
 
 @admin.register(Company)
-class CompanyAdmin(admin.ModelAdmin):
+class CompanyAdmin(ApiIdsInUrls, admin.ModelAdmin):
     list_display = ["name", "id", "agent_count", "created_at"]
     search_fields = ["name", "=id"]
     readonly_fields = ["id", "created_at"]

@@ -8,7 +8,6 @@ import json
 
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
-from django.contrib.humanize.templatetags.humanize import naturaltime
 from django.core.exceptions import PermissionDenied
 from django.db.models import Sum
 from django.http import Http404, HttpResponse, HttpResponseRedirect, JsonResponse
@@ -19,14 +18,18 @@ from django.utils.html import format_html
 from costs_app.models import CostEvent
 from sessions_app import services
 from sessions_app.admin.common import (
+    ApiIdsInUrls,
     LargeTableAdmin,
     ModelNameFilter,
     adapter_choices,
     admin_link,
+    admin_time,
     changelist_url,
     deletion_summary,
     humane_expiry,
     money_column,
+    short_text,
+    tokens_in_out,
 )
 from sessions_app.admin.transcript import transcript
 from sessions_app.compact_now import session_compact
@@ -43,6 +46,8 @@ from sessions_app.models import (
 from sessions_app.serializers import SessionSerializer
 from sessions_app.stores import store_for
 
+# A session id in the list: `sess_` and 8 of its 32 hex digits.
+SHORT_ID_CHARS = 14
 # The raw JSON toggle shows at most this much; the export has the whole history.
 RAW_HISTORY_MAX_CHARS = 500_000
 
@@ -59,21 +64,20 @@ class AdapterTypeFilter(admin.SimpleListFilter):
 
 
 @admin.register(AgentSession)
-class AgentSessionAdmin(LargeTableAdmin):
-    # What an operator scans first comes first: beside the two sidebars, a 1366-pixel screen
-    # shows about five columns before the list scrolls sideways (tests/admin/test_browser.py).
+class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
+    # The columns an operator decides on, inside a 1366-pixel screen beside the filters
+    # (tests/admin/test_browser.py); the company is a filter, the rest is on the row's page.
     list_display = [
-        "session_id",
+        "short_session_id",
+        "agent_name",
         "status_now",
         "message_count",
-        "expires",
-        "last_used_ago",
-        "agent",
-        "company",
-        "last_input_tokens",
+        "tokens",
         "total_cost",
+        "last_used_at",
+        "expires",
     ]
-    list_display_links = ["session_id"]
+    list_display_links = ["short_session_id"]
     list_filter = ["status", "company", "agent", AdapterTypeFilter, ModelNameFilter]
     search_fields = ["agent__name"]
     search_help_text = "A session id (sess_… or UUID) or an agent name."
@@ -173,6 +177,9 @@ class AgentSessionAdmin(LargeTableAdmin):
             .defer("history", "agent__system_prompt", "agent__adapter_config")
         )
 
+    def parse_api_id(self, object_id: str):
+        return parse_session_id(object_id)
+
     def get_search_results(self, request, queryset, search_term):
         session_id = parse_session_id(search_term)
         if session_id is not None:
@@ -190,6 +197,15 @@ class AgentSessionAdmin(LargeTableAdmin):
     def session_id(self, obj: AgentSession) -> str:
         return obj.public_id
 
+    @admin.display(description="session", ordering="id")
+    def short_session_id(self, obj: AgentSession) -> str:
+        # Enough to tell sessions apart; the tooltip and the page show all of it.
+        return short_text(obj.public_id, SHORT_ID_CHARS)
+
+    @admin.display(description="agent", ordering="agent__name")
+    def agent_name(self, obj: AgentSession) -> str:
+        return short_text(obj.agent.name, 28)
+
     @admin.display(description="status", ordering="status")
     def status_now(self, obj: AgentSession) -> str:
         if obj.status in LIVE_SESSION_STATUSES and not obj.is_live_at(timezone.now()):
@@ -198,11 +214,19 @@ class AgentSessionAdmin(LargeTableAdmin):
 
     @admin.display(description="expires", ordering="expires_at")
     def expires(self, obj: AgentSession) -> str:
-        return humane_expiry(obj.expires_at, now=timezone.now())
+        return format_html(
+            '<span title="{}">{}</span>', admin_time(obj.expires_at), humane_expiry(obj.expires_at, now=timezone.now())
+        )
 
     @admin.display(description="last used", ordering="last_used")
-    def last_used_ago(self, obj: AgentSession) -> str:
-        return format_html('<span title="{}">{}</span>', obj.last_used.isoformat(), naturaltime(obj.last_used))
+    def last_used_at(self, obj: AgentSession) -> str:
+        return admin_time(obj.last_used)
+
+    @admin.display(description="tokens in / out", ordering="total_input_tokens")
+    def tokens(self, obj: AgentSession) -> str:
+        return tokens_in_out(
+            obj.total_input_tokens, obj.total_output_tokens, detail=f"; the last request {obj.last_input_tokens} in"
+        )
 
     total_cost = money_column("total_cost_usd", "total cost (USD)")
 
@@ -277,7 +301,8 @@ class AgentSessionAdmin(LargeTableAdmin):
         }
 
     def _get_session_or_404(self, request, object_id) -> AgentSession:
-        session = self.get_object(request, unquote(object_id))
+        parsed = parse_session_id(object_id)  # before unquote(), which would mangle `sess_22...`
+        session = self.get_object(request, str(parsed) if parsed else unquote(object_id))
         if session is None:
             raise Http404("No such session.")
         return session

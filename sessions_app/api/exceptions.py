@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import InterfaceError, OperationalError
@@ -47,6 +48,12 @@ class PayloadTooLarge(exceptions.APIException):
     status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
     default_code = "payload_too_large"
     default_detail = "The request body is too large."
+
+
+def payload_too_large() -> PayloadTooLarge:
+    """The 413, naming the limit and the setting that raises it."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return PayloadTooLarge(f"The request body is over {limit} bytes, the limit PAPERCLIP_MAX_BODY_BYTES sets.")
 
 
 class TooManyRequests(exceptions.APIException):
@@ -120,7 +127,7 @@ def api_exception_handler(exc: Exception, context: dict) -> Response | None:
         logger.warning("Database unavailable: %s", exc.__class__.__name__)
         exc = ServiceUnavailable("The database is unavailable; try again shortly.", code="database_unavailable")
     elif isinstance(exc, RequestDataTooBig):
-        exc = PayloadTooLarge()
+        exc = payload_too_large()
     elif isinstance(exc, Http404):
         exc = NotFound("Not found.")
     elif isinstance(exc, PermissionDenied):
@@ -155,7 +162,8 @@ def json_bad_request(request: HttpRequest, exception: Exception | None = None):
     if not is_api_request(request):
         return defaults.bad_request(request, exception)
     if isinstance(exception, RequestDataTooBig):
-        return JsonResponse(error_body("payload_too_large", "The request body is too large."), status=413)
+        too_large = payload_too_large()
+        return JsonResponse(error_body(too_large.default_code, str(too_large.detail)), status=too_large.status_code)
     return JsonResponse(error_body("bad_request", "The request is not valid."), status=400)
 
 

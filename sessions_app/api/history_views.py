@@ -14,7 +14,7 @@ from costs_app.money import MoneyField
 from costs_app.reports import daily_input_growth, input_growth
 from sessions_app.api.base import ApiView, error_responses
 from sessions_app.api.exceptions import NotFound
-from sessions_app.context_defaults import growth_advice
+from sessions_app.context_defaults import growth_advice, growth_ceiling, growth_flag
 from sessions_app.models import AgentSession, SessionCompaction, parse_session_id
 
 MAX_COMPACTIONS = 100
@@ -101,8 +101,14 @@ class GrowthSerializer(serializers.Serializer):
     slope_tokens_per_run = serializers.FloatField()
     first_input_tokens = serializers.IntegerField()
     last_input_tokens = serializers.IntegerField()
-    growing = serializers.BooleanField()
-    advice = serializers.CharField(allow_blank=True)
+    ceiling_tokens = serializers.IntegerField(
+        help_text="What the agent's input per call may grow to: its context_budget_tokens, or its model's window "
+        "less max_tokens."
+    )
+    growing = serializers.BooleanField(
+        help_text="At least 10 calls, rising, at a slope that adds a tenth of ceiling_tokens within 50 runs."
+    )
+    advice = serializers.CharField(allow_blank=True, help_text="Which setting to change, and to what (when growing).")
     slope_tokens_per_day = serializers.FloatField()
     daily = serializers.ListField(child=serializers.DictField())
 
@@ -112,20 +118,23 @@ class AgentGrowthView(ApiView):
         operation_id="agent_growth",
         responses={200: GrowthSerializer, **error_responses()},
         description="Whether the agent's input tokens per call grow steadily (replayed history accumulating): "
-        "the least-squares slope over its last 30 calls and per UTC day over 14 days.",
+        "the least-squares slope over its last 30 calls and per UTC day over 14 days, judged against what its "
+        "requests may grow to, with the setting to change.",
     )
     def get(self, request, company_id: UUID, agent_id: UUID):
         agent = self.get_agent(company_id, agent_id)
         growth = input_growth(agent_id=agent.id)
         daily = daily_input_growth(agent_id=agent.id, now=timezone.now())
+        growing = growth_flag(agent, growth)
         body = {
             "agent_id": agent.id,
             "runs": growth.runs,
             "slope_tokens_per_run": round(growth.slope_tokens_per_run, 2),
             "first_input_tokens": growth.first_input_tokens,
             "last_input_tokens": growth.last_input_tokens,
-            "growing": growth.is_growing,
-            "advice": growth_advice(agent) if growth.is_growing else "",
+            "ceiling_tokens": growth_ceiling(agent),
+            "growing": growing,
+            "advice": growth_advice(agent, growth) if growing else "",
             "slope_tokens_per_day": round(daily["slope_tokens_per_day"], 2),
             "daily": daily["days"],
         }

@@ -9,7 +9,7 @@ from rest_framework.exceptions import ParseError
 from rest_framework.parsers import JSONParser
 from rest_framework.utils.json import strict_constant
 
-from sessions_app.api.exceptions import BadRequest, PayloadTooLarge
+from sessions_app.api.exceptions import BadRequest, payload_too_large
 
 MAX_DEPTH = 64
 
@@ -43,8 +43,20 @@ def check_json_value(value: object, where: str = "body", depth: int = 0) -> None
             check_json_value(item, f"{where}.{index}", depth + 1)
 
 
+def json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "a JSON array"
+    if isinstance(value, str):
+        return "a JSON string"
+    if isinstance(value, bool):
+        return "a JSON boolean"
+    if isinstance(value, (int, float)):
+        return "a JSON number"
+    return "null"
+
+
 class StrictJSONParser(JSONParser):
-    """JSON with a body limit (413), no NaN/Infinity, no NUL, valid Unicode only.
+    """A JSON object with a body limit (413), no NaN/Infinity, no NUL, valid Unicode only.
 
     DRF reads the request stream itself, bypassing Django's DATA_UPLOAD_MAX_MEMORY_SIZE
     check on `request.body`, so the limit is enforced here: by Content-Length up front, and
@@ -57,12 +69,12 @@ class StrictJSONParser(JSONParser):
         declared = request.META.get("CONTENT_LENGTH") if request is not None else None
         try:
             if declared and int(declared) > limit:
-                raise PayloadTooLarge(f"The request body is over {limit} bytes.")
+                raise payload_too_large()
         except ValueError:
             raise BadRequest("Content-Length is not a number.") from None
         raw = stream.read(limit + 1) if stream is not None else b""
         if len(raw) > limit:
-            raise PayloadTooLarge(f"The request body is over {limit} bytes.")
+            raise payload_too_large()
         try:
             text = raw.decode("utf-8")
             data = json.loads(text, parse_constant=strict_constant)
@@ -73,4 +85,10 @@ class StrictJSONParser(JSONParser):
         except ValueError as exc:
             raise ParseError(f"Malformed JSON: {exc}") from None
         check_json_value(data)
+        if not isinstance(data, dict):
+            # Every body of this API is an object; DRF would answer "non_field_errors".
+            raise BadRequest(
+                f'The request body is {json_kind(data)}: expected a JSON object ({{"name": value, ...}}).',
+                code="expected_json_object",
+            )
         return data

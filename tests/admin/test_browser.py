@@ -119,7 +119,7 @@ def operator_journey(live_server, page, django_user_model, persistent_agent, sta
     page.fill("#id_username", "operator")
     page.fill("#id_password", "correct horse battery")
     page.click("input[type=submit]")
-    page.wait_for_selector("#paperclip-reports")
+    page.wait_for_selector("#console")
     shot(page, "01-index")
 
     # The agent, then its sessions.
@@ -128,11 +128,13 @@ def operator_journey(live_server, page, django_user_model, persistent_agent, sta
     page.wait_for_selector("text=recent sessions")
     shot(page, "02-agent")
     page.click("ul.object-tools a:text-is('Sessions')")
-    page.wait_for_selector(f"a:text-is('{session.public_id}')")
+    # The list shows the start of the id; the link's tooltip, all of it.
+    session_link = f"#result_list a:has(span[title='{session.public_id}'])"
+    page.wait_for_selector(session_link)
     shot(page, "03-sessions")
 
     # One session: its conversation reads as turns, and the script is only text.
-    page.click(f"a:text-is('{session.public_id}')")
+    page.click(session_link)
     conversation_box = page.locator("#conversation")
     conversation_box.wait_for()
     assert conversation_box.locator("article.pc-turn").count() == 4
@@ -280,3 +282,161 @@ def memory_journey(live_server, page, django_user_model, agent) -> None:
     found = MemoryFile.objects.get(path="customers.md")
     assert (found.version, found.content) == (3, "Acme pays on net 30.\n<b>bold?</b>")
     shot(page, "11-memory-reverted")
+
+
+def log_in(page, live_server, django_user_model, next_url: str = "/admin/") -> None:
+    django_user_model.objects.create_superuser("operator", "op@example.com", "correct horse battery")
+    page.goto(f"{live_server.url}/admin/login/?next={next_url}")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", "correct horse battery")
+    page.click("input[type=submit]")
+
+
+def wide_house(company) -> dict:
+    """Rows with the widest values each list shows: long names, models, codes, URLs, errors."""
+    from costs_app.models import Budget
+    from sessions_app.models import Agent, RunStatus
+    from tests.admin.conftest import budget_alert_delivered
+
+    now = timezone.now()
+    company.name = "Acme Intergalactic Holdings and Subsidiaries of the Outer Rim Ltd."
+    company.save()
+    agent = Agent.objects.create(
+        company=company,
+        name="Quarterly planning researcher for the northern European sales regions",
+        adapter_config={"model": "claude-sonnet-4-5-20250929", "session_mode": "persistent"},
+    )
+    session = make_session(
+        agent, history=conversation(4), status=SessionStatus.ACTIVE, expires_at=now - timedelta(days=2)
+    )
+    AgentSession.objects.filter(pk=session.pk).update(
+        message_count=123_456, total_input_tokens=987_654_321, total_output_tokens=12_345_678, total_cost_usd=12345.6789
+    )
+    run = make_run(
+        agent,
+        session=session,
+        status=RunStatus.FAILED,
+        error_code="compaction_model_rate_limited_after_retries",
+        input_tokens=190_000,
+        cache_read_input_tokens=1_500_000,
+        cost_usd=Decimal("1234.5678901234"),
+    )
+    make_cost(agent, session=session, run=run, model="claude-sonnet-4-5-20250929-experimental", input_tokens=9_999_999)
+    budget = Budget.objects.create(company=company, agent=agent, monthly_limit_usd=Decimal("100000"))
+    delivery = budget_alert_delivered(budget)
+    delivery.target.url = "https://alerts.example.internal/hooks/paperclip/budget/" + "x" * 80
+    delivery.target.save()
+    delivery.last_error = "ConnectionRefusedError: [Errno 111] Connection refused " * 4
+    delivery.save()
+    return {"agent": agent, "session": session, "run": run}
+
+
+# The columns an operator decides on, per list (issue 26): in view at 1366 px.
+NAMED_COLUMNS = {
+    "sessions_app/agentsession": ["agent_name", "status_now", "message_count", "tokens", "total_cost", "last_used_at"],
+    "sessions_app/heartbeatrun": ["agent_name", "status", "trigger", "cost", "started"],
+    "costs_app/costevent": ["agent_name", "model_name", "tokens", "cost"],
+    "costs_app/alertdelivery": ["budget_link", "threshold", "target_short", "status"],
+}
+
+# Each cell's and header's right edge beyond the window or the list's scrolling box (> 0: hidden).
+OVERFLOW = """cells => cells.map(cell => {
+    const box = cell.closest('.results').getBoundingClientRect();
+    return cell.getBoundingClientRect().right - Math.min(box.right, window.innerWidth);
+})"""
+# How far the list (or the page) scrolls sideways.
+SIDEWAYS = """() => {
+    const results = document.querySelector('.results');
+    return Math.max(
+        results ? results.scrollWidth - results.clientWidth : 0,
+        document.documentElement.scrollWidth - window.innerWidth,
+    );
+}"""
+
+
+def test_every_changelist_fits_a_1366_pixel_screen_with_its_named_columns_in_view(
+    live_server, laptop_page, django_user_model, company, full_house
+):
+    from django.contrib import admin
+
+    try:
+        wide_house(company)
+        page = laptop_page
+        log_in(page, live_server, django_user_model)
+        page.wait_for_selector("#console")
+        problems = []
+        for model in admin.site._registry:
+            path = f"{model._meta.app_label}/{model._meta.model_name}"
+            page.goto(f"{live_server.url}/admin/{path}/")
+            page.wait_for_selector("#changelist")
+            if (sideways := page.evaluate(SIDEWAYS)) > 0:
+                shot(page, f"overflow-{model._meta.model_name}")
+                problems.append(f"{path} scrolls sideways by {sideways}px")
+            for column in NAMED_COLUMNS.get(path, []):
+                cells = page.locator(f"#result_list .field-{column}, #result_list th.column-{column}")
+                if cells.count() < 2:
+                    problems.append(f"{path}: no column {column}")
+                elif max(cells.evaluate_all(OVERFLOW)) > 0:
+                    problems.append(f"{path}: {column} out of view")
+            if path in NAMED_COLUMNS:
+                shot(page, f"12-list-{model._meta.model_name}-1366")
+        assert not problems, problems
+    finally:
+        connections.close_all()
+
+
+def test_the_console_answers_above_the_fold_at_1366_by_768(live_server, laptop_page, django_user_model, company):
+    from tests.admin.test_console import troubled_agent
+
+    try:
+        for index in range(8):
+            agent = troubled_agent(company, f"Agent {index} of the quarterly planning team, northern regions")
+            make_run(agent, status="failed", error_code=f"model_error_kind_{index}_with_a_long_name")
+        page = laptop_page
+        log_in(page, live_server, django_user_model)
+        page.wait_for_selector("#console")
+        shot(page, "13-console-1366x768")
+        tiles = page.locator("#console .pc-tile")
+        assert tiles.count() == 6
+        edges = tiles.evaluate_all(
+            "tiles => tiles.map(t => [t.id, t.getBoundingClientRect().bottom, t.getBoundingClientRect().right])"
+        )
+        assert all(bottom <= 768 and right <= 1366 for _, bottom, right in edges), edges
+        assert page.evaluate("() => document.documentElement.scrollWidth - window.innerWidth") <= 0
+        # Every figure leads somewhere.
+        assert page.locator("#console a[href]").count() >= 20
+        page.click("#pc-failures a:text-is('model_timeout')")
+        page.wait_for_selector("#result_list")
+        assert page.locator("#result_list tbody tr").count() == 8 * 3
+    finally:
+        connections.close_all()
+
+
+def test_a_page_keeps_its_buttons_clear_of_its_heading(live_server, laptop_page, django_user_model, company):
+    try:
+        wide = wide_house(company)
+        wide["agent"].name = "Quarterly planning researcher for the northern European sales regions, " * 2
+        wide["agent"].save()
+        page = laptop_page
+        log_in(page, live_server, django_user_model, f"/admin/sessions_app/agentsession/{wide['session'].pk}/change/")
+        for url, name in (
+            (f"/admin/sessions_app/agentsession/{wide['session'].pk}/change/", "14-session-1366"),
+            (f"/admin/sessions_app/agent/{wide['agent'].pk}/change/", "15-agent-1366"),
+        ):
+            page.goto(f"{live_server.url}{url}")
+            page.wait_for_selector("ul.object-tools")
+            shot(page, name)
+            overlaps = page.evaluate(
+                """() => {
+                    const tools = document.querySelector('ul.object-tools').getBoundingClientRect();
+                    return [...document.querySelectorAll('#content h1, #content h2')].filter(h => {
+                        const text = document.createRange();
+                        text.selectNodeContents(h);
+                        return [...text.getClientRects()].some(t => t.right > tools.left && t.left < tools.right
+                            && t.bottom > tools.top && t.top < tools.bottom);
+                    }).map(h => h.textContent);
+                }"""
+            )
+            assert overlaps == [], (url, overlaps)
+    finally:
+        connections.close_all()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.contrib import admin
 from django.contrib.admin.utils import quote
@@ -167,3 +169,44 @@ def test_a_filter_the_database_refuses_is_a_message_on_the_whole_list(admin_clie
 
     assert response.redirect_chain == [(url, 302)]
     assert "Those filters or search terms cannot be used (year 99999 is out of range)" in response.content.decode()
+
+
+def test_every_model_of_ours_is_named_in_plain_english():
+    from django.apps import apps
+
+    ours = ("sessions_app", "costs_app", "memory_app")
+    names = {
+        model.__name__: model._meta.verbose_name_plural for model in apps.get_models() if model._meta.app_label in ours
+    }
+    # "deliverys", "entrys": Django adds an "s" unless told the plural.
+    wrong = {name: plural for name, plural in names.items() if re.search(r"[^aeiou]ys$", str(plural))}
+    assert not wrong
+    assert names["AlertDelivery"] == "alert deliveries"
+
+
+# Django's English date format ("Nov. 30, 2026, 6:04 p.m.") beside the pages' own ISO dates.
+ENGLISH_DATE = re.compile(r"\b(Jan|Feb|March|April|May|June|July|Aug|Sept|Oct|Nov|Dec)\.? \d{1,2}, \d{4}|\b[ap]\.m\.")
+ONE_FORMAT = re.compile(r"\b\d{4}-\d\d-\d\d \d\d:\d\d UTC\b")
+
+
+def test_every_admin_page_writes_its_times_one_way_with_the_zone(admin_client, full_house):
+    from costs_app.models import AlertDelivery, CostEvent
+
+    session, run = full_house["session"], full_house["run"]
+    pages = [
+        admin_url(type(session), "changelist"),
+        admin_url(type(session), "change", session.pk),
+        admin_url(type(run), "changelist"),
+        admin_url(type(run), "change", run.pk),
+        admin_url(CostEvent, "changelist"),
+        admin_url(CostEvent, "change", CostEvent.objects.first().pk),
+        admin_url(AlertDelivery, "changelist"),
+        admin_url(AlertDelivery, "change", AlertDelivery.objects.first().pk),
+        admin_url(type(session.agent), "change", session.agent_id),
+        reverse("admin:index"),
+    ]
+    for url in pages:
+        page = admin_client.get(url).content.decode()
+        text = re.sub(r"<[^>]+>", " ", page)  # what is shown, not attributes or data
+        assert not ENGLISH_DATE.search(text), (url, ENGLISH_DATE.search(text).group(0))
+        assert ONE_FORMAT.search(text), url

@@ -61,6 +61,14 @@ def test_a_bad_schedule_is_400_naming_the_field(api, company, changes, field):
     assert not Agent.objects.exists() and not Schedule.objects.filter(name__startswith="heartbeat:").exists()
 
 
+@pytest.mark.parametrize(("cron", "day"), [("0 0 30 2 *", 30), ("15 8 31 4,6 *", 31), ("0 0 31 FEB-APR/2 *", 31)])
+def test_a_cron_expression_that_can_never_fire_is_refused_as_never_firing(api, company, cron, day):
+    error = assert_error(api.post(f"/api/companies/{company.id}/agents", with_config(heartbeat_cron=cron)), 400)
+    message = error["fields"]["adapter_config.heartbeat_cron"]
+    assert message.startswith("never fires"), message
+    assert f"day {day}" in message and cron in message
+
+
 def test_patching_to_an_interval_replaces_the_cron_schedule(api, company):
     agent = Agent.objects.get(pk=api.post(f"/api/companies/{company.id}/agents", BODY).json()["id"])
     error = assert_error(api.patch(agent_url(agent), with_config(heartbeat_timezone="Mars/Olympus")), 400)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal
 
 from costs_app.models import Budget, CostEvent
@@ -97,13 +98,20 @@ def test_growth_endpoint_flags_accumulating_history(client, company, fake_anthro
     agent = Agent.objects.create(
         company=company,
         name="growing",
-        adapter_config={"session_mode": "persistent", "context_strategy": "none", "prompt_caching": False},
+        # A 200,000-token window: the growth would fill a tenth of it within 50 runs.
+        adapter_config={
+            "model": "claude-opus-4-5",
+            "session_mode": "persistent",
+            "context_strategy": "none",
+            "prompt_caching": False,
+        },
     )
-    for i in range(8):
-        beat(agent, f"step {i} " + "detail " * 40)
+    for i in range(10):
+        beat(agent, f"step {i} " + "detail " * 400)
     body = client.get(f"/api/companies/{company.id}/agents/{agent.id}/growth").json()
-    assert body["growing"] is True and body["slope_tokens_per_run"] > 0
+    assert body["growing"] is True and body["slope_tokens_per_run"] * 50 >= body["ceiling_tokens"] / 10
     assert body["advice"].startswith("context_strategy is none")
+    assert re.search(r"or set rotate_after_turns to \d+\.$", body["advice"])
 
 
 def test_out_of_range_limits_are_400_not_500(client, company):

@@ -8,7 +8,6 @@ from django.core.management import CommandError, call_command
 from django.utils import timezone
 
 from costs_app.models import CostEvent
-from costs_app.reports import GROWTH_ADVICE
 from sessions_app.models import AgentStatus
 from tests.api.conftest import assert_error
 
@@ -113,13 +112,13 @@ def test_summary_queries_do_not_grow_with_agents(
 
 def test_cost_report_prints_days_and_growth_advice(persistent_agent, capsys):
     now = timezone.now()
-    for index in range(8):
-        spend(persistent_agent, when=now - timedelta(seconds=10 - index), tokens_in=1000 * (index + 1), cost="0.01")
+    for index in range(12):
+        spend(persistent_agent, when=now - timedelta(seconds=20 - index), tokens_in=1000 * (index + 1), cost="0.01")
     call_command("cost_report", "--agent", str(persistent_agent.id), "--days", "7")
     out = capsys.readouterr().out
     assert now.date().isoformat() in out
-    assert "36000" in out  # 1000 + 2000 + ... + 8000
-    assert GROWTH_ADVICE in out
+    assert "78000" in out  # 1000 + 2000 + ... + 12000
+    assert "Input grows run after run." in out and "set rotate_after_turns to" in out
 
 
 def test_cost_report_of_every_company(persistent_agent, other_agent, capsys):

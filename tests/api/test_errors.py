@@ -74,6 +74,31 @@ def test_body_over_the_limit_is_413(api, company, settings):
     assert not Agent.objects.exists()
 
 
+def test_a_body_over_the_limit_names_the_limit_and_the_setting(api, company, settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 2048
+    body = {"name": "x", "system_prompt": "y" * 5000}
+    error = assert_error(api.post(f"/api/companies/{company.id}/agents", body), 413, "payload_too_large")
+    assert "2048 bytes" in error["message"] and "PAPERCLIP_MAX_BODY_BYTES" in error["message"]
+
+
+def test_a_body_too_big_for_django_itself_names_the_limit_and_the_setting(rf, settings):
+    from django.core.exceptions import RequestDataTooBig
+
+    from sessions_app.api.exceptions import json_bad_request
+
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 4096
+    response = json_bad_request(rf.post("/api/companies"), RequestDataTooBig("too big"))
+    message = json.loads(response.content)["error"]["message"]
+    assert "4096 bytes" in message and "PAPERCLIP_MAX_BODY_BYTES" in message
+
+
+@pytest.mark.parametrize("raw", [b'["hi"]', b'"hi"', b"42", b"null", b"true"])
+def test_a_body_that_is_not_a_json_object_says_an_object_was_expected(api, company, persistent_agent, raw):
+    for path in ("/api/companies", f"/api/companies/{company.id}/agents", agent_url(persistent_agent, "/heartbeat")):
+        error = assert_error(api.post(path, raw=raw), 400, "expected_json_object")
+        assert "expected a JSON object" in error["message"], (path, error)
+
+
 def test_parser_reads_no_more_than_the_limit_when_no_length_is_declared(settings):
     from io import BytesIO
 

@@ -8,7 +8,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from costs_app.money import usd
-from costs_app.reports import GROWTH_ADVICE, daily_costs, input_growth
+from costs_app.reports import daily_costs, input_growth
+from sessions_app.context_defaults import growth_advice, growth_flag
 from sessions_app.models import Agent, Company
 
 ROW = "{day:<12}{input:>14}{output:>14}{cache_write:>14}{cache_read:>14}{cost:>18}"
@@ -78,5 +79,5 @@ class Command(BaseCommand):
             f"Input growth over the last {growth.runs} runs: {growth.slope_tokens_per_run:+.1f} tokens/run "
             f"({growth.first_input_tokens} -> {growth.last_input_tokens})"
         )
-        if growth.is_growing:
-            self.stdout.write(self.style.WARNING(GROWTH_ADVICE))
+        if growth_flag(agent, growth):
+            self.stdout.write(self.style.WARNING(f"Input grows run after run. {growth_advice(agent, growth)}"))
