@@ -81,13 +81,14 @@ class _Deadline:
         return left
 
 
-class _DeadlineSocket(socket.socket):
-    """A plain connection whose every send and receive times out at the deadline."""
+class _ArmedBeforeEachTransfer:
+    """Gives each send and receive of a socket what is left of its deadline (`_deadline`)."""
 
-    deadline: _Deadline
+    def _deadline(self) -> _Deadline:
+        raise NotImplementedError
 
     def _arm(self) -> None:
-        self.settimeout(self.deadline.left())
+        self.settimeout(self._deadline().left())
 
     def recv(self, *args, **kwargs):
         self._arm()
@@ -106,12 +107,21 @@ class _DeadlineSocket(socket.socket):
         return super().sendall(*args, **kwargs)
 
 
-class _DeadlineSSLSocket(ssl.SSLSocket):
+class _DeadlineSocket(_ArmedBeforeEachTransfer, socket.socket):
+    """A plain connection whose every send and receive times out at the deadline."""
+
+    deadline: _Deadline
+
+    def _deadline(self) -> _Deadline:
+        return self.deadline
+
+
+class _DeadlineSSLSocket(_ArmedBeforeEachTransfer, ssl.SSLSocket):
     """A TLS connection whose handshake, sends and receives time out at the deadline (its
     context's `deadline`, set by `bounded_request`)."""
 
-    def _arm(self) -> None:
-        self.settimeout(self.context.deadline.left())
+    def _deadline(self) -> _Deadline:
+        return self.context.deadline
 
     def do_handshake(self, *args, **kwargs):
         self._arm()
@@ -120,22 +130,6 @@ class _DeadlineSSLSocket(ssl.SSLSocket):
     def read(self, *args, **kwargs):
         self._arm()
         return super().read(*args, **kwargs)
-
-    def recv_into(self, *args, **kwargs):
-        self._arm()
-        return super().recv_into(*args, **kwargs)
-
-    def recv(self, *args, **kwargs):
-        self._arm()
-        return super().recv(*args, **kwargs)
-
-    def send(self, *args, **kwargs):
-        self._arm()
-        return super().send(*args, **kwargs)
-
-    def sendall(self, *args, **kwargs):
-        self._arm()
-        return super().sendall(*args, **kwargs)
 
 
 def _connect(deadline: _Deadline):
