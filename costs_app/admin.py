@@ -219,7 +219,7 @@ class AlertTargetForm(forms.ModelForm):
 
     class Meta:
         model = AlertTarget
-        fields = ["url", "secret", "active"]
+        fields = ["url", "secret", "active", "quota_events", "health_events"]
 
     def clean_url(self) -> str:
         url = self.cleaned_data["url"]
@@ -240,7 +240,7 @@ class AlertTargetInline(admin.TabularInline):
     model = AlertTarget
     form = AlertTargetForm
     extra = 0
-    fields = ["url", "secret", "active", "created_at"]
+    fields = ["url", "secret", "active", "quota_events", "health_events", "created_at"]
     readonly_fields = ["created_at"]
 
 
@@ -416,7 +416,7 @@ class AlertDeliveryAdmin(ReadOnlyRecords, admin.ModelAdmin):
         "last_error_short",
     ]
     list_filter = ["status", "alert__threshold", "alert__period"]
-    list_select_related = ["alert__budget__company", "alert__budget__agent", "target"]
+    list_select_related = ["alert", "event", "target__budget__company", "target__budget__agent"]
     search_fields = ["target__url"]
     date_hierarchy = "created_at"
     inlines = [AlertAttemptInline]
@@ -437,6 +437,8 @@ class AlertDeliveryAdmin(ReadOnlyRecords, admin.ModelAdmin):
     @admin.display(description="alert", ordering="alert__created_at")
     def alert_label(self, obj: AlertDelivery) -> str:
         alert = obj.alert
+        if alert is None:
+            return f"{obj.event.kind}: {obj.event.payload}"
         if alert.period == "day_runs":
             figures = f"{amount_text(alert.spent, count=True)} of {amount_text(alert.limit, count=True)} runs"
         else:
@@ -453,13 +455,15 @@ class AlertDeliveryAdmin(ReadOnlyRecords, admin.ModelAdmin):
 
     @admin.display(description="budget", ordering="alert__budget")
     def budget_link(self, obj: AlertDelivery) -> str:
-        budget = obj.alert.budget
+        budget = obj.target.budget
         owner = f"agent {budget.agent.name}" if budget.agent_id else f"company {budget.company.name}"
         return admin_link("admin:costs_app_budget_change", budget.pk, short_text(owner, 28))
 
     @admin.display(description="threshold", ordering="alert__threshold")
     def threshold(self, obj: AlertDelivery) -> str:
         alert = obj.alert
+        if alert is None:
+            return obj.event.kind
         return f"{alert.threshold}: {alert.percent}% of the {alert.period} limit"
 
     @admin.display(description="last error", ordering="last_error")

@@ -13,7 +13,7 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 
 from costs_app.alerts import target_url_problem
-from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, Budget, BudgetAlert
+from costs_app.models import AlertAttempt, AlertDelivery, AlertEvent, AlertTarget, Budget, BudgetAlert
 from costs_app.money import AmountField
 from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
 from sessions_app.api.exceptions import Conflict, NotFound
@@ -31,10 +31,16 @@ class AlertTargetSerializer(serializers.ModelSerializer):
         help_text="HMAC-SHA256 key of the X-Paperclip-Signature header. Write-only: never returned.",
     )
     active = serializers.BooleanField(required=False, default=True)
+    quota_events = serializers.BooleanField(
+        required=False, default=False, help_text="Also receive `quota_held` and `quota_released` (docs/operations.md)."
+    )
+    health_events = serializers.BooleanField(
+        required=False, default=False, help_text="Also receive `agent_down` and `agent_up` for agents of its scope."
+    )
 
     class Meta:
         model = AlertTarget
-        fields = ["id", "url", "secret", "active", "created_at"]
+        fields = ["id", "url", "secret", "active", "quota_events", "health_events", "created_at"]
         read_only_fields = ["id", "created_at"]
 
     def validate_url(self, value: str) -> str:
@@ -100,8 +106,15 @@ class TargetOfDeliverySerializer(serializers.ModelSerializer):
         fields = ["id", "url", "active"]
 
 
+class DeliveredEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AlertEvent
+        fields = ["id", "kind", "agent_id", "payload", "created_at"]
+
+
 class DeliverySerializer(serializers.ModelSerializer):
-    alert = DeliveredAlertSerializer()
+    alert = DeliveredAlertSerializer(allow_null=True, help_text="The budget alert; null for an operations event.")
+    event = DeliveredEventSerializer(allow_null=True, help_text="The operations event; null for a budget alert.")
     target = TargetOfDeliverySerializer()
     attempts = AlertAttemptSerializer(
         source="attempt_rows", many=True, help_text="Every HTTP attempt, oldest first: the status or the error."
@@ -112,6 +125,7 @@ class DeliverySerializer(serializers.ModelSerializer):
         fields = [
             "id",
             "alert",
+            "event",
             "target",
             "status",
             "attempts",
@@ -141,7 +155,7 @@ class AlertDeliveriesView(AlertTargets):
         budget = self.budget(company_id, agent_id)
         limit = parse_limit(request.query_params.get("limit"))
         deliveries = (
-            AlertDelivery.objects.filter(alert__budget=budget).select_related("alert", "target")
+            AlertDelivery.objects.filter(target__budget=budget).select_related("alert", "event", "target")
             if budget
             else AlertDelivery.objects.none()
         )

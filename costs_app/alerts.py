@@ -35,8 +35,18 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
+from django.db.models import Q
 
-from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, AlertThreshold, BudgetAlert, DeliveryStatus
+from costs_app.models import (
+    AlertAttempt,
+    AlertDelivery,
+    AlertEvent,
+    AlertEventKind,
+    AlertTarget,
+    AlertThreshold,
+    BudgetAlert,
+    DeliveryStatus,
+)
 from costs_app.money import amount_text
 from paperclip.hosts import bounded_request, unlisted_host_problem
 from sessions_app.text import storable
@@ -148,6 +158,40 @@ def _alert_insert(
     return 1
 
 
+def alert_event_fire(*, kind: str, key: str, payload: dict, now: datetime, company_id=None, agent_id=None) -> int:
+    """Record an operations event (`AlertEvent`) and queue its deliveries to the active
+    targets that asked for its kind: those of the company's budget and the agent's for an
+    agent's health, every one for a quota. `key` names the transition: of two workers
+    recording it, the unique key lets one in, and only that one queues deliveries.
+    Returns 1 when this call recorded it. Never raises, as `budget_alerts_fire`."""
+    try:
+        with transaction.atomic():
+            event = AlertEvent.objects.create(
+                kind=kind, key=key[:200], company_id=company_id, agent_id=agent_id, payload=payload, created_at=now
+            )
+            targets = AlertTarget.objects.filter(active=True)
+            if kind in (AlertEventKind.QUOTA_HELD, AlertEventKind.QUOTA_RELEASED):
+                targets = targets.filter(quota_events=True)
+            else:
+                targets = targets.filter(health_events=True, budget__company_id=company_id).filter(
+                    Q(budget__agent__isnull=True) | Q(budget__agent_id=agent_id)
+                )
+            deliveries = AlertDelivery.objects.bulk_create(
+                [
+                    AlertDelivery(event=event, target_id=target_id, created_at=now, next_attempt_at=now)
+                    for target_id in targets.values_list("id", flat=True)
+                ]
+            )
+            ids = [delivery.id for delivery in deliveries]
+            transaction.on_commit(lambda: alert_deliveries_enqueue(ids))
+    except IntegrityError:
+        return 0  # recorded already, by the worker that saw the same transition
+    except Exception:
+        logger.exception("Could not record the %s event", kind)
+        return 0
+    return 1
+
+
 def alert_deliveries_enqueue(delivery_ids: list) -> None:
     """Hand deliveries to the task queue. A broker that refuses is logged: the deliveries
     stay pending and the maintenance sweep queues them again."""
@@ -177,6 +221,17 @@ def retry_delay(attempt: int) -> timedelta:
 
 
 def alert_payload(delivery: AlertDelivery) -> dict:
+    if delivery.event is not None:
+        event = delivery.event
+        return {
+            "type": event.kind,
+            "delivery_id": delivery.id,
+            "event_id": event.id,
+            "company_id": str(event.company_id) if event.company_id else None,
+            "agent_id": str(event.agent_id) if event.agent_id else None,
+            **event.payload,
+            "fired_at": event.created_at.isoformat(),
+        }
     alert, budget = delivery.alert, delivery.alert.budget
     return {
         "type": "budget.threshold",
@@ -206,7 +261,7 @@ def signature(secret: str, timestamp: int, body: bytes) -> str:
 def alert_deliver(*, delivery_id, now: datetime) -> str:
     """One attempt of a delivery, if it is pending and due; returns its status after it."""
     delivery = (
-        AlertDelivery.objects.select_related("alert__budget", "target")
+        AlertDelivery.objects.select_related("alert__budget", "event", "target")
         .filter(pk=delivery_id, status=DeliveryStatus.PENDING)
         .first()
     )

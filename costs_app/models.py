@@ -258,6 +258,12 @@ class AlertTarget(models.Model):
     url = models.URLField(max_length=2000, validators=[URLValidator(schemes=["http", "https"])])
     secret = models.CharField(max_length=200)
     active = models.BooleanField(default=True)
+    # Operations events besides the budget's own alerts (`AlertEvent`): a provider quota
+    # holding the deployment's credential and its release (`quota_held`, `quota_released`),
+    # and an agent of the budget's scope going down or failing and coming back
+    # (`agent_down`, `agent_up`).
+    quota_events = models.BooleanField(default=False, help_text="Also send quota_held and quota_released.")
+    health_events = models.BooleanField(default=False, help_text="Also send agent_down and agent_up.")
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:
@@ -299,6 +305,37 @@ class BudgetAlert(models.Model):
         return f"{self.threshold} alert of {self.period} limit ({self.period_key})"
 
 
+class AlertEventKind(models.TextChoices):
+    QUOTA_HELD = "quota_held"
+    QUOTA_RELEASED = "quota_released"
+    AGENT_DOWN = "agent_down"
+    AGENT_UP = "agent_up"
+
+
+class AlertEvent(models.Model):
+    """An operations event sent to the alert targets that asked for its kind: a quota
+    hold or its release (deployment-wide), an agent's health going down or coming back.
+    `key` names the transition; its unique constraint lets the first of two workers (two
+    maintenance passes, two refused calls) record it, and only that one sends it."""
+
+    kind = models.CharField(max_length=32, choices=AlertEventKind.choices)
+    key = models.CharField(max_length=200, unique=True)
+    # The scope whose targets receive it: none for a quota (every target that asked).
+    company = models.ForeignKey(
+        "sessions_app.Company", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    agent = models.ForeignKey("sessions_app.Agent", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    payload = models.JSONField(default=dict)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        db_table = "alert_events"
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.created_at:%Y-%m-%d %H:%M})"
+
+
 class DeliveryStatus(models.TextChoices):
     PENDING = "pending"
     DELIVERED = "delivered"
@@ -308,7 +345,9 @@ class DeliveryStatus(models.TextChoices):
 class AlertDelivery(models.Model):
     """One alert sent to one target, retried with back-off until delivered or failed."""
 
-    alert = models.ForeignKey(BudgetAlert, on_delete=models.CASCADE, related_name="deliveries")
+    # A budget's alert, or an operations event: exactly one of the two.
+    alert = models.ForeignKey(BudgetAlert, null=True, blank=True, on_delete=models.CASCADE, related_name="deliveries")
+    event = models.ForeignKey(AlertEvent, null=True, blank=True, on_delete=models.CASCADE, related_name="deliveries")
     target = models.ForeignKey(AlertTarget, on_delete=models.CASCADE, related_name="deliveries")
     status = models.CharField(max_length=16, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING)
     attempts = models.PositiveSmallIntegerField(default=0)
@@ -332,9 +371,16 @@ class AlertDelivery(models.Model):
                 name="alert_deliveries_due_idx",
             ),
         ]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(alert__isnull=False, event__isnull=True)
+                | models.Q(alert__isnull=True, event__isnull=False),
+                name="alert_deliveries_alert_or_event",
+            ),
+        ]
 
     def __str__(self) -> str:
-        return f"{self.alert} to {self.target}"
+        return f"{self.alert or self.event} to {self.target}"
 
 
 class AlertAttempt(models.Model):

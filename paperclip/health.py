@@ -14,6 +14,7 @@ from django.http import JsonResponse
 from django.utils import timezone
 
 from sessions_app.models import HeartbeatRun, RunStatus
+from sessions_app.quota import hold_json, holds_now
 
 
 def queue_state() -> dict:
@@ -49,6 +50,7 @@ def health(request):
             cursor.execute("SELECT 1")
             cursor.fetchone()
         runs = run_state(now=timezone.now())
+        held = [hold_json(hold) for hold in holds_now()]
     except DatabaseError as exc:
         return JsonResponse(
             {"status": "unavailable", "database": {"ok": False, "error": exc.__class__.__name__}},
@@ -61,6 +63,8 @@ def health(request):
             "database": {"ok": True, "vendor": connection.vendor},
             "queue": queue,
             "runs": runs,
+            # Provider credentials held by a quota: their runs wait queued until the reset.
+            "credentials_held": held,
             "session_store": settings.PAPERCLIP_SESSION_STORE,
             "deployment_mode": settings.PAPERCLIP_DEPLOYMENT_MODE,
         },

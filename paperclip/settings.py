@@ -103,6 +103,13 @@ PAPERCLIP_WORK_CHECK_MAX_OUTPUT_BYTES = env_int(
 PAPERCLIP_WORK_CHECK_HOSTS = env_hosts("PAPERCLIP_WORK_CHECK_HOSTS")
 PAPERCLIP_BACKOFF_AFTER_RUNS = env_int("PAPERCLIP_BACKOFF_AFTER_RUNS", 3, minimum=0, maximum=1000)
 PAPERCLIP_BACKOFF_MAX_FACTOR = env_int("PAPERCLIP_BACKOFF_MAX_FACTOR", 8, minimum=1, maximum=1024)
+# Provider quotas (sessions_app.quota): the longest wait the SDK may sleep through to retry
+# a 429 (a reset further away holds the credential instead), how long a hold lasts when the
+# refusal names no reset (a credit refusal), and below what share of a rate limit left
+# claims are paced (0: never).
+PAPERCLIP_QUOTA_RETRY_WINDOW_SECONDS = env_int("PAPERCLIP_QUOTA_RETRY_WINDOW_SECONDS", 10, minimum=0, maximum=600)
+PAPERCLIP_QUOTA_HOLD_SECONDS = env_int("PAPERCLIP_QUOTA_HOLD_SECONDS", 300, minimum=1, maximum=7 * 86_400)
+PAPERCLIP_QUOTA_PACE_BELOW_PERCENT = env_int("PAPERCLIP_QUOTA_PACE_BELOW_PERCENT", 10, minimum=0, maximum=100)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)
 DEBUG = env_bool("DJANGO_DEBUG", False)

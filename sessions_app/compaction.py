@@ -19,6 +19,7 @@ from django.db import transaction
 
 from costs_app.models import CostKind
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest
+from sessions_app.adapters.base import QuotaRefused
 from sessions_app.context import (
     HANDOFF_SYSTEM,
     SUMMARY_KINDS,
@@ -78,6 +79,8 @@ def write_handoff(
     before_call(request)
     try:
         reply = adapter.call(request, kind=CostKind.COMPACTION)
+    except QuotaRefused:
+        raise  # not a failure of the step: the run waits for the quota (`sessions_app.quota`)
     except AdapterError as exc:
         raise StepFailed(f"handoff_{exc.code}", f"Writing the handoff note failed: {exc.message}") from None
     # No second call here: a pin the note left out is carried verbatim all the same.
@@ -201,6 +204,8 @@ def summary_call(
         before_call(request)
         try:
             return adapter.call(request, kind=CostKind.COMPACTION)
+        except QuotaRefused:
+            raise  # not a failure of the step: the run waits for the quota
         except AdapterError as exc:
             raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
 

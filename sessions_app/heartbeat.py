@@ -34,6 +34,7 @@ from costs_app.budgets import (
 from costs_app.ledger import run_calls_join_session
 from costs_app.pricing import token_counts
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
+from sessions_app.adapters.base import QuotaRefused
 from sessions_app.cli_transcripts import SessionTranscripts
 from sessions_app.compaction import (
     BeforeCall,
@@ -65,14 +66,17 @@ from sessions_app.models import (
 )
 from sessions_app.no_work import check_for_work, heartbeat_skip, idle_streak_record
 from sessions_app.plan import HANDOFF_REASONS, Plan, idle_pause, plan_session
+from sessions_app.quota import probe_end, quota_refused
 from sessions_app.run_calls import RunCalls
 from sessions_app.run_queue import (
     claim_run,
     dispatch_after_run,
+    dispatch_waiting,
     heartbeat_dispatch,
     heartbeat_enqueue,
     run_cost_refresh,
     run_fail,
+    run_requeue,
 )
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import NOTHING_STAGED, StagedHistory, configured_store_name, store_for
@@ -167,6 +171,8 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
         logger.exception("Heartbeat run %s failed unexpectedly", run.id)
         run_fail(run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=clock())
         run_cost_refresh(run_id=run.id)
+    if run.quota_probe is not None and probe_end(run=run, now=clock()):
+        dispatch_waiting()  # the probe was not refused: the hold ended, the queue drains
     return _release(run, current=current, now=now)  # 8
 
 
@@ -272,7 +278,14 @@ def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
     """A step failed: the run keeps its code and message, and the cost of the calls it made
     (each billed as it returned); a refused budget pauses agents. A runtime stopped at one
     of its caps did work: the run keeps the runtime's report of it (turns, tool calls), as
-    a succeeded run does."""
+    a succeeded run does. A quota's refusal is no failure: the credential is held and the
+    run goes back to the queue (`sessions_app.quota`)."""
+    if isinstance(failure, QuotaRefused):
+        now = beat.clock()
+        quota_refused(credential=beat.calls.adapter.credential(beat.agent.adapter_config), refusal=failure, now=now)
+        calls = beat.calls
+        run_requeue(beat.run, calls_numbered=calls.numbered, cost_usd=calls.cost_usd, reason=failure.message, now=now)
+        return
     cost = beat.calls.cost_usd
     kept = {"cost_usd": cost}
     report = failure.runtime_report if isinstance(failure, AdapterError) else None

@@ -7,7 +7,7 @@ runs against them verbatim, so every model sets `db_table`.
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.core.exceptions import ValidationError
 from django.db import models
@@ -445,6 +445,15 @@ class HeartbeatRun(models.Model):
     work_check_output = models.TextField(blank=True, default="", db_default="")
     # The answer was the agent's nothing-to-do marker: billed and shown, never replayed.
     nothing_to_do = models.BooleanField(default=False, db_default=False)
+    # Attempts put back in the queue by a provider's quota refusal (`sessions_app.quota`):
+    # not failures. `calls_before` is how many calls those attempts billed, so that the
+    # next attempt numbers its ledger rows after them (the ledger dedupes by number).
+    quota_requeues = models.PositiveSmallIntegerField(default=0, db_default=0)
+    calls_before = models.PositiveSmallIntegerField(default=0, db_default=0)
+
+    # Set by the claim, not stored: the credential this run was claimed to probe (the one
+    # run let through when a hold on it ends), or None.
+    quota_probe: str | None = None
 
     class Meta:
         db_table = "heartbeat_runs"
@@ -485,6 +494,46 @@ class HeartbeatRun(models.Model):
     @property
     def is_finished(self) -> bool:
         return self.status in FINISHED_RUN_STATUSES
+
+
+class CredentialHold(models.Model):
+    """A provider credential refused by a quota or a rate limit, held until its reset.
+
+    One row per credential, kept after release (`held_until` null) so its history shows.
+    Named by a fingerprint (`adapters.rate_limits.credential_fingerprint`), never the key.
+    While `held_until` is set no run that would use the credential is claimed, except the
+    one probe let through once it has passed (`probe_run`, until `probe_until`); see
+    `sessions_app.quota`."""
+
+    credential = models.CharField(max_length=64, unique=True)
+    held_until = models.DateTimeField(null=True, blank=True)
+    code = models.CharField(max_length=32, blank=True, default="")  # rate_limited, credit_exhausted, usage_limit, paced
+    reason = models.TextField(blank=True, default="")
+    held_at = models.DateTimeField(null=True, blank=True)
+    released_at = models.DateTimeField(null=True, blank=True)
+    # Refusals since the hold began (the first, then each probe refused again).
+    refusals = models.PositiveIntegerField(default=0)
+    probe_run = models.UUIDField(null=True, blank=True)
+    probe_until = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "credential_holds"
+        ordering = ["credential"]
+        indexes = [
+            # "Is anything held?", asked by every claim in the claim's own query: it reads
+            # this index, which holds only the rows of credentials held now.
+            models.Index(fields=["credential"], name="holds_active_idx", condition=Q(held_until__isnull=False)),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.credential} ({self.status_text})"
+
+    @property
+    def status_text(self) -> str:
+        """ "held until T, reason" for people (the console, the API, /api/health)."""
+        if self.held_until is None:
+            return "not held"
+        return f"held until {self.held_until.astimezone(UTC).isoformat(timespec='seconds')}, {self.reason}"
 
 
 class ApiKey(models.Model):

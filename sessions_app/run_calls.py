@@ -36,6 +36,7 @@ from sessions_app.adapters import AdapterReply, AdapterRequest
 from sessions_app.adapters.base import Adapter
 from sessions_app.errors import RunAbandoned
 from sessions_app.models import Agent, HeartbeatRun, RunStatus
+from sessions_app.quota import quota_observe
 from sessions_app.run_queue import run_deadline
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,18 @@ class RunCalls:
         self._clock = clock
         self._budgeted = budgeted
         self._requests = 0
-        self._rows = 0
+        # An attempt after one a quota put back in the queue numbers its rows after that
+        # one's, and its cost adds to theirs (`sessions_app.quota.run_requeue`).
+        self._rows = run.calls_before
         self._billed_ids: set[str] = set()
         self.session_id = None  # the session the rows name (see the module docstring)
-        self.billed_usd = Decimal(0)
-        self.billed_anything = False
+        self.billed_usd = (run.cost_usd or Decimal(0)) if run.calls_before else Decimal(0)
+        self.billed_anything = bool(run.calls_before) and run.cost_usd is not None
+
+    @property
+    def numbered(self) -> int:
+        """The ledger rows this run has numbered, earlier attempts' included."""
+        return self._rows
 
     @property
     def counts_tokens(self) -> bool:
@@ -87,6 +95,10 @@ class RunCalls:
             reply = self.adapter.call(replace(request, meter=meter))
             return replace(reply, cost_usd=meter.billed_usd if meter.rows else None)
         reply = self.adapter.call(request)
+        if reply.headroom is not None:
+            quota_observe(
+                credential=self.adapter.credential(request.config), headroom=reply.headroom, now=self._clock()
+            )
         if reply.usage is None:
             return reply
         event = self.bill(

@@ -28,6 +28,7 @@ from django.db.models.functions import Coalesce
 from costs_app.budgets import budgets_exist, money_budgets_exist
 from costs_app.ledger import spend_of
 from costs_app.pricing import is_priced
+from sessions_app import quota
 from sessions_app.adapters import adapter_for
 from sessions_app.context import context_settings
 from sessions_app.errors import HeartbeatRefused
@@ -303,7 +304,10 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     """
     run = (
         HeartbeatRun.objects.select_related("agent")
-        .annotate(budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"))
+        .annotate(
+            budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"),
+            held=quota.holds_exist(),
+        )
         .get(id=run_id)
     )
     if run.status != RunStatus.QUEUED:
@@ -318,21 +322,30 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         run_fail(run, code="model_retired", message=message, now=now)
         run.refresh_from_db()
         return run, False
-    deadline = run_deadline(adapter_for(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now)
+    adapter = adapter_for(agent.adapter_type, agent.adapter_config)
+    deadline = run_deadline(adapter, agent.adapter_config, at=now)
     deadline += timedelta(seconds=check_seconds(agent.adapter_config))  # the work check comes first
+    credential = adapter.credential(agent.adapter_config) if adapter is not None else None
+    if run.held and not quota.claim_check(run=run, credential=credential, now=now, lease_until=deadline):
+        return run, False  # its credential is held by a provider's quota: it waits queued
     capped = bool(settings.PAPERCLIP_MAX_CONCURRENT_RUNS)
     try:
         # One statement is its own transaction; only inside a caller's transaction does
         # the refusal need a savepoint to leave that transaction usable.
         with transaction.atomic() if capped or connection.in_atomic_block else nullcontext():
             if capped and not run_place_free(agent_id=run.agent_id, created_at=run.created_at):
+                quota.probe_give_back(run=run)
                 return run, False
-            claimed = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED).update(
-                status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id()
+            claimed = (
+                HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED)
+                .filter(quota.hold_free(credential=credential, run_id=run.id))
+                .update(status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id())
             )
     except IntegrityError:
+        quota.probe_give_back(run=run)
         return run, False  # another run of this agent is running
     if not claimed:
+        quota.probe_give_back(run=run)
         run.refresh_from_db()
         return run, False
     run.status, run.started_at, run.deadline_at = RunStatus.RUNNING, now, deadline
@@ -429,14 +442,42 @@ def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, overd
             **kept,
         ):
             return False
-        ended = (
-            HeartbeatRun.objects.filter(id=run.id, session__isnull=False, started_at__isnull=False)
-            .values("session_id", "started_at", "agent__adapter_config")
-            .first()
-        )
-        if ended is not None:
-            ttl = Agent(adapter_config=ended["agent__adapter_config"] or {}).session_ttl
-            session_run_time_record(
-                session_id=ended["session_id"], started=ended["started_at"], finished=now, expires_at=now + ttl
-            )
+        ended_run_session_record(run_id=run.id, now=now)
     return True
+
+
+def run_requeue(run: HeartbeatRun, *, calls_numbered: int, cost_usd, reason: str, now: datetime) -> bool:
+    """Put a running run back in the queue, not failed: a provider's quota refused its call
+    (`sessions_app.quota`). It keeps what its calls cost (each was billed as it returned)
+    and how many there were, releases its reservation, and gives its session the
+    attempt's time, as any ended attempt does. False when it was no longer running."""
+    with transaction.atomic():
+        requeued = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(
+            status=RunStatus.QUEUED,
+            started_at=None,
+            deadline_at=None,
+            claimed_by="",
+            reserved_usd=0,
+            cost_usd=cost_usd,
+            calls_before=calls_numbered,
+            quota_requeues=F("quota_requeues") + 1,
+            warning=storable(f"Put back in the queue: {reason}"[:2000]),
+        )
+        if requeued and run.started_at is not None:
+            ended_run_session_record(run_id=run.id, started=run.started_at, now=now)
+    return bool(requeued)
+
+
+def ended_run_session_record(*, run_id, now: datetime, started: datetime | None = None) -> None:
+    """Inside the transaction that ended a run's attempt (failed, or put back in the queue
+    by a quota): its session, if it has one, counts the attempt's time (from `started`, by
+    default the row's) as active time, and its TTL from `now`."""
+    ended = (
+        HeartbeatRun.objects.filter(id=run_id, session__isnull=False)
+        .values("session_id", "started_at", "agent__adapter_config")
+        .first()
+    )
+    started = started or (ended["started_at"] if ended is not None else None)
+    if ended is not None and started is not None:
+        ttl = Agent(adapter_config=ended["agent__adapter_config"] or {}).session_ttl
+        session_run_time_record(session_id=ended["session_id"], started=started, finished=now, expires_at=now + ttl)

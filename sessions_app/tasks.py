@@ -49,6 +49,13 @@ def scheduled_heartbeat(agent_id: str, wake_at: str | None = None, step_minutes:
     return run.status if created else f"merged into run {run.id}"
 
 
+def quota_wake() -> int:
+    """A credential's hold reaches its reset (`sessions_app.quota`): wake the waiting runs."""
+    from sessions_app.run_queue import dispatch_waiting
+
+    return dispatch_waiting()
+
+
 def maintenance() -> dict:
     from sessions_app.maintenance import maintenance_pass
 

@@ -6,7 +6,8 @@ replies (`fake.push(...)`) are served first, in order; then the default reply, w
 answers each task and reports usage estimated from the request size.
 
 Scripted reply kinds:
-- Reply.error(status, message, retry_after_ms=None): an API error body;
+- Reply.error(status, message, retry_after_ms=None, headers=None): an API error body (with
+  `headers`, e.g. {"retry-after": "30"});
 - Reply.delay(seconds): the default reply after a pause (timeouts);
 - Reply.malformed(): status 200 with a body that is not JSON;
 - Reply.reset(): headers, half a body, then the connection is dropped;
@@ -33,6 +34,10 @@ says "NOTHING_TO_DO" in a benchmark); FAKE_SYSTEM_ANSWERS sets it as JSON when r
 The Models API: `GET /v1/models` pages `fake.models` (CATALOGUE by default: the 5.x
 generation and the 4.x models the tests use, some deprecated, one retired) as the API does,
 `GET /v1/models/{id}` answers one.
+
+Quotas: `fake.outage = Reply.error(429, ..., headers={"retry-after": "30"})` answers every
+Messages request with that reply until it is set back to None (the provider recovers);
+`fake.answer_headers` are sent with every successful answer (`anthropic-ratelimit-*`).
 
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
 arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
@@ -142,10 +147,15 @@ class Reply:
     message_id: str | None = None
     extra: dict = field(default_factory=dict)
     before: Callable[[], None] | None = None
+    headers: dict = field(default_factory=dict)  # sent with the answer (an error's retry-after, rate limits)
 
     @classmethod
-    def error(cls, status: int, message: str = "fake error", retry_after_ms: int | None = None) -> Reply:
-        return cls(kind="error", status=status, error_message=message, retry_after_ms=retry_after_ms)
+    def error(
+        cls, status: int, message: str = "fake error", retry_after_ms: int | None = None, headers: dict | None = None
+    ) -> Reply:
+        return cls(
+            kind="error", status=status, error_message=message, retry_after_ms=retry_after_ms, headers=headers or {}
+        )
 
     @classmethod
     def delay(cls, seconds: float) -> Reply:
@@ -341,6 +351,11 @@ class FakeAnthropic:
         self.models_before: Callable[[], None] | None = None
         # An HTTP status every models request is answered with instead (None: the list).
         self.models_error: int | None = None
+        # A provider outage: while set, every Messages request is answered with this reply
+        # (a 429 with its retry-after, a 400 credit refusal), scripted replies included.
+        self.outage: Reply | None = None
+        # Headers every successful Messages answer carries (`anthropic-ratelimit-*`).
+        self.answer_headers: dict[str, str] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -394,6 +409,8 @@ class FakeAnthropic:
 
     def _next_reply(self) -> Reply:
         with self.lock:
+            if self.outage is not None:
+                return self.outage
             if self.scripted:
                 return self.scripted.pop(0)
         return Reply.delay(self.latency) if self.latency else Reply()
@@ -615,7 +632,7 @@ class FakeAnthropic:
                         with fake.lock:
                             fake.action_errors.append(exc)
                 if reply.kind == "error":
-                    headers = {}
+                    headers = dict(reply.headers)
                     if reply.retry_after_ms is not None:
                         headers["retry-after-ms"] = str(reply.retry_after_ms)
                     error_type = ERROR_TYPES.get(reply.status, "api_error")
@@ -651,7 +668,7 @@ class FakeAnthropic:
                 if body.get("stream"):
                     self._send_stream(message)
                 else:
-                    self._send_json(200, message)
+                    self._send_json(200, message, {**fake.answer_headers, **reply.headers})
 
             def _send_stream(self, message: dict) -> None:
                 data = b"".join(

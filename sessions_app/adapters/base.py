@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from decimal import Decimal
 from typing import Any, ClassVar, Protocol, TypedDict
 
@@ -113,6 +114,8 @@ class AdapterReply:
     # recorded with it in the session's history, and its rounds.
     exchanges: list = field(default_factory=list)
     tool_rounds: int = 0
+    # What the provider said is left of its rate limits (`rate_limits.Headroom`), if it did.
+    headroom: Any = None
 
     @property
     def priced_model(self) -> str:
@@ -175,6 +178,17 @@ class AdapterError(RunFailure):
         self.runtime_report = runtime_report
 
 
+class QuotaRefused(AdapterError):
+    """The provider refused the call for a spent quota, or a rate limit whose reset lies
+    beyond the retry window (`adapters.rate_limits`). Not a failure of the run: the engine
+    holds the credential the call used until `reset_at` (None: the provider named no reset)
+    and puts the run back in the queue (`sessions_app.quota`)."""
+
+    def __init__(self, code: str, message: str, *, reset_at: datetime | None) -> None:
+        super().__init__(code, message, retryable=True)
+        self.reset_at = reset_at
+
+
 class Adapter:
     """What every adapter is. The optional abilities are declared here, absent by default,
     and an adapter that has one says so: callers read the declaration, never probe."""
@@ -209,6 +223,12 @@ class Adapter:
     def reservation_usd(self, config: dict) -> Decimal | None:
         """What a budgeted heartbeat holds before the call, for a runtime with a spending cap
         of its own that covers the whole call; None: each request is sized and reserved."""
+        return None
+
+    def credential(self, config: dict) -> str | None:
+        """The fingerprint of the provider credential this configuration's calls use
+        (`adapters.rate_limits.credential_fingerprint`, never the secret itself), which a
+        quota refusal holds; None: the adapter uses none this service knows of."""
         return None
 
     def for_config(self, config: dict) -> Adapter:

@@ -44,6 +44,7 @@ from sessions_app.adapters.base import (
     AdapterReply,
     AdapterRequest,
     CallMeter,
+    QuotaRefused,
     is_int,
     is_number,
     usage_error,
@@ -59,6 +60,7 @@ from sessions_app.adapters.cli_home import (
     workspace_prepare,
 )
 from sessions_app.adapters.cli_processes import RUN_MARK, RunProcesses
+from sessions_app.adapters.rate_limits import USAGE_LIMIT, api_credential, cli_refusal
 from sessions_app.text import storable
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,8 @@ SDK_VARIABLES = (
 )
 # From the worker's environment: the credentials and endpoint of the Messages API.
 PASSED_VARIABLES = ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_AUTH_TOKEN")
+# The credential a CLI without an API key uses: its own login (`credential`).
+CLI_LOGIN = "claude-code:login"
 CONFIG_KEYS = {
     "runtime",
     "model",
@@ -450,6 +454,15 @@ class ClaudeCliAdapter(Adapter):
     def validate_config(self, config: dict, errors: dict[str, str]) -> dict:
         return validate_cli_config(config, errors)
 
+    def credential(self, config: dict) -> str | None:
+        """The API key the CLI is given (the deployment's), or its own login when none is:
+        one hold for every CLI agent logged in that way."""
+        return (
+            api_credential()
+            if os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN")
+            else CLI_LOGIN
+        )
+
     def call_seconds(self, config: dict) -> float:
         return float(config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)) + KILL_GRACE_SECONDS
 
@@ -702,6 +715,8 @@ class CliRun:
             return AdapterError("cli_start_failed", f"Claude Code could not be started: {detail}"[:2000])
         if result is not None and result.subtype in FAILURES:
             return AdapterError(*FAILURES[result.subtype])
+        if refusal := usage_limit_refusal(conversation):
+            return refusal
         if result is not None and result.is_error:
             detail = "; ".join(map(str, result.errors or [])) or result.result or result.subtype
             return AdapterError("cli_error", f"Claude Code failed: {detail}"[:2000])
@@ -711,6 +726,24 @@ class CliRun:
         if result is None:
             return AdapterError("cli_error", "Claude Code ended without a result." + (f"\n{stderr}" if stderr else ""))
         return None
+
+
+def usage_limit_refusal(conversation: Conversation) -> QuotaRefused | None:
+    """A run Claude Code ended on a usage limit: its rate-limit event said `rejected` (with
+    the reset), or its result says "usage limit reached ... resets at ..."."""
+    from claude_agent_sdk import RateLimitEvent
+
+    now = datetime.now(UTC)
+    for message in conversation.messages:
+        info = message.rate_limit_info if isinstance(message, RateLimitEvent) else None
+        if info is not None and info.status == "rejected":
+            reset = datetime.fromtimestamp(info.resets_at, UTC) if info.resets_at else None
+            kind = info.rate_limit_type or "usage"
+            return QuotaRefused(USAGE_LIMIT, f"Claude Code: {kind} usage limit reached", reset_at=reset)
+    result = conversation.result
+    if result is None or not result.is_error:
+        return None
+    return cli_refusal(" ".join([str(result.result or ""), *map(str, result.errors or [])]), now=now)
 
 
 # --- the workspace, as operators see it ---------------------------------------------------

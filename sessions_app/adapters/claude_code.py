@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from sessions_app.adapters.base import (
@@ -24,6 +25,7 @@ from sessions_app.adapters.base import (
 )
 from sessions_app.adapters.claude_cli import RUNTIME as CLI_RUNTIME
 from sessions_app.adapters.claude_cli import ClaudeCliAdapter
+from sessions_app.adapters.rate_limits import LAST_HEADROOM, QuotaMiddleware, api_credential, api_refusal
 from sessions_app.adapters.tool_config import (
     CONTEXT_MANAGEMENT_BETA,
     TOOL_CONFIG_KEYS,
@@ -58,7 +60,13 @@ def _client(base_url: str, api_key: str, timeout: float, max_retries: int) -> an
     # One client per configuration and process: it owns a connection pool, so reusing it
     # saves a TLS handshake per heartbeat. The environment values are part of the key so a
     # changed ANTHROPIC_BASE_URL or key takes effect without a restart.
-    return sdk().Anthropic(api_key=api_key or None, base_url=base_url or None, timeout=timeout, max_retries=max_retries)
+    return sdk().Anthropic(
+        api_key=api_key or None,
+        base_url=base_url or None,
+        timeout=timeout,
+        max_retries=max_retries,
+        middleware=[QuotaMiddleware()],
+    )
 
 
 def client_for(config: dict) -> anthropic.Anthropic:
@@ -96,6 +104,9 @@ def error_from_sdk(exc: Exception) -> AdapterError:
         body = exc.body if isinstance(exc.body, dict) else None
         if body and isinstance(body.get("error"), dict):
             detail = str(body["error"].get("message", ""))[:500]
+        refusal = api_refusal(status=status, headers=exc.response.headers, message=detail, now=datetime.now(UTC))
+        if refusal is not None:
+            return refusal
         message = f"Messages API answered {status}" + (f": {detail}" if detail else "")
         return AdapterError(code, message, retryable=status == 429 or status >= 500)
     if isinstance(exc, anthropic.APIResponseValidationError):
@@ -219,6 +230,9 @@ class ClaudeCodeAdapter(Adapter):
         clean.update(validate_tool_config(config, errors))
         return clean
 
+    def credential(self, config: dict) -> str | None:
+        return api_credential()
+
     def call_seconds(self, config: dict) -> float:
         timeout = float(config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
         retries = int(config.get("max_retries", DEFAULT_MAX_RETRIES))
@@ -244,6 +258,7 @@ class ClaudeCodeAdapter(Adapter):
             # Where the model runs (the API's `inference_geo`); priced with its factor.
             kwargs["inference_geo"] = request.config["inference_geo"]
         betas, edits = beta_features(request)
+        LAST_HEADROOM.set(None)
         try:
             if betas:
                 if request.tools:
@@ -275,6 +290,7 @@ class ClaudeCodeAdapter(Adapter):
             stop_reason=message.stop_reason or "",
             usage=usage,
             context_management=context_management_of(message),
+            headroom=LAST_HEADROOM.get(),
         )
 
     def count_tokens(self, request: AdapterRequest) -> int:
