@@ -107,7 +107,8 @@ def quota_refused(*, credential: str | None, refusal: QuotaRefused, now: datetim
     """A call was refused by a quota: hold the credential it used (the engine then puts
     the run back in the queue, `run_queue.run_requeue`)."""
     if credential is not None:
-        quota_hold(credential=credential, code=refusal.code, reason=refusal.message, until=refusal.reset_at, now=now)
+        until = refusal.reset(now=now)
+        quota_hold(credential=credential, code=refusal.code, reason=refusal.message, until=until, now=now)
 
 
 def quota_hold(*, credential: str, code: str, reason: str, until: datetime | None, now: datetime) -> bool:

@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.db import connection
 from django.utils import timezone
+from django_q.models import Schedule
 
 from costs_app.models import AlertDelivery, AlertEvent, AlertTarget, Budget, CostEvent
 from sessions_app.adapters.rate_limits import (
@@ -21,9 +22,10 @@ from sessions_app.adapters.rate_limits import (
     headroom_of,
 )
 from sessions_app.heartbeat import heartbeat_execute
-from sessions_app.models import Agent, CredentialHold, HeartbeatRun, RunStatus
-from sessions_app.quota import quota_hold
+from sessions_app.models import Agent, CredentialHold, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.quota import WAKE_FUNC, quota_hold
 from sessions_app.run_queue import claim_run, heartbeat_enqueue
+from sessions_app.tasks import DEFAULT_SCHEDULED_TASK
 from tests.conftest import FAKE_API_KEY, REPORTER, Actor, beat, on_own_connection, process_agent
 from tests.fake_anthropic import Reply
 
@@ -52,7 +54,7 @@ def queued(agent: Agent, now: datetime, task: str = "go") -> HeartbeatRun:
 def test_a_429_names_its_reset_by_retry_after_or_by_the_spent_limits_reset():
     now = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
     by_seconds = api_refusal(status=429, headers={"retry-after": "30"}, message="slow down", now=now)
-    assert (by_seconds.code, by_seconds.reset_at) == ("rate_limited", now + timedelta(seconds=30))
+    assert (by_seconds.code, by_seconds.reset(now=now)) == ("rate_limited", now + timedelta(seconds=30))
     headers = {
         "anthropic-ratelimit-requests-remaining": "12",
         "anthropic-ratelimit-requests-reset": "2026-12-02T12:00:05Z",
@@ -60,15 +62,15 @@ def test_a_429_names_its_reset_by_retry_after_or_by_the_spent_limits_reset():
         "anthropic-ratelimit-tokens-reset": "2026-12-02T12:01:00Z",
     }
     by_limit = api_refusal(status=429, headers=headers, message="", now=now)
-    assert by_limit.reset_at == datetime(2026, 12, 2, 12, 1, tzinfo=UTC)  # the spent one, not the nearest
-    assert api_refusal(status=429, headers={}, message="", now=now).reset_at is None
+    assert by_limit.reset(now=now) == datetime(2026, 12, 2, 12, 1, tzinfo=UTC)  # the spent one, not the nearest
+    assert api_refusal(status=429, headers={}, message="", now=now).reset(now=now) is None
     assert api_refusal(status=500, headers={"retry-after": "30"}, message="", now=now) is None
 
 
 def test_a_credit_refusal_is_a_quota_and_other_400s_are_not():
     now = datetime(2026, 12, 2, tzinfo=UTC)
     refusal = api_refusal(status=400, headers={}, message=CREDIT_REFUSED.error_message, now=now)
-    assert (refusal.code, refusal.reset_at) == ("credit_exhausted", None)
+    assert (refusal.code, refusal.reset(now=now)) == ("credit_exhausted", None)
     assert api_refusal(status=400, headers={}, message="max_tokens: too large", now=now) is None
 
 
@@ -295,3 +297,85 @@ def test_a_new_hold_and_its_release_are_sent_once_to_targets_that_asked(fake_ant
     assert sorted(event.kind for event in AlertEvent.objects.all()) == ["quota_held", "quota_released"]
     assert {delivery.target_id for delivery in AlertDelivery.objects.all()} == {asked.id}
     assert AlertDelivery.objects.count() == 2
+
+
+# The storm: fifty scheduled agents on one key, the provider refusing everything.
+
+AGENTS = 50
+
+
+def scheduled_tick(agent: Agent, now: datetime) -> HeartbeatRun:
+    """What `tasks.scheduled_heartbeat` does at a tick (merge into an unfinished run, or
+    queue one and try it once), at a chosen `now`."""
+    run, created = heartbeat_enqueue(
+        agent=agent, task=DEFAULT_SCHEDULED_TASK, trigger=RunTrigger.SCHEDULE, now=now, merge=True
+    )
+    return heartbeat_execute(run_id=run.id, now=now) if created else run
+
+
+def quota_wake_if_due(now: datetime) -> None:
+    """The wake the hold armed for its reset, when it is due: django-q2 fires the ONCE row
+    (deleting it) and `tasks.quota_wake` hands each waiting agent's oldest run to a
+    worker, which tries it (`dispatch_waiting`), here one after the other at `now`."""
+    due = Schedule.objects.filter(name__startswith="quota:", next_run__lte=now, func=WAKE_FUNC)
+    if not due.delete()[0]:
+        return
+    heads = HeartbeatRun.objects.filter(status=RunStatus.QUEUED).order_by("agent_id", "created_at")
+    for run in {run.agent_id: run for run in reversed(list(heads))}.values():
+        heartbeat_execute(run_id=run.id, now=now)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("outage", [RATE_LIMITED, CREDIT_REFUSED], ids=["429 retry-after 30", "400 credit"])
+def test_fifty_scheduled_agents_meet_a_refusing_provider_with_one_call_then_one_probe_per_reset(
+    fake_anthropic, company, settings, outage
+):
+    settings.PAPERCLIP_QUOTA_HOLD_SECONDS = 30  # the credit refusal names no reset
+    fleet = [
+        Agent.objects.create(
+            company=company,
+            name=f"agent {i:02d}",
+            system_prompt=f"You are agent {i:02d}.",
+            adapter_config={"model": "claude-haiku-4-5", "heartbeat_interval_minutes": 1},
+        )
+        for i in range(AGENTS)
+    ]
+    fake_anthropic.outage = outage
+    start = timezone.now()
+    # Over the next minute every agent's tick comes (a second apart, then each again a
+    # minute later): the first one's call is refused, the hold stops the rest.
+    ticks = sorted(
+        [(start + timedelta(seconds=1.2 * i), agent) for i, agent in enumerate(fleet)]
+        + [(start + timedelta(seconds=60 + 1.2 * i), agent) for i, agent in enumerate(fleet)],
+        key=lambda tick: tick[0],
+    )
+    probes = []
+    for at, agent in ticks:
+        before = len(fake_anthropic.message_requests)
+        scheduled_tick(agent, at)
+        quota_wake_if_due(at)
+        if len(fake_anthropic.message_requests) > before:
+            probes.append(at)
+    # One call before the hold, then one probe each time the hold (30 s) ran out.
+    assert len(probes) == len(fake_anthropic.message_requests)
+    assert probes[0] == start
+    assert len(probes) >= 4, probes  # 0 s, then after each 30-second hold in the two minutes
+    assert all(later - earlier >= timedelta(seconds=30) for earlier, later in zip(probes, probes[1:], strict=False))
+    assert len(probes) <= 1 + (ticks[-1][0] - start) // timedelta(seconds=30)
+    assert not HeartbeatRun.objects.filter(status=RunStatus.FAILED).exists()
+    # One queued run per agent: the second minute's ticks merged into it.
+    assert HeartbeatRun.objects.filter(status=RunStatus.QUEUED).count() == AGENTS
+    assert HeartbeatRun.objects.count() == AGENTS
+
+    # The provider recovers. At the next reset the probe succeeds and the queue drains.
+    fake_anthropic.outage = None
+    reset = CredentialHold.objects.get().held_until + timedelta(seconds=1)
+    answered = len(fake_anthropic.message_requests)
+    for run in HeartbeatRun.objects.filter(status=RunStatus.QUEUED).order_by("created_at"):
+        heartbeat_execute(run_id=run.id, now=reset)
+    assert CredentialHold.objects.get().held_until is None
+    runs = HeartbeatRun.objects.all()
+    assert {run.status for run in runs} == {RunStatus.SUCCEEDED}
+    assert sorted(run.agent_id for run in runs) == sorted(agent.id for agent in fleet)  # none lost, none doubled
+    assert len(fake_anthropic.message_requests) - answered == AGENTS  # each answered once
+    assert CostEvent.objects.count() == AGENTS

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any, ClassVar, Protocol, TypedDict
 
@@ -181,12 +181,20 @@ class AdapterError(RunFailure):
 class QuotaRefused(AdapterError):
     """The provider refused the call for a spent quota, or a rate limit whose reset lies
     beyond the retry window (`adapters.rate_limits`). Not a failure of the run: the engine
-    holds the credential the call used until `reset_at` (None: the provider named no reset)
-    and puts the run back in the queue (`sessions_app.quota`)."""
+    holds the credential the call used until the reset and puts the run back in the queue
+    (`sessions_app.quota`). The reset is `wait` from the refusal (a `retry-after`, counted
+    on the run's own clock) or the moment `reset_at`; neither: the provider named none."""
 
-    def __init__(self, code: str, message: str, *, reset_at: datetime | None) -> None:
+    def __init__(
+        self, code: str, message: str, *, reset_at: datetime | None = None, wait: timedelta | None = None
+    ) -> None:
         super().__init__(code, message, retryable=True)
         self.reset_at = reset_at
+        self.wait = wait
+
+    def reset(self, *, now: datetime) -> datetime | None:
+        """When the refusal says the credential may be used again, seen from `now`."""
+        return now + self.wait if self.wait is not None else self.reset_at
 
 
 class Adapter:

@@ -76,22 +76,22 @@ def _time(value: str | None) -> datetime | None:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def retry_after(headers, *, now: datetime) -> datetime | None:
-    """When `retry-after-ms` or `retry-after` (seconds, or an HTTP date) says to retry."""
+def retry_after(headers, *, now: datetime) -> timedelta | None:
+    """How long `retry-after-ms` or `retry-after` (seconds, or an HTTP date) says to wait."""
     if (ms := _header(headers, "retry-after-ms")) is not None:
         try:
-            return now + timedelta(milliseconds=float(ms))
+            return max(timedelta(milliseconds=float(ms)), timedelta(0))
         except (ValueError, OverflowError):
             pass
     value = _header(headers, "retry-after")
     if value is None:
         return None
     try:
-        return now + timedelta(seconds=float(value))
+        return max(timedelta(seconds=float(value)), timedelta(0))
     except (ValueError, OverflowError):
         pass
     parsed = email.utils.parsedate_tz(value)
-    return datetime.fromtimestamp(email.utils.mktime_tz(parsed), UTC) if parsed else None
+    return max(datetime.fromtimestamp(email.utils.mktime_tz(parsed), UTC) - now, timedelta(0)) if parsed else None
 
 
 def limits_reset(headers, *, spent_only: bool) -> datetime | None:
@@ -115,11 +115,11 @@ def _bounded(reset: datetime | None, *, now: datetime) -> datetime | None:
 def api_refusal(*, status: int, headers, message: str, now: datetime) -> QuotaRefused | None:
     """The quota refusal a Messages API error is, or None for any other error."""
     if status == 429:
-        reset = retry_after(headers, now=now) or limits_reset(headers, spent_only=True)
-        reset = reset or limits_reset(headers, spent_only=False)
-        return QuotaRefused(
-            RATE_LIMITED, f"Messages API rate limit (429): {message}"[:500], reset_at=_bounded(reset, now=now)
-        )
+        message = f"Messages API rate limit (429): {message}"[:500]
+        if (wait := retry_after(headers, now=now)) is not None:
+            return QuotaRefused(RATE_LIMITED, message, wait=min(wait, LONGEST_RESET))
+        reset = limits_reset(headers, spent_only=True) or limits_reset(headers, spent_only=False)
+        return QuotaRefused(RATE_LIMITED, message, reset_at=_bounded(reset, now=now))
     if status == 400 and CREDIT_REFUSAL.search(message or ""):
         return QuotaRefused(CREDIT_EXHAUSTED, f"Messages API refused: {message}"[:500], reset_at=None)
     return None
@@ -204,9 +204,10 @@ class QuotaMiddleware:
         now = datetime.now(UTC)
         headers = response.headers
         if response.status_code == 429:
-            reset = retry_after(headers, now=now) or limits_reset(headers, spent_only=True)
-            window = timedelta(seconds=settings.PAPERCLIP_QUOTA_RETRY_WINDOW_SECONDS)
-            if reset is not None and reset - now > window:
+            wait = retry_after(headers, now=now)
+            if wait is None and (reset := limits_reset(headers, spent_only=True)) is not None:
+                wait = reset - now
+            if wait is not None and wait > timedelta(seconds=settings.PAPERCLIP_QUOTA_RETRY_WINDOW_SECONDS):
                 raise api_refusal(status=429, headers=headers, message=_error_message(response), now=now)
         elif response.status_code < 400:
             LAST_HEADROOM.set(headroom_of(headers))
