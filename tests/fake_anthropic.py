@@ -609,7 +609,7 @@ class FakeAnthropic:
                 except ValueError:
                     body = {"_unparsed": raw.decode(errors="replace")}
                 path = self.path.split("?")[0]
-                record = {"path": path, "headers": dict(self.headers), "body": body}
+                record = {"path": path, "headers": dict(self.headers), "body": body, "at": time.monotonic()}
                 with fake.lock:
                     fake.requests.append(record)
                 if path == "/v1/messages/count_tokens":
@@ -631,6 +631,7 @@ class FakeAnthropic:
                     except BaseException as exc:  # reported to the test, not to the client
                         with fake.lock:
                             fake.action_errors.append(exc)
+                record["status"] = reply.status if reply.kind == "error" else 200
                 if reply.kind == "error":
                     headers = dict(reply.headers)
                     if reply.retry_after_ms is not None:

@@ -1,0 +1,102 @@
+"""A provider refusing every call, met by fifty scheduled agents on one key through a live
+deployment: gunicorn and two task clusters on PostgreSQL, a cap on runs in progress.
+
+The test plays the scheduler (each agent's tick is the task django-q2's scheduler would
+queue) and the maintenance pass (which dispatches waiting queues, as the hold's wake
+does at its reset); the clusters do the rest. Holds are two seconds (`retry-after: 2`,
+with a retry window of 0), so the storm is over in seconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from django_q.tasks import async_task
+
+from sessions_app.models import Agent, Company, CredentialHold, HeartbeatRun, RunStatus
+from sessions_app.run_queue import dispatch_waiting
+from tests.fake_anthropic import FakeAnthropic, Reply, plain_system
+from tests.live.server import LiveServer, database_url, wait_until
+
+AGENTS = 50
+HOLD_SECONDS = 2
+WORKERS = 4  # two clusters of two
+
+
+def refused(fake) -> list[dict]:
+    with fake.lock:
+        return [r for r in fake.requests if r["path"] == "/v1/messages" and r.get("status") == 429]
+
+
+def answered(fake) -> list[dict]:
+    with fake.lock:
+        return [r for r in fake.requests if r["path"] == "/v1/messages" and r.get("status") == 200]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fifty_agents_on_a_refusing_key_through_two_clusters_wait_then_each_run_once(postgres_only, settings, tmp_path):
+    fake = FakeAnthropic().start()
+    fake.outage = Reply.error(429, "rate limited", headers={"retry-after": str(HOLD_SECONDS)})
+    server = LiveServer(
+        database_url=database_url(),
+        secret_key=settings.SECRET_KEY,
+        home=tmp_path / "server",
+        anthropic_base_url=fake.base_url,
+        clusters=2,
+        q_workers=2,
+        extra_env={"PAPERCLIP_QUOTA_RETRY_WINDOW_SECONDS": "0", "PAPERCLIP_MAX_CONCURRENT_RUNS": "3"},
+    )
+    company = Company.objects.create(name="Storm")
+    fleet = [
+        Agent.objects.create(
+            company=company,
+            name=f"agent {i:02d}",
+            system_prompt=f"You are agent {i:02d}.",
+            adapter_config={"model": "claude-haiku-4-5", "heartbeat_interval_minutes": 1},
+        )
+        for i in range(AGENTS)
+    ]
+    try:
+        server.start()
+        # Every agent's tick, twice, over five seconds: the second finds its run queued.
+        for round_ in range(2):
+            for agent in fleet:
+                async_task("sessions_app.tasks.scheduled_heartbeat", str(agent.id))
+            time.sleep(2.5)
+        # Holds run out and are probed for a while; the maintenance pass dispatches.
+        storm_end = time.monotonic() + 4 * HOLD_SECONDS
+        while time.monotonic() < storm_end:
+            dispatch_waiting()
+            time.sleep(0.3)
+        assert not HeartbeatRun.objects.filter(status=RunStatus.FAILED).exists()
+        times = sorted(r["at"] for r in refused(fake))
+        # The calls in flight before the first hold was written: at most one per worker,
+        # each of its own agent; then one probe per reset.
+        burst = [at for at in times if at - times[0] < 1.0]
+        assert 1 <= len(burst) <= WORKERS, times
+        assert len({plain_system(r["body"]) for r in refused(fake) if r["at"] in burst}) == len(burst)
+        probes = times[len(burst) :]
+        assert len(probes) >= 2, times
+        assert all(later - earlier >= HOLD_SECONDS - 0.1 for earlier, later in zip(probes, probes[1:], strict=False))
+        assert len(probes) <= (times[-1] - times[0]) / HOLD_SECONDS + 1
+        assert answered(fake) == []
+        assert HeartbeatRun.objects.count() == AGENTS  # the second ticks merged
+
+        # The provider recovers: the next probe succeeds and the queue drains under the cap.
+        fake.outage = None
+
+        def drained() -> bool:
+            dispatch_waiting()
+            return not HeartbeatRun.objects.exclude(status__in=[RunStatus.SUCCEEDED, RunStatus.FAILED]).exists()
+
+        wait_until(drained, 60, "every run to finish", poll=0.3)
+        runs = list(HeartbeatRun.objects.all())
+        assert {run.status for run in runs} == {RunStatus.SUCCEEDED}, [(r.status, r.error_code) for r in runs]
+        assert sorted(run.agent_id for run in runs) == sorted(agent.id for agent in fleet)
+        answers = [plain_system(r["body"]) for r in answered(fake)]
+        assert sorted(answers) == sorted(agent.system_prompt for agent in fleet)  # each once
+        assert CredentialHold.objects.get().held_until is None
+    finally:
+        server.stop()
+        fake.stop()
