@@ -39,12 +39,14 @@ from sessions_app.models import (
     AgentStatus,
     ApiKey,
     Company,
+    HealthState,
     HeartbeatRun,
     PausedReason,
     RunStatus,
     parse_session_id,
     parse_uuid,
 )
+from sessions_app.quota import holds_now
 
 # Rows a tile lists before "and N more".
 ROWS = 5
@@ -114,6 +116,8 @@ def runs_now(*, now: datetime) -> dict:
     return {
         **counts,
         "cap": cap,
+        # Credentials a provider's quota holds: their runs wait queued until the reset.
+        "held": [f"Credential {hold.credential}: {hold.status_text}" for hold in holds_now()],
         "running_url": changelist(HeartbeatRun, status__exact=RunStatus.RUNNING),
         "queued_url": changelist(HeartbeatRun, status__exact=RunStatus.QUEUED),
         "past_deadline_url": changelist(HeartbeatRun, status__exact=RunStatus.RUNNING, deadline_at__lt=since(now)),
@@ -282,6 +286,13 @@ def agents_needing_attention(*, now: datetime) -> dict:
                     "error",
                 )
             )
+    # As the maintenance pass last found them (sessions_app.agent_health).
+    for agent_id, state, changed in Agent.objects.filter(
+        health_state__in=[HealthState.DOWN, HealthState.FAILING]
+    ).values_list("id", "health_state", "health_changed_at"):
+        flags.setdefault(agent_id, []).append(
+            (f"health: {state} since {admin_time(changed) if changed else '?'}", change_page(Agent, agent_id), "error")
+        )
     for agent_id in Agent.objects.filter(status="paused", paused_reason=PausedReason.BUDGET).values_list(
         "id", flat=True
     ):

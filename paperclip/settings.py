@@ -109,6 +109,9 @@ PAPERCLIP_BACKOFF_MAX_FACTOR = env_int("PAPERCLIP_BACKOFF_MAX_FACTOR", 8, minimu
 # claims are paced (0: never).
 PAPERCLIP_QUOTA_RETRY_WINDOW_SECONDS = env_int("PAPERCLIP_QUOTA_RETRY_WINDOW_SECONDS", 10, minimum=0, maximum=600)
 PAPERCLIP_QUOTA_HOLD_SECONDS = env_int("PAPERCLIP_QUOTA_HOLD_SECONDS", 300, minimum=1, maximum=7 * 86_400)
+# Agent health (sessions_app.agent_health): how many failed runs in a row make an agent `failing`
+# (an agent's `health_failing_after_runs` overrides it).
+PAPERCLIP_HEALTH_FAILING_AFTER_RUNS = env_int("PAPERCLIP_HEALTH_FAILING_AFTER_RUNS", 3, minimum=1, maximum=1000)
 PAPERCLIP_QUOTA_PACE_BELOW_PERCENT = env_int("PAPERCLIP_QUOTA_PACE_BELOW_PERCENT", 10, minimum=0, maximum=100)
 
 SECRET_KEY = secret_key(deployment_mode=PAPERCLIP_DEPLOYMENT_MODE, home=PAPERCLIP_HOME)

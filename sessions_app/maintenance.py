@@ -21,6 +21,7 @@ from costs_app.alerts import alert_deliveries_retry
 from costs_app.catalogue import catalogue_refresh, catalogue_refresh_due
 from costs_app.ledger import spend_of
 from sessions_app.adapters.cli_processes import cli_orphans_kill
+from sessions_app.agent_health import agents_health_check
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -207,6 +208,7 @@ MAINTENANCE_STEPS = {
     "budget_resumed": budget_pauses_release,
     "alerts_queued": alert_deliveries_retry,
     "schedules_armed": schedules_arm_missing,
+    "health_alerts": agents_health_check,
     "models_refreshed": models_refresh,
 }
 

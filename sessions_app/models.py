@@ -58,8 +58,18 @@ class SessionMode(models.TextChoices):
     PERSISTENT = "persistent"
 
 
+class HealthState(models.TextChoices):
+    """An agent's health (`sessions_app.agent_health`): `ok`, `late` (a run is overdue), `down`
+    (overdue past the grace), `failing` (its last runs failed)."""
+
+    OK = "ok"
+    LATE = "late"
+    DOWN = "down"
+    FAILING = "failing"
+
+
 # Agent columns only the engine writes (by conditional UPDATE), never a save of the row.
-ENGINE_FIELDS = frozenset({"idle_streak"})
+ENGINE_FIELDS = frozenset({"idle_streak", "health_state", "health_changed_at"})
 
 
 class Agent(models.Model):
@@ -79,6 +89,13 @@ class Agent(models.Model):
     # nothing-to-do marker); a scheduled agent backs off on it (`sessions_app.no_work`).
     # Written only by the engine: a save of the agent's form never writes it back.
     idle_streak = models.PositiveIntegerField(default=0, db_default=0, editable=False)
+    # The health the maintenance pass last stored (`sessions_app.agent_health`): a change is
+    # stored by a conditional update, and one across up and down alerts once. What the API
+    # and the admin show is computed at `now`; this is the last state seen.
+    health_state = models.CharField(
+        max_length=16, choices=HealthState.choices, default=HealthState.OK, db_default=HealthState.OK, editable=False
+    )
+    health_changed_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         db_table = "agents"

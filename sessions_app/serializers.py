@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from costs_app.money import MoneyField, usd
+from sessions_app.adapters import adapter_for
+from sessions_app.agent_health import agent_health, facts_of, with_health_facts
 from sessions_app.model_checks import agent_model_info
 from sessions_app.models import (
     MAX_PIN_CHARS,
@@ -25,6 +28,7 @@ from sessions_app.models import (
     session_public_id,
 )
 from sessions_app.pins import PinRefused, pin_text_validate
+from sessions_app.quota import hold_json, holds_now
 from sessions_app.work_checks import agent_backoff
 
 
@@ -95,6 +99,31 @@ AGENT_MODEL_INFO_SCHEMA = {
 }
 
 
+HEALTH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "state": {"type": "string", "enum": ["ok", "late", "down", "failing"]},
+        "reason": {"type": "string"},
+        "due_at": {"type": "string", "format": "date-time", "nullable": True},
+        "down_at": {"type": "string", "format": "date-time", "nullable": True},
+    },
+}
+QUOTA_SCHEMA = {
+    "type": "object",
+    "nullable": True,
+    "properties": {
+        "credential": {"type": "string"},
+        "held_until": {"type": "string", "format": "date-time"},
+        "code": {"type": "string", "enum": ["rate_limited", "credit_exhausted", "usage_limit", "paced"]},
+        "reason": {"type": "string"},
+        "status": {"type": "string"},
+        "held_at": {"type": "string", "format": "date-time", "nullable": True},
+        "refusals": {"type": "integer"},
+        "probing": {"type": "boolean"},
+    },
+}
+
+
 class CompanySerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
     name = StrictCharField(max_length=200, allow_blank=False, trim_whitespace=True)
 
@@ -147,6 +176,16 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
         help_text="How many times the heartbeat interval is stretched by the back-off (1: none); "
         "a cron agent wakes on every n-th time of its expression."
     )
+    health = serializers.SerializerMethodField(
+        help_text="The agent's health now (docs/operations.md): `state` is `ok`, `late` (a run is overdue), "
+        "`down` (overdue past the grace) or `failing` (its last runs failed); with `reason`, and for a scheduled "
+        "agent `due_at` and `down_at`."
+    )
+    quota = serializers.SerializerMethodField(
+        help_text="Null, or the provider quota holding the credential this agent's calls use: `credential` (a "
+        'fingerprint, never the key), `held_until`, `code`, `reason` and `status` ("held until T, reason"). '
+        "Its runs wait queued until then."
+    )
     model_info = serializers.SerializerMethodField(
         help_text="What the model catalogue says of `adapter_config.model`: `lifecycle` (active, deprecated, "
         "retired, or unknown when the catalogue does not list it), `deprecated_at`, `retires_at`, "
@@ -166,6 +205,8 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
             "paused_reason",
             "idle_streak",
             "backoff_factor",
+            "health",
+            "quota",
             "model_info",
             "created_at",
             "updated_at",
@@ -174,6 +215,26 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
 
     def get_backoff_factor(self, agent: Agent) -> int:
         return agent_backoff(agent.adapter_config, agent.idle_streak)
+
+    def _holds(self) -> dict:
+        # Read once per response, a list's included: the holds in force now (few rows).
+        holds = self.context.get("credential_holds")
+        if holds is None:
+            holds = self.context["credential_holds"] = {hold.credential: hold for hold in holds_now()}
+        return holds
+
+    @extend_schema_field(HEALTH_SCHEMA)
+    def get_health(self, agent: Agent) -> dict:
+        if not hasattr(agent, "health_last_ok"):  # one agent, not read by a list's query
+            agent = with_health_facts(Agent.objects.filter(pk=agent.pk)).first() or agent
+        facts = facts_of(agent, held_credentials=frozenset(self._holds()))
+        return agent_health(facts, now=self.context.get("now") or timezone.now()).as_json()
+
+    @extend_schema_field(QUOTA_SCHEMA)
+    def get_quota(self, agent: Agent) -> dict | None:
+        adapter = adapter_for(agent.adapter_type, agent.adapter_config)
+        hold = self._holds().get(adapter.credential(agent.adapter_config)) if adapter is not None else None
+        return hold_json(hold) if hold is not None else None
 
     @extend_schema_field(AGENT_MODEL_INFO_SCHEMA)
     def get_model_info(self, agent: Agent) -> dict | None:

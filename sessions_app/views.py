@@ -21,6 +21,7 @@ from rest_framework.response import Response
 
 from costs_app.budgets import next_month
 from sessions_app import heartbeat
+from sessions_app.agent_health import with_health_facts
 from sessions_app.api.authentication import HeartbeatRateThrottle, is_authenticated_mode
 from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
 from sessions_app.api.exceptions import BadRequest, Conflict, NotFound, ServiceUnavailable, TooManyRequests
@@ -110,7 +111,7 @@ class AgentListView(ApiView):
         company = self.get_company(company_id)
         limit = parse_limit(request.query_params.get("limit"))
         wanted = self.query_choice("status", [AgentStatus.ACTIVE, AgentStatus.PAUSED])
-        agents = Agent.objects.filter(company=company).exclude(status=AgentStatus.DELETED)
+        agents = with_health_facts(Agent.objects.filter(company=company).exclude(status=AgentStatus.DELETED))
         if wanted:
             agents = agents.filter(status=wanted)
         rows, cursor = AGENT_ORDER.page(agents, limit=limit, cursor=request.query_params.get("next"))

@@ -278,6 +278,9 @@ COMMON_KEYS = {
     "nothing_to_do_marker",
     "backoff_after_runs",
     "backoff_max_factor",
+    # Health (sessions_app/agent_health.py)
+    "health_grace_minutes",
+    "health_failing_after_runs",
 }
 CONTEXT_STRATEGIES = ("none", "summarize", "server")
 
@@ -316,6 +319,8 @@ def validate_common(config: dict, errors: dict[str, str]) -> dict:
     validate_cron(config, errors, clean)
     validate_context(config, errors, clean)
     _optional_int(config, "idle_pause_minutes", errors, clean, low=1, high=60 * 24 * 366)
+    _optional_int(config, "health_grace_minutes", errors, clean, low=1, high=60 * 24 * 366)
+    _optional_int(config, "health_failing_after_runs", errors, clean, low=1, high=1000)
     if "heartbeat_task" in config:
         task = config["heartbeat_task"]
         if task is not None and (not isinstance(task, str) or not task.strip() or "\x00" in task):

@@ -5,6 +5,7 @@ takes on them (pause, resume, retire, delete, a heartbeat now).
 from __future__ import annotations
 
 import json
+from contextvars import ContextVar
 from zoneinfo import ZoneInfo
 
 from django import forms
@@ -38,17 +39,20 @@ from sessions_app.admin.common import (
     money_column,
     short_text,
 )
+from sessions_app.agent_health import agent_health, facts_of, with_health_facts
 from sessions_app.model_checks import agent_model_info, model_warning
 from sessions_app.models import (
     MAX_PINS_PER_AGENT,
     Agent,
     AgentSession,
     AgentStatus,
+    HealthState,
     HeartbeatRun,
     PinnedFact,
     RunTrigger,
     SessionCompaction,
 )
+from sessions_app.quota import holds_now
 from sessions_app.schedules import agent_next_wakes, agent_schedule_sync
 from sessions_app.text import holds_unstorable
 from sessions_app.wakes import HeartbeatPlan
@@ -182,6 +186,9 @@ class RecentRunsInline(ReadOnlyInline):
         return self.recent(request, super().get_queryset(request).defer("task", "output"))
 
 
+HELD_CREDENTIALS: ContextVar[frozenset] = ContextVar("held_credentials", default=frozenset())
+
+
 @admin.register(Agent)
 class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
     form = AgentAdminForm
@@ -192,6 +199,7 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
         "agent_model",
         "session_mode",
         "status_flag",
+        "health",
         "backoff",
         "updated_at",
     ]
@@ -335,6 +343,27 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
     @admin.display(description="model")
     def agent_model(self, obj: Agent) -> str:
         return obj.model_name
+
+    def get_queryset(self, request):
+        # The health column's facts, for the whole page in the list's own query.
+        return with_health_facts(super().get_queryset(request))
+
+    def changelist_view(self, request, extra_context=None):
+        # The credentials held, read once for the page (the admin is shared by threads:
+        # a context variable, set while the page renders).
+        token = HELD_CREDENTIALS.set(frozenset(hold.credential for hold in holds_now()))
+        try:
+            response = super().changelist_view(request, extra_context)
+            return response.render() if hasattr(response, "render") else response
+        finally:
+            HELD_CREDENTIALS.reset(token)
+
+    @admin.display(description="health", ordering="health_state")
+    def health(self, obj: Agent) -> str:
+        found = agent_health(facts_of(obj, held_credentials=HELD_CREDENTIALS.get()), now=timezone.now())
+        if found.state in (HealthState.DOWN, HealthState.FAILING):
+            return format_html('<strong style="color:#ba2121" title="{}">{}</strong>', found.reason, found.state)
+        return format_html('<span title="{}">{}</span>', found.reason, found.state)
 
     @admin.display(description="status", ordering="status")
     def status_flag(self, obj: Agent) -> str:

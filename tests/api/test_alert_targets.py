@@ -29,7 +29,7 @@ def test_a_target_is_created_listed_and_deleted_and_its_secret_never_returned(ap
 
     assert response.status_code == 201, response.json()
     created = response.json()
-    assert set(created) == {"id", "url", "active", "created_at"}
+    assert set(created) == {"id", "url", "active", "quota_events", "health_events", "created_at"}
     assert AlertTarget.objects.get().secret == SECRET
     listed = api.get(targets_url(company))
     assert listed.json() == {"targets": [created]}

@@ -109,7 +109,8 @@ def test_list_agents_pages_with_a_cursor(api, company):
 def test_agent_list_queries_do_not_grow_with_agents(api, company, django_assert_max_num_queries):
     for index in range(30):
         Agent.objects.create(company=company, name=f"agent {index}")
-    with django_assert_max_num_queries(2):
+    # The company, the agents with their health's facts, the credentials held now.
+    with django_assert_max_num_queries(3):
         response = api.get(f"/api/companies/{company.id}/agents", {"limit": 200})
     assert len(response.json()["agents"]) == 30
 
@@ -286,3 +287,37 @@ def test_a_heartbeat_of_an_agent_on_a_retired_model_is_409_model_retired(api, co
 
     assert "claude-opus-4-1" in error["message"]
     assert fake_anthropic.message_requests == []
+
+
+def test_the_agent_object_shows_its_health_and_the_quota_holding_its_key(api, company, monkeypatch):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from sessions_app.adapters.rate_limits import credential_fingerprint
+    from sessions_app.models import HeartbeatRun, RunStatus
+    from sessions_app.quota import quota_hold
+
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-api-shown-never")
+    agent = Agent.objects.create(
+        company=company, name="Quiet", adapter_config={"model": "claude-haiku-4-5", "heartbeat_interval_minutes": 5}
+    )
+    for _ in range(3):
+        HeartbeatRun.objects.create(company=company, agent=agent, task="t", status=RunStatus.FAILED)
+    body = api.get(agent_url(agent)).json()
+    assert body["health"]["state"] == "failing" and body["quota"] is None
+    now = timezone.now()
+    until = now + timedelta(minutes=10)
+    quota_hold(
+        credential=credential_fingerprint("sk-ant-api-shown-never"),
+        code="rate_limited",
+        reason="429",
+        until=until,
+        now=now,
+    )
+    listed = api.get(f"/api/companies/{company.id}/agents").json()["agents"][0]
+    assert listed["quota"]["held_until"] == until.isoformat()
+    assert listed["quota"]["status"].startswith("held until ")
+    assert "sk-ant-api-shown-never" not in str(listed)
+    health = api.get("/api/health").json()
+    assert [held["credential"] for held in health["credentials_held"]] == [listed["quota"]["credential"]]
