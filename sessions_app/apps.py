@@ -11,3 +11,16 @@ class SessionsAppConfig(AppConfig):
         from sessions_app.services import budget_changed_release
 
         budget_changed.connect(budget_changed_release, dispatch_uid="sessions_app.budget_changed_release")
+        telemetry_start_from_environment()
+
+
+def telemetry_start_from_environment() -> None:
+    """OpenTelemetry when the OTEL_* variables ask for it (paperclip/telemetry.py); with
+    them unset this imports nothing of it. Before any request or query: the Django and
+    database instrumentations must be in place first."""
+    from paperclip import telemetry
+
+    if telemetry.enabled():
+        from sessions_app.quota import holds_count
+
+        telemetry.telemetry_start(held_count=holds_count)

@@ -33,6 +33,7 @@ from costs_app.budgets import (
 )
 from costs_app.ledger import run_calls_join_session
 from costs_app.pricing import token_counts
+from paperclip.telemetry import step, traced_heartbeat
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.adapters.base import QuotaRefused
 from sessions_app.cli_transcripts import SessionTranscripts
@@ -137,6 +138,7 @@ def heartbeat_start(
 # One run, as its steps.
 
 
+@traced_heartbeat
 def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     """Run a queued run to a terminal state, or leave it queued while its agent is busy.
 
@@ -158,7 +160,8 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     decisions, last_used); the finish time adds the measured duration of the run to it.
     """
     now = now or timezone.now()
-    run, claimed = claim_run(run_id=run_id, now=now)  # 1
+    with step("claim", run_id=run_id):
+        run, claimed = claim_run(run_id=run_id, now=now)  # 1
     if not claimed:
         return run
     clock = RunClock(now=now, started=time.monotonic())
@@ -171,9 +174,10 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
         logger.exception("Heartbeat run %s failed unexpectedly", run.id)
         run_fail(run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=clock())
         run_cost_refresh(run_id=run.id)
-    if run.quota_probe is not None and probe_end(run=run, now=clock()):
-        dispatch_waiting()  # the probe was not refused: the hold ended, the queue drains
-    return _release(run, current=current, now=now)  # 8
+    with step("release", run_id=run.id):
+        if run.quota_probe is not None and probe_end(run=run, now=clock()):
+            dispatch_waiting()  # the probe was not refused: the hold ended, the queue drains
+        return _release(run, current=current, now=now)  # 8
 
 
 def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
@@ -183,17 +187,24 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
         task = check_for_work(run=run, agent=beat.agent)  # 1, the work check
         if task is None:
             return heartbeat_skip(run=run, agent=beat.agent, finished=clock(), now=now)
-        plan = _plan(beat)  # 2
-        plan = _handoff(beat, plan)  # 3
+        ids = beat.ids()
+        with step("plan", **ids):
+            plan = _plan(beat)  # 2
+            plan = _handoff(beat, plan)  # 3
+        ids["session_id"] = plan.session.pk if plan.session is not None else None
         reserve = Reservation(beat)
         user_content = user_turn_content(task, plan.manifest)
-        plan, request = _fit(beat, plan, user_content, reserve=reserve)  # 4
-        reserve(request)  # 5
-        reply = _call(beat, plan, request, reserve=reserve)  # 6
+        with step("fit", **ids):
+            plan, request = _fit(beat, plan, user_content, reserve=reserve)  # 4
+        with step("reserve", **ids):
+            reserve(request)  # 5
+        with step("call", **ids):
+            reply = _call(beat, plan, request, reserve=reserve)  # 6
     except RunFailure as exc:
         _fail(beat, exc)
         return False
-    succeeded = _commit(beat, plan, reply, user_content=user_content, finished=clock())  # 7
+    with step("commit", **ids):
+        succeeded = _commit(beat, plan, reply, user_content=user_content, finished=clock())  # 7
     if succeeded:
         idle_streak_record(agent=beat.agent, idle=run.nothing_to_do, now=now)
     if beat.budgeted:
@@ -226,6 +237,10 @@ class ClaimedRun:
     now: datetime
     clock: RunClock
     budgeted: bool  # any budget applies: every call is reserved before it is sent
+
+    def ids(self) -> dict:
+        """What every step's span names (`paperclip.telemetry`)."""
+        return {"run_id": self.run.id, "agent_id": self.agent.id, "company_id": self.agent.company_id}
 
     @classmethod
     def of(cls, run: HeartbeatRun, *, now: datetime, clock: RunClock) -> ClaimedRun:

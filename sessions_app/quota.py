@@ -204,6 +204,17 @@ def holds_now() -> list[CredentialHold]:
     return list(CredentialHold.objects.filter(held_until__isnull=False).order_by("held_until"))
 
 
+def holds_count() -> int:
+    """How many credentials are held now (the metrics' gauge, read in the exporter's own
+    thread, whose connection is closed after)."""
+    from django.db import connection
+
+    try:
+        return CredentialHold.objects.filter(held_until__isnull=False).count()
+    finally:
+        connection.close()
+
+
 def hold_json(hold: CredentialHold) -> dict:
     return {
         "credential": hold.credential,

@@ -32,6 +32,8 @@ from django.db.models.functions import Greatest
 
 from costs_app.ledger import cost_event_record
 from costs_app.models import CostEvent, CostKind
+from costs_app.pricing import token_counts
+from paperclip.telemetry import record_bill
 from sessions_app.adapters import AdapterReply, AdapterRequest
 from sessions_app.adapters.base import Adapter
 from sessions_app.errors import RunAbandoned
@@ -149,6 +151,7 @@ class RunCalls:
             raise
         self.billed_usd += event.cost_usd
         self.billed_anything = True
+        record_bill(model=model, cost_usd=event.cost_usd, counts=token_counts(usage).__dict__)
         if message_id:
             self._billed_ids.add(message_id)
         return event

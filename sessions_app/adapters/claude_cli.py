@@ -38,6 +38,7 @@ from typing import Any
 
 from django.conf import settings
 
+from paperclip import telemetry
 from sessions_app.adapters.base import (
     Adapter,
     AdapterError,
@@ -213,7 +214,7 @@ def _thinking(thinking, errors: dict[str, str]):
 # --- isolation ----------------------------------------------------------------------------
 
 
-def cli_environment(*, agent_id, workspace: Path, mark: str) -> dict[str, str]:
+def cli_environment(*, agent_id, workspace: Path, mark: str, traceparent: str | None = None) -> dict[str, str]:
     """Everything the CLI's environment holds: an allow-list, never the worker's own."""
     env = {
         RUN_MARK: mark,
@@ -224,6 +225,9 @@ def cli_environment(*, agent_id, workspace: Path, mark: str) -> dict[str, str]:
         "LANG": "C.UTF-8",
     }
     env.update({name: os.environ[name] for name in PASSED_VARIABLES if os.environ.get(name)})
+    if traceparent:
+        # The trace context of the run's `call` step, for a CLI that joins it (W3C).
+        env["TRACEPARENT"] = traceparent
     env.update(git_fence(workspace))  # git's search for a repository stops at the workspace
     return env
 
@@ -509,6 +513,8 @@ class CliRun:
         self.session_id = ""
         self.cap = Decimal(str(self.config.get("max_budget_usd") or settings.PAPERCLIP_CLI_DEFAULT_BUDGET_USD))
         self.calls = StreamedCalls(request.meter, default_model=request.model, cap=self.cap)
+        # Read here, in the engine's thread: the conversation runs on a loop of its own.
+        self.traceparent = telemetry.traceparent()
 
     def execute(self) -> AdapterReply:
         try:
@@ -561,7 +567,9 @@ class CliRun:
         system: dict[str, Any] = {"type": "preset", "preset": "claude_code"}
         if self.request.system:
             system["append"] = self.request.system
-        env = cli_environment(agent_id=self.agent_id, workspace=self.workspace, mark=self.mark)
+        env = cli_environment(
+            agent_id=self.agent_id, workspace=self.workspace, mark=self.mark, traceparent=self.traceparent
+        )
 
         def stderr(line: str) -> None:
             conversation.stderr = [*conversation.stderr[-19:], line]

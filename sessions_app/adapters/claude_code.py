@@ -12,6 +12,7 @@ import re
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from paperclip import telemetry
 from sessions_app.adapters.base import (
     Adapter,
     AdapterError,
@@ -56,7 +57,9 @@ def sdk():
 
 
 @functools.lru_cache(maxsize=32)
-def _client(base_url: str, api_key: str, timeout: float, max_retries: int) -> anthropic.Anthropic:
+def _client(
+    base_url: str, api_key: str, timeout: float, max_retries: int, telemetry_generation: int
+) -> anthropic.Anthropic:
     # One client per configuration and process: it owns a connection pool, so reusing it
     # saves a TLS handshake per heartbeat. The environment values are part of the key so a
     # changed ANTHROPIC_BASE_URL or key takes effect without a restart.
@@ -66,6 +69,9 @@ def _client(base_url: str, api_key: str, timeout: float, max_retries: int) -> an
         timeout=timeout,
         max_retries=max_retries,
         middleware=[QuotaMiddleware()],
+        # While tracing is on, the SDK's span of each call goes to our tracer provider, as a
+        # child of the engine's `call` step (paperclip/telemetry.py).
+        open_telemetry=telemetry.sdk_option(),
     )
 
 
@@ -76,6 +82,7 @@ def client_for(config: dict) -> anthropic.Anthropic:
             os.environ.get("ANTHROPIC_API_KEY", ""),
             float(config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)),
             int(config.get("max_retries", DEFAULT_MAX_RETRIES)),
+            telemetry.generation(),
         )
     except sdk().AnthropicError as exc:
         # Typically no API key configured. The message never contains the key itself.
