@@ -6,51 +6,98 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('costs_app', '0011_alert_deliveries_plural'),
-        ('sessions_app', '0022_quota_holds_and_agent_health'),
+        ("costs_app", "0011_alert_deliveries_plural"),
+        ("sessions_app", "0022_quota_holds_and_agent_health"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='alerttarget',
-            name='health_events',
-            field=models.BooleanField(default=False, help_text='Also send agent_down and agent_up.'),
+            model_name="alerttarget",
+            name="health_events",
+            field=models.BooleanField(default=False, help_text="Also send agent_down and agent_up."),
         ),
         migrations.AddField(
-            model_name='alerttarget',
-            name='quota_events',
-            field=models.BooleanField(default=False, help_text='Also send quota_held and quota_released.'),
+            model_name="alerttarget",
+            name="quota_events",
+            field=models.BooleanField(default=False, help_text="Also send quota_held and quota_released."),
         ),
         migrations.AlterField(
-            model_name='alertdelivery',
-            name='alert',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='deliveries', to='costs_app.budgetalert'),
+            model_name="alertdelivery",
+            name="alert",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.CASCADE,
+                related_name="deliveries",
+                to="costs_app.budgetalert",
+            ),
         ),
         migrations.CreateModel(
-            name='AlertEvent',
+            name="AlertEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(choices=[('quota_held', 'Quota Held'), ('quota_released', 'Quota Released'), ('agent_down', 'Agent Down'), ('agent_up', 'Agent Up')], max_length=32)),
-                ('key', models.CharField(max_length=200, unique=True)),
-                ('payload', models.JSONField(default=dict)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('agent', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='+', to='sessions_app.agent')),
-                ('company', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='+', to='sessions_app.company')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("quota_held", "Quota Held"),
+                            ("quota_released", "Quota Released"),
+                            ("agent_down", "Agent Down"),
+                            ("agent_up", "Agent Up"),
+                        ],
+                        max_length=32,
+                    ),
+                ),
+                ("key", models.CharField(max_length=200, unique=True)),
+                ("payload", models.JSONField(default=dict)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "agent",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="+",
+                        to="sessions_app.agent",
+                    ),
+                ),
+                (
+                    "company",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="+",
+                        to="sessions_app.company",
+                    ),
+                ),
             ],
             options={
-                'db_table': 'alert_events',
-                'ordering': ['-created_at'],
+                "db_table": "alert_events",
+                "ordering": ["-created_at"],
             },
         ),
         migrations.AddField(
-            model_name='alertdelivery',
-            name='event',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='deliveries', to='costs_app.alertevent'),
+            model_name="alertdelivery",
+            name="event",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.CASCADE,
+                related_name="deliveries",
+                to="costs_app.alertevent",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='alertdelivery',
-            constraint=models.CheckConstraint(condition=models.Q(models.Q(('alert__isnull', False), ('event__isnull', True)), models.Q(('alert__isnull', True), ('event__isnull', False)), _connector='OR'), name='alert_deliveries_alert_or_event'),
+            model_name="alertdelivery",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    models.Q(("alert__isnull", False), ("event__isnull", True)),
+                    models.Q(("alert__isnull", True), ("event__isnull", False)),
+                    _connector="OR",
+                ),
+                name="alert_deliveries_alert_or_event",
+            ),
         ),
     ]

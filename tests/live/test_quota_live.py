@@ -60,7 +60,7 @@ def test_fifty_agents_on_a_refusing_key_through_two_clusters_wait_then_each_run_
     try:
         server.start()
         # Every agent's tick, twice, over five seconds: the second finds its run queued.
-        for round_ in range(2):
+        for _ in range(2):
             for agent in fleet:
                 async_task("sessions_app.tasks.scheduled_heartbeat", str(agent.id))
             time.sleep(2.5)
