@@ -662,12 +662,15 @@ def heartbeat_wait(*, run_id, timeout_seconds: float, poll_seconds: float = 0.1)
     """Execute a run here, waiting for the agent's current run to finish first.
 
     Used by `"wait": true` requests and the `heartbeat` command. If another process claims
-    the run meanwhile (the cluster), this waits for it to finish instead.
+    the run meanwhile (the cluster), this waits for it to finish instead. A run a quota's
+    hold keeps queued is returned at once, queued: a web thread does not wait for a reset.
     """
     deadline = time.monotonic() + timeout_seconds
     while True:
         run = heartbeat_execute(run_id=run_id)
         if run.is_finished or time.monotonic() >= deadline:
             return run
+        if run.quota_held_until is not None:
+            return run  # a provider's quota holds it: queued (202), it runs after the reset
         time.sleep(poll_seconds)
         poll_seconds = min(poll_seconds * 1.5, 1.0)

@@ -469,8 +469,10 @@ class HeartbeatRun(models.Model):
     calls_before = models.PositiveSmallIntegerField(default=0, db_default=0)
 
     # Set by the claim, not stored: the credential this run was claimed to probe (the one
-    # run let through when a hold on it ends), or None.
+    # run let through when a hold on it ends), or None; and, when a hold kept it queued,
+    # until when (a waiting request is then answered at once, queued).
     quota_probe: str | None = None
+    quota_held_until: datetime | None = None
 
     class Meta:
         db_table = "heartbeat_runs"

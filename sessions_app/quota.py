@@ -75,11 +75,13 @@ def claim_check(*, run: HeartbeatRun, credential: str | None, now: datetime, lea
     if hold is None:
         return True
     if hold.held_until > now:
+        run.quota_held_until = hold.held_until
         return False
     if hold.probe_run == run.id:
         run.quota_probe = credential
         return True
     if hold.probe_run is not None and hold.probe_until is not None and hold.probe_until > now:
+        run.quota_held_until = hold.probe_until  # at the latest: the probe may end it sooner
         return False
     # Of two claimers (any cluster) one update matches the row as it was read.
     taken = CredentialHold.objects.filter(

@@ -7,6 +7,7 @@ Through the real SDK and the fake Messages API; time is passed as `now=`.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -26,6 +27,7 @@ from sessions_app.models import Agent, CredentialHold, HeartbeatRun, RunStatus, 
 from sessions_app.quota import WAKE_FUNC, quota_hold
 from sessions_app.run_queue import claim_run, heartbeat_enqueue
 from sessions_app.tasks import DEFAULT_SCHEDULED_TASK
+from tests.api.conftest import api  # noqa: F401 F811 (the API tests' JSON client fixture)
 from tests.conftest import FAKE_API_KEY, REPORTER, Actor, beat, on_own_connection, process_agent
 from tests.fake_anthropic import Reply
 
@@ -379,3 +381,62 @@ def test_fifty_scheduled_agents_meet_a_refusing_provider_with_one_call_then_one_
     assert sorted(run.agent_id for run in runs) == sorted(agent.id for agent in fleet)  # none lost, none doubled
     assert len(fake_anthropic.message_requests) - answered == AGENTS  # each answered once
     assert CostEvent.objects.count() == AGENTS
+
+
+@pytest.mark.django_db
+def test_a_waiting_request_is_answered_queued_at_once_while_its_key_is_held(fake_anthropic, company, api):  # noqa: F811
+    first, second = agents(company, 2)
+    fake_anthropic.outage = RATE_LIMITED
+    beat(first)
+    started = time.monotonic()
+    response = api.post(f"/api/companies/{company.id}/agents/{second.id}/heartbeat", {"task": "now", "wait": True})
+    assert time.monotonic() - started < 5
+    assert response.status_code == 202, response.json()
+    assert response.json()["status"] == RunStatus.QUEUED
+    assert len(fake_anthropic.message_requests) == 1
+
+
+@pytest.mark.django_db
+def test_little_left_of_a_rate_limit_paces_the_claims_before_any_refusal(fake_anthropic, company):
+    first, second, third = agents(company, 3)
+    now = timezone.now()
+    reset = now + timedelta(seconds=60)
+    fake_anthropic.answer_headers = {
+        "anthropic-ratelimit-requests-limit": "100",
+        "anthropic-ratelimit-requests-remaining": "2",
+        "anthropic-ratelimit-requests-reset": reset.isoformat(),
+    }
+    assert beat(first, now=now).status == RunStatus.SUCCEEDED
+    # Two requests left for a minute: one claim per 20 seconds.
+    hold = CredentialHold.objects.get()
+    assert (hold.code, hold.held_until is not None) == ("paced", True)
+    assert now + timedelta(seconds=19) < hold.held_until < now + timedelta(seconds=22)
+    assert beat(second, now=now + timedelta(seconds=5)).status == RunStatus.QUEUED
+    assert AlertEvent.objects.count() == 0  # pacing is no hold to alert on
+    later = hold.held_until + timedelta(seconds=1)
+    fake_anthropic.answer_headers = {}
+    assert heartbeat_execute(run_id=HeartbeatRun.objects.get(agent=second).id, now=later).status == RunStatus.SUCCEEDED
+    assert CredentialHold.objects.get().held_until is None  # plenty left again: no pace
+    assert beat(third, now=later).status == RunStatus.SUCCEEDED
+
+
+def test_claude_code_stopped_by_its_usage_limit_is_a_refusal_with_its_reset():
+    from claude_agent_sdk import RateLimitEvent, RateLimitInfo
+
+    from sessions_app.adapters.claude_cli import Conversation, usage_limit_refusal
+
+    conversation = Conversation()
+    resets = int(datetime(2026, 12, 2, 17, tzinfo=UTC).timestamp())
+    conversation.messages.append(
+        RateLimitEvent(
+            rate_limit_info=RateLimitInfo(status="rejected", resets_at=resets, rate_limit_type="five_hour"),
+            uuid="u",
+            session_id="s",
+        )
+    )
+    refusal = usage_limit_refusal(conversation)
+    assert (refusal.code, refusal.reset(now=datetime(2026, 12, 2, tzinfo=UTC))) == (
+        "usage_limit",
+        datetime(2026, 12, 2, 17, tzinfo=UTC),
+    )
+    assert usage_limit_refusal(Conversation()) is None
