@@ -23,6 +23,7 @@ from sessions_app.admin.common import (
     money_column,
 )
 from sessions_app.admin.companies import CompanyAdmin
+from sessions_app.admin.quota import CredentialHoldAdmin
 from sessions_app.admin.runs import HeartbeatRunAdmin
 from sessions_app.admin.sessions import AgentSessionAdmin
 
@@ -32,6 +33,7 @@ __all__ = [
     "ApiKeyAdmin",
     "CappedCountPaginator",
     "CompanyAdmin",
+    "CredentialHoldAdmin",
     "HeartbeatRunAdmin",
     "LargeTableAdmin",
     "ModelNameFilter",

@@ -116,6 +116,21 @@ def budget_alert_delivered(budget: Budget) -> AlertDelivery:
     return delivery
 
 
+def hold_and_event(budget, *, now) -> None:
+    """A credential held by a quota, and its event delivered to a target that asked."""
+    from costs_app.models import AlertDelivery, AlertEvent, AlertTarget
+    from sessions_app.models import CredentialHold
+
+    hold = CredentialHold.objects.create(
+        credential="sha256:0123456789abcdef", held_until=now, held_at=now, code="rate_limited", reason="429", refusals=1
+    )
+    target = AlertTarget.objects.create(
+        budget=budget, url="https://ops.example/hook", secret="s" * 16, quota_events=True
+    )
+    event = AlertEvent.objects.create(kind="quota_held", key=f"quota_held:{hold.credential}", payload={"code": "429"})
+    AlertDelivery.objects.create(event=event, target=target, created_at=now, status="delivered")
+
+
 @pytest.fixture
 def full_house(db, company, persistent_agent, stateless_agent, other_agent):
     """One of everything every admin page lists."""
@@ -147,4 +162,5 @@ def full_house(db, company, persistent_agent, stateless_agent, other_agent):
     memory_write_demo(persistent_agent, stateless_agent, run=run)
     catalogue_stored()
     ModelPrice.from_list_price("claude-opus-5-5", now.date(), Decimal("3"), Decimal("15")).save()
+    hold_and_event(budget, now=now)
     return {"session": session, "db_session": db_session, "run": run, "key": key}
