@@ -229,11 +229,14 @@ def record_run(*, status: str, duration_s: float | None, queue_age_s: float | No
         instruments["queue_age"].record(queue_age_s)
 
 
-def record_bill(*, model: str, cost_usd, counts: dict) -> None:
+def record_bill(*, model: str, cost_usd, usage: dict) -> None:
     """One ledger row: its span (a child of the step that made the call) and its metrics."""
     instruments = _state.get("instruments")
     if instruments is None:
         return
+    from costs_app.pricing import token_counts
+
+    counts = token_counts(usage).__dict__
     with _span("bill", {"model": model, "cost_usd": str(cost_usd)}) as span:
         span.set_attributes({"gen_ai.request.model": model, **{f"gen_ai.usage.{k}": v for k, v in counts.items()}})
     instruments["spend"].add(float(cost_usd), {"model": model})

@@ -32,7 +32,6 @@ from django.db.models.functions import Greatest
 
 from costs_app.ledger import cost_event_record
 from costs_app.models import CostEvent, CostKind
-from costs_app.pricing import token_counts
 from paperclip.telemetry import record_bill
 from sessions_app.adapters import AdapterReply, AdapterRequest
 from sessions_app.adapters.base import Adapter
@@ -151,7 +150,7 @@ class RunCalls:
             raise
         self.billed_usd += event.cost_usd
         self.billed_anything = True
-        record_bill(model=model, cost_usd=event.cost_usd, counts=token_counts(usage).__dict__)
+        record_bill(model=model, cost_usd=event.cost_usd, usage=usage)
         if message_id:
             self._billed_ids.add(message_id)
         return event
