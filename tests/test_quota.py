@@ -39,9 +39,16 @@ CREDIT_REFUSED = Reply.error(
 )
 
 
-def agents(company, count: int) -> list[Agent]:
+def agents(company, count: int, **config) -> list[Agent]:
+    """`count` agents on the deployment's key, each with a system prompt of its own (the
+    fake's requests say whose they are)."""
     return [
-        Agent.objects.create(company=company, name=f"a{i}", adapter_config={"model": "claude-haiku-4-5"})
+        Agent.objects.create(
+            company=company,
+            name=f"agent {i:02d}",
+            system_prompt=f"You are agent {i:02d}.",
+            adapter_config={"model": "claude-haiku-4-5", **config},
+        )
         for i in range(count)
     ]
 
@@ -333,15 +340,7 @@ def test_fifty_scheduled_agents_meet_a_refusing_provider_with_one_call_then_one_
     fake_anthropic, company, settings, outage
 ):
     settings.PAPERCLIP_QUOTA_HOLD_SECONDS = 30  # the credit refusal names no reset
-    fleet = [
-        Agent.objects.create(
-            company=company,
-            name=f"agent {i:02d}",
-            system_prompt=f"You are agent {i:02d}.",
-            adapter_config={"model": "claude-haiku-4-5", "heartbeat_interval_minutes": 1},
-        )
-        for i in range(AGENTS)
-    ]
+    fleet = agents(company, AGENTS, heartbeat_interval_minutes=1)
     fake_anthropic.outage = outage
     start = timezone.now()
     # Over the next minute every agent's tick comes (a second apart, then each again a

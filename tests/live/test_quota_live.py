@@ -14,10 +14,11 @@ import time
 import pytest
 from django_q.tasks import async_task
 
-from sessions_app.models import Agent, Company, CredentialHold, HeartbeatRun, RunStatus
+from sessions_app.models import Company, CredentialHold, HeartbeatRun, RunStatus
 from sessions_app.run_queue import dispatch_waiting
 from tests.fake_anthropic import FakeAnthropic, Reply, plain_system
 from tests.live.server import LiveServer, database_url, wait_until
+from tests.test_quota import agents
 
 AGENTS = 50
 HOLD_SECONDS = 2
@@ -48,15 +49,7 @@ def test_fifty_agents_on_a_refusing_key_through_two_clusters_wait_then_each_run_
         extra_env={"PAPERCLIP_QUOTA_RETRY_WINDOW_SECONDS": "0", "PAPERCLIP_MAX_CONCURRENT_RUNS": "3"},
     )
     company = Company.objects.create(name="Storm")
-    fleet = [
-        Agent.objects.create(
-            company=company,
-            name=f"agent {i:02d}",
-            system_prompt=f"You are agent {i:02d}.",
-            adapter_config={"model": "claude-haiku-4-5", "heartbeat_interval_minutes": 1},
-        )
-        for i in range(AGENTS)
-    ]
+    fleet = agents(company, AGENTS, heartbeat_interval_minutes=1)
     try:
         server.start()
         # Every agent's tick, twice, over five seconds: the second finds its run queued.
