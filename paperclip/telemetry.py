@@ -154,8 +154,11 @@ def _span(name: str, attributes: dict) -> Iterator[Any]:
 
 
 def _clean(attributes: dict) -> dict:
+    """`run_id=...` as `paperclip.run.id`; values a span can hold (ids as text); no None."""
     return {
-        f"paperclip.{key}": str(value) if not isinstance(value, int | float | bool) else value
+        "paperclip." + (key[:-3] + ".id" if key.endswith("_id") else key): (
+            value if isinstance(value, int | float | bool) else str(value)
+        )
         for key, value in attributes.items()
         if value is not None
     }

@@ -425,9 +425,7 @@ def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, overd
     the heartbeat's commit takes them, so that a reaper and a committing worker never
     deadlock."""
     with transaction.atomic():
-        linked = HeartbeatRun.objects.filter(id=run.id).values_list("session_id", flat=True).first()
-        if linked is not None:
-            AgentSession.objects.select_for_update().filter(pk=linked).values_list("pk", flat=True).first()
+        _run_session_lock(run_id=run.id)
         ending = HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
         if overdue:
             ending = ending.filter(status=RunStatus.RUNNING, deadline_at__lt=now)
@@ -452,6 +450,7 @@ def run_requeue(run: HeartbeatRun, *, calls_numbered: int, cost_usd, reason: str
     and how many there were, releases its reservation, and gives its session the
     attempt's time, as any ended attempt does. False when it was no longer running."""
     with transaction.atomic():
+        _run_session_lock(run_id=run.id)  # before the run's row, as `run_fail` and the commit
         requeued = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(
             status=RunStatus.QUEUED,
             started_at=None,
@@ -466,6 +465,15 @@ def run_requeue(run: HeartbeatRun, *, calls_numbered: int, cost_usd, reason: str
         if requeued and run.started_at is not None:
             ended_run_session_record(run_id=run.id, started=run.started_at, now=now)
     return bool(requeued)
+
+
+def _run_session_lock(*, run_id) -> None:
+    """Lock the session a run is linked to, if any: whoever ends a run's attempt takes the
+    session's row before the run's, in the order the heartbeat's commit takes them, so that
+    two enders (a reaper, a worker) never deadlock."""
+    linked = HeartbeatRun.objects.filter(id=run_id).values_list("session_id", flat=True).first()
+    if linked is not None:
+        AgentSession.objects.select_for_update().filter(pk=linked).values_list("pk", flat=True).first()
 
 
 def ended_run_session_record(*, run_id, now: datetime, started: datetime | None = None) -> None:

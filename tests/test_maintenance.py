@@ -136,6 +136,7 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "budget_resumed",
         "alerts_queued",
         "schedules_armed",
+        "health_alerts",
         "models_refreshed",
     }
 

@@ -57,8 +57,8 @@ def assert_one_trace_of_steps(exporter, run) -> tuple:
     assert root.attributes["paperclip.run.status"] == run.status
     for span in steps:
         if span.name not in ("claim", "release"):
-            assert span.attributes["paperclip.run_id"] == str(run.id)
-            assert span.attributes["paperclip.agent_id"] == str(run.agent_id)
+            assert span.attributes["paperclip.run.id"] == str(run.id)
+            assert span.attributes["paperclip.agent.id"] == str(run.agent_id)
     call = next(span for span in steps if span.name == "call")
     return root, call, children(spans, call)
 
@@ -80,7 +80,7 @@ def test_an_api_heartbeat_is_one_trace_and_the_sdks_span_of_its_call_is_beneath_
     assert root.attributes["paperclip.session.id"] == str(run.session_id)
     # A new session has no id before its commit creates it; the run's span names it.
     commit = next(span for span in children(exporter.get_finished_spans(), root) if span.name == "commit")
-    assert "paperclip.session_id" not in commit.attributes
+    assert "paperclip.session.id" not in commit.attributes
     metrics = json.loads(reader.get_metrics_data().to_json())
     names = {m["name"] for rm in metrics["resource_metrics"] for sm in rm["scope_metrics"] for m in sm["metrics"]}
     assert {"paperclip.runs", "paperclip.run.duration", "paperclip.spend", "paperclip.tokens"} <= names
