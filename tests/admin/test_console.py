@@ -187,3 +187,22 @@ def test_the_failed_runs_of_the_day_are_read_through_their_partial_index(postgre
         cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table would be scanned anyway
         plan = recent.values("error_code").annotate(runs=Count("id")).explain()
     assert "runs_failed_created_idx" in plan, plan
+
+
+def test_the_console_names_held_credentials_and_agents_down(admin_client, company, persistent_agent):
+    from sessions_app.models import Agent
+    from sessions_app.quota import quota_hold
+
+    now = timezone.now()
+    quota_hold(
+        credential="sha256:00112233aabbccdd",
+        code="rate_limited",
+        reason="Messages API rate limit (429)",
+        until=now + timedelta(minutes=5),
+        now=now,
+    )
+    Agent.objects.filter(pk=persistent_agent.pk).update(health_state="down", health_changed_at=now)
+    page = console_page(admin_client)
+    assert "Credential sha256:00112233aabbccdd: held until" in page
+    assert "Messages API rate limit (429)" in page
+    assert "health: down since" in page
