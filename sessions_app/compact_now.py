@@ -22,6 +22,7 @@ from django.db import IntegrityError, transaction
 from costs_app.budgets import BudgetExceeded, budgets_exist
 from paperclip.errors import RunFailure
 from sessions_app.adapters import get_adapter
+from sessions_app.adapters.base import QuotaRefused
 from sessions_app.compaction import compaction_commit, compaction_refused, summary_call, summary_not_shrinking
 from sessions_app.context import choose_split, estimate_tokens, summary_pair
 from sessions_app.heartbeat import ClaimedRun, Reservation, RunClock
@@ -34,6 +35,7 @@ from sessions_app.models import (
     RunTrigger,
     SessionCompaction,
 )
+from sessions_app.quota import quota_refused
 from sessions_app.run_queue import COMPACT_TASK, dispatch_after_run, run_deadline, run_fail, run_place_free, worker_id
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import store_for
@@ -60,6 +62,8 @@ def session_compact(
         run_fail(run, code=failure.code, message=failure.message, now=clock(), cost_usd=beat.calls.cost_usd)
         if isinstance(failure, BudgetExceeded):
             budgets_enforce(agent=agent, now=now)
+        if isinstance(failure, QuotaRefused):  # the heartbeats of the key wait for the reset too
+            quota_refused(credential=beat.calls.adapter.credential(agent.adapter_config), refusal=failure, now=clock())
         raise
     except BaseException:
         run_fail(

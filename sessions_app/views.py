@@ -7,9 +7,11 @@ the admin and the commands (`sessions_app.services`, `sessions_app.heartbeat`).
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta
 from uuid import UUID
 
+from django.conf import settings
 from django.db import transaction
 from django.http import HttpResponse
 from django.urls import reverse
@@ -21,6 +23,7 @@ from rest_framework.response import Response
 
 from costs_app.budgets import next_month
 from sessions_app import heartbeat
+from sessions_app.adapters.base import QuotaRefused
 from sessions_app.agent_health import with_health_facts
 from sessions_app.api.authentication import HeartbeatRateThrottle, is_authenticated_mode
 from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
@@ -404,6 +407,11 @@ def compact_error(failure: RunFailure, now: datetime) -> Exception:
     if failure.code == "run_cap_reached":
         # A place frees when a run finishes: as soon as a full queue drains one run.
         return TooManyRequests(failure.message, code=failure.code, retry_after=QUEUE_FULL_RETRY_AFTER_SECONDS)
+    if isinstance(failure, QuotaRefused):
+        # The provider's quota: try again at its reset (the credential is held until then).
+        reset = failure.reset(now=now)
+        wait = (reset - now).total_seconds() if reset is not None else settings.PAPERCLIP_QUOTA_HOLD_SECONDS
+        return TooManyRequests(failure.message, code=failure.code, retry_after=max(math.ceil(wait), 1))
     if failure.code in COMPACT_STATUSES:
         return COMPACT_STATUSES[failure.code](failure.message, code=failure.code)
     if failure.code.startswith("compaction_model_") or failure.code == "history_unreadable":

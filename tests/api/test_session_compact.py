@@ -128,3 +128,17 @@ def test_compact_answers_only_post(api, company, fake_anthropic):
     assert_error(api.get(compact_url(agent, session)), 405, "method_not_allowed")
     assert_error(api.delete(compact_url(agent, session)), 405, "method_not_allowed")
     assert AgentSession.objects.filter(pk=session.pk).exists()
+
+
+def test_a_summary_refused_by_the_providers_quota_is_429_until_its_reset_and_holds_the_key(
+    api, company, fake_anthropic
+):
+    from sessions_app.models import CredentialHold
+    from tests.fake_anthropic import Reply
+
+    agent, session = talked(company)
+    fake_anthropic.outage = Reply.error(429, "rate limited", headers={"retry-after": "40"})
+    response = api.post(compact_url(agent, session))
+    assert_error(response, 429, "rate_limited")
+    assert 39 <= int(response["Retry-After"]) <= 41
+    assert CredentialHold.objects.get().held_until is not None
