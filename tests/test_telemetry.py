@@ -156,3 +156,18 @@ def test_with_the_variables_unset_nothing_of_opentelemetry_is_imported():
     script = "import django; django.setup(); from paperclip import telemetry; print(telemetry.generation())"
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_django_requests_and_their_queries_are_traced_by_the_official_instrumentations(traced, client):
+    from django.db import connection
+
+    exporter, _ = traced
+    connection.close()  # the next query opens a connection through the instrumented driver
+    assert client.get("/api/health").status_code in (200, 503)
+    spans = exporter.get_finished_spans()
+    request = next(span for span in spans if span.attributes.get("http.route") == "api/health")
+    queries = [span for span in spans if span.parent is not None and span.parent.span_id == request.context.span_id]
+    assert any(span.attributes.get("db.system") or span.attributes.get("db.system.name") for span in queries), [
+        (span.name, dict(span.attributes)) for span in spans
+    ]
