@@ -126,10 +126,14 @@ def quota_hold(*, credential: str, code: str, reason: str, until: datetime | Non
     # A refusal starts a hold over a mere pacing; a pacing never replaces a refusal's hold.
     startable = Q(held_until__isnull=True) if code == PACED else Q(held_until__isnull=True) | Q(code=PACED)
     started = rows.filter(startable).update(held_until=held_until, held_at=now, released_at=None, refusals=1, **fields)
-    if not started:
+    if not started and code != PACED:
         # A refused probe (or a second worker refused at once) extends the hold.
-        extending = rows.filter(held_until__isnull=False).exclude(code=PACED) if code != PACED else rows.none()
-        extending.update(held_until=Greatest(F("held_until"), held_until), refusals=F("refusals") + 1, **fields)
+        rows.filter(held_until__isnull=False).exclude(code=PACED).update(
+            held_until=Greatest(F("held_until"), held_until), refusals=F("refusals") + 1, **fields
+        )
+    elif not started:
+        # A newer answer's pace replaces the last one's (its run, probing, then releases nothing).
+        rows.filter(code=PACED, held_until__isnull=False).update(held_until=held_until, **fields)
     hold = CredentialHold.objects.get(credential=credential)
     _arm_wake(credential=credential, at=hold.held_until)
     if started and code != PACED:

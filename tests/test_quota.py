@@ -413,10 +413,18 @@ def test_little_left_of_a_rate_limit_paces_the_claims_before_any_refusal(fake_an
     assert beat(second, now=now + timedelta(seconds=5)).status == RunStatus.QUEUED
     assert AlertEvent.objects.count() == 0  # pacing is no hold to alert on
     later = hold.held_until + timedelta(seconds=1)
-    fake_anthropic.answer_headers = {}
+    # Its answer says one request is left: the next pace (half the 39 s left) replaces this one.
+    fake_anthropic.answer_headers["anthropic-ratelimit-requests-remaining"] = "1"
     assert heartbeat_execute(run_id=HeartbeatRun.objects.get(agent=second).id, now=later).status == RunStatus.SUCCEEDED
+    paced = CredentialHold.objects.get()
+    assert paced.code == "paced" and later + timedelta(seconds=15) < paced.held_until < later + timedelta(seconds=22)
+    assert beat(third, now=later + timedelta(seconds=5)).status == RunStatus.QUEUED
+    fake_anthropic.answer_headers = {}
+    done = heartbeat_execute(
+        run_id=HeartbeatRun.objects.get(agent=third).id, now=paced.held_until + timedelta(seconds=1)
+    )
+    assert done.status == RunStatus.SUCCEEDED
     assert CredentialHold.objects.get().held_until is None  # plenty left again: no pace
-    assert beat(third, now=later).status == RunStatus.SUCCEEDED
 
 
 def test_claude_code_stopped_by_its_usage_limit_is_a_refusal_with_its_reset():
