@@ -3,6 +3,10 @@ and kind, whatever wrote, moved or removed the ledger's rows, and however many d
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
@@ -14,7 +18,9 @@ from django.db.migrations.executor import MigrationExecutor
 from costs_app.ledger import cost_event_record, run_calls_join_session, session_hours_record
 from costs_app.models import CostDay, CostEvent, CostKind
 from costs_app.reports import daily_costs, month_to_date
-from sessions_app.models import AgentSession, HeartbeatRun
+from sessions_app.metering import session_hours_bill
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, SessionStatus
+from tests.conftest import ROOT, Actor, database_environment, wait_until_blocked
 
 pytestmark = pytest.mark.django_db
 
@@ -262,4 +268,165 @@ def test_the_migration_sums_the_ledger_it_finds(stateless_agent, persistent_agen
     assert CostDay.objects.count() == 3
     # And the triggers now keep it.
     call(stateless_agent)
+    assert_rollup_is_the_ledger()
+
+
+# Concurrent writers: each on its own connection (threads) or in its own process, all at once.
+
+
+def writers(*actions) -> list:
+    """Run `actions` at once, each in an Actor (its own connection), started together."""
+    start = threading.Barrier(len(actions))
+
+    def started(action):
+        def run():
+            start.wait(timeout=30)
+            return action()
+
+        return run
+
+    actors = [Actor(started(action)) for action in actions]
+    for actor in actors:
+        actor.start()
+    return [actor.result(timeout=120) for actor in actors]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_writer_of_a_total_another_holds_waits_and_adds_to_it(stateless_agent):
+    call(stateless_agent)
+    with transaction.atomic():
+        call(stateless_agent)  # its total locked until this commits
+        second = Actor(lambda: call(stateless_agent))
+        second.start()
+        wait_until_blocked(second)
+        call(stateless_agent, model="claude-haiku-4-5")
+    second.result()
+    assert CostDay.objects.get(model="claude-opus-4-5").events == 3
+    assert_rollup_is_the_ledger()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_writer_waiting_on_a_total_whose_writer_rolls_back_adds_only_its_own(stateless_agent):
+    with pytest.raises(RuntimeError), transaction.atomic():
+        call(stateless_agent)  # the total's first row: inserted, then rolled back
+        second = Actor(lambda: call(stateless_agent))
+        second.start()
+        wait_until_blocked(second)
+        raise RuntimeError("rolled back while the other writer waits")
+    second.result()
+    assert CostDay.objects.get().events == 1
+    assert_rollup_is_the_ledger()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_ledger_writes_on_every_path_keep_the_rollup_exact(postgres_only, settings, company):
+    settings.PAPERCLIP_SESSION_HOUR_USD = Decimal("0.08")
+    agents = [Agent.objects.create(company=company, name=f"a{i}") for i in range(3)]
+    # Ended ones: an agent has one live session at most, and ended sessions' time is billed too.
+    sessions = [
+        AgentSession.objects.create(agent=agent, company=company, status=SessionStatus.ENDED)
+        for agent in agents
+        for _ in range(4)
+    ]
+    runs = [HeartbeatRun.objects.create(company=company, agent=agent, task="t") for agent in agents for _ in range(4)]
+    day_edge = datetime(2026, 11, 14, 23, 59, 59, 999_999, tzinfo=UTC)
+
+    def billing(run):
+        # A run's calls as they return (one statement each), half on each side of midnight.
+        agent = next(a for a in agents if a.id == run.agent_id)
+        for number in range(1, 41):
+            at = day_edge + timedelta(microseconds=number % 2)
+            call(
+                agent,
+                run_id=run.id,
+                call_number=number,
+                at=at,
+                model=("claude-opus-4-5", "claude-haiku-4-5")[number % 2],
+            )
+            if number % 10 == 0:
+                call(agent, run_id=run.id, call_number=number, at=at)  # a retried write, refused
+
+    def joining(run):
+        # The run's calls billed before its session existed, then given it in the session's commit.
+        agent = next(a for a in agents if a.id == run.agent_id)
+        for number in range(1, 21):
+            call(agent, run_id=run.id, call_number=number)
+        session = AgentSession.objects.create(agent=agent, company=company, status=SessionStatus.ENDED)
+        with transaction.atomic():
+            run_calls_join_session(run_id=run.id, session_id=session.id)
+
+    def metering(session_ids):
+        # Each session's active time billed in one transaction (metering.session_hours_bill).
+        for _ in range(10):
+            AgentSession.objects.filter(id__in=session_ids).update(unbilled_active_seconds=900)
+            session_hours_bill(session_ids=session_ids, now=NOW)
+
+    def bulk(order):
+        # One statement writing many totals (every agent, both days), in either order.
+        for _ in range(10):
+            CostEvent.objects.bulk_create(
+                [
+                    CostEvent(
+                        company=company, agent=agent, model="bulk", cost_usd=Decimal("0.0000000001"), created_at=at
+                    )
+                    for agent in agents[::order]
+                    for at in (day_edge, day_edge + timedelta(microseconds=1))[::order]
+                ]
+            )
+
+    def pruning():
+        for _ in range(10):
+            CostEvent.objects.filter(model="bulk", created_at__gt=day_edge).delete()
+
+    by_agent = sorted(sessions, key=lambda s: s.agent_id)
+    writers(
+        *(lambda run=run: billing(run) for run in runs[:6]),
+        *(lambda run=run: joining(run) for run in runs[6:]),
+        lambda: metering([s.id for s in by_agent[:6]]),
+        lambda: metering([s.id for s in by_agent[6:]]),
+        lambda: bulk(1),
+        lambda: bulk(-1),
+        pruning,
+    )
+
+    assert_rollup_is_the_ledger()
+    assert CostEvent.objects.filter(kind=CostKind.SESSION_HOURS).count() == 120
+    assert CostEvent.objects.filter(run_id__in=[run.id for run in runs[:6]]).count() == 6 * 40
+    assert CostEvent.objects.filter(session_id__isnull=False, kind=CostKind.MESSAGE).count() == 6 * 20
+
+
+WRITER = """
+import sys, uuid
+from datetime import UTC, datetime, timedelta
+import django
+django.setup()
+from costs_app.ledger import cost_event_record
+company_id, agent_id, rows = uuid.UUID(sys.argv[1]), uuid.UUID(sys.argv[2]), int(sys.argv[3])
+edge = datetime(2026, 11, 14, 23, 59, 59, 999_999, tzinfo=UTC)
+for i in range(rows):
+    cost_event_record(
+        usage={"input_tokens": 1000 + i, "output_tokens": i, "cache_read_input_tokens": 3 * i},
+        model="claude-opus-4-5", company_id=company_id, agent_id=agent_id, at=edge + timedelta(microseconds=i % 2),
+    )
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_ledger_writers_in_processes_of_their_own_keep_the_rollup_exact(postgres_only, settings, stateless_agent):
+    environment = {**os.environ, **database_environment(settings), "DJANGO_SETTINGS_MODULE": "paperclip.settings"}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(stateless_agent.company_id), str(stateless_agent.id), "150"],
+            cwd=ROOT,
+            env=environment,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(4)
+    ]
+    for worker in workers:
+        _, errors = worker.communicate(timeout=120)
+        assert worker.returncode == 0, errors.decode()[-2000:]
+
+    assert CostEvent.objects.count() == 600
+    assert sorted(row.events for row in CostDay.objects.all()) == [300, 300]
     assert_rollup_is_the_ledger()
