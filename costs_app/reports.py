@@ -21,12 +21,18 @@ from django.utils import timezone
 from costs_app.models import CostDay, CostEvent
 
 ZERO = Decimal(0)
-TOKEN_COLUMNS = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
-# Over cost_days rows: each already sums its day's ledger rows, `events` counting them.
+# Over cost_days rows, each already the sum of its day's ledger rows (`events` counts
+# them). Only grouped: a group has rows, so no sum is NULL.
 TOKEN_SUMS = {
-    **{column: Coalesce(Sum(column), 0) for column in TOKEN_COLUMNS},
-    "cost_usd": Coalesce(Sum("cost_usd"), ZERO),
-    "events": Coalesce(Sum("events"), 0),
+    column: Sum(column)
+    for column in (
+        "input_tokens",
+        "output_tokens",
+        "cache_creation_input_tokens",
+        "cache_read_input_tokens",
+        "cost_usd",
+        "events",
+    )
 }
 
 
