@@ -3,7 +3,8 @@
 Two kinds of row: a model call's usage (`cost_event_record`, priced by pricing.py, called
 by `sessions_app.run_calls` the moment a call returns) and a session's active time
 (`session_hours_record`). Callers hand in what happened; how a row is priced,
-deduplicated and inserted is decided in this one place.
+deduplicated and inserted is decided in this one place. Each row is also added to its UTC
+day's total in cost_days by the database, in the insert's own statement (models.CostDay).
 """
 
 from __future__ import annotations
