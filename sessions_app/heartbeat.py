@@ -55,6 +55,7 @@ from sessions_app.context import (
     user_turn_content,
 )
 from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure
+from sessions_app.hot_sql import agent_not_deleted_locked
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -476,6 +477,9 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
     # A nothing-to-do answer is billed and shown on the run, never replayed in later turns
     # (an answer that carries a server compaction is: the compaction must be kept).
     replayed = not is_nothing_to_do(reply.text, agent.adapter_config) or starts_with_compaction(reply.content)
+    if not agent.is_persistent and reply.on_commit is None:
+        outcome = _run_outcome(None, reply, counts, cost, finished=finished, replayed=replayed)
+        return _commit_stateless(beat, outcome)
     staged = runtime_staged = NOTHING_STAGED
     try:
         # Durable: its end is the COMMIT, and the history is published only after it.
@@ -517,6 +521,29 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
         return False
     staged.publish()
     runtime_staged.publish()
+    for name, value in outcome.items():
+        setattr(run, name, value)
+    return True
+
+
+def _commit_stateless(beat: ClaimedRun, outcome: dict) -> bool:
+    """7. commit, for a run with no session and no runtime state to keep: the run's success
+    is one statement, its agent's row locked as the transaction above locks it (a deletion
+    commits first and the run fails `agent_deleted`, or waits for this one). Why a statement
+    updated nothing is read only then."""
+    run, agent = beat.run, beat.agent
+    succeeded = (
+        HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING)
+        .filter(agent_not_deleted_locked(agent.pk))
+        .update(**outcome)
+    )
+    if not succeeded:
+        alive = Agent.objects.filter(pk=agent.pk).exclude(status=AgentStatus.DELETED).exists()
+        if alive:
+            _fail(beat, RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived."))
+        else:
+            _fail(beat, RunAbandoned("agent_deleted", "The agent was deleted while the model answered."))
+        return False
     for name, value in outcome.items():
         setattr(run, name, value)
     return True
