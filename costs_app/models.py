@@ -211,6 +211,51 @@ class CostEvent(models.Model):
         return f"{self.kind} {self.model} ${self.cost_usd}"
 
 
+class CostDay(models.Model):
+    """The ledger summed per UTC day, company, agent, model and kind: what the cost reports
+    read instead of scanning cost_events.
+
+    Written only by the database: triggers on cost_events (migration 0014) add every
+    inserted row, move an updated one and take back a deleted one in the statement that
+    changed the ledger, so a row here always equals the GROUP BY over the ledger, in every
+    transaction that can see the ledger. No code path writes it.
+    """
+
+    day = models.DateField(help_text="The UTC day of the ledger rows' created_at.")
+    company = models.ForeignKey(
+        "sessions_app.Company", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+", db_index=False
+    )
+    agent = models.ForeignKey(
+        "sessions_app.Agent", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+", db_index=False
+    )
+    model = models.TextField(blank=True, default="")
+    kind = models.CharField(max_length=16, choices=CostKind.choices)
+    # Sums of the ledger's columns of the same names: wider, since a day adds many rows.
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cache_creation_input_tokens = models.BigIntegerField(default=0)
+    cache_creation_5m_input_tokens = models.BigIntegerField(default=0)
+    cache_creation_1h_input_tokens = models.BigIntegerField(default=0)
+    cache_read_input_tokens = models.BigIntegerField(default=0)
+    session_seconds = models.BigIntegerField(default=0)
+    cost_usd = models.DecimalField(max_digits=28, decimal_places=MONEY["decimal_places"], default=Decimal(0))
+    events = models.BigIntegerField(default=0, help_text="Ledger rows summed here (never 0: such a row is deleted).")
+
+    class Meta:
+        db_table = "cost_days"
+        indexes = [
+            # A company's days (the costs API and page without an agent filter).
+            models.Index(fields=["company", "day"], name="cost_days_company_day_idx"),
+        ]
+        constraints = [
+            # The triggers' upsert key; led by the agent, it serves one agent's days too.
+            models.UniqueConstraint(fields=["agent", "day", "model", "kind", "company"], name="cost_days_one_per_key"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.kind} {self.model} ${self.cost_usd}"
+
+
 class Budget(models.Model):
     """Spending limits of a company (agent empty) or of one agent. Months are UTC."""
 

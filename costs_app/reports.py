@@ -1,30 +1,38 @@
 """Cost rollups over the ledger, shared by the API, the admin costs page and cost_report.
 
 Days are UTC days: the ledger stores UTC and operators compare against the provider's
-invoices, which are UTC too. Every rollup is one aggregate query on an indexed range.
+invoices, which are UTC too. The rollups by day and month read cost_days, the ledger
+summed per UTC day by the database in each ledger write's statement (models.CostDay), so
+they cost a few rows per agent and day however many calls the ledger holds; each is one
+aggregate query on an indexed range.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 from uuid import UUID
 
-from django.db.models import Count, F, Sum
-from django.db.models.functions import Coalesce, TruncDate
+from django.db.models import F, Sum
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from costs_app.models import CostEvent
+from costs_app.models import CostDay, CostEvent
 
 ZERO = Decimal(0)
+# Over cost_days rows, each already the sum of its day's ledger rows (`events` counts
+# them). Only grouped: a group has rows, so no sum is NULL.
 TOKEN_SUMS = {
-    "input_tokens": Coalesce(Sum("input_tokens"), 0),
-    "output_tokens": Coalesce(Sum("output_tokens"), 0),
-    "cache_creation_input_tokens": Coalesce(Sum("cache_creation_input_tokens"), 0),
-    "cache_read_input_tokens": Coalesce(Sum("cache_read_input_tokens"), 0),
-    "cost_usd": Coalesce(Sum("cost_usd"), ZERO),
-    "events": Count("id"),
+    column: Sum(column)
+    for column in (
+        "input_tokens",
+        "output_tokens",
+        "cache_creation_input_tokens",
+        "cache_read_input_tokens",
+        "cost_usd",
+        "events",
+    )
 }
 
 
@@ -35,21 +43,23 @@ def window_start(*, now: datetime, days: int) -> datetime:
     return datetime(first.year, first.month, first.day, tzinfo=timezone.get_fixed_timezone(0))
 
 
-def events_for(*, company_id: UUID, agent_id: UUID | None = None, since: datetime | None = None):
-    events = CostEvent.objects.filter(company_id=company_id)
+def days_for(*, company_id: UUID | None, agent_id: UUID | None = None, since: date | None = None):
+    """The cost_days rows of a company (None: every company), or of one of its agents, from
+    the UTC day `since` on: the agent's through cost_days_one_per_key, the company's
+    through cost_days_company_day_idx."""
+    rows = CostDay.objects.all() if company_id is None else CostDay.objects.filter(company_id=company_id)
     if agent_id is not None:
-        events = events.filter(agent_id=agent_id)
+        rows = rows.filter(agent_id=agent_id)
     if since is not None:
-        events = events.filter(created_at__gte=since)
-    return events
+        rows = rows.filter(day__gte=since)
+    return rows
 
 
 def daily_costs(*, company_id: UUID, now: datetime, days: int = 30, agent_id: UUID | None = None) -> list[dict]:
     """Per UTC day, newest first: tokens and cost. Days without spend are omitted."""
-    since = window_start(now=now, days=days)
+    since = window_start(now=now, days=days).date()
     rows = (
-        events_for(company_id=company_id, agent_id=agent_id, since=since)
-        .annotate(day=TruncDate("created_at", tzinfo=timezone.get_fixed_timezone(0)))
+        days_for(company_id=company_id, agent_id=agent_id, since=since)
         .values("day")
         .annotate(**TOKEN_SUMS)
         .order_by("-day")
@@ -59,12 +69,9 @@ def daily_costs(*, company_id: UUID, now: datetime, days: int = 30, agent_id: UU
 
 def daily_costs_by_agent(*, company_id: UUID | None, now: datetime, days: int = 30) -> list[dict]:
     """Per UTC day and agent (for charts): day, agent_id, tokens, cost."""
-    since = window_start(now=now, days=days)
-    events = CostEvent.objects.filter(created_at__gte=since)
-    if company_id is not None:
-        events = events.filter(company_id=company_id)
+    since = window_start(now=now, days=days).date()
     return list(
-        events.annotate(day=TruncDate("created_at", tzinfo=timezone.get_fixed_timezone(0)))
+        days_for(company_id=company_id, since=since)
         .values("day", "agent_id")
         .annotate(**TOKEN_SUMS)
         .order_by("day", "agent_id")
@@ -73,10 +80,9 @@ def daily_costs_by_agent(*, company_id: UUID | None, now: datetime, days: int = 
 
 def month_to_date(*, company_id: UUID, now: datetime, agent_id: UUID | None = None) -> list[dict]:
     """This UTC month so far, per agent and model."""
-    utc_now = now.astimezone(timezone.get_fixed_timezone(0))
-    month_start = utc_now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    month_start = now.astimezone(timezone.get_fixed_timezone(0)).date().replace(day=1)
     return list(
-        events_for(company_id=company_id, agent_id=agent_id, since=month_start)
+        days_for(company_id=company_id, agent_id=agent_id, since=month_start)
         .values("agent_id", "model")
         .annotate(**TOKEN_SUMS)
         .order_by("agent_id", "model")
@@ -148,16 +154,15 @@ def input_growth(*, agent_id: UUID, last_runs: int = 30) -> Growth:
 
 def daily_input_growth(*, agent_id: UUID, now: datetime, days: int = 14) -> dict:
     """Slope of the agent's average input tokens per call, per UTC day, over `days` days."""
-    since = window_start(now=now, days=days)
+    since = window_start(now=now, days=days).date()
     rows = list(
-        CostEvent.objects.filter(agent_id=agent_id, kind="message", created_at__gte=since)
-        .annotate(day=TruncDate("created_at", tzinfo=timezone.get_fixed_timezone(0)))
+        CostDay.objects.filter(agent_id=agent_id, kind="message", day__gte=since)
         .values("day")
         .annotate(
             total_in=Coalesce(
                 Sum(F("input_tokens") + F("cache_creation_input_tokens") + F("cache_read_input_tokens")), 0
             ),
-            calls=Count("id"),
+            calls=Coalesce(Sum("events"), 0),
         )
         .order_by("day")
     )

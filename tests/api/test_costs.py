@@ -5,6 +5,8 @@ from decimal import Decimal
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from costs_app.models import CostEvent
@@ -108,6 +110,17 @@ def test_summary_queries_do_not_grow_with_agents(
     with django_assert_max_num_queries(4):
         response = api.get(f"/api/companies/{company.id}/costs/summary")
     assert len(response.json()["rows"]) == 6
+
+
+def test_the_cost_endpoints_read_the_daily_rollup_not_the_ledger(api, company, persistent_agent):
+    spend(persistent_agent, cost="2")
+    with CaptureQueriesContext(connection) as queries:
+        daily = api.get(f"/api/companies/{company.id}/costs/daily").json()
+        summary = api.get(f"/api/companies/{company.id}/costs/summary").json()
+    assert Decimal(daily["totals"]["cost_usd"]) == Decimal(summary["totals"]["cost_usd"]) == Decimal(2)
+    # A few rows per agent and day however many calls the ledger holds (bench/rollups.py).
+    assert not [query["sql"] for query in queries if "cost_events" in query["sql"]]
+    assert len([query for query in queries if "cost_days" in query["sql"]]) == 2
 
 
 def test_cost_report_prints_days_and_growth_advice(persistent_agent, capsys):
