@@ -1,6 +1,8 @@
 """A fake of the Claude Managed Agents endpoints, served over real HTTP on 127.0.0.1.
 
-So far only the versioned agents (`/v1/agents`: create, retrieve, update) are served. Every
+So far the versioned agents (`/v1/agents`: create, retrieve, update) and sessions
+(`/v1/sessions`: create, retrieve, archive, delete) are served; a session snapshots the
+agent's version it was created with, as the service does. Every
 answer is shaped so that the SDK's own typed beta models validate it, not merely construct it.
 An update names the version it expects, as the API's optimistic concurrency asks; a stale
 version is refused with 409.
@@ -22,6 +24,7 @@ def now_iso() -> str:
 class FakeManaged:
     def __init__(self) -> None:
         self.agents: dict[str, dict] = {}
+        self.sessions: dict[str, dict] = {}
         self.requests: list[tuple[str, str]] = []
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -77,6 +80,51 @@ class FakeManaged:
         agent["updated_at"] = now_iso()
         return 200, agent
 
+    def create_session(self, body: dict) -> tuple[int, dict]:
+        ref = body["agent"]
+        agent_id = ref if isinstance(ref, str) else ref["id"]
+        agent = self.agents.get(agent_id)
+        if agent is None:
+            return 404, error_body("not_found_error", f"no agent {agent_id}")
+        stamp = now_iso()
+        snapshot = {k: v for k, v in agent.items() if k not in ("created_at", "updated_at", "archived_at", "metadata")}
+        session = {
+            "id": f"sesn_{next(self._ids):04d}",
+            "type": "session",
+            "agent": snapshot,
+            "archived_at": None,
+            "budget": None,
+            "created_at": stamp,
+            "updated_at": stamp,
+            "environment_id": body["environment_id"],
+            "metadata": body.get("metadata", {}),
+            "outcome_evaluations": [],
+            "resources": [],
+            "stats": {"active_seconds": 0.0, "duration_seconds": 0.0},
+            "status": "idle",
+            "title": body.get("title"),
+            "usage": {"active_seconds": 0.0, "input_tokens": 0, "output_tokens": 0},
+            "vault_ids": [],
+        }
+        self.sessions[session["id"]] = session
+        return 200, session
+
+    def session_route(self, method: str, parts: list[str], body: dict) -> tuple[int, dict]:
+        if len(parts) == 2 and method == "POST":
+            return self.create_session(body)
+        session = self.sessions.get(parts[2]) if len(parts) > 2 else None
+        if session is None:
+            return 404, error_body("not_found_error", "no such session")
+        if len(parts) == 3 and method == "GET":
+            return 200, session
+        if len(parts) == 3 and method == "DELETE":
+            del self.sessions[parts[2]]
+            return 200, {"id": parts[2], "type": "session_deleted"}
+        if parts[3:] == ["archive"] and method == "POST":
+            session["archived_at"] = session["archived_at"] or now_iso()
+            return 200, session
+        return 404, error_body("not_found_error", f"{method} {'/'.join(parts)}")
+
     def route(self, method: str, path: str, body: dict) -> tuple[int, dict]:
         parts = path.split("?")[0].strip("/").split("/")
         with self._lock:
@@ -91,6 +139,8 @@ class FakeManaged:
                     return 200, agent
                 if len(parts) == 3 and method == "POST":
                     return self.update_agent(parts[2], body)
+            if parts[:2] == ["v1", "sessions"]:
+                return self.session_route(method, parts, body)
         return 404, error_body("not_found_error", f"{method} {path}")
 
     def _handler_class(self):
@@ -117,6 +167,9 @@ class FakeManaged:
 
             def do_POST(self) -> None:
                 self._answer("POST")
+
+            def do_DELETE(self) -> None:
+                self._answer("DELETE")
 
         return Handler
 

@@ -2,7 +2,7 @@
 
 import anthropic
 import pytest
-from anthropic.types.beta import BetaManagedAgentsAgent
+from anthropic.types.beta import BetaManagedAgentsAgent, BetaManagedAgentsSession
 
 from tests.fake_managed import FakeManaged
 
@@ -39,3 +39,21 @@ def test_an_update_makes_a_new_version_and_a_stale_one_is_refused(client, manage
 def test_a_missing_agent_is_a_not_found_error(client):
     with pytest.raises(anthropic.NotFoundError):
         client.beta.agents.retrieve("agent_missing")
+
+
+def test_a_session_keeps_the_agent_version_it_was_created_with(client, managed):
+    agent = client.beta.agents.create(name="writer", model="claude-sonnet-4-5")
+    session = client.beta.sessions.create(agent=agent.id, environment_id="env_1")
+    client.beta.agents.update(agent.id, version=1, system="Changed.")
+    BetaManagedAgentsSession.model_validate(managed.sessions[session.id])
+    fetched = client.beta.sessions.retrieve(session.id)
+    assert (fetched.status, fetched.agent.version) == ("idle", 1)
+
+
+def test_a_session_archived_then_deleted_is_gone(client, managed):
+    agent = client.beta.agents.create(name="writer", model="claude-sonnet-4-5")
+    session = client.beta.sessions.create(agent=agent.id, environment_id="env_1")
+    assert client.beta.sessions.archive(session.id).archived_at is not None
+    assert client.beta.sessions.delete(session.id).type == "session_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        client.beta.sessions.retrieve(session.id)
