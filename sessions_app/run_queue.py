@@ -30,11 +30,20 @@ from costs_app.ledger import spend_of
 from costs_app.pricing import is_priced
 from sessions_app import quota
 from sessions_app.adapters import adapter_for
+from sessions_app.batch_delivery import claimable
 from sessions_app.context import context_settings
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.metering import session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
-from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.models import (
+    UNFINISHED_RUN_STATUSES,
+    Agent,
+    AgentSession,
+    AgentStatus,
+    HeartbeatRun,
+    RunStatus,
+    RunTrigger,
+)
 from sessions_app.text import is_storable, storable
 from sessions_app.work_checks import check_seconds
 
@@ -178,7 +187,7 @@ def tick_merge(*, agent_id) -> HeartbeatRun | None:
     counted on it (a heartbeat asked for with that very task text is passed over too: its
     tick queues a run of its own, which loses nothing)."""
     unfinished = HeartbeatRun.objects.filter(agent_id=agent_id).exclude(task=COMPACT_TASK)
-    for status in (RunStatus.QUEUED, RunStatus.RUNNING):
+    for status in (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUBMITTED):
         oldest = unfinished.filter(status=status).order_by("created_at").first()
         if oldest and HeartbeatRun.objects.filter(pk=oldest.pk, status=status).update(
             merged_ticks=F("merged_ticks") + 1
@@ -310,7 +319,7 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         )
         .get(id=run_id)
     )
-    if run.status != RunStatus.QUEUED:
+    if not claimable(run):  # queued, or a submitted run its batch poll made ready
         return run, False
     agent = run.agent
     if refusal := agent.refusal():
@@ -337,7 +346,7 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
                 quota.probe_give_back(run=run)
                 return run, False
             claimed = (
-                HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED)
+                HeartbeatRun.objects.filter(id=run.id, status=run.status, batch_state=run.batch_state)
                 .filter(quota.hold_free(credential=credential, run_id=run.id))
                 .update(status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id())
             )
@@ -426,7 +435,7 @@ def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, overd
     deadlock."""
     with transaction.atomic():
         _run_session_lock(run_id=run.id)
-        ending = HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
+        ending = HeartbeatRun.objects.filter(id=run.id, status__in=UNFINISHED_RUN_STATUSES)
         if overdue:
             ending = ending.filter(status=RunStatus.RUNNING, deadline_at__lt=now)
         # Messages quote what failed (an agent command's stderr, an API error body): made

@@ -48,7 +48,8 @@ reporting `service_tier: "batch"`, as the API reports a batch's half-price token
 taken per request answered, in order; "succeeded" otherwise). A cancelled batch answers
 its unprocessed requests `canceled` and ends. `fake.batch_answers` are the answered
 (succeeded) requests' model and usage, for billing checks; `fake.batch_creates` counts
-create requests.
+create requests; `fake.batch_create_error` (a status) refuses them; `fake.batch_before`
+runs when one arrives.
 
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
 arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
@@ -382,6 +383,10 @@ class FakeAnthropic:
         self.batch_seconds = 0.0
         self.batch_outcomes: list[str] = []
         self.batch_answers: list[dict] = []
+        # A status every batch create is answered with instead (None: created), and an
+        # action run in the fake's thread when a create arrives (as a reply's `before`).
+        self.batch_create_error: int | None = None
+        self.batch_before: Callable[[], None] | None = None
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -576,6 +581,14 @@ class FakeAnthropic:
             return sum(1 for r in self.requests if r["path"] == "/v1/messages/batches")
 
     def batch_create(self, body: dict) -> tuple[int, dict]:
+        if self.batch_before is not None:
+            try:
+                self.batch_before()
+            except BaseException as exc:  # reported to the test, not to the client
+                with self.lock:
+                    self.action_errors.append(exc)
+        if self.batch_create_error is not None:
+            return self.batch_create_error, api_error(self.batch_create_error, "batch not created")
         requests = body.get("requests")
         if not isinstance(requests, list) or not 1 <= len(requests) <= BATCH_MAX_REQUESTS:
             return 400, api_error(400, f"requests: must hold 1..{BATCH_MAX_REQUESTS} requests")
