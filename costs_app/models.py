@@ -54,6 +54,19 @@ class ModelPrice(models.Model):
         )
 
 
+class PriceOverridesRevision(models.Model):
+    """One row, counting changes to `ModelPrice`: every process keeps the overrides in memory
+    and re-reads them only when this number moved (`costs_app.pricing.override_for`)."""
+
+    revision = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        db_table = "price_overrides_revision"
+
+    def __str__(self) -> str:
+        return f"price overrides revision {self.revision}"
+
+
 class Lifecycle(models.TextChoices):
     """A model's stage, as the Models API says (`ModelInfo.lifecycle`)."""
 

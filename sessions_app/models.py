@@ -434,6 +434,10 @@ class RunTrigger(models.TextChoices):
 
 
 class HeartbeatRun(models.Model):
+    # Not a column: its agent's last runs' creation, newest first, when the claim read them
+    # (`sessions_app.run_queue.claim_run`); None elsewhere, where they are read when needed.
+    recent_wakes: tuple | None = None
+
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="runs")
     # runs_agent_created_idx leads with agent_id and serves its lookups and cascades (the

@@ -27,11 +27,12 @@ from django.db.models.functions import Coalesce
 
 from costs_app.budgets import budgets_exist, money_budgets_exist
 from costs_app.ledger import spend_of
-from costs_app.pricing import is_priced
+from costs_app.pricing import is_priced, overrides_revision, overrides_revision_seen
 from sessions_app import quota
 from sessions_app.adapters import adapter_for
 from sessions_app.batch_delivery import claimable
 from sessions_app.context import context_settings
+from sessions_app.context_defaults import recent_wakes_columns, recent_wakes_of
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.metering import session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
@@ -308,17 +309,23 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     The database decides: a partial unique index allows one `running` row per agent, so
     of two processes claiming at once (any host, any worker) exactly one update succeeds;
     the other gets an IntegrityError and leaves its run queued. The cap is checked in the
-    claim's transaction (`_claim_under_cap`). The run comes back with its agent and
-    `budgeted` (whether any budget applies), all read in one query.
+    claim's transaction (`_claim_under_cap`). The run comes back with its agent,
+    `budgeted` (whether any budget applies) and `recent_wakes` (its agent's last runs'
+    creation, for the cache lifetime), all read in one query with the price overrides'
+    revision (`costs_app.pricing`: the run's prices come from memory).
     """
     run = (
         HeartbeatRun.objects.select_related("agent")
         .annotate(
             budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"),
             held=quota.holds_exist(),
+            prices_revision=overrides_revision(),
+            **recent_wakes_columns(agent_id_ref="agent_id"),
         )
         .get(id=run_id)
     )
+    overrides_revision_seen(run.prices_revision)
+    run.recent_wakes = recent_wakes_of(run)
     if not claimable(run):  # queued, or a submitted run its batch poll made ready
         return run, False
     agent = run.agent

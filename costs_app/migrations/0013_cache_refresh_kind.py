@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("costs_app", "0012_alert_events"),
+        ("costs_app", "0015_price_overrides_revision"),
     ]
 
     operations = [
