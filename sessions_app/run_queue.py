@@ -37,6 +37,7 @@ from sessions_app.errors import HeartbeatRefused
 from sessions_app.metering import session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
 from sessions_app.models import (
+    IN_FLIGHT_RUN_STATUSES,
     UNFINISHED_RUN_STATUSES,
     Agent,
     AgentSession,
@@ -269,7 +270,8 @@ def dispatch_waiting(*, agent_ids=None) -> int:
     waiting = HeartbeatRun.objects.filter(status=RunStatus.QUEUED)
     if agent_ids is not None:
         waiting = waiting.filter(agent_id__in=agent_ids)
-    running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
+    # An agent with a run in flight (running, or submitted in a batch) cannot start another.
+    running = HeartbeatRun.objects.filter(status__in=IN_FLIGHT_RUN_STATUSES).values("agent_id")
     heads = (
         waiting.exclude(agent_id__in=running)
         .values("agent_id", "agent__status")
@@ -385,7 +387,8 @@ def run_place_free(*, agent_id, created_at: datetime) -> bool:
     free = free_run_places()
     if free <= 0:
         return False
-    running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
+    # An agent with a run in flight (running, or submitted in a batch) cannot start another.
+    running = HeartbeatRun.objects.filter(status__in=IN_FLIGHT_RUN_STATUSES).values("agent_id")
     ahead = list(
         HeartbeatRun.objects.filter(
             status=RunStatus.QUEUED, created_at__lt=created_at, agent__status=AgentStatus.ACTIVE

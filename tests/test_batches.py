@@ -329,3 +329,24 @@ def test_runs_left_submitting_by_a_poll_that_died_go_direct_after_their_wait(com
     assert run.batch_state == BatchState.DIRECT and "stopped while creating" in run.warning
     assert run_dispatched(agent).status == RunStatus.SUCCEEDED
     assert fake_anthropic.batch_creates == 0 and len(fake_anthropic.message_requests) == 1
+
+
+def test_under_a_cap_a_run_waiting_behind_a_submitted_one_does_not_hold_back_other_agents(
+    company, fake_anthropic, settings
+):
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
+    batched, other = batch_agent(company, "batched"), batch_agent(company, "other", delivery="direct")
+    parked = tick(batched)
+    waiting, _ = heartbeat_start(
+        agent=batched, task="behind the batch", trigger=RunTrigger.API, now=timezone.now(), wait=False
+    )
+    assert heartbeat_execute(run_id=waiting.id).status == RunStatus.QUEUED
+    # A submitted run takes no place under the cap, and the run queued behind it cannot
+    # start: another agent's heartbeat is not kept waiting for it.
+    run, _ = heartbeat_start(
+        agent=other, task="now", trigger=RunTrigger.API, now=timezone.now(), wait=True, wait_seconds=2
+    )
+    assert run.status == RunStatus.SUCCEEDED
+    batches_poll(now=timezone.now())
+    assert HeartbeatRun.objects.get(id=parked.id).status == RunStatus.SUCCEEDED
+    assert heartbeat_execute(run_id=waiting.id).status == RunStatus.SUCCEEDED
