@@ -121,6 +121,9 @@ class CostKind(models.TextChoices):
     COMPACTION = "compaction"
     COUNT_TOKENS = "count_tokens"
     SESSION_HOURS = "session_hours"
+    # A request that only reads a persistent agent's cached prefix before it expires, so
+    # that the next wake reads it instead of writing it again (`sessions_app.keep_warm`).
+    CACHE_REFRESH = "cache_refresh"
 
 
 class Delivery(models.TextChoices):

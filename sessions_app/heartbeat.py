@@ -36,6 +36,7 @@ from costs_app.pricing import token_counts
 from paperclip.telemetry import step, traced_heartbeat
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.adapters.base import QuotaRefused
+from sessions_app.batch_delivery import BatchParked, batch_park
 from sessions_app.cli_transcripts import SessionTranscripts
 from sessions_app.compaction import (
     BeforeCall,
@@ -198,7 +199,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
         with step("fit", **ids):
             plan, request = _fit(beat, plan, user_content, reserve=reserve)  # 4
         with step("reserve", **ids):
-            reserve(request)  # 5
+            reserve(request, delivery=beat.calls.batch.delivery_for(request))  # 5
         with step("call", **ids):
             reply = _call(beat, plan, request, reserve=reserve)  # 6
     except RunFailure as exc:
@@ -295,7 +296,19 @@ def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
     (each billed as it returned); a refused budget pauses agents. A runtime stopped at one
     of its caps did work: the run keeps the runtime's report of it (turns, tool calls), as
     a succeeded run does. A quota's refusal is no failure: the credential is held and the
-    run goes back to the queue (`sessions_app.quota`)."""
+    run goes back to the queue (`sessions_app.quota`). Nor is a call parked for a batch:
+    the run waits `submitted` (`sessions_app.batch_delivery`)."""
+    if isinstance(failure, BatchParked):
+        calls = beat.calls
+        batch_park(
+            beat.run,
+            agent=beat.agent,
+            params=failure.params,
+            calls_numbered=calls.numbered,
+            cost_usd=calls.cost_usd,
+            now=beat.clock(),
+        )
+        return
     if isinstance(failure, QuotaRefused):
         now = beat.clock()
         quota_refused(credential=beat.calls.adapter.credential(beat.agent.adapter_config), refusal=failure, now=now)
@@ -399,13 +412,23 @@ class Reservation:
 
     beat: ClaimedRun
 
-    def __call__(self, request: AdapterRequest) -> None:
+    def __call__(self, request: AdapterRequest, *, delivery: str = "direct") -> None:
         beat = self.beat
         if beat.budgeted:
-            reserve_budget(run=beat.run, agent=beat.agent, calls=beat.calls, request=request, now=beat.now)
+            reserve_budget(
+                run=beat.run, agent=beat.agent, calls=beat.calls, request=request, now=beat.now, delivery=delivery
+            )
 
 
-def reserve_budget(*, run: HeartbeatRun, agent: Agent, calls: RunCalls, request: AdapterRequest, now: datetime) -> None:
+def reserve_budget(
+    *,
+    run: HeartbeatRun,
+    agent: Agent,
+    calls: RunCalls,
+    request: AdapterRequest,
+    now: datetime,
+    delivery: str = "direct",
+) -> None:
     """Refuse before the call when it could cross a hard limit; hold its most possible cost.
 
     The input is sized by its byte bound (no token is shorter than a byte), so what is held
@@ -429,6 +452,7 @@ def reserve_budget(*, run: HeartbeatRun, agent: Agent, calls: RunCalls, request:
         at=now,
         cache_lifetimes=cache_lifetimes([request.system_blocks, request.messages]),
         samplings=2 if request.config.get("context_strategy") == "server" else 1,
+        delivery=delivery,  # a request going in a batch can only be billed at the batch price
         inference_geo=request.config.get("inference_geo"),
     )
     estimate = cost(size) if cost is not None else None
