@@ -172,7 +172,7 @@ def run(statements):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("costs_app", "0012_alert_events"),
+        ("costs_app", "0013_cache_refresh_kind"),
         ("sessions_app", "0022_quota_holds_and_agent_health"),
     ]
 
