@@ -17,6 +17,7 @@ not in full every time; comparing against the uncached one flattered persistence
     DATABASE_URL=postgres://... .venv/bin/python bench/context_growth.py
 
     .venv/bin/python bench/context_growth.py defaults [MINUTES ...]   # issue 15 (below)
+    .venv/bin/python bench/context_growth.py batch [MINUTES ...]      # issue 28: delivery by batch vs direct
 
 The `defaults` variant runs the workload of issue 15 with no context settings: a persistent
 agent with an 8,000-character system prompt, ~800-character tasks and ~1,200-character
@@ -381,8 +382,81 @@ def defaults_main(interval_minutes: float) -> None:
     )
 
 
+def batch_main(interval_minutes: float) -> None:
+    """The same persistent agent at defaults, its scheduled heartbeats delivered direct and
+    by batch (`delivery: "batch"`, each answered by the fake's batch within the poll that
+    follows the tick), on a simulated clock: what the ledger holds for each."""
+    from datetime import timedelta
+
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    from django.db.models import Sum
+    from django.utils import timezone
+
+    from costs_app.models import CostEvent
+    from sessions_app.batches import batches_poll
+    from sessions_app.context import SUMMARY_SYSTEM
+    from sessions_app.heartbeat import heartbeat_execute
+    from sessions_app.models import Agent, Company, HeartbeatRun, RunTrigger
+    from sessions_app.run_queue import heartbeat_enqueue
+    from tests.fake_anthropic import FakeAnthropic, plain_system
+
+    fake = FakeAnthropic().start()
+    fake.count_output = True
+    fake.writer = lambda body: (
+        keeping_summariser(body) if plain_system(body) == SUMMARY_SYSTEM else defaults_answer(body)
+    )
+    clock = [0.0]
+    fake.clock = lambda: clock[0]
+    os.environ["ANTHROPIC_BASE_URL"] = fake.base_url
+    os.environ["ANTHROPIC_API_KEY"] = "sk-ant-bench"
+    company = Company.objects.create(name=f"bench batch {timezone.now():%H%M%S}")
+    start = timezone.now()
+    totals = {}
+    for delivery in ("direct", "batch"):
+        agent = Agent.objects.create(
+            company=company,
+            name=delivery,
+            system_prompt=DEFAULTS_PROMPT,
+            adapter_config={"model": DEFAULTS_MODEL, "session_mode": "persistent", "delivery": delivery},
+        )
+        fake.cache.clear()
+        for i in range(1, HEARTBEATS + 1):
+            now = start + timedelta(minutes=interval_minutes * i)
+            clock[0] = (now - start).total_seconds()
+            run, _ = heartbeat_enqueue(agent=agent, task=defaults_task(i), now=now, trigger=RunTrigger.SCHEDULE)
+            run = heartbeat_execute(run_id=run.id, now=now)
+            if run.status == "submitted":
+                batches_poll(now=now)
+                run.refresh_from_db()
+            assert run.status == "succeeded", (delivery, i, run.status, run.error_code, run.error)
+        events = CostEvent.objects.filter(agent_id=agent.id)
+        totals[delivery] = (
+            events.aggregate(total=Sum("cost_usd"))["total"],
+            dict(events.values_list("delivery").annotate(n=Sum("cost_usd")).values_list("delivery", "n")),
+            HeartbeatRun.objects.filter(agent=agent, batch_id__gt="").count(),
+        )
+    fake.stop()
+    print(
+        f"batch: {HEARTBEATS} scheduled heartbeats {interval_minutes:g} min apart, one persistent agent at "
+        f"defaults, {DEFAULTS_MODEL} list prices"
+    )
+    for delivery, (total, by_delivery, batched) in totals.items():
+        parts = ", ".join(f"{name} ${value:.4f}" for name, value in sorted(by_delivery.items()))
+        print(f"  delivery {delivery:6s} ledger ${total:.4f} ({parts}); runs answered by a batch: {batched}")
+    ratio = totals["batch"][0] / totals["direct"][0]
+    print(f"batch/direct: {ratio:.3f}x (goal <= 0.55)")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["defaults"]:
+    if sys.argv[1:2] == ["batch"]:
+        for minutes in sys.argv[2:] or ["30"]:
+            batch_main(float(minutes))
+    elif sys.argv[1:2] == ["defaults"]:
         for minutes in sys.argv[2:] or ["2", "30"]:
             defaults_main(float(minutes))
     else:

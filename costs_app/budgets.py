@@ -160,7 +160,10 @@ def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> 
             lambda condition: Coalesce(Sum("cost_usd", filter=condition), ZERO),
             {(scope, period): _where(agent_id=scope, since=since[period]) for scope in scopes for period in periods},
         )
-        running = _other_than(HeartbeatRun.objects.filter(status=RunStatus.RUNNING), exclude_run_id)
+        # A run submitted in a batch holds its reservation until its result is billed.
+        running = _other_than(
+            HeartbeatRun.objects.filter(status__in=[RunStatus.RUNNING, RunStatus.SUBMITTED]), exclude_run_id
+        )
         reserved = _totals(
             _scoped(running, company_id=company_id, scopes=scopes),
             lambda condition: Coalesce(Sum("reserved_usd", filter=condition), ZERO),

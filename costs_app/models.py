@@ -54,6 +54,19 @@ class ModelPrice(models.Model):
         )
 
 
+class PriceOverridesRevision(models.Model):
+    """One row, counting changes to `ModelPrice`: every process keeps the overrides in memory
+    and re-reads them only when this number moved (`costs_app.pricing.override_for`)."""
+
+    revision = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        db_table = "price_overrides_revision"
+
+    def __str__(self) -> str:
+        return f"price overrides revision {self.revision}"
+
+
 class Lifecycle(models.TextChoices):
     """A model's stage, as the Models API says (`ModelInfo.lifecycle`)."""
 
@@ -108,6 +121,9 @@ class CostKind(models.TextChoices):
     COMPACTION = "compaction"
     COUNT_TOKENS = "count_tokens"
     SESSION_HOURS = "session_hours"
+    # A request that only reads a persistent agent's cached prefix before it expires, so
+    # that the next wake reads it instead of writing it again (`sessions_app.keep_warm`).
+    CACHE_REFRESH = "cache_refresh"
 
 
 class Delivery(models.TextChoices):

@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from decimal import ROUND_HALF_UP, Decimal
 
 import genai_prices
 from django.conf import settings
-from django.db.models import Case, IntegerField, Value, When
+from django.db import transaction
+from django.db.models import F, Subquery
 from genai_prices import data_snapshot
 from genai_prices import types as library_types
 
-from costs_app.models import CostEvent, Delivery, ModelPrice
+from costs_app.models import CostEvent, Delivery, ModelPrice, PriceOverridesRevision
 
 MILLION = Decimal(1_000_000)
 THOUSAND = Decimal(1000)
@@ -189,20 +192,100 @@ def _tier_rate(price, prompt_tokens: int) -> Decimal | None:
 # --- overrides ------------------------------------------------------------------------------
 
 
+# How long a process trusts the overrides it read without looking at the revision again.
+# A heartbeat's claim reads the revision in its own query (`overrides_revision_seen`), so
+# the worker path never waits on this; it bounds how stale any other process can be.
+OVERRIDES_TRUSTED_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class KnownOverrides:
+    """The overrides as this process last read them: by model, newest `effective_from` first."""
+
+    revision: int
+    confirmed: float  # time.monotonic() of the last look at the revision
+    by_model: dict[str, tuple[ModelPrice, ...]]
+
+
+_known: KnownOverrides | None = None
+
+
+# Set in a thread whose open transaction changed an override: what it reads may yet be
+# rolled back, so it is not kept (Django has no hook for a ROLLBACK).
+class _Changing(threading.local):
+    active = False
+
+
+_changing = _Changing()
+
+
+def overrides_revision() -> Subquery:
+    """The revision, as a column of a query a caller makes anyway (the heartbeat's claim)."""
+    return Subquery(PriceOverridesRevision.objects.filter(pk=1).values("revision")[:1])
+
+
+def overrides_revision_seen(revision: int | None) -> None:
+    """A query just read the revision: confirm what this process knows, or forget it."""
+    global _known
+    known = _known
+    if known is not None and known.revision == (revision or 0):
+        _known = replace(known, confirmed=time.monotonic())
+    else:
+        _known = None
+
+
+def overrides_changed(**_signal) -> None:
+    """`ModelPrice` saved or deleted (post_save / post_delete): the revision moves in the same
+    transaction, so every process re-reads; this one forgets what it read at once, and again
+    at COMMIT (a read in between would have cached the uncommitted rows)."""
+    if not PriceOverridesRevision.objects.filter(pk=1).update(revision=F("revision") + 1):
+        PriceOverridesRevision.objects.get_or_create(pk=1, defaults={"revision": 1})
+    overrides_forget()
+    _changing.active = transaction.get_connection().in_atomic_block
+    transaction.on_commit(overrides_forget)
+
+
+def overrides_forget() -> None:
+    """Drop what this process read (also at the start of each test)."""
+    global _known
+    _known = None
+    _changing.active = False
+
+
+def _overrides_read() -> dict[str, tuple[ModelPrice, ...]]:
+    by_model: dict[str, list[ModelPrice]] = {}
+    for row in ModelPrice.objects.order_by("model", "-effective_from"):
+        by_model.setdefault(row.model, []).append(row)
+    return {name: tuple(rows) for name, rows in by_model.items()}
+
+
+def _overrides() -> dict[str, tuple[ModelPrice, ...]]:
+    global _known
+    if _changing.active:
+        if transaction.get_connection().in_atomic_block:
+            return _overrides_read()
+        _changing.active = False  # that transaction ended (a COMMIT clears it too)
+    known = _known
+    if known is not None and time.monotonic() - known.confirmed <= OVERRIDES_TRUSTED_SECONDS:
+        return known.by_model
+    revision = PriceOverridesRevision.objects.filter(pk=1).values_list("revision", flat=True).first() or 0
+    if known is None or known.revision != revision:
+        known = KnownOverrides(revision, 0.0, _overrides_read())
+    _known = replace(known, confirmed=time.monotonic())
+    return known.by_model
+
+
 def override_for(*, model: str, at: datetime) -> ModelPrice | None:
-    """The operator's price in force for `model` on the UTC day of `at`, if any: one query
-    on model_prices_one_per_day. A snapshot or variant id without a row of its own takes
-    its family's; a row for the exact id wins."""
+    """The operator's price in force for `model` on the UTC day of `at`, if any, from the
+    overrides this process holds in memory (re-read when their revision moves). A snapshot
+    or variant id without a row of its own takes its family's; a row for the exact id wins."""
     day = at.astimezone(UTC).date()
-    names = _names(model)
-    exact_first = Case(
-        *(When(model=name, then=Value(rank)) for rank, name in enumerate(names)), output_field=IntegerField()
-    )
-    return (
-        ModelPrice.objects.filter(model__in=names, effective_from__lte=day)
-        .order_by(exact_first, "-effective_from")
-        .first()
-    )
+    overrides = _overrides()
+    for name in _names(model):
+        for row in overrides.get(name, ()):
+            if row.effective_from <= day:
+                return row
+    return None
 
 
 # --- what a call costs ----------------------------------------------------------------------
@@ -348,8 +431,8 @@ def geo_factor(inference_geo: str | None) -> Decimal:
 def price_table(
     *, model: str, at: datetime, delivery: str = Delivery.DIRECT, inference_geo: str | None = None
 ) -> PriceTable | None:
-    """The price in force for `model` at `at` (None: unpriced). One indexed query for the
-    operator's overrides; the library's data is in memory."""
+    """The price in force for `model` at `at` (None: unpriced), from memory: the library's
+    data and the operator's overrides (`override_for`)."""
     factor = geo_factor(inference_geo)
     batch = delivery == Delivery.BATCH
     override = override_for(model=model, at=at)

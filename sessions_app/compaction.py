@@ -115,7 +115,12 @@ def fit_budget(
     The budget and cache lifetime the agent leaves unset are chosen here, from the history
     already read and how often the agent wakes (`sessions_app.context_defaults`)."""
     settings_ = effective_settings(
-        agent=agent, settings_=settings_, history=plan.history, user_content=user_content, now=now
+        agent=agent,
+        settings_=settings_,
+        history=plan.history,
+        user_content=user_content,
+        now=now,
+        recent_wakes=run.recent_wakes,
     )
     request = build_request(agent=agent, history=plan.history, user_content=user_content, settings=settings_)
     if not agent.is_persistent or settings_.strategy != "summarize":

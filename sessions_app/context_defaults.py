@@ -7,8 +7,8 @@
   into every call. The turns are measured in the history the heartbeat has already read
   (the median of its last turns: no query); the model's window less the answer's
   `max_tokens` stays the ceiling.
-- Cache lifetime (`cache_ttl` unset): from the gaps between the agent's last wakes (one
-  query on runs_agent_created_idx). At most 5 minutes apart: the 5-minute cache (each
+- Cache lifetime (`cache_ttl` unset): from the gaps between the agent's last wakes (read
+  on runs_agent_created_idx by the heartbeat's claim, in its own query). At most 5 minutes apart: the 5-minute cache (each
   wake reads what the last one wrote). Between 5 minutes and an hour: the 1-hour cache
   when the ledger shows it pays (what its cache reads saved is at least what its 1-hour
   writes cost over plain input, over the agent's last calls; tried when they show none),
@@ -21,6 +21,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 from datetime import datetime, timedelta
+
+from django.db.models import OuterRef, Subquery
 
 from costs_app.models import CostEvent
 from costs_app.pricing import price_table
@@ -50,7 +52,13 @@ DEFAULT_MAX_OUTPUT_TOKENS = 4096
 
 
 def effective_settings(
-    *, agent: Agent, settings_: ContextSettings, history: list, user_content, now: datetime
+    *,
+    agent: Agent,
+    settings_: ContextSettings,
+    history: list,
+    user_content,
+    now: datetime,
+    recent_wakes: tuple[datetime, ...] | None = None,
 ) -> ContextSettings:
     """`settings_` with the budget and cache lifetime the agent's configuration leaves unset."""
     config = agent.adapter_config
@@ -58,7 +66,7 @@ def effective_settings(
     if agent.is_persistent and settings_.strategy == "summarize" and not config.get("context_budget_tokens"):
         changes["budget_tokens"] = derived_budget(agent, settings_, history=history, user_content=user_content)
     if settings_.caching and not config.get("cache_ttl"):
-        ttl = chosen_cache_ttl(agent, now=now)
+        ttl = chosen_cache_ttl(agent, now=now, recent_wakes=recent_wakes)
         if ttl == "none" and config.get("prompt_caching") is not True:
             changes["caching"] = False
         else:
@@ -97,9 +105,9 @@ def typical_turn_tokens(history: list) -> int:
 # --- the cache lifetime -----------------------------------------------------------------
 
 
-def chosen_cache_ttl(agent: Agent, *, now: datetime) -> str:
+def chosen_cache_ttl(agent: Agent, *, now: datetime, recent_wakes: tuple[datetime, ...] | None = None) -> str:
     """ "5m", "1h" or "none", from how often the agent wakes (see the module's docstring)."""
-    gap = typical_wake_gap(agent)
+    gap = typical_wake_gap(agent, recent_wakes=recent_wakes)
     if gap is None or gap <= FIVE_MINUTES:
         return "5m"
     if gap >= ONE_HOUR:
@@ -107,13 +115,29 @@ def chosen_cache_ttl(agent: Agent, *, now: datetime) -> str:
     return "1h" if one_hour_cache_pays(agent, now=now) else "none"
 
 
-def typical_wake_gap(agent: Agent) -> timedelta | None:
-    """The median time between the agent's last wakes (its runs' creation), None with fewer than three."""
-    created = list(
-        HeartbeatRun.objects.filter(agent=agent)
-        .order_by("-created_at")
-        .values_list("created_at", flat=True)[:WAKES_SAMPLED]
-    )
+def recent_wakes_columns(*, agent_id_ref: str) -> dict[str, Subquery]:
+    """The agent's last WAKES_SAMPLED runs' creation, newest first, as columns of a query
+    the caller makes anyway (the heartbeat's claim): one indexed subquery each."""
+    created = HeartbeatRun.objects.filter(agent_id=OuterRef(agent_id_ref)).order_by("-created_at")
+    return {f"wake_{k}": Subquery(created.values("created_at")[k : k + 1]) for k in range(WAKES_SAMPLED)}
+
+
+def recent_wakes_of(row) -> tuple[datetime, ...]:
+    """What `recent_wakes_columns` read on `row`, newest first."""
+    wakes = (row.__dict__.pop(f"wake_{k}") for k in range(WAKES_SAMPLED))
+    return tuple(wake for wake in wakes if wake is not None)
+
+
+def typical_wake_gap(agent: Agent, *, recent_wakes: tuple[datetime, ...] | None = None) -> timedelta | None:
+    """The median time between the agent's last wakes (its runs' creation), None with fewer
+    than three; from `recent_wakes` when the caller read them (`recent_wakes_columns`)."""
+    created = recent_wakes
+    if created is None:
+        created = tuple(
+            HeartbeatRun.objects.filter(agent=agent)
+            .order_by("-created_at")
+            .values_list("created_at", flat=True)[:WAKES_SAMPLED]
+        )
     if len(created) < 3:
         return None
     return statistics.median(earlier - later for later, earlier in zip(created[1:], created, strict=False))

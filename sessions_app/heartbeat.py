@@ -36,6 +36,7 @@ from costs_app.pricing import token_counts
 from paperclip.telemetry import step, traced_heartbeat
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.adapters.base import QuotaRefused
+from sessions_app.batch_delivery import BatchParked, batch_park
 from sessions_app.cli_transcripts import SessionTranscripts
 from sessions_app.compaction import (
     BeforeCall,
@@ -55,6 +56,7 @@ from sessions_app.context import (
     user_turn_content,
 )
 from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure
+from sessions_app.hot_sql import agent_not_deleted_locked
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -197,7 +199,7 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
         with step("fit", **ids):
             plan, request = _fit(beat, plan, user_content, reserve=reserve)  # 4
         with step("reserve", **ids):
-            reserve(request)  # 5
+            reserve(request, delivery=beat.calls.batch.delivery_for(request))  # 5
         with step("call", **ids):
             reply = _call(beat, plan, request, reserve=reserve)  # 6
     except RunFailure as exc:
@@ -294,7 +296,19 @@ def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
     (each billed as it returned); a refused budget pauses agents. A runtime stopped at one
     of its caps did work: the run keeps the runtime's report of it (turns, tool calls), as
     a succeeded run does. A quota's refusal is no failure: the credential is held and the
-    run goes back to the queue (`sessions_app.quota`)."""
+    run goes back to the queue (`sessions_app.quota`). Nor is a call parked for a batch:
+    the run waits `submitted` (`sessions_app.batch_delivery`)."""
+    if isinstance(failure, BatchParked):
+        calls = beat.calls
+        batch_park(
+            beat.run,
+            agent=beat.agent,
+            params=failure.params,
+            calls_numbered=calls.numbered,
+            cost_usd=calls.cost_usd,
+            now=beat.clock(),
+        )
+        return
     if isinstance(failure, QuotaRefused):
         now = beat.clock()
         quota_refused(credential=beat.calls.adapter.credential(beat.agent.adapter_config), refusal=failure, now=now)
@@ -398,13 +412,23 @@ class Reservation:
 
     beat: ClaimedRun
 
-    def __call__(self, request: AdapterRequest) -> None:
+    def __call__(self, request: AdapterRequest, *, delivery: str = "direct") -> None:
         beat = self.beat
         if beat.budgeted:
-            reserve_budget(run=beat.run, agent=beat.agent, calls=beat.calls, request=request, now=beat.now)
+            reserve_budget(
+                run=beat.run, agent=beat.agent, calls=beat.calls, request=request, now=beat.now, delivery=delivery
+            )
 
 
-def reserve_budget(*, run: HeartbeatRun, agent: Agent, calls: RunCalls, request: AdapterRequest, now: datetime) -> None:
+def reserve_budget(
+    *,
+    run: HeartbeatRun,
+    agent: Agent,
+    calls: RunCalls,
+    request: AdapterRequest,
+    now: datetime,
+    delivery: str = "direct",
+) -> None:
     """Refuse before the call when it could cross a hard limit; hold its most possible cost.
 
     The input is sized by its byte bound (no token is shorter than a byte), so what is held
@@ -428,6 +452,7 @@ def reserve_budget(*, run: HeartbeatRun, agent: Agent, calls: RunCalls, request:
         at=now,
         cache_lifetimes=cache_lifetimes([request.system_blocks, request.messages]),
         samplings=2 if request.config.get("context_strategy") == "server" else 1,
+        delivery=delivery,  # a request going in a batch can only be billed at the batch price
         inference_geo=request.config.get("inference_geo"),
     )
     estimate = cost(size) if cost is not None else None
@@ -476,6 +501,9 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
     # A nothing-to-do answer is billed and shown on the run, never replayed in later turns
     # (an answer that carries a server compaction is: the compaction must be kept).
     replayed = not is_nothing_to_do(reply.text, agent.adapter_config) or starts_with_compaction(reply.content)
+    if not agent.is_persistent and reply.on_commit is None:
+        outcome = _run_outcome(None, reply, counts, cost, finished=finished, replayed=replayed)
+        return _commit_stateless(beat, outcome)
     staged = runtime_staged = NOTHING_STAGED
     try:
         # Durable: its end is the COMMIT, and the history is published only after it.
@@ -517,6 +545,29 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
         return False
     staged.publish()
     runtime_staged.publish()
+    for name, value in outcome.items():
+        setattr(run, name, value)
+    return True
+
+
+def _commit_stateless(beat: ClaimedRun, outcome: dict) -> bool:
+    """7. commit, for a run with no session and no runtime state to keep: the run's success
+    is one statement, its agent's row locked as the transaction above locks it (a deletion
+    commits first and the run fails `agent_deleted`, or waits for this one). Why a statement
+    updated nothing is read only then."""
+    run, agent = beat.run, beat.agent
+    succeeded = (
+        HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING)
+        .filter(agent_not_deleted_locked(agent.pk))
+        .update(**outcome)
+    )
+    if not succeeded:
+        alive = Agent.objects.filter(pk=agent.pk).exclude(status=AgentStatus.DELETED).exists()
+        if alive:
+            _fail(beat, RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived."))
+        else:
+            _fail(beat, RunAbandoned("agent_deleted", "The agent was deleted while the model answered."))
+        return False
     for name, value in outcome.items():
         setattr(run, name, value)
     return True

@@ -22,10 +22,12 @@ from costs_app.catalogue import catalogue_refresh, catalogue_refresh_due
 from costs_app.ledger import spend_of
 from sessions_app.adapters.cli_processes import cli_orphans_kill
 from sessions_app.agent_health import agents_health_check
+from sessions_app.batches import batches_poll
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     ENDED_SESSION_STATUSES,
+    IN_FLIGHT_RUN_STATUSES,
     LIVE_SESSION_STATUSES,
     Agent,
     AgentSession,
@@ -47,9 +49,10 @@ BATCH = 5000
 
 
 def in_use():
-    """Sessions a running run is linked to. A heartbeat links its run before it touches the
-    session, so there is no moment when a session is taken but not seen here."""
-    return HeartbeatRun.objects.filter(status=RunStatus.RUNNING, session__isnull=False).values("session_id")
+    """Sessions a run in flight (running, or submitted in a batch) is linked to. A heartbeat
+    links its run before it touches the session, so there is no moment when a session is
+    taken but not seen here."""
+    return HeartbeatRun.objects.filter(status__in=IN_FLIGHT_RUN_STATUSES, session__isnull=False).values("session_id")
 
 
 def sessions_expire(*, now: datetime) -> int:
@@ -210,6 +213,7 @@ MAINTENANCE_STEPS = {
     "schedules_armed": schedules_arm_missing,
     "health_alerts": agents_health_check,
     "models_refreshed": models_refresh,
+    "batches": lambda *, now: batches_poll(now=now),
 }
 
 

@@ -404,9 +404,25 @@ class RunStatus(models.TextChoices):
     FAILED = "failed"
     # The work check found nothing to do: no model call, no ledger row, session untouched.
     SKIPPED = "skipped"
+    # Sent through the Message Batches API (`sessions_app.batches`): no worker holds it;
+    # the batch poll commits its answer, or sends it direct. Holds the agent's one place
+    # in flight, as `running` does.
+    SUBMITTED = "submitted"
 
 
-UNFINISHED_RUN_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING)
+class BatchState(models.TextChoices):
+    """Where a `submitted` run's request is (`sessions_app.batches`)."""
+
+    PARKED = "parked"  # waiting for the next poll to put it in a batch
+    SUBMITTING = "submitting"  # taken by a poll, which is creating the batch
+    IN_BATCH = "in_batch"  # in batch `batch_id`, not ended yet
+    ANSWERED = "answered"  # its result is billed and kept: the next poll commits it
+    DIRECT = "direct"  # errored, expired, cancelled or too late: sent direct instead
+
+
+UNFINISHED_RUN_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUBMITTED)
+# The statuses that hold an agent's one place in flight (runs_one_in_flight_per_agent).
+IN_FLIGHT_RUN_STATUSES = (RunStatus.RUNNING, RunStatus.SUBMITTED)
 FINISHED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.SKIPPED)
 
 
@@ -418,6 +434,10 @@ class RunTrigger(models.TextChoices):
 
 
 class HeartbeatRun(models.Model):
+    # Not a column: its agent's last runs' creation, newest first, when the claim read them
+    # (`sessions_app.run_queue.claim_run`); None elsewhere, where they are read when needed.
+    recent_wakes: tuple | None = None
+
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="runs")
     # runs_agent_created_idx leads with agent_id and serves its lookups and cascades (the
@@ -467,6 +487,14 @@ class HeartbeatRun(models.Model):
     # next attempt numbers its ledger rows after them (the ledger dedupes by number).
     quota_requeues = models.PositiveSmallIntegerField(default=0, db_default=0)
     calls_before = models.PositiveSmallIntegerField(default=0, db_default=0)
+    # Batch delivery (`sessions_app.batches`): the batch the request went in, where it is,
+    # the Messages API parameters sent (the answer is committed only to the same request),
+    # the answer kept until it is committed, and when the run stops waiting for it.
+    batch_id = models.CharField(max_length=128, blank=True, default="", db_default="")
+    batch_state = models.CharField(max_length=16, choices=BatchState.choices, blank=True, default="", db_default="")
+    batch_request = models.JSONField(null=True, blank=True)
+    batch_answer = models.JSONField(null=True, blank=True)
+    batch_deadline_at = models.DateTimeField(null=True, blank=True)
 
     # Set by the claim, not stored: the credential this run was claimed to probe (the one
     # run let through when a hold on it ends), or None; and, when a hold kept it queued,
@@ -491,13 +519,18 @@ class HeartbeatRun(models.Model):
             # The console's failed runs of the last day, by error code and by agent
             # (paperclip/console.py): failures only, so it stays a fraction of the table.
             models.Index(fields=["created_at"], name="runs_failed_created_idx", condition=Q(status="failed")),
+            # The batch poll's scan: only submitted runs.
+            models.Index(
+                fields=["batch_state", "created_at"], name="runs_submitted_idx", condition=Q(status="submitted")
+            ),
         ]
         constraints = [
-            # One writer per agent: at most one running run, enforced by the database so
-            # that any number of web and worker processes on any hosts are safe.
+            # One writer per agent: at most one run in flight (running, or submitted in a
+            # batch), enforced by the database so that any number of web and worker
+            # processes on any hosts are safe.
             models.UniqueConstraint(
                 fields=["agent"],
-                condition=Q(status="running"),
+                condition=Q(status__in=IN_FLIGHT_RUN_STATUSES),
                 name="runs_one_running_per_agent",
             ),
             models.UniqueConstraint(

@@ -31,10 +31,11 @@ from django.db.models import F, Value
 from django.db.models.functions import Greatest
 
 from costs_app.ledger import cost_event_record
-from costs_app.models import CostEvent, CostKind
+from costs_app.models import CostEvent, CostKind, Delivery
 from paperclip.telemetry import record_bill
 from sessions_app.adapters import AdapterReply, AdapterRequest
 from sessions_app.adapters.base import Adapter
+from sessions_app.batch_delivery import BatchCall
 from sessions_app.errors import RunAbandoned
 from sessions_app.models import Agent, HeartbeatRun, RunStatus
 from sessions_app.quota import quota_observe
@@ -73,6 +74,9 @@ class RunCalls:
         self.session_id = None  # the session the rows name (see the module docstring)
         self.billed_usd = (run.cost_usd or Decimal(0)) if run.calls_before else Decimal(0)
         self.billed_anything = bool(run.calls_before) and run.cost_usd is not None
+        # Batch delivery: the first answer call may be parked for a batch, or answered by
+        # one (`sessions_app.batch_delivery`).
+        self.batch = BatchCall(run, agent, adapter)
 
     @property
     def numbered(self) -> int:
@@ -91,6 +95,8 @@ class RunCalls:
         """One call of the adapter, billed the moment it returns (or, for a runtime that
         bills while running, each of its model requests as it ends)."""
         self._hold_deadline(request)
+        if kind == CostKind.MESSAGE and (answered := self.batch.take(request)) is not None:
+            return answered  # billed when the batch's result was read
         if self.adapter.bills_while_running:
             meter = RunMeter(self, kind=kind)
             reply = self.adapter.call(replace(request, meter=meter))
@@ -123,6 +129,7 @@ class RunCalls:
         message_id: str = "",
         kind: str = CostKind.MESSAGE,
         inference_geo: str | None = None,
+        delivery: str = Delivery.DIRECT,
     ) -> CostEvent:
         """Write the ledger row of one model request of this run, now, priced with the
         request's own factors (its `inference_geo`)."""
@@ -137,6 +144,7 @@ class RunCalls:
             "call_number": self._rows,
             "message_id": message_id or None,
             "kind": kind,
+            "delivery": delivery,
             "inference_geo": inference_geo,
             "at": self._clock(),
         }

@@ -27,14 +27,25 @@ from django.db.models.functions import Coalesce
 
 from costs_app.budgets import budgets_exist, money_budgets_exist
 from costs_app.ledger import spend_of
-from costs_app.pricing import is_priced
+from costs_app.pricing import is_priced, overrides_revision, overrides_revision_seen
 from sessions_app import quota
 from sessions_app.adapters import adapter_for
+from sessions_app.batch_delivery import claimable
 from sessions_app.context import context_settings
+from sessions_app.context_defaults import recent_wakes_columns, recent_wakes_of
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.metering import session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
-from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.models import (
+    IN_FLIGHT_RUN_STATUSES,
+    UNFINISHED_RUN_STATUSES,
+    Agent,
+    AgentSession,
+    AgentStatus,
+    HeartbeatRun,
+    RunStatus,
+    RunTrigger,
+)
 from sessions_app.text import is_storable, storable
 from sessions_app.work_checks import check_seconds
 
@@ -178,7 +189,7 @@ def tick_merge(*, agent_id) -> HeartbeatRun | None:
     counted on it (a heartbeat asked for with that very task text is passed over too: its
     tick queues a run of its own, which loses nothing)."""
     unfinished = HeartbeatRun.objects.filter(agent_id=agent_id).exclude(task=COMPACT_TASK)
-    for status in (RunStatus.QUEUED, RunStatus.RUNNING):
+    for status in (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUBMITTED):
         oldest = unfinished.filter(status=status).order_by("created_at").first()
         if oldest and HeartbeatRun.objects.filter(pk=oldest.pk, status=status).update(
             merged_ticks=F("merged_ticks") + 1
@@ -259,7 +270,8 @@ def dispatch_waiting(*, agent_ids=None) -> int:
     waiting = HeartbeatRun.objects.filter(status=RunStatus.QUEUED)
     if agent_ids is not None:
         waiting = waiting.filter(agent_id__in=agent_ids)
-    running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
+    # An agent with a run in flight (running, or submitted in a batch) cannot start another.
+    running = HeartbeatRun.objects.filter(status__in=IN_FLIGHT_RUN_STATUSES).values("agent_id")
     heads = (
         waiting.exclude(agent_id__in=running)
         .values("agent_id", "agent__status")
@@ -299,18 +311,24 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     The database decides: a partial unique index allows one `running` row per agent, so
     of two processes claiming at once (any host, any worker) exactly one update succeeds;
     the other gets an IntegrityError and leaves its run queued. The cap is checked in the
-    claim's transaction (`_claim_under_cap`). The run comes back with its agent and
-    `budgeted` (whether any budget applies), all read in one query.
+    claim's transaction (`_claim_under_cap`). The run comes back with its agent,
+    `budgeted` (whether any budget applies) and `recent_wakes` (its agent's last runs'
+    creation, for the cache lifetime), all read in one query with the price overrides'
+    revision (`costs_app.pricing`: the run's prices come from memory).
     """
     run = (
         HeartbeatRun.objects.select_related("agent")
         .annotate(
             budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"),
             held=quota.holds_exist(),
+            prices_revision=overrides_revision(),
+            **recent_wakes_columns(agent_id_ref="agent_id"),
         )
         .get(id=run_id)
     )
-    if run.status != RunStatus.QUEUED:
+    overrides_revision_seen(run.prices_revision)
+    run.recent_wakes = recent_wakes_of(run)
+    if not claimable(run):  # queued, or a submitted run its batch poll made ready
         return run, False
     agent = run.agent
     if refusal := agent.refusal():
@@ -337,7 +355,7 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
                 quota.probe_give_back(run=run)
                 return run, False
             claimed = (
-                HeartbeatRun.objects.filter(id=run.id, status=RunStatus.QUEUED)
+                HeartbeatRun.objects.filter(id=run.id, status=run.status, batch_state=run.batch_state)
                 .filter(quota.hold_free(credential=credential, run_id=run.id))
                 .update(status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id())
             )
@@ -369,7 +387,8 @@ def run_place_free(*, agent_id, created_at: datetime) -> bool:
     free = free_run_places()
     if free <= 0:
         return False
-    running = HeartbeatRun.objects.filter(status=RunStatus.RUNNING).values("agent_id")
+    # An agent with a run in flight (running, or submitted in a batch) cannot start another.
+    running = HeartbeatRun.objects.filter(status__in=IN_FLIGHT_RUN_STATUSES).values("agent_id")
     ahead = list(
         HeartbeatRun.objects.filter(
             status=RunStatus.QUEUED, created_at__lt=created_at, agent__status=AgentStatus.ACTIVE
@@ -426,7 +445,7 @@ def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, overd
     deadlock."""
     with transaction.atomic():
         _run_session_lock(run_id=run.id)
-        ending = HeartbeatRun.objects.filter(id=run.id, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
+        ending = HeartbeatRun.objects.filter(id=run.id, status__in=UNFINISHED_RUN_STATUSES)
         if overdue:
             ending = ending.filter(status=RunStatus.RUNNING, deadline_at__lt=now)
         # Messages quote what failed (an agent command's stderr, an API error body): made

@@ -21,6 +21,7 @@ from sessions_app.models import (
     Agent,
     AgentSession,
     AgentStatus,
+    BatchState,
     Company,
     HeartbeatRun,
     PinnedFact,
@@ -437,6 +438,13 @@ class RunSerializer(serializers.ModelSerializer):
         help_text='Claude Code (`runtime: "cli"`): its session id, turns, tool calls, and its own cost figure '
         "beside the ledger's; null for a Messages API call.",
     )
+    batch_id = serializers.SerializerMethodField(
+        help_text='The Message Batches batch its request went in (`delivery: "batch"`); null when none.'
+    )
+    batch_state = serializers.SerializerMethodField(
+        help_text="Where a `submitted` run's request is: parked, submitting, in_batch, answered (committed by the "
+        "next poll) or direct (sent direct instead); null for a run never batched."
+    )
     tool_loop = serializers.SerializerMethodField(
         help_text="What the run's tool loop did (memory tool rounds, context editing); null when nothing."
     )
@@ -465,6 +473,8 @@ class RunSerializer(serializers.ModelSerializer):
             "message_id",
             "stop_reason",
             "merged_ticks",
+            "batch_id",
+            "batch_state",
             "runtime_report",
             "tool_loop",
             "work_check_output",
@@ -492,6 +502,15 @@ class RunSerializer(serializers.ModelSerializer):
 
     def get_warning(self, run: HeartbeatRun) -> str | None:
         return run.warning or None
+
+    @extend_schema_field(serializers.CharField(allow_null=True))
+    def get_batch_id(self, run: HeartbeatRun) -> str | None:
+        # While a poll creates the batch the column holds that poll's token, not an id.
+        return run.batch_id if run.batch_id and run.batch_state != BatchState.SUBMITTING else None
+
+    @extend_schema_field(serializers.ChoiceField(choices=BatchState.choices, allow_null=True))
+    def get_batch_state(self, run: HeartbeatRun) -> str | None:
+        return run.batch_state or None
 
     @extend_schema_field(ToolLoopSerializer(allow_null=True))
     def get_tool_loop(self, run: HeartbeatRun) -> dict | None:

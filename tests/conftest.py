@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from costs_app.catalogue import catalogue_forget, catalogue_row, catalogue_store
 from costs_app.models import CostEvent
-from costs_app.pricing import call_price
+from costs_app.pricing import call_price, overrides_forget
 from paperclip.env import parse_process_commands
 from sessions_app.context import SUMMARY_SYSTEM
 from sessions_app.heartbeat import heartbeat_execute
@@ -63,8 +63,10 @@ def model_catalogue(settings):
     refreshes it only in a test that sets PAPERCLIP_MODELS_REFRESH_MINUTES."""
     settings.PAPERCLIP_MODELS_REFRESH_MINUTES = 0
     catalogue_forget()
+    overrides_forget()
     yield
     catalogue_forget()
+    overrides_forget()
 
 
 def catalogue_stored(entries: list[dict] = CATALOGUE, *, now=None) -> None:

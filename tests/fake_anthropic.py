@@ -39,6 +39,18 @@ Quotas: `fake.outage = Reply.error(429, ..., headers={"retry-after": "30"})` ans
 Messages request with that reply until it is set back to None (the provider recovers);
 `fake.answer_headers` are sent with every successful answer (`anthropic-ratelimit-*`).
 
+Message Batches (`client.messages.batches`): create, retrieve, list, results as JSONL and
+cancel, as the API serves them. A batch stays `in_progress` for `fake.batch_seconds` (on
+`clock` when set, else wall time; 0 by default: it has ended by the first retrieve), then
+answers every request as a direct request would be answered (the cache included), its usage
+reporting `service_tier: "batch"`, as the API reports a batch's half-price tokens.
+`fake.batch_outcomes` scripts results by position: "errored" or "expired" (an entry is
+taken per request answered, in order; "succeeded" otherwise). A cancelled batch answers
+its unprocessed requests `canceled` and ends. `fake.batch_answers` are the answered
+(succeeded) requests' model and usage, for billing checks; `fake.batch_creates` counts
+create requests; `fake.batch_create_error` (a status) refuses them; `fake.batch_before`
+runs when one arrives.
+
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
 arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
 operator, a delete) at the moment a call is in flight. An exception from it is kept in
@@ -52,6 +64,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -302,6 +315,14 @@ def models_page(models: list[dict], query: dict[str, list[str]], *, default_limi
     }
 
 
+BATCH_MAX_REQUESTS = 100_000
+CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def api_error(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -356,6 +377,16 @@ class FakeAnthropic:
         self.outage: Reply | None = None
         # Headers every successful Messages answer carries (`anthropic-ratelimit-*`).
         self.answer_headers: dict[str, str] = {}
+        # Message Batches (module doc): batches by id, how long one processes, scripted
+        # outcomes by position, and what was answered.
+        self.batches: dict[str, dict] = {}
+        self.batch_seconds = 0.0
+        self.batch_outcomes: list[str] = []
+        self.batch_answers: list[dict] = []
+        # A status every batch create is answered with instead (None: created), and an
+        # action run in the fake's thread when a create arrives (as a reply's `before`).
+        self.batch_create_error: int | None = None
+        self.batch_before: Callable[[], None] | None = None
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -541,6 +572,98 @@ class FakeAnthropic:
         message.update(reply.extra)
         return message
 
+    def _now(self) -> float:
+        return self.clock() if self.clock is not None else time.monotonic()
+
+    @property
+    def batch_creates(self) -> int:
+        with self.lock:
+            return sum(1 for r in self.requests if r["path"] == "/v1/messages/batches")
+
+    def batch_create(self, body: dict) -> tuple[int, dict]:
+        if self.batch_before is not None:
+            try:
+                self.batch_before()
+            except BaseException as exc:  # reported to the test, not to the client
+                with self.lock:
+                    self.action_errors.append(exc)
+        if self.batch_create_error is not None:
+            return self.batch_create_error, api_error(self.batch_create_error, "batch not created")
+        requests = body.get("requests")
+        if not isinstance(requests, list) or not 1 <= len(requests) <= BATCH_MAX_REQUESTS:
+            return 400, api_error(400, f"requests: must hold 1..{BATCH_MAX_REQUESTS} requests")
+        ids = [r.get("custom_id") if isinstance(r, dict) else None for r in requests]
+        if not all(isinstance(i, str) and CUSTOM_ID.fullmatch(i) for i in ids):
+            return 400, api_error(400, "requests: custom_id must match ^[a-zA-Z0-9_-]{1,64}$")
+        if len(set(ids)) != len(ids):
+            return 400, api_error(400, "requests: custom_id values must be unique within a batch")
+        with self.lock:
+            batch_id = f"msgbatch_{self.id_prefix}_{next(self.ids):06d}"
+            self.batches[batch_id] = {
+                "id": batch_id,
+                "requests": [dict(r) for r in requests],
+                "created": self._now(),
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "cancelled": False,
+                "results": None,
+            }
+        return 200, self.batch_view(batch_id)
+
+    def _batch_end(self, batch: dict) -> None:
+        """Answer the batch's requests (cancelled: those not answered are `canceled`)."""
+        results = []
+        for request in batch["requests"]:
+            custom_id, params = request["custom_id"], request.get("params") or {}
+            if batch["cancelled"]:
+                results.append({"custom_id": custom_id, "result": {"type": "canceled"}})
+                continue
+            with self.lock:
+                outcome = self.batch_outcomes.pop(0) if self.batch_outcomes else "succeeded"
+            if outcome == "expired":
+                results.append({"custom_id": custom_id, "result": {"type": "expired"}})
+            elif outcome == "errored" or (problem := content_error(params.get("messages"))):
+                message = "fake batch error" if outcome == "errored" else problem
+                results.append(
+                    {"custom_id": custom_id, "result": {"type": "errored", "error": api_error(400, message)}}
+                )
+            else:
+                message = self.answer(params, Reply())
+                message["usage"] = {**message["usage"], "service_tier": "batch"}
+                with self.lock:
+                    self.batch_answers.append(
+                        {"custom_id": custom_id, "model": params.get("model"), "usage": message["usage"]}
+                    )
+                results.append({"custom_id": custom_id, "result": {"type": "succeeded", "message": message}})
+        batch["results"] = results
+        batch["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    def batch_view(self, batch_id: str) -> dict | None:
+        """A batch as the API shows it; one whose processing time has passed ends here."""
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            return None
+        if batch["results"] is None and (batch["cancelled"] or self._now() - batch["created"] >= self.batch_seconds):
+            self._batch_end(batch)
+        counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
+        if batch["results"] is None:
+            counts["processing"] = len(batch["requests"])
+        else:
+            for line in batch["results"]:
+                counts[line["result"]["type"]] += 1
+        ended = batch["results"] is not None
+        return {
+            "id": batch_id,
+            "type": "message_batch",
+            "processing_status": "ended" if ended else ("canceling" if batch["cancelled"] else "in_progress"),
+            "request_counts": counts,
+            "created_at": batch["created_at"],
+            "expires_at": batch["created_at"],
+            "ended_at": batch.get("ended_at"),
+            "cancel_initiated_at": batch["created_at"] if batch["cancelled"] else None,
+            "archived_at": None,
+            "results_url": f"{self.base_url}/v1/messages/batches/{batch_id}/results" if ended else None,
+        }
+
     def _handler_class(self):
         fake = self
 
@@ -569,6 +692,9 @@ class FakeAnthropic:
                 if path == "/v1/models" or path.startswith("/v1/models/"):
                     self._models(path, parse_qs(query))
                     return
+                if path.startswith("/v1/messages/batches"):
+                    self._batches_get(path)
+                    return
                 # For benchmarks running the fake in its own process: the Messages request
                 # bodies it received, from index `after` on, so a baseline can replay them.
                 if path != "/_fake/message_requests":
@@ -576,6 +702,45 @@ class FakeAnthropic:
                     return
                 after = int(query.partition("after=")[2] or 0)
                 self._send_json(200, {"bodies": fake.message_requests[after:]})
+
+            def _batches_get(self, path: str) -> None:
+                with fake.lock:
+                    fake.requests.append({"path": path, "headers": dict(self.headers), "body": None})
+                parts = path.strip("/").split("/")  # v1 messages batches [id [results]]
+                if len(parts) == 3:
+                    data = [fake.batch_view(batch_id) for batch_id in reversed(list(fake.batches))]
+                    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+                    self._send_json(200, {"data": data, "has_more": False, "first_id": first, "last_id": last})
+                    return
+                view = fake.batch_view(parts[3])
+                if view is None:
+                    self._send_json(404, api_error(404, f"batch {parts[3]} not found"))
+                elif len(parts) == 4:
+                    self._send_json(200, view)
+                elif view["processing_status"] != "ended":
+                    self._send_json(400, api_error(400, "results are available once the batch has ended"))
+                else:
+                    lines = fake.batches[parts[3]]["results"]
+                    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/binary")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+
+            def _batches_post(self, path: str, body: dict) -> None:
+                parts = path.strip("/").split("/")
+                if len(parts) == 3:
+                    self._send_json(*fake.batch_create(body))
+                    return
+                batch = fake.batches.get(parts[3]) if len(parts) == 5 and parts[4] == "cancel" else None
+                if batch is None:
+                    self._send_json(404, api_error(404, path))
+                    return
+                # One whose processing time has passed has ended: nothing left to cancel.
+                if fake.batch_view(parts[3])["processing_status"] == "in_progress":
+                    batch["cancelled"] = True
+                self._send_json(200, fake.batch_view(parts[3]))
 
             def _models(self, path: str, query: dict[str, list[str]]) -> None:
                 with fake.lock:
@@ -615,6 +780,9 @@ class FakeAnthropic:
                 if path == "/v1/messages/count_tokens":
                     size = fake.tokens({"system": body.get("system"), "messages": body.get("messages")})
                     self._send_json(200, {"input_tokens": size})
+                    return
+                if path.startswith("/v1/messages/batches"):
+                    self._batches_post(path, body)
                     return
                 if path != "/v1/messages":
                     self._send_json(404, {"type": "error", "error": {"type": "not_found_error", "message": path}})

@@ -138,7 +138,9 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "schedules_armed",
         "health_alerts",
         "models_refreshed",
+        "batches",
     }
+    assert result["batches"] == {"submitted": 0, "read": 0, "committed": 0}
 
 
 def test_maintenance_schedule_exists_after_migrate(db):

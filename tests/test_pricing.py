@@ -14,10 +14,14 @@ from importlib import import_module
 import genai_prices
 import pytest
 from django.apps import apps
+from django.db import connection, transaction
+from django.db.models import F
+from django.test.utils import CaptureQueriesContext
 
+from costs_app import pricing
 from costs_app.budgets import call_cost_bound
-from costs_app.models import Budget, CostEvent, ModelPrice
-from costs_app.pricing import LIBRARY_SOURCE, OVERRIDE_SOURCE, call_price, is_priced
+from costs_app.models import Budget, CostEvent, ModelPrice, PriceOverridesRevision
+from costs_app.pricing import LIBRARY_SOURCE, OVERRIDE_SOURCE, call_price, is_priced, overrides_forget
 from sessions_app.models import Agent, AgentSession, RunStatus
 from tests.conftest import agent_on_unknown_model, beat
 from tests.fake_anthropic import Reply, dense_tokens
@@ -296,3 +300,69 @@ def test_the_hand_seeded_prices_are_removed_unless_an_operator_changed_them(db):
     drop.drop_seeded(apps, None)
 
     assert list(ModelPrice.objects.values_list("model", flat=True)) == [changed]
+
+
+# --- the overrides in memory ---------------------------------------------------------------
+
+
+def negotiated(model: str = "claude-sonnet-5-5", input_price: str = "1.5") -> ModelPrice:
+    return ModelPrice.from_list_price(model, date(2026, 1, 1), Decimal(input_price), Decimal("8"))
+
+
+def another_process_stores(price: ModelPrice) -> None:
+    """What a save in another process leaves in the database: the row and a moved revision
+    (bulk_create sends no signal, so this process's memory is not told)."""
+    ModelPrice.objects.bulk_create([price])
+    PriceOverridesRevision.objects.filter(pk=1).update(revision=F("revision") + 1)
+
+
+def test_a_heartbeat_reads_no_price_from_the_database(company, fake_anthropic):
+    agent = Agent.objects.create(company=company, name="negotiated", adapter_config={"model": "claude-sonnet-5-5"})
+    override = negotiated()
+    override.save()
+    overrides_forget()  # as in a later transaction: the one that saved it has committed
+    beat(agent, "warm")  # reads the overrides once
+
+    with CaptureQueriesContext(connection) as queries:
+        run = beat(agent, "priced from memory")
+
+    assert CostEvent.objects.get(run=run).price_id == override.id
+    assert not [q["sql"] for q in queries if '"model_prices"' in q["sql"]]
+
+
+def test_an_override_saved_here_prices_the_next_call_at_once(db):
+    usage = {"input_tokens": 1_000_000}
+    assert call_price(usage=usage, model="claude-sonnet-5-5", at=NOW).source == LIBRARY_SOURCE
+    negotiated().save()
+    assert call_price(usage=usage, model="claude-sonnet-5-5", at=NOW).cost_usd == Decimal("1.5")
+    ModelPrice.objects.filter(model="claude-sonnet-5-5").delete()
+    assert call_price(usage=usage, model="claude-sonnet-5-5", at=NOW).source == LIBRARY_SOURCE
+
+
+def test_another_process_s_override_reaches_the_next_claim(company, fake_anthropic):
+    agent = Agent.objects.create(company=company, name="negotiated", adapter_config={"model": "claude-sonnet-5-5"})
+    beat(agent, "library price")  # this process now holds "no overrides"
+
+    another_process_stores(negotiated())
+    run = beat(agent, "claimed after the change")
+
+    assert CostEvent.objects.get(run=run).price_source == OVERRIDE_SOURCE
+
+
+def test_another_process_s_override_reaches_other_callers_within_the_trusted_time(db, monkeypatch):
+    usage = {"input_tokens": 1_000_000}
+    assert call_price(usage=usage, model="claude-sonnet-5-5", at=NOW).source == LIBRARY_SOURCE
+    another_process_stores(negotiated())
+    assert call_price(usage=usage, model="claude-sonnet-5-5", at=NOW).source == LIBRARY_SOURCE  # trusted still
+
+    monkeypatch.setattr(pricing, "OVERRIDES_TRUSTED_SECONDS", 0.0)
+    assert call_price(usage=usage, model="claude-sonnet-5-5", at=NOW).cost_usd == Decimal("1.5")
+
+
+def test_an_override_rolled_back_never_prices_a_call(db):
+    usage = {"input_tokens": 1_000_000}
+    with pytest.raises(RuntimeError), transaction.atomic():
+        negotiated().save()
+        assert call_price(usage=usage, model="claude-sonnet-5-5", at=NOW).cost_usd == Decimal("1.5")
+        raise RuntimeError("rolled back")
+    assert call_price(usage=usage, model="claude-sonnet-5-5", at=NOW).source == LIBRARY_SOURCE

@@ -132,6 +132,16 @@ def sqlite_add(row: str, sign: int) -> str:
     )
 
 
+def sqlite_take(row: str) -> str:
+    """Take a row back from its total: an update, so a total already gone (cost_days emptied
+    first, as a flush of every table may) is not remade with negative sums."""
+    where = " AND ".join(f"{c} = date({row}.created_at)" if c == "day" else f"{c} = {row}.{c}" for c in KEY)
+    taken = ", ".join(
+        f"{c} = round({c} - {row}.{c}, 10)" if c == "cost_usd" else f"{c} = {c} - {row}.{c}" for c in SUMMED
+    )
+    return f"UPDATE cost_days SET {taken}, events = events - 1 WHERE {where};"  # noqa: S608
+
+
 SQLITE_EMPTIED = (
     "DELETE FROM cost_days WHERE events = 0 AND "  # noqa: S608
     + " AND ".join(f"{c} = date(OLD.created_at)" if c == "day" else f"{c} = OLD.{c}" for c in KEY)
@@ -141,9 +151,9 @@ SQLITE = [
     f"CREATE TRIGGER cost_days_insert AFTER INSERT ON cost_events BEGIN {sqlite_add('NEW', 1)} END",
     f"""
     CREATE TRIGGER cost_days_update AFTER UPDATE OF created_at, {", ".join(c for c in (*KEY, *SUMMED) if c != "day")}
-    ON cost_events BEGIN {sqlite_add("OLD", -1)} {sqlite_add("NEW", 1)} {SQLITE_EMPTIED} END
+    ON cost_events BEGIN {sqlite_take("OLD")} {sqlite_add("NEW", 1)} {SQLITE_EMPTIED} END
     """,
-    f"CREATE TRIGGER cost_days_delete AFTER DELETE ON cost_events BEGIN {sqlite_add('OLD', -1)} {SQLITE_EMPTIED} END",
+    f"CREATE TRIGGER cost_days_delete AFTER DELETE ON cost_events BEGIN {sqlite_take('OLD')} {SQLITE_EMPTIED} END",
 ]
 SQLITE_REVERSE = [f"DROP TRIGGER IF EXISTS cost_days_{op}" for op in ("insert", "update", "delete")]
 
@@ -172,7 +182,7 @@ def run(statements):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("costs_app", "0012_alert_events"),
+        ("costs_app", "0013_cache_refresh_kind"),
         ("sessions_app", "0022_quota_holds_and_agent_health"),
     ]
 

@@ -72,6 +72,8 @@ def validate_agent_config(adapter_type: str, config: object) -> dict:
     clean = validate_common(config, errors)
     work_checks.validate_work_settings(config, errors, clean)
     clean.update(adapter.validate_config(config, errors))
+    if clean.get("delivery") == "batch" and not adapter.delivers_batch:
+        errors["delivery"] = "this runtime cannot deliver by batch (only the Messages API runtime can): use 'direct'"
     allowed = COMMON_KEYS | adapter.config_keys
     for key in sorted(set(config) - allowed):
         errors[key] = f"unknown setting for adapter {adapter_type!r}"

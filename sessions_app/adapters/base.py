@@ -167,6 +167,16 @@ def usage_error(usage: dict | None) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class BatchResult:
+    """One request's result in an ended batch: `succeeded` with the answer's message (as
+    JSON), or `errored`, `expired` or `canceled` with what the provider said."""
+
+    kind: str
+    message: dict | None = None
+    error: str = ""
+
+
 class AdapterError(RunFailure):
     """A model call that failed. `code` is stable and stored on the run for operators."""
 
@@ -212,6 +222,9 @@ class Adapter:
     bills_while_running: ClassVar[bool] = False
     # True: `count_tokens` measures a request's input exactly.
     counts_tokens: ClassVar[bool] = False
+    # True: a request may go through the provider's batch API at its batch price, to be
+    # answered within hours (`sessions_app.batches`): `batch_params` .. `batch_reply`.
+    delivers_batch: ClassVar[bool] = False
 
     def validate_config(self, config: dict, errors: dict[str, str]) -> dict:
         raise NotImplementedError
@@ -226,6 +239,27 @@ class Adapter:
 
     def count_tokens(self, request: AdapterRequest) -> int:
         """The request's input tokens (only where `counts_tokens`)."""
+        raise NotImplementedError
+
+    def batch_params(self, request: AdapterRequest) -> dict | None:
+        """The request as one batch entry's parameters (JSON); None when this request cannot
+        go in a batch (only where `delivers_batch`)."""
+        raise NotImplementedError
+
+    def batch_send(self, config: dict, entries: list[tuple[str, dict]]) -> str:
+        """Create one batch of `(custom_id, params)` entries; returns its id."""
+        raise NotImplementedError
+
+    def batch_read(self, config: dict, batch_id: str) -> dict[str, BatchResult] | None:
+        """A batch's results by custom id once it has ended; None while it processes."""
+        raise NotImplementedError
+
+    def batch_cancel(self, config: dict, batch_id: str) -> None:
+        """Ask the provider to stop a batch: requests not yet answered end `canceled`."""
+        raise NotImplementedError
+
+    def batch_reply(self, request: AdapterRequest, message: dict) -> AdapterReply:
+        """A succeeded batch result's message as the reply a direct call would return."""
         raise NotImplementedError
 
     def reservation_usd(self, config: dict) -> Decimal | None:
@@ -281,7 +315,16 @@ COMMON_KEYS = {
     # Health (sessions_app/agent_health.py)
     "health_grace_minutes",
     "health_failing_after_runs",
+    # Delivery (sessions_app/batches.py) and the prompt cache kept warm (sessions_app/keep_warm.py)
+    "delivery",
+    "batch_max_wait_minutes",
+    "cache_keep_warm",
 }
+DELIVERIES = ("direct", "batch")
+DEFAULT_BATCH_MAX_WAIT_MINUTES = 60
+# The Message Batches API answers every batch within 24 hours.
+MAX_BATCH_MAX_WAIT_MINUTES = 24 * 60
+KEEP_WARM_CHOICES = ("auto", "off")
 CONTEXT_STRATEGIES = ("none", "summarize", "server")
 
 
@@ -321,12 +364,28 @@ def validate_common(config: dict, errors: dict[str, str]) -> dict:
     _optional_int(config, "idle_pause_minutes", errors, clean, low=1, high=60 * 24 * 366)
     _optional_int(config, "health_grace_minutes", errors, clean, low=1, high=60 * 24 * 366)
     _optional_int(config, "health_failing_after_runs", errors, clean, low=1, high=1000)
+    validate_delivery(config, errors, clean)
     if "heartbeat_task" in config:
         task = config["heartbeat_task"]
         if task is not None and (not isinstance(task, str) or not task.strip() or "\x00" in task):
             errors["heartbeat_task"] = "must be the text of the scheduled task, or null"
         clean["heartbeat_task"] = task
     return clean
+
+
+def validate_delivery(config: dict, errors: dict[str, str], clean: dict) -> None:
+    """`delivery` of scheduled heartbeats ("direct", or "batch" answered within
+    `batch_max_wait_minutes`) and `cache_keep_warm`; whether the runtime can deliver by
+    batch is the adapter's to say (`validate_agent_config`)."""
+    if "delivery" in config:
+        if config["delivery"] not in DELIVERIES:
+            errors["delivery"] = f"must be 'direct' or 'batch', got {config['delivery']!r}"
+        clean["delivery"] = config["delivery"]
+    _optional_int(config, "batch_max_wait_minutes", errors, clean, low=1, high=MAX_BATCH_MAX_WAIT_MINUTES)
+    if "cache_keep_warm" in config:
+        if config["cache_keep_warm"] not in KEEP_WARM_CHOICES:
+            errors["cache_keep_warm"] = f"must be 'auto' or 'off', got {config['cache_keep_warm']!r}"
+        clean["cache_keep_warm"] = config["cache_keep_warm"]
 
 
 def validate_cron(config: dict, errors: dict[str, str], clean: dict) -> None:

@@ -18,6 +18,7 @@ from sessions_app.adapters.base import (
     AdapterError,
     AdapterReply,
     AdapterRequest,
+    BatchResult,
     is_int,
     is_number,
     usage_error,
@@ -170,9 +171,18 @@ def context_management_of(message) -> dict | None:
     return found.model_dump(mode="json", exclude_none=True) if hasattr(found, "model_dump") else dict(found)
 
 
+def batch_result(result) -> BatchResult:
+    """One line of a batch's results, as the engine keeps it."""
+    if result.type == "succeeded":
+        return BatchResult("succeeded", message=result.message.model_dump(mode="json", exclude_none=True))
+    error = getattr(getattr(result, "error", None), "error", None)
+    return BatchResult(result.type, error=str(getattr(error, "message", "") or "")[:500])
+
+
 class ClaudeCodeAdapter(Adapter):
     type_name = "claude-code"
     counts_tokens = True  # the API's free count_tokens endpoint
+    delivers_batch = True  # the Message Batches API, at half of every rate
     config_keys = {
         "runtime",
         "model",
@@ -245,8 +255,8 @@ class ClaudeCodeAdapter(Adapter):
         retries = int(config.get("max_retries", DEFAULT_MAX_RETRIES))
         return timeout * (retries + 1) + retries * RETRY_WAIT_SECONDS
 
-    def call(self, request: AdapterRequest) -> AdapterReply:
-        client = client_for(request.config)
+    def params(self, request: AdapterRequest) -> tuple[dict[str, Any], list[str]]:
+        """The Messages API parameters of a request, and the betas it needs."""
         extra_body: dict[str, Any] = {}
         if request.config.get("temperature") is not None:
             extra_body["temperature"] = request.config["temperature"]
@@ -265,13 +275,19 @@ class ClaudeCodeAdapter(Adapter):
             # Where the model runs (the API's `inference_geo`); priced with its factor.
             kwargs["inference_geo"] = request.config["inference_geo"]
         betas, edits = beta_features(request)
+        if betas:
+            if request.tools:
+                kwargs["tools"] = request.tools
+            if edits:
+                kwargs["context_management"] = {"edits": edits}
+        return kwargs, betas
+
+    def call(self, request: AdapterRequest) -> AdapterReply:
+        client = client_for(request.config)
+        kwargs, betas = self.params(request)
         LAST_HEADROOM.set(None)
         try:
             if betas:
-                if request.tools:
-                    kwargs["tools"] = request.tools
-                if edits:
-                    kwargs["context_management"] = {"edits": edits}
                 message = client.beta.messages.create(**kwargs, betas=betas)
             else:
                 message = client.messages.create(**kwargs)
@@ -283,6 +299,9 @@ class ClaudeCodeAdapter(Adapter):
             raise AdapterError(
                 "model_malformed_response", f"The Messages API answered with invalid JSON: {exc}"
             ) from None
+        return self._reply(request, message, headroom=LAST_HEADROOM.get())
+
+    def _reply(self, request: AdapterRequest, message, *, headroom=None) -> AdapterReply:
         content = [block.model_dump(mode="json", exclude_none=True) for block in (message.content or [])]
         text = "".join(block.get("text", "") for block in content if block.get("type") == "text")
         usage = message.usage.model_dump(mode="json", exclude_none=True) if message.usage is not None else None
@@ -297,8 +316,43 @@ class ClaudeCodeAdapter(Adapter):
             stop_reason=message.stop_reason or "",
             usage=usage,
             context_management=context_management_of(message),
-            headroom=LAST_HEADROOM.get(),
+            headroom=headroom,
         )
+
+    # Message Batches (`sessions_app.batches`): the plain Messages API's requests only.
+
+    def batch_params(self, request: AdapterRequest) -> dict | None:
+        kwargs, betas = self.params(request)
+        if betas:
+            return None  # tools and context edits are betas: sent direct
+        params = {key: value for key, value in kwargs.items() if key != "extra_body"}
+        return {**params, **kwargs.get("extra_body", {})}
+
+    def batch_send(self, config: dict, entries: list[tuple[str, dict]]) -> str:
+        requests = [{"custom_id": custom_id, "params": params} for custom_id, params in entries]
+        return self._batch_call(lambda client: client.messages.batches.create(requests=requests), config).id
+
+    def batch_read(self, config: dict, batch_id: str) -> dict[str, BatchResult] | None:
+        def read(client):
+            if client.messages.batches.retrieve(batch_id).processing_status != "ended":
+                return None
+            return {line.custom_id: batch_result(line.result) for line in client.messages.batches.results(batch_id)}
+
+        return self._batch_call(read, config)
+
+    def batch_cancel(self, config: dict, batch_id: str) -> None:
+        self._batch_call(lambda client: client.messages.batches.cancel(batch_id), config)
+
+    def batch_reply(self, request: AdapterRequest, message: dict) -> AdapterReply:
+        return self._reply(request, sdk().types.Message.model_validate(message))
+
+    def _batch_call(self, action, config: dict):
+        try:
+            return action(client_for(config))
+        except sdk().AnthropicError as exc:
+            raise error_from_sdk(exc) from None
+        except TypeError as exc:
+            raise missing_credentials(exc) from None
 
     def count_tokens(self, request: AdapterRequest) -> int:
         """Exact input size of a request, from the API's free count_tokens endpoint."""

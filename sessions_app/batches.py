@@ -1,0 +1,226 @@
+"""The batch poll: parked runs sent as batches, results billed, answers committed.
+
+Run by every maintenance pass (`batches_poll`). Each run's way through it is a conditional
+update on the state it expects (`HeartbeatRun.batch_state`), so two polls at once (two
+hosts) neither send a request twice nor bill a result twice:
+
+1. submit: the parked runs are taken (`submitting`, marked with this poll's token), sent as
+   one batch per adapter (up to the API's limits), and given its id (`in_batch`). A run
+   whose wait passed before it was sent goes direct instead. A create the provider
+   refused leaves them parked for the next poll.
+2. read: an ended batch's results. A succeeded one is billed at once, at the batch price
+   (`RunCalls.bill`, `delivery: batch`; the ledger numbers it after the run's earlier
+   calls, so a poll killed after the bill bills nothing more), and kept on the run
+   (`answered`). Errored, expired or canceled: the run goes direct. A batch still
+   processing when one of its runs' `batch_max_wait_minutes` has passed is cancelled: the
+   requests not yet answered end `canceled` and go direct, once the batch has ended, so a
+   request is never answered twice.
+3. commit: answered runs are claimed from `submitted` and run their steps again, here, in
+   the order they were created (one per agent, so a persistent session's turns stay in
+   order): the call returns the kept answer (`sessions_app.batch_delivery`) and the normal
+   commit step commits it. Runs going direct are handed to the task cluster.
+
+Nothing is held in a transaction across a call to the provider.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from datetime import datetime, timedelta
+from itertools import groupby
+
+from costs_app.models import CostKind, Delivery
+from sessions_app.adapters import AdapterError, get_adapter
+from sessions_app.adapters.base import BatchResult, usage_error
+from sessions_app.heartbeat import heartbeat_execute
+from sessions_app.models import BatchState, HeartbeatRun, RunStatus
+from sessions_app.run_calls import RunCalls
+from sessions_app.run_queue import heartbeat_dispatch
+
+logger = logging.getLogger(__name__)
+
+# The Message Batches API's limits: 100,000 requests and 256 MB per batch.
+MAX_BATCH_REQUESTS = 100_000
+MAX_BATCH_BYTES = 200 * 1024 * 1024  # under the limit, for the envelope of each request
+
+
+# Longer than a batch create can take (the SDK's timeout and retries).
+SUBMIT_GRACE = timedelta(minutes=30)
+
+
+def custom_id(run) -> str:
+    return run.id.hex
+
+
+def submitted():
+    return HeartbeatRun.objects.filter(status=RunStatus.SUBMITTED)
+
+
+def batches_poll(*, now: datetime) -> dict:
+    """One pass of the poll: submit, read, commit. Returns what each step did."""
+    return {
+        "submitted": batches_submit(now=now),
+        "read": batches_read(now=now),
+        "committed": batch_runs_commit(now=now),
+    }
+
+
+# 1. submit
+
+
+def batches_submit(*, now: datetime) -> int:
+    """Send every parked run in a batch; returns how many were sent."""
+    too_late(submitted().filter(batch_state=BatchState.PARKED, batch_deadline_at__lte=now), "was never sent")
+    # A poll that died between its create and recording the batch id left these: the
+    # batch may exist, unknown to us. Past their wait (and any create still in flight),
+    # they go direct; that request may then be answered twice (RELIABILITY.md).
+    too_late(
+        submitted().filter(batch_state=BatchState.SUBMITTING, batch_deadline_at__lte=now - SUBMIT_GRACE),
+        "was lost by a poll that stopped while creating its batch",
+    )
+    token = f"submitting-{uuid.uuid4().hex}"
+    parked = submitted().filter(batch_state=BatchState.PARKED).order_by("created_at")
+    ids = list(parked.values_list("id", flat=True)[:MAX_BATCH_REQUESTS])
+    submitted().filter(id__in=ids, batch_state=BatchState.PARKED).update(
+        batch_state=BatchState.SUBMITTING, batch_id=token
+    )
+    taken = list(
+        submitted()
+        .filter(batch_id=token, batch_state=BatchState.SUBMITTING)
+        .select_related("agent")
+        .only("id", "batch_request", "agent__adapter_type", "agent__adapter_config")
+        .order_by("agent__adapter_type", "created_at")
+    )
+    sent = 0
+    for adapter_type, runs in groupby(taken, key=lambda run: run.agent.adapter_type):
+        for chunk in chunks(list(runs)):
+            sent += _send(chunk, adapter_type=adapter_type, token=token)
+    return sent
+
+
+def chunks(runs: list) -> list[list]:
+    """Runs in batches within the API's limits, in order."""
+    found, current, size = [], [], 0
+    for run in runs:
+        length = len(json.dumps(run.batch_request))
+        if current and (len(current) >= MAX_BATCH_REQUESTS or size + length > MAX_BATCH_BYTES):
+            found.append(current)
+            current, size = [], 0
+        current.append(run)
+        size += length
+    return found + ([current] if current else [])
+
+
+def _send(runs: list, *, adapter_type: str, token: str) -> int:
+    config = runs[0].agent.adapter_config
+    adapter = get_adapter(adapter_type, config)
+    ids = [run.id for run in runs]
+    try:
+        batch_id = adapter.batch_send(config, [(custom_id(run), run.batch_request) for run in runs])
+    except AdapterError as exc:
+        # Refused (or unanswered): nothing was created, or nothing we can find; parked
+        # again, they are sent by the next poll, or direct once their wait has passed.
+        logger.warning("A batch of %s runs was not created (%s): %s", len(runs), exc.code, exc.message)
+        submitted().filter(id__in=ids, batch_id=token).update(batch_state=BatchState.PARKED, batch_id="")
+        return 0
+    submitted().filter(id__in=ids, batch_id=token).update(batch_state=BatchState.IN_BATCH, batch_id=batch_id)
+    return len(runs)
+
+
+# 2. read
+
+
+def batches_read(*, now: datetime) -> int:
+    """Read every batch with runs in it; returns how many results were recorded."""
+    batch_ids = list(
+        submitted().filter(batch_state=BatchState.IN_BATCH).order_by().values_list("batch_id", flat=True).distinct()
+    )
+    return sum(batch_read(batch_id, now=now) for batch_id in batch_ids)
+
+
+def batch_read(batch_id: str, *, now: datetime) -> int:
+    runs = list(submitted().filter(batch_state=BatchState.IN_BATCH, batch_id=batch_id).select_related("agent"))
+    if not runs:
+        return 0
+    config = runs[0].agent.adapter_config
+    adapter = get_adapter(runs[0].agent.adapter_type, config)
+    try:
+        results = adapter.batch_read(config, batch_id)
+        if results is None:
+            if any(run.batch_deadline_at <= now for run in runs):
+                adapter.batch_cancel(config, batch_id)  # what it has not answered ends canceled
+            return 0
+    except AdapterError as exc:
+        logger.warning("Batch %s could not be read (%s): %s", batch_id, exc.code, exc.message)
+        return 0
+    for run in runs:
+        result_record(run, results.get(custom_id(run)), now=now)
+    return len(runs)
+
+
+def result_record(run: HeartbeatRun, result: BatchResult | None, *, now: datetime) -> None:
+    """Bill a succeeded result and keep it on the run; any other sends the run direct."""
+    in_batch = submitted().filter(id=run.id, batch_state=BatchState.IN_BATCH, batch_id=run.batch_id)
+    if result is None or result.kind != "succeeded" or not isinstance(result.message, dict):
+        kind = result.kind if result is not None else "missing"
+        detail = f": {result.error}" if result is not None and result.error else ""
+        too_late(in_batch, f"was {kind} in batch {run.batch_id}{detail}")
+        return
+    usage = result.message.get("usage")
+    if not isinstance(usage, dict) or usage_error(usage):
+        too_late(in_batch, f"was answered in batch {run.batch_id} with an impossible usage")
+        return
+    agent = run.agent
+    calls = RunCalls(
+        get_adapter(agent.adapter_type, agent.adapter_config),
+        run=run,
+        agent=agent,
+        clock=lambda: now,
+        budgeted=bool(run.reserved_usd),
+    )
+    # The provider billed it: the ledger has it before anything else is done with it.
+    event = calls.bill(
+        usage=usage,
+        model=run.batch_request.get("model") or result.message.get("model") or "",
+        message_id=str(result.message.get("id") or ""),
+        kind=CostKind.MESSAGE,
+        inference_geo=run.batch_request.get("inference_geo"),
+        delivery=Delivery.BATCH,
+    )
+    in_batch.update(
+        batch_state=BatchState.ANSWERED,
+        batch_answer={"message": result.message, "cost_usd": str(event.cost_usd), "cost_event_id": event.id},
+        calls_before=calls.numbered,
+        cost_usd=calls.cost_usd,
+    )
+
+
+def too_late(runs, why: str) -> int:
+    """Send these runs direct (their batch request will never be answered)."""
+    return runs.update(
+        batch_state=BatchState.DIRECT,
+        batch_request=None,
+        warning=f"Sent direct: the batch request {why}."[:2000],
+    )
+
+
+# 3. commit
+
+
+def batch_runs_commit(*, now: datetime) -> int:
+    """Commit every answered run here, oldest first; hand those going direct to the task
+    cluster. Returns how many answered runs committed."""
+    committed = 0
+    for run_id in list(
+        submitted().filter(batch_state=BatchState.ANSWERED).order_by("created_at").values_list("id", flat=True)
+    ):
+        run = heartbeat_execute(run_id=run_id, now=now)
+        if run.status == RunStatus.SUCCEEDED:
+            committed += 1
+        if run.is_finished:
+            HeartbeatRun.objects.filter(id=run_id).update(batch_request=None, batch_answer=None)
+    for run in submitted().filter(batch_state=BatchState.DIRECT).only("id"):
+        heartbeat_dispatch(run=run)
+    return committed

@@ -1,0 +1,352 @@
+"""Batch delivery (`sessions_app.batch_delivery`, `sessions_app.batches`): scheduled
+heartbeats through the Message Batches API of the fake, by the real SDK, committed by the
+poll through the normal commit step, billed once at the batch price."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from costs_app.models import CostEvent
+from costs_app.pricing import call_price
+from sessions_app import tasks
+from sessions_app.adapters import AgentConfigError, validate_agent_config
+from sessions_app.batches import batches_poll
+from sessions_app.heartbeat import heartbeat_execute, heartbeat_start
+from sessions_app.models import Agent, AgentSession, BatchState, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.stores import store_for
+from tests.conftest import ROOT, database_environment, refuse_writes
+
+BATCH = {"model": "claude-opus-4-5", "delivery": "batch"}
+
+
+def batch_agent(company, name="Batcher", **config) -> Agent:
+    return Agent.objects.create(
+        company=company,
+        name=name,
+        system_prompt="You work on schedule.",
+        adapter_type="claude-code",
+        adapter_config={**BATCH, **config},
+    )
+
+
+def tick(agent) -> HeartbeatRun:
+    """A scheduled wake, as the scheduler fires it (the run executes in the tick's worker)."""
+    tasks.scheduled_heartbeat(str(agent.id))
+    return HeartbeatRun.objects.filter(agent=agent).order_by("-created_at").first()
+
+
+def run_dispatched(agent) -> HeartbeatRun:
+    """What the task cluster does with the run the poll handed it."""
+    run = HeartbeatRun.objects.filter(agent=agent).order_by("created_at").exclude(status=RunStatus.SUCCEEDED).first()
+    return heartbeat_execute(run_id=run.id)
+
+
+def history(agent) -> list[dict]:
+    session = AgentSession.objects.get(agent=agent)
+    return store_for(session).read(session)
+
+
+def batch_bill(fake) -> Decimal:
+    """What the provider billed for the batch's answers: half of each rate (genai-prices'
+    direct price of the same usage, halved)."""
+    now = timezone.now()
+    return sum(
+        (call_price(usage=a["usage"], model=a["model"], at=now).cost_usd / 2 for a in fake.batch_answers), Decimal(0)
+    )
+
+
+def test_a_hundred_batch_agents_waking_at_once_make_one_batch_and_each_run_commits_once(company, fake_anthropic):
+    fake_anthropic.batch_seconds = 600
+    clock = [0.0]
+    fake_anthropic.clock = lambda: clock[0]
+    agents = [batch_agent(company, f"agent {n}", session_mode="persistent") for n in range(100)]
+    runs = [tick(agent) for agent in agents]
+    # Each tick's worker parked its run and went: no direct request, no batch yet.
+    assert {(run.status, run.batch_state) for run in runs} == {(RunStatus.SUBMITTED, BatchState.PARKED)}
+    assert fake_anthropic.message_requests == [] and fake_anthropic.batch_creates == 0
+    now = timezone.now()
+    assert batches_poll(now=now) == {"submitted": 100, "read": 0, "committed": 0}
+    assert fake_anthropic.batch_creates == 1
+    (batch,) = fake_anthropic.batches.values()
+    assert len(batch["requests"]) == 100
+    assert set(HeartbeatRun.objects.values_list("batch_state", "status")) == {
+        (BatchState.IN_BATCH, RunStatus.SUBMITTED)
+    }
+    assert batches_poll(now=now)["committed"] == 0  # still processing
+    clock[0] += 600
+    assert batches_poll(now=now) == {"submitted": 0, "read": 100, "committed": 100}
+    assert batches_poll(now=now) == {"submitted": 0, "read": 0, "committed": 0}
+    assert fake_anthropic.batch_creates == 1 and fake_anthropic.message_requests == []
+    for agent, run in zip(agents, runs, strict=True):
+        run.refresh_from_db()
+        assert run.status == RunStatus.SUCCEEDED and run.batch_id == batch["id"]
+        assert [turn["role"] for turn in history(agent)] == ["user", "assistant"]
+        assert history(agent)[1]["content"][0]["text"] == run.output
+    rows = CostEvent.objects.filter(run__in=[r.id for r in runs])
+    assert rows.count() == 100 and set(rows.values_list("delivery", "call_number")) == {("batch", 1)}
+    total = sum((row.cost_usd for row in rows), Decimal(0))
+    assert abs(total - batch_bill(fake_anthropic)) <= Decimal("1e-6")
+    assert total > 0
+    for row in rows[:3]:  # half of each rate
+        assert row.cost_usd == (call_price(usage=row.raw_usage, model=row.model, at=row.created_at).cost_usd / 2)
+        assert (
+            row.cost_usd
+            == call_price(usage=row.raw_usage, model=row.model, at=row.created_at, delivery="batch").cost_usd
+        )
+
+
+def test_a_persistent_batch_agent_keeps_one_heartbeat_in_flight_and_its_turns_in_order(company, fake_anthropic):
+    agent = batch_agent(company, session_mode="persistent")
+    first = tick(agent)
+    batches_poll(now=timezone.now())
+    assert HeartbeatRun.objects.get(id=first.id).status == RunStatus.SUCCEEDED
+    second = tick(agent)
+    assert second.status == RunStatus.SUBMITTED
+    # While it waits: the next tick merges into it, an API heartbeat queues behind it.
+    tasks.scheduled_heartbeat(str(agent.id))
+    assert HeartbeatRun.objects.get(id=second.id).merged_ticks == 1
+    api, _ = heartbeat_start(agent=agent, task="from the API", trigger=RunTrigger.API, now=timezone.now(), wait=False)
+    assert heartbeat_execute(run_id=api.id).status == RunStatus.QUEUED
+    batches_poll(now=timezone.now())
+    assert HeartbeatRun.objects.get(id=second.id).status == RunStatus.SUCCEEDED
+    assert heartbeat_execute(run_id=api.id).status == RunStatus.SUCCEEDED  # its dispatch, as the cluster runs it
+    turns = history(agent)
+    assert [t["role"] for t in turns] == ["user", "assistant"] * 3
+    assert [t["run_id"] for t in turns[::2]] == [str(first.id), str(second.id), str(api.id)]
+    # The second batch request replayed the first turn; the direct one both.
+    second_request = list(fake_anthropic.batches.values())[1]["requests"][0]["params"]
+    assert len(second_request["messages"]) == 3
+    assert len(fake_anthropic.message_requests[-1]["messages"]) == 5
+    assert [t["seq"] for t in turns] == list(range(len(turns)))
+
+
+def test_errored_and_expired_results_are_sent_direct_once(company, fake_anthropic):
+    fake_anthropic.batch_outcomes = ["expired", "errored"]
+    agents = [batch_agent(company, f"agent {n}") for n in range(3)]
+    runs = [tick(agent) for agent in agents]
+    assert batches_poll(now=timezone.now())["committed"] == 1
+    states = {run.id: HeartbeatRun.objects.get(id=run.id) for run in runs}
+    assert [states[r.id].batch_state for r in runs] == [BatchState.DIRECT, BatchState.DIRECT, BatchState.ANSWERED]
+    assert "expired" in states[runs[0].id].warning and "errored" in states[runs[1].id].warning
+    for agent in agents[:2]:
+        assert run_dispatched(agent).status == RunStatus.SUCCEEDED
+    assert batches_poll(now=timezone.now()) == {"submitted": 0, "read": 0, "committed": 0}
+    # Two direct requests, one per run that was not answered in the batch; each run billed once.
+    assert len(fake_anthropic.message_requests) == 2
+    assert list(CostEvent.objects.order_by("delivery").values_list("delivery", flat=True)) == [
+        "batch",
+        "direct",
+        "direct",
+    ]
+    assert all(HeartbeatRun.objects.get(id=r.id).status == RunStatus.SUCCEEDED for r in runs)
+
+
+def test_a_batch_still_processing_past_the_max_wait_is_cancelled_and_its_run_sent_direct(company, fake_anthropic):
+    fake_anthropic.batch_seconds = 3600
+    agent = batch_agent(company, batch_max_wait_minutes=30)
+    run = tick(agent)
+    start = timezone.now()
+    batches_poll(now=start)
+    assert batches_poll(now=start + timedelta(minutes=29))["read"] == 0
+    assert not next(iter(fake_anthropic.batches.values()))["cancelled"]
+    batches_poll(now=start + timedelta(minutes=31))  # cancels: ends with the request canceled
+    batches_poll(now=start + timedelta(minutes=32))
+    run.refresh_from_db()
+    assert run.batch_state == BatchState.DIRECT and "canceled" in run.warning
+    assert run_dispatched(agent).status == RunStatus.SUCCEEDED
+    assert len(fake_anthropic.message_requests) == 1 and fake_anthropic.batch_answers == []
+    assert list(CostEvent.objects.values_list("delivery", flat=True)) == ["direct"]
+
+
+def test_api_heartbeats_with_wait_are_always_direct(company, fake_anthropic):
+    agent = batch_agent(company)
+    run, _ = heartbeat_start(agent=agent, task="now please", trigger=RunTrigger.API, now=timezone.now(), wait=True)
+    assert run.status == RunStatus.SUCCEEDED and run.batch_state == ""
+    assert len(fake_anthropic.message_requests) == 1 and fake_anthropic.batch_creates == 0
+
+
+def test_a_batch_the_api_refuses_to_create_stays_parked_and_is_sent_by_a_later_poll(company, fake_anthropic):
+    agent = batch_agent(company)
+    run = tick(agent)
+    fake_anthropic.batch_create_error = 400
+    batches_poll(now=timezone.now())
+    run.refresh_from_db()
+    assert (run.status, run.batch_state, run.batch_id) == (RunStatus.SUBMITTED, BatchState.PARKED, "")
+    fake_anthropic.batch_create_error = None
+    batches_poll(now=timezone.now())
+    run.refresh_from_db()
+    assert run.status == RunStatus.SUCCEEDED and CostEvent.objects.count() == 1
+    assert fake_anthropic.batch_creates == 2 and fake_anthropic.message_requests == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_poll_stopped_between_the_bill_and_the_answer_bills_it_once_and_the_next_poll_commits(
+    company, fake_anthropic
+):
+    agent = batch_agent(company, session_mode="persistent")
+    run = tick(agent)
+    refuse_writes("heartbeat_runs", when="NEW.batch_state = 'answered'")
+    try:
+        with pytest.raises(Exception, match="refused by a test trigger"):
+            batches_poll(now=timezone.now())
+    finally:
+        with connection.cursor() as cursor:
+            on = " ON heartbeat_runs" if connection.vendor == "postgresql" else ""
+            cursor.execute(f"DROP TRIGGER paperclip_test_refuse{on}")
+            if connection.vendor == "postgresql":
+                cursor.execute("DROP FUNCTION paperclip_test_refuse()")
+    assert CostEvent.objects.filter(run_id=run.id).count() == 1  # billed when it was read
+    assert HeartbeatRun.objects.get(id=run.id).batch_state == BatchState.IN_BATCH
+    batches_poll(now=timezone.now())
+    run.refresh_from_db()
+    assert run.status == RunStatus.SUCCEEDED
+    assert CostEvent.objects.filter(run_id=run.id).count() == 1 and fake_anthropic.batch_creates == 1
+    assert run.cost_usd == CostEvent.objects.get(run_id=run.id).cost_usd
+    assert len(history(agent)) == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runs_submitted_by_a_worker_that_is_gone_are_committed_by_a_poll_in_another_process(
+    company, fake_anthropic, settings
+):
+    agents = [batch_agent(company, f"agent {n}", session_mode="persistent") for n in range(3)]
+    runs = [tick(agent) for agent in agents]
+    assert {run.status for run in runs} == {RunStatus.SUBMITTED}
+    # The process that parked them keeps nothing: a maintenance pass of another one commits them.
+    done = subprocess.run(
+        [sys.executable, "manage.py", "expire_sessions"],
+        cwd=ROOT,
+        env={**__import__("os").environ, **database_environment(settings)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    for agent, run in zip(agents, runs, strict=True):
+        run.refresh_from_db()
+        assert run.status == RunStatus.SUCCEEDED
+        assert len(history(agent)) == 2
+    assert fake_anthropic.batch_creates == 1 and CostEvent.objects.count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_budgets_reserve_a_batch_request_at_the_batch_price(company, fake_anthropic):
+    from costs_app.models import Budget
+
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("100"))
+    batched, direct = batch_agent(company, "batched"), batch_agent(company, "direct", delivery="direct")
+    parked = tick(batched)
+    held = []
+    from tests.conftest import on_own_connection
+    from tests.fake_anthropic import Reply
+
+    fake_anthropic.push(
+        Reply.during(
+            on_own_connection(
+                lambda: held.append(HeartbeatRun.objects.get(agent=direct, status=RunStatus.RUNNING).reserved_usd)
+            )
+        )
+    )
+    tick(direct)
+    parked.refresh_from_db()
+    assert parked.reserved_usd > 0 and parked.reserved_usd * 2 == held[0]
+    batches_poll(now=timezone.now())
+    parked.refresh_from_db()
+    assert parked.status == RunStatus.SUCCEEDED and parked.reserved_usd == 0
+
+
+@pytest.mark.parametrize(
+    ("adapter_type", "config"),
+    [
+        ("claude-code", {"runtime": "cli", "delivery": "batch"}),
+        ("process", {"command": ["true"], "delivery": "batch"}),
+    ],
+)
+def test_runtimes_without_a_batch_api_refuse_batch_delivery_naming_the_field(adapter_type, config):
+    with pytest.raises(AgentConfigError) as refused:
+        validate_agent_config(adapter_type, config)
+    assert "adapter_config.delivery" in refused.value.fields
+
+
+def test_delivery_settings_are_validated():
+    for config, field in [
+        ({"delivery": "later"}, "adapter_config.delivery"),
+        ({"delivery": "batch", "batch_max_wait_minutes": 1441}, "adapter_config.batch_max_wait_minutes"),
+        ({"batch_max_wait_minutes": 0}, "adapter_config.batch_max_wait_minutes"),
+        ({"cache_keep_warm": "on"}, "adapter_config.cache_keep_warm"),
+    ]:
+        with pytest.raises(AgentConfigError) as refused:
+            validate_agent_config("claude-code", {"model": "claude-opus-4-5", **config})
+        assert field in refused.value.fields, config
+    clean = validate_agent_config("claude-code", {**BATCH, "batch_max_wait_minutes": 1440, "cache_keep_warm": "off"})
+    assert clean["delivery"] == "batch" and clean["batch_max_wait_minutes"] == 1440
+
+
+def test_the_api_refuses_batch_delivery_for_claude_code_with_400_naming_the_field(client, company):
+    answer = client.post(
+        f"/api/companies/{company.id}/agents",
+        {"name": "cli", "adapter_config": {"runtime": "cli", "delivery": "batch"}},
+        content_type="application/json",
+    )
+    assert answer.status_code == 400
+    assert "delivery" in answer.content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_second_poll_while_the_first_creates_the_batch_sends_nothing_and_bills_nothing(company, fake_anthropic):
+    from tests.conftest import on_own_connection
+
+    agents = [batch_agent(company, f"agent {n}", session_mode="persistent") for n in range(3)]
+    runs = [tick(agent) for agent in agents]
+    second = []
+    fake_anthropic.batch_before = on_own_connection(lambda: second.append(batches_poll(now=timezone.now())))
+    first = batches_poll(now=timezone.now())
+    fake_anthropic.batch_before = None
+    # The second poll, on its own connection while the first's create was in flight, found
+    # the runs taken (`submitting`): it sent no batch of its own.
+    assert second == [{"submitted": 0, "read": 0, "committed": 0}]
+    assert first == {"submitted": 3, "read": 3, "committed": 3}
+    assert fake_anthropic.batch_creates == 1 and len(fake_anthropic.batch_answers) == 3
+    assert CostEvent.objects.count() == 3
+    assert all(HeartbeatRun.objects.get(id=run.id).status == RunStatus.SUCCEEDED for run in runs)
+
+
+def test_runs_left_submitting_by_a_poll_that_died_go_direct_after_their_wait(company, fake_anthropic):
+    agent = batch_agent(company, batch_max_wait_minutes=10)
+    run = tick(agent)
+    HeartbeatRun.objects.filter(id=run.id).update(batch_state=BatchState.SUBMITTING, batch_id="submitting-dead")
+    batches_poll(now=timezone.now() + timedelta(minutes=20))  # a create may still be in flight
+    assert HeartbeatRun.objects.get(id=run.id).batch_state == BatchState.SUBMITTING
+    batches_poll(now=timezone.now() + timedelta(minutes=41))
+    run.refresh_from_db()
+    assert run.batch_state == BatchState.DIRECT and "stopped while creating" in run.warning
+    assert run_dispatched(agent).status == RunStatus.SUCCEEDED
+    assert fake_anthropic.batch_creates == 0 and len(fake_anthropic.message_requests) == 1
+
+
+def test_under_a_cap_a_run_waiting_behind_a_submitted_one_does_not_hold_back_other_agents(
+    company, fake_anthropic, settings
+):
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 1
+    batched, other = batch_agent(company, "batched"), batch_agent(company, "other", delivery="direct")
+    parked = tick(batched)
+    waiting, _ = heartbeat_start(
+        agent=batched, task="behind the batch", trigger=RunTrigger.API, now=timezone.now(), wait=False
+    )
+    assert heartbeat_execute(run_id=waiting.id).status == RunStatus.QUEUED
+    # A submitted run takes no place under the cap, and the run queued behind it cannot
+    # start: another agent's heartbeat is not kept waiting for it.
+    run, _ = heartbeat_start(
+        agent=other, task="now", trigger=RunTrigger.API, now=timezone.now(), wait=True, wait_seconds=2
+    )
+    assert run.status == RunStatus.SUCCEEDED
+    batches_poll(now=timezone.now())
+    assert HeartbeatRun.objects.get(id=parked.id).status == RunStatus.SUCCEEDED
+    assert heartbeat_execute(run_id=waiting.id).status == RunStatus.SUCCEEDED
