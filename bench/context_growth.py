@@ -272,6 +272,24 @@ def steady_parts(events, heartbeats: int) -> dict:
     return {name: value / heartbeats for name, value in parts.items()}
 
 
+def summarising_fake_on_a_clock():
+    """The fake at defaults (summaries keep the planted facts) on a simulated clock, which
+    the caller moves by setting clock[0]; the SDK pointed at it."""
+    from sessions_app.context import SUMMARY_SYSTEM
+    from tests.fake_anthropic import FakeAnthropic, plain_system
+
+    fake = FakeAnthropic().start()
+    fake.count_output = True
+    fake.writer = lambda body: (
+        keeping_summariser(body) if plain_system(body) == SUMMARY_SYSTEM else defaults_answer(body)
+    )
+    clock = [0.0]
+    fake.clock = lambda: clock[0]
+    os.environ["ANTHROPIC_BASE_URL"] = fake.base_url
+    os.environ["ANTHROPIC_API_KEY"] = "sk-ant-bench"
+    return fake, clock
+
+
 def defaults_main(interval_minutes: float) -> None:
     import json
     from datetime import timedelta
@@ -286,22 +304,12 @@ def defaults_main(interval_minutes: float) -> None:
     from django.utils import timezone
 
     from costs_app.models import CostEvent, CostKind
-    from sessions_app.context import SUMMARY_SYSTEM
     from sessions_app.heartbeat import heartbeat_execute
     from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, SessionCompaction
     from sessions_app.pins import pin_create
     from sessions_app.run_queue import heartbeat_enqueue
-    from tests.fake_anthropic import FakeAnthropic, plain_system
 
-    fake = FakeAnthropic().start()
-    fake.count_output = True
-    fake.writer = lambda body: (
-        keeping_summariser(body) if plain_system(body) == SUMMARY_SYSTEM else defaults_answer(body)
-    )
-    clock = [0.0]
-    fake.clock = lambda: clock[0]
-    os.environ["ANTHROPIC_BASE_URL"] = fake.base_url
-    os.environ["ANTHROPIC_API_KEY"] = "sk-ant-bench"
+    fake, clock = summarising_fake_on_a_clock()
     company = Company.objects.create(name=f"bench defaults {timezone.now():%H%M%S}")
     start = timezone.now()
     kinds = [CostKind.MESSAGE, CostKind.COMPACTION]
@@ -399,21 +407,11 @@ def batch_main(interval_minutes: float) -> None:
 
     from costs_app.models import CostEvent
     from sessions_app.batches import batches_poll
-    from sessions_app.context import SUMMARY_SYSTEM
     from sessions_app.heartbeat import heartbeat_execute
     from sessions_app.models import Agent, Company, HeartbeatRun, RunTrigger
     from sessions_app.run_queue import heartbeat_enqueue
-    from tests.fake_anthropic import FakeAnthropic, plain_system
 
-    fake = FakeAnthropic().start()
-    fake.count_output = True
-    fake.writer = lambda body: (
-        keeping_summariser(body) if plain_system(body) == SUMMARY_SYSTEM else defaults_answer(body)
-    )
-    clock = [0.0]
-    fake.clock = lambda: clock[0]
-    os.environ["ANTHROPIC_BASE_URL"] = fake.base_url
-    os.environ["ANTHROPIC_API_KEY"] = "sk-ant-bench"
+    fake, clock = summarising_fake_on_a_clock()
     company = Company.objects.create(name=f"bench batch {timezone.now():%H%M%S}")
     start = timezone.now()
     totals = {}
