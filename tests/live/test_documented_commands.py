@@ -101,7 +101,8 @@ def test_the_readme_quickstart_runs_as_pasted(tmp_path, fake):
             text=True,
             timeout=180,
         )
-        assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+        server_log = (tmp_path / "run.log").read_text()[-3000:]
+        assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:], server_log)
         lines = result.stdout.splitlines()
         documents = [json.loads(line) for line in lines if line.startswith("{")]
 

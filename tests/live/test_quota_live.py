@@ -37,6 +37,9 @@ def answered(fake) -> list[dict]:
 
 @pytest.mark.django_db(transaction=True)
 def test_fifty_agents_on_a_refusing_key_through_two_clusters_wait_then_each_run_once(postgres_only, settings, tmp_path):
+    # This process plays the deployment's maintenance pass: under the deployment's cap. (Without
+    # it each pass woke all fifty queues, and the probe waited behind the workers' backlog.)
+    settings.PAPERCLIP_MAX_CONCURRENT_RUNS = 3
     fake = FakeAnthropic().start()
     fake.outage = Reply.error(429, "rate limited", headers={"retry-after": str(HOLD_SECONDS)})
     server = LiveServer(
@@ -46,7 +49,10 @@ def test_fifty_agents_on_a_refusing_key_through_two_clusters_wait_then_each_run_
         anthropic_base_url=fake.base_url,
         clusters=2,
         q_workers=2,
-        extra_env={"PAPERCLIP_QUOTA_RETRY_WINDOW_SECONDS": "0", "PAPERCLIP_MAX_CONCURRENT_RUNS": "3"},
+        extra_env={
+            "PAPERCLIP_QUOTA_RETRY_WINDOW_SECONDS": "0",
+            "PAPERCLIP_MAX_CONCURRENT_RUNS": str(settings.PAPERCLIP_MAX_CONCURRENT_RUNS),
+        },
     )
     company = Company.objects.create(name="Storm")
     fleet = agents(company, AGENTS, heartbeat_interval_minutes=1)
@@ -57,8 +63,10 @@ def test_fifty_agents_on_a_refusing_key_through_two_clusters_wait_then_each_run_
             for agent in fleet:
                 async_task("sessions_app.tasks.scheduled_heartbeat", str(agent.id))
             time.sleep(2.5)
-        # Holds run out and are probed for a while; the maintenance pass dispatches.
-        storm_end = time.monotonic() + 4 * HOLD_SECONDS
+        # Holds run out and are probed for a while; the maintenance pass dispatches. The
+        # storm is timed from the first refusal: a loaded machine may start the clusters late.
+        wait_until(lambda: refused(fake), 60, "the first refusal", poll=0.1)
+        storm_end = refused(fake)[0]["at"] + 4 * HOLD_SECONDS + 1
         while time.monotonic() < storm_end:
             dispatch_waiting()
             time.sleep(0.3)
