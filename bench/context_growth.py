@@ -272,6 +272,21 @@ def steady_parts(events, heartbeats: int) -> dict:
     return {name: value / heartbeats for name, value in parts.items()}
 
 
+def between_heartbeats(*, now) -> None:
+    """What the task cluster does after a commit: the summaries the commits queued
+    (`sessions_app.compaction_ahead`), on the simulated clock."""
+    from django_q.models import OrmQ
+
+    from sessions_app.compact_now import session_compact_ahead
+    from sessions_app.compaction_ahead import TASK
+
+    for queued in OrmQ.objects.order_by("id"):
+        if queued.func() == TASK:
+            session_id, *seen = queued.args()
+            session_compact_ahead(session_id=session_id, seen=tuple(seen), now=now)
+        queued.delete()
+
+
 def summarising_fake_on_a_clock():
     """The fake at defaults (summaries keep the planted facts) on a simulated clock, which
     the caller moves by setting clock[0]; the SDK pointed at it."""
@@ -340,6 +355,7 @@ def defaults_main(interval_minutes: float) -> None:
             run, _ = heartbeat_enqueue(agent=agent, task=defaults_task(i), now=now)
             run = heartbeat_execute(run_id=run.id, now=now)
             assert run.status == "succeeded", (label, i, run.error_code, run.error)
+            between_heartbeats(now=now + timedelta(seconds=10))
         last = fake.message_requests[-1]
         runs = list(HeartbeatRun.objects.filter(agent=agent).order_by("created_at").values_list("id", flat=True))
         events = CostEvent.objects.filter(agent_id=agent.id, kind__in=kinds)
@@ -432,6 +448,7 @@ def batch_main(interval_minutes: float) -> None:
                 batches_poll(now=now)
                 run.refresh_from_db()
             assert run.status == "succeeded", (delivery, i, run.status, run.error_code, run.error)
+            between_heartbeats(now=now + timedelta(seconds=10))
         events = CostEvent.objects.filter(agent_id=agent.id)
         totals[delivery] = (
             events.aggregate(total=Sum("cost_usd"))["total"],

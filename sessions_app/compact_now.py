@@ -18,6 +18,7 @@ from datetime import datetime
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from costs_app.budgets import BudgetExceeded, budgets_exist
 from paperclip.errors import RunFailure
@@ -79,6 +80,23 @@ def session_compact(
     if beat.budgeted:
         budgets_enforce(agent=agent, now=now)
     return record
+
+
+def session_compact_ahead(*, session_id, seen: tuple[int, int], now: datetime | None = None) -> str:
+    """The compaction a heartbeat's commit asked for (`sessions_app.compaction_ahead`), as
+    compact now makes it, if the session is still as that commit left it (`seen`: its
+    message and compaction counts). Returns what happened, for the task's result. `now`
+    is the clock's time unless given (a benchmark on a simulated clock)."""
+    session = AgentSession.objects.select_related("agent").filter(pk=session_id).first()
+    if session is None or (session.message_count, session.compaction_count) != tuple(seen):
+        return "skipped: the session changed or ended since"
+    try:
+        record = session_compact(session=session, now=now or timezone.now(), trigger=RunTrigger.COMPACTION)
+    except CompactRefused as refusal:  # busy, capped, paused, ended: the next commit asks again
+        return f"skipped: {refusal.code}"
+    except RunFailure as failure:  # recorded on its run, as a heartbeat's would be
+        return f"failed: {failure.code}"
+    return f"compacted {record.messages_before} messages into {record.messages_after}"
 
 
 def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:

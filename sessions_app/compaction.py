@@ -127,7 +127,7 @@ def fit_budget(
         return plan, request
     size = request_size(adapter, request, settings_.budget_tokens)
     if size <= settings_.budget_tokens:
-        return plan, request
+        return replace(plan, budget_tokens=settings_.budget_tokens, request_tokens=size), request
     if plan.session is None or over_budget(agent, adapter, [], user_content, settings_):
         raise budget_exceeded(size, settings_)  # no summary can help: only the task's own size matters
     split = summary_split(agent, adapter, plan.history, user_content, settings_)
@@ -157,10 +157,12 @@ def fit_budget(
         tokens_after=estimate_tokens({"system": after.system_blocks or after.system, "messages": after.messages}),
         at=now,
     )
-    plan = replace(plan, session=session, history=new_history)
     size = request_size(adapter, after, settings_.budget_tokens)
     if size > settings_.budget_tokens:
         raise budget_exceeded(size, settings_)
+    plan = replace(
+        plan, session=session, history=new_history, budget_tokens=settings_.budget_tokens, request_tokens=size
+    )
     return plan, after
 
 

@@ -46,6 +46,7 @@ from sessions_app.compaction import (
     starts_with_compaction,
     write_handoff,
 )
+from sessions_app.compaction_ahead import compaction_ahead_enqueue, compaction_due
 from sessions_app.context import (
     ContextSettings,
     build_request,
@@ -209,6 +210,8 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
         succeeded = _commit(beat, plan, reply, user_content=user_content, finished=clock())  # 7
     if succeeded:
         idle_streak_record(agent=beat.agent, idle=run.nothing_to_do, now=now)
+        if run.session_id is not None and compaction_due(plan, reply, user_content):
+            compaction_ahead_enqueue(session_id=run.session_id)  # the next heartbeat finds it summarised
     if beat.budgeted:
         budgets_enforce(agent=beat.agent, now=now)
     # A reservation wrote its warning and amount to the row; reading it back is simpler

@@ -431,6 +431,7 @@ class RunTrigger(models.TextChoices):
     SCHEDULE = "schedule"
     COMMAND = "command"
     ADMIN = "admin"
+    COMPACTION = "compaction"  # a summary made after a heartbeat's commit (`compaction_ahead`)
 
 
 class HeartbeatRun(models.Model):

@@ -53,6 +53,10 @@ class Plan:
     new_session: bool
     manifest: list = field(default_factory=list)
     handoff: Handoff | None = None
+    # Set by the fit step of a session kept within a budget by summaries: the budget this
+    # run's request was held to and that request's size, for the compaction after the commit.
+    budget_tokens: int | None = None
+    request_tokens: int | None = None
 
 
 def fresh_plan(*, new_session: bool = True) -> Plan:

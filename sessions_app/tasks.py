@@ -49,6 +49,12 @@ def scheduled_heartbeat(agent_id: str, wake_at: str | None = None, step_minutes:
     return run.status if created else f"merged into run {run.id}"
 
 
+def compact_ahead(session_id: str, message_count: int, compaction_count: int) -> str:
+    from sessions_app.compact_now import session_compact_ahead
+
+    return session_compact_ahead(session_id=session_id, seen=(message_count, compaction_count))
+
+
 def quota_wake() -> int:
     """A credential's hold reaches its reset (`sessions_app.quota`): wake the waiting runs."""
     from sessions_app.run_queue import dispatch_waiting

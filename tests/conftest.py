@@ -608,3 +608,19 @@ def assert_ledger_holds_exactly(run, answered: list[tuple[str, dict]]) -> None:
     )
     run.refresh_from_db()
     assert run.cost_usd == sum((row.cost_usd for row in rows), Decimal(0))
+
+
+def run_queued_tasks() -> list[str]:
+    """What a cluster worker does with each queued task: call its function with its args."""
+    from django.utils.module_loading import import_string
+    from django_q.brokers import get_broker
+    from django_q.signing import SignedPackage
+
+    broker = get_broker()
+    results = []
+    while tasks := broker.dequeue():
+        for ack_id, payload in tasks:
+            task = SignedPackage.loads(payload)
+            results.append(import_string(task["func"])(*task["args"], **task["kwargs"]))
+            broker.acknowledge(ack_id)
+    return results

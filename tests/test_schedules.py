@@ -11,7 +11,6 @@ from django.utils import timezone
 from django_q.brokers import get_broker
 from django_q.models import OrmQ, Schedule
 from django_q.scheduler import scheduler
-from django_q.signing import SignedPackage
 
 from sessions_app.maintenance import maintenance_pass
 from sessions_app.models import Agent, HeartbeatRun, RunStatus, RunTrigger
@@ -19,7 +18,7 @@ from sessions_app.schedules import agent_next_wakes, agent_schedule_sync, schedu
 from sessions_app.services import agent_delete, agent_pause, agent_resume
 from sessions_app.tasks import scheduled_heartbeat
 from sessions_app.wakes import HeartbeatPlan, cron_wakes
-from tests.conftest import Actor, WriteGate, wait_until_blocked
+from tests.conftest import Actor, WriteGate, run_queued_tasks, wait_until_blocked
 
 BERLIN = "Europe/Berlin"
 
@@ -196,20 +195,6 @@ def test_the_maintenance_pass_arms_a_scheduled_agent_left_without_its_row(persis
     assert result["schedules_armed"] == 1
     assert len(armed(persistent_agent)) == 1 and armed(stateless_agent) == []
     assert maintenance_pass(now=now)["schedules_armed"] == 0
-
-
-def run_queued_tasks() -> list[str]:
-    """What a cluster worker does with each queued task: call its function with its args."""
-    from django.utils.module_loading import import_string
-
-    broker = get_broker()
-    results = []
-    while tasks := broker.dequeue():
-        for ack_id, payload in tasks:
-            task = SignedPackage.loads(payload)
-            results.append(import_string(task["func"])(*task["args"], **task["kwargs"]))
-            broker.acknowledge(ack_id)
-    return results
 
 
 @pytest.mark.django_db(transaction=True)
