@@ -320,7 +320,7 @@ def defaults_main(interval_minutes: float) -> None:
 
     from costs_app.models import CostEvent, CostKind
     from sessions_app.heartbeat import heartbeat_execute
-    from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, SessionCompaction
+    from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, RunTrigger, SessionCompaction
     from sessions_app.pins import pin_create
     from sessions_app.run_queue import heartbeat_enqueue
 
@@ -357,16 +357,19 @@ def defaults_main(interval_minutes: float) -> None:
             assert run.status == "succeeded", (label, i, run.error_code, run.error)
             between_heartbeats(now=now + timedelta(seconds=10))
         last = fake.message_requests[-1]
-        runs = list(HeartbeatRun.objects.filter(agent=agent).order_by("created_at").values_list("id", flat=True))
+        heartbeats = HeartbeatRun.objects.filter(agent=agent).exclude(trigger=RunTrigger.COMPACTION)
         events = CostEvent.objects.filter(agent_id=agent.id, kind__in=kinds)
         total = events.aggregate(total=Sum("cost_usd"))["total"] or Decimal(0)
-        steady = events.filter(run_id__in=runs[100:]).aggregate(total=Sum("cost_usd"))["total"] or Decimal(0)
+        # From heartbeat 101 on, with the summaries made between heartbeats (their own runs).
+        steady_from = heartbeats.order_by("started_at")[100].started_at
+        steady_events = events.filter(run__started_at__gte=steady_from)
+        steady = steady_events.aggregate(total=Sum("cost_usd"))["total"] or Decimal(0)
         inputs = [
             r.input_tokens + r.cache_creation_input_tokens + r.cache_read_input_tokens
-            for r in HeartbeatRun.objects.filter(agent=agent).order_by("created_at")
+            for r in heartbeats.order_by("created_at")
         ]
         compactions = SessionCompaction.objects.filter(session__agent=agent)
-        parts = steady_parts(events.filter(run_id__in=runs[100:]), HEARTBEATS - 100)
+        parts = steady_parts(steady_events, HEARTBEATS - 100)
         results[label] = {
             "total": total,
             "steady": steady,

@@ -357,7 +357,9 @@ def _write_durably(path: Path, document: dict) -> None:
     directory entry: once the COMMIT names it, a crash cannot take it away."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(document, handle, ensure_ascii=False)
+        # dumps, not dump: json.dump streams through the pure-Python encoder, several times
+        # slower on a long history than the C one dumps uses (bench/RESULTS.md, "growth").
+        handle.write(json.dumps(document, ensure_ascii=False))
         handle.flush()
         os.fsync(handle.fileno())
     _fsync_directory(path.parent)
