@@ -34,7 +34,7 @@ from decimal import ROUND_HALF_UP, Decimal
 import genai_prices
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Subquery
+from django.db.models import Subquery
 from genai_prices import data_snapshot
 from genai_prices import types as library_types
 
@@ -235,11 +235,10 @@ def overrides_revision_seen(revision: int | None) -> None:
 
 
 def overrides_changed(**_signal) -> None:
-    """`ModelPrice` saved or deleted (post_save / post_delete): the revision moves in the same
-    transaction, so every process re-reads; this one forgets what it read at once, and again
-    at COMMIT (a read in between would have cached the uncommitted rows)."""
-    if not PriceOverridesRevision.objects.filter(pk=1).update(revision=F("revision") + 1):
-        PriceOverridesRevision.objects.get_or_create(pk=1, defaults={"revision": 1})
+    """`ModelPrice` saved or deleted (post_save / post_delete). The revision has moved in the
+    same statement (a trigger on `model_prices`, migration 0017, which also covers update(),
+    bulk_create() and SQL), so every process re-reads; this one forgets what it read at
+    once, and again at COMMIT (a read in between would have cached the uncommitted rows)."""
     overrides_forget()
     _changing.active = transaction.get_connection().in_atomic_block
     transaction.on_commit(overrides_forget)

@@ -15,7 +15,6 @@ import genai_prices
 import pytest
 from django.apps import apps
 from django.db import connection, transaction
-from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
 from costs_app import pricing
@@ -310,10 +309,47 @@ def negotiated(model: str = "claude-sonnet-5-5", input_price: str = "1.5") -> Mo
 
 
 def another_process_stores(price: ModelPrice) -> None:
-    """What a save in another process leaves in the database: the row and a moved revision
-    (bulk_create sends no signal, so this process's memory is not told)."""
+    """What a save in another process leaves in the database: the row and, by the trigger on
+    model_prices, a moved revision (bulk_create sends no signal, so this process's memory is
+    not told)."""
     ModelPrice.objects.bulk_create([price])
-    PriceOverridesRevision.objects.filter(pk=1).update(revision=F("revision") + 1)
+
+
+def revision() -> int:
+    return PriceOverridesRevision.objects.get(pk=1).revision
+
+
+def test_every_way_of_changing_the_overrides_moves_the_revision_in_its_own_statement(db):
+    ModelPrice.objects.bulk_create([negotiated()])
+    first = revision()
+    ModelPrice.objects.filter(model="claude-sonnet-5-5").update(input_usd_per_mtok=Decimal("1.25"))
+    assert revision() > first
+    second = revision()
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM model_prices WHERE model = %s", ["claude-sonnet-5-5"])
+    assert revision() > second
+
+
+def test_an_override_changed_by_a_queryset_update_reaches_the_next_claim(company, fake_anthropic):
+    agent = Agent.objects.create(company=company, name="negotiated", adapter_config={"model": "claude-sonnet-5-5"})
+    negotiated().save()
+    overrides_forget()
+    beat(agent, "priced at 1.5")  # this process now holds the 1.5 override
+
+    ModelPrice.objects.filter(model="claude-sonnet-5-5").update(input_usd_per_mtok=Decimal("3"))
+    run = beat(agent, "claimed after the update")
+
+    event = CostEvent.objects.get(run=run)
+    price = ModelPrice.objects.get(model="claude-sonnet-5-5")
+    assert (event.price_id, price.input_usd_per_mtok) == (price.id, Decimal("3"))
+    expected = (
+        event.input_tokens * price.input_usd_per_mtok
+        + event.output_tokens * price.output_usd_per_mtok
+        + event.cache_creation_5m_input_tokens * price.cache_write_5m_usd_per_mtok
+        + event.cache_creation_1h_input_tokens * price.cache_write_1h_usd_per_mtok
+        + event.cache_read_input_tokens * price.cache_read_usd_per_mtok
+    ) / 1_000_000
+    assert event.input_tokens > 0 and event.cost_usd == expected
 
 
 def test_a_heartbeat_reads_no_price_from_the_database(company, fake_anthropic):
