@@ -34,6 +34,7 @@ from sessions_app.batch_delivery import claimable
 from sessions_app.context import context_settings
 from sessions_app.context_defaults import recent_wakes_columns, recent_wakes_of
 from sessions_app.errors import HeartbeatRefused
+from sessions_app.hot_sql import CompiledLookup
 from sessions_app.metering import session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
 from sessions_app.models import (
@@ -304,6 +305,23 @@ def free_run_places() -> int | None:
 RUN_CAP_LOCK = (7_302, 0)
 
 
+def claim_read_query(run_id):
+    return (
+        HeartbeatRun.objects.select_related("agent")
+        .annotate(
+            budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"),
+            held=quota.holds_exist(),
+            prices_revision=overrides_revision(),
+            **recent_wakes_columns(agent_id_ref="agent_id"),
+        )
+        .filter(id=run_id)
+    )
+
+
+# The claim's read, compiled once per connection (`hot_sql.CompiledLookup`).
+CLAIM_READ = CompiledLookup(claim_read_query)
+
+
 def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     """1. claim: move a queued run to running unless another run of its agent is running,
     or the deployment's runs in progress are at PAPERCLIP_MAX_CONCURRENT_RUNS.
@@ -316,16 +334,9 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     creation, for the cache lifetime), all read in one query with the price overrides'
     revision (`costs_app.pricing`: the run's prices come from memory).
     """
-    run = (
-        HeartbeatRun.objects.select_related("agent")
-        .annotate(
-            budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"),
-            held=quota.holds_exist(),
-            prices_revision=overrides_revision(),
-            **recent_wakes_columns(agent_id_ref="agent_id"),
-        )
-        .get(id=run_id)
-    )
+    run = CLAIM_READ.first(run_id)
+    if run is None:
+        raise HeartbeatRun.DoesNotExist(f"No run {run_id}.")
     overrides_revision_seen(run.prices_revision)
     run.recent_wakes = recent_wakes_of(run)
     if not claimable(run):  # queued, or a submitted run its batch poll made ready

@@ -1,10 +1,12 @@
-"""The hot path's single statements against a second actor at their worst moment: a
-stateless run's one-statement commit (`agent_not_deleted_locked`) while an agent's deletion
-is open, uncommitted, on another connection (PostgreSQL: SQLite runs one writer at a time)."""
+"""The hot path's hand-made statements: the claim's read compiled once (`CompiledLookup`)
+gives what the ORM gives, and a stateless run's one-statement commit
+(`agent_not_deleted_locked`) against an agent's deletion open, uncommitted, on another
+connection at its worst moment (PostgreSQL: SQLite runs one writer at a time)."""
 
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
 from django.db import transaction
@@ -12,6 +14,7 @@ from django.utils import timezone
 
 from costs_app.models import CostEvent
 from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus
+from sessions_app.run_queue import CLAIM_READ, claim_read_query
 from sessions_app.services import agent_delete
 from tests.conftest import Actor, beat, wait_until_blocked
 from tests.fake_anthropic import Reply
@@ -44,3 +47,24 @@ def test_a_stateless_commit_waits_for_an_open_deletion_of_its_agent_and_then_fai
     assert (run.status, run.error_code) == (RunStatus.FAILED, "agent_deleted")
     assert Agent.objects.get(pk=stateless_agent.pk).status == AgentStatus.DELETED
     assert CostEvent.objects.get(run=run).kind == "message"  # the answered call stays billed
+
+
+def as_the_orm_reads_it(run: HeartbeatRun) -> tuple:
+    fields = {f.attname: getattr(run, f.attname) for f in HeartbeatRun._meta.concrete_fields}
+    agent = {f.attname: getattr(run.agent, f.attname) for f in Agent._meta.concrete_fields}
+    annotations = {
+        k: v for k, v in vars(run).items() if k in ("budgeted", "held", "prices_revision") or k.startswith("wake_")
+    }
+    return fields, agent, annotations
+
+
+def test_the_compiledclaim_read_query_gives_what_the_orm_gives_for_each_run(
+    persistent_agent, stateless_agent, fake_anthropic
+):
+    runs = [beat(persistent_agent, "one"), beat(persistent_agent, "two"), beat(stateless_agent, "three")]
+
+    for run in runs:  # the second and third reuse the first's compiled statement
+        compiled = CLAIM_READ.first(run.id)
+        assert compiled.agent.adapter_config == run.agent.adapter_config
+        assert as_the_orm_reads_it(compiled) == as_the_orm_reads_it(claim_read_query(run.id).get())
+    assert CLAIM_READ.first(uuid.uuid4()) is None
