@@ -27,7 +27,8 @@ prints persistent cost against the cheaper stateless configuration (the engine's
 caching, or none), where the money goes, and how many of 20 facts planted in
 heartbeats 1-20 are still in the request at heartbeat 300, with the facts pinned and without,
 under a fake summariser that keeps what it is given to keep (at most 10 named facts a
-summary) and a ~1,000-character gist.
+summary) and a ~1,000-character gist. After each heartbeat the summaries its commit queued
+for the task cluster are made (`between_heartbeats`), on the simulated clock.
 
 Writes bench/out/context_growth.png and prints the totals. The agents carry a realistic
 ~1,500-token system prompt and ~100-token answers. The budget is 8,000 tokens so that

@@ -34,6 +34,7 @@ from tests.conftest import (
     beat,
     database_environment,
     kill_once_billed,
+    process_gone,
     wait_until_gone,
     worker_heartbeat,
 )
@@ -845,13 +846,19 @@ def cli_processes_of(agent: Agent) -> list[int]:
     return found
 
 
-def kill_cli_of(agent: Agent) -> None:
-    """The orphaned CLI of a killed worker, ended as the reaper's sweep ends it."""
-    for pid in cli_processes_of(agent):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def kill_cli_of(agent: Agent, *, timeout: float = 10) -> None:
+    """The orphaned CLI of a killed worker, ended as the reaper's sweep ends it: killed until
+    none is left alive (a process it started just before the kill is listed on the next
+    pass; a killed one takes a moment to die, and a zombie counts as gone)."""
+    deadline = time.monotonic() + timeout
+    while alive := [pid for pid in cli_processes_of(agent) if not process_gone(pid)]:
+        assert time.monotonic() < deadline, f"the agent's CLI processes {alive} outlived {timeout} s of kills"
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -880,7 +887,7 @@ def test_a_worker_killed_after_claude_codes_nth_answered_call_leaves_exactly_tho
     assert runs_reap(now=run.deadline_at + timedelta(seconds=1)) == [agent.id]
     assert len(answered_usages(fake_anthropic)) == calls
     assert_ledger_holds_exactly(run, answered_usages(fake_anthropic))
-    assert not cli_processes_of(agent)
+    assert not [pid for pid in cli_processes_of(agent) if not process_gone(pid)]
 
 
 def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_by_our_ledger(company, fake_anthropic):

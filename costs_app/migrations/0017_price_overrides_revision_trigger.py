@@ -27,27 +27,32 @@ DROP FUNCTION IF EXISTS price_overrides_revision_bump();
 """
 
 
-def forward(apps, schema_editor):
+def sqlite_triggers(create: bool) -> list[str]:
+    if create:
+        return [
+            f"CREATE TRIGGER model_prices_revision_{event.lower()} AFTER {event} ON model_prices BEGIN {SQLITE_BUMP} END"
+            for event in SQLITE_EVENTS
+        ]
+    return [f"DROP TRIGGER IF EXISTS model_prices_revision_{event.lower()}" for event in SQLITE_EVENTS]
+
+
+def run(schema_editor, *, create: bool) -> None:
     connection = schema_editor.connection
+    if connection.vendor == "postgresql":
+        statements = [POSTGRES_FORWARD if create else POSTGRES_BACKWARD]
+    else:
+        statements = sqlite_triggers(create)
     with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(POSTGRES_FORWARD)
-            return
-        for event in SQLITE_EVENTS:
-            cursor.execute(
-                f"CREATE TRIGGER model_prices_revision_{event.lower()} AFTER {event} ON model_prices "
-                f"BEGIN {SQLITE_BUMP} END"
-            )
+        for statement in statements:
+            cursor.execute(statement)
+
+
+def forward(apps, schema_editor):
+    run(schema_editor, create=True)
 
 
 def backward(apps, schema_editor):
-    connection = schema_editor.connection
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(POSTGRES_BACKWARD)
-            return
-        for event in SQLITE_EVENTS:
-            cursor.execute(f"DROP TRIGGER IF EXISTS model_prices_revision_{event.lower()}")
+    run(schema_editor, create=False)
 
 
 class Migration(migrations.Migration):
