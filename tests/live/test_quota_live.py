@@ -73,14 +73,17 @@ def test_fifty_agents_on_a_refusing_key_through_two_clusters_wait_then_each_run_
         assert not HeartbeatRun.objects.filter(status=RunStatus.FAILED).exists()
         times = sorted(r["at"] for r in refused(fake))
         # The calls in flight before the first hold was written: at most one per worker,
-        # each of its own agent; then one probe per reset.
-        burst = [at for at in times if at - times[0] < 1.0]
+        # each of its own agent (claimed before it, so refused before its reset, however
+        # slow a loaded worker is to send them); then one probe per reset.
+        burst = [at for at in times if at - times[0] < HOLD_SECONDS - 0.05]
         assert 1 <= len(burst) <= WORKERS, times
         assert len({plain_system(r["body"]) for r in refused(fake) if r["at"] in burst}) == len(burst)
         probes = times[len(burst) :]
         assert len(probes) >= 2, times
-        assert all(later - earlier >= HOLD_SECONDS - 0.1 for earlier, later in zip(probes, probes[1:], strict=False))
-        assert len(probes) <= (times[-1] - times[0]) / HOLD_SECONDS + 1
+        assert all(later - earlier >= HOLD_SECONDS - 0.1 for earlier, later in zip(probes, probes[1:], strict=False)), (
+            times
+        )
+        assert len(probes) <= (times[-1] - times[0]) / HOLD_SECONDS + 1, times
         assert answered(fake) == []
         assert HeartbeatRun.objects.count() == AGENTS  # the second ticks merged
 
