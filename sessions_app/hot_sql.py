@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.db import connection
-from django.db.models import BooleanField, Model, QuerySet
+from django.db.models import BooleanField, Field, Model, QuerySet
 from django.db.models.expressions import RawSQL
 from django.db.models.query import get_related_populators
 from django.db.models.sql.compiler import SQLCompiler
@@ -43,6 +43,7 @@ class _Compiled:
     params: tuple
     slot: int  # the position of the looked-up value among `params`
     compiler: SQLCompiler  # its select list, converters and related populators
+    pk: Field  # the looked-up key's field, which prepares each key as the ORM would
 
 
 class CompiledLookup:
@@ -62,27 +63,27 @@ class CompiledLookup:
     def first(self, pk) -> Model | None:
         compiled = self._compiled()
         params = list(compiled.params)
-        params[compiled.slot] = self._prepared(pk)
+        params[compiled.slot] = compiled.pk.get_db_prep_value(pk, connection)
         with connection.cursor() as cursor:
             cursor.execute(compiled.sql, params)
             rows = cursor.fetchall()
         instances = self._instances(compiled.compiler, rows)
         return instances[0] if instances else None
 
-    def _prepared(self, pk):
-        return self.build(pk).model._meta.pk.get_db_prep_value(pk, connection)
-
     def _compiled(self) -> _Compiled:
         cache = self._local.__dict__.setdefault("by_alias", {})
         compiled = cache.get(connection.alias)
         if compiled is None:
             placeholder = uuid.uuid4()
-            compiler = self.build(placeholder).query.get_compiler(connection=connection)
+            queryset = self.build(placeholder)
+            pk = queryset.model._meta.pk
+            compiler = queryset.query.get_compiler(connection=connection)
             sql, params = compiler.as_sql()
-            slots = [i for i, value in enumerate(params) if value == self._prepared(placeholder)]
+            prepared = pk.get_db_prep_value(placeholder, connection)
+            slots = [i for i, value in enumerate(params) if value == prepared]
             if len(slots) != 1:
                 raise ValueError(f"the query names its key {len(slots)} times; it must name it once")
-            compiled = cache[connection.alias] = _Compiled(sql, tuple(params), slots[0], compiler)
+            compiled = cache[connection.alias] = _Compiled(sql, tuple(params), slots[0], compiler, pk)
         return compiled
 
     @staticmethod

@@ -358,7 +358,8 @@ def _write_durably(path: Path, document: dict) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         # dumps, not dump: json.dump streams through the pure-Python encoder, several times
-        # slower on a long history than the C one dumps uses (bench/RESULTS.md, "growth").
+        # slower on a long history than the C one dumps uses (bench/RESULTS.md, heartbeat
+        # overhead, 2026-12-03 afternoon).
         handle.write(json.dumps(document, ensure_ascii=False))
         handle.flush()
         os.fsync(handle.fileno())
