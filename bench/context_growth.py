@@ -18,6 +18,7 @@ not in full every time; comparing against the uncached one flattered persistence
 
     .venv/bin/python bench/context_growth.py defaults [MINUTES ...]   # issue 15 (below)
     .venv/bin/python bench/context_growth.py batch [MINUTES ...]      # issue 28: delivery by batch vs direct
+    .venv/bin/python bench/context_growth.py keepwarm [MINUTES ...]   # issue 28: the cache kept warm
 
 The `defaults` variant runs the workload of issue 15 with no context settings: a persistent
 agent with an 8,000-character system prompt, ~800-character tasks and ~1,200-character
@@ -275,9 +276,12 @@ def steady_parts(events, heartbeats: int) -> dict:
 
 def between_heartbeats(*, now) -> None:
     """What the task cluster does after a commit: the summaries the commits queued
-    (`sessions_app.compaction_ahead`), on the simulated clock."""
+    (`sessions_app.compaction_ahead`) and the cache refreshes the maintenance pass queued
+    (`sessions_app.cache_refresh`), on the simulated clock."""
     from django_q.models import OrmQ
 
+    from sessions_app.cache_refresh import TASK as REFRESH
+    from sessions_app.cache_refresh import session_cache_refresh
     from sessions_app.compact_now import session_compact_ahead
     from sessions_app.compaction_ahead import TASK
 
@@ -285,6 +289,8 @@ def between_heartbeats(*, now) -> None:
         if queued.func() == TASK:
             session_id, *seen = queued.args()
             session_compact_ahead(session_id=session_id, seen=tuple(seen), now=now)
+        elif queued.func() == REFRESH:
+            session_cache_refresh(session_id=queued.args()[0], now=now)
         queued.delete()
 
 
@@ -471,8 +477,94 @@ def batch_main(interval_minutes: float) -> None:
     print(f"batch/direct: {ratio:.3f}x (goal <= 0.55)")
 
 
+def keepwarm_main(interval_minutes: float) -> None:
+    """Scheduled agents at defaults MINUTES apart on a simulated clock, with a maintenance
+    pass every simulated minute between wakes (which queues the cache refreshes due, sent
+    at once): stateless, persistent with keep-warm off, and persistent with keep-warm (the
+    default). What each costs in the steady state, against stateless."""
+    from datetime import timedelta
+
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    from django.db.models import Count, Sum
+    from django.utils import timezone
+    from django_q.models import Schedule
+
+    from costs_app.models import CostEvent, CostKind
+    from sessions_app.cache_refresh import cache_refreshes_queue
+    from sessions_app.heartbeat import heartbeat_execute
+    from sessions_app.models import Agent, Company, HeartbeatRun, RunTrigger
+    from sessions_app.run_queue import heartbeat_enqueue
+    from sessions_app.schedules import agent_schedule_sync, schedule_name
+
+    fake, clock = summarising_fake_on_a_clock()
+    company = Company.objects.create(name=f"bench keep-warm {timezone.now():%H%M%S}")
+    start = timezone.now()
+    step = timedelta(minutes=interval_minutes)
+    results = {}
+    for label, mode, extra in [
+        ("stateless", "stateless", {}),
+        ("persistent, keep-warm off", "persistent", {"cache_keep_warm": "off"}),
+        ("persistent, keep-warm", "persistent", {}),
+    ]:
+        config = {"model": DEFAULTS_MODEL, "session_mode": mode, "heartbeat_interval_minutes": int(interval_minutes)}
+        agent = Agent.objects.create(
+            company=company, name=label, system_prompt=DEFAULTS_PROMPT, adapter_config={**config, **extra}
+        )
+        agent_schedule_sync(agent=agent, now=start)
+        fake.cache.clear()
+        for i in range(1, HEARTBEATS + 1):
+            now = start + step * i
+            # As the scheduler leaves it when it fires: armed for the wake after this one.
+            Schedule.objects.filter(name=schedule_name(agent.pk)).update(next_run=now + step)
+            clock[0] = (now - start).total_seconds()
+            run, _ = heartbeat_enqueue(agent=agent, task=defaults_task(i), now=now, trigger=RunTrigger.SCHEDULE)
+            run = heartbeat_execute(run_id=run.id, now=now)
+            assert run.status == "succeeded", (label, i, run.error_code, run.error)
+            between_heartbeats(now=now + timedelta(seconds=10))
+            for minute in range(1, int(interval_minutes)):
+                at = now + timedelta(minutes=minute)
+                if cache_refreshes_queue(now=at):
+                    clock[0] = (at - start).total_seconds()
+                    between_heartbeats(now=at)
+        wakes = HeartbeatRun.objects.filter(agent=agent, trigger=RunTrigger.SCHEDULE).order_by("started_at")
+        steady_from = wakes[100].started_at
+        events = CostEvent.objects.filter(agent_id=agent.id)
+        steady = events.filter(created_at__gte=steady_from)
+        refreshes = steady.filter(kind=CostKind.CACHE_REFRESH).aggregate(n=Count("id"), usd=Sum("cost_usd"))
+        last = fake.message_requests[-1]
+        results[label] = {
+            "total": events.aggregate(total=Sum("cost_usd"))["total"],
+            "steady": steady.aggregate(total=Sum("cost_usd"))["total"],
+            "refreshes": refreshes["n"],
+            "refreshes_usd": refreshes["usd"] or Decimal(0),
+            "ttl": "1h" if "'ttl': '1h'" in str(last) else ("5m" if "cache_control" in str(last) else "none"),
+        }
+    fake.stop()
+    base = results["stateless"]["steady"]
+    print(
+        f"keep-warm: {HEARTBEATS} scheduled heartbeats {interval_minutes:g} min apart, {DEFAULTS_MODEL} list prices, "
+        f"workload of `defaults`; a maintenance pass every simulated minute"
+    )
+    for label, r in results.items():
+        print(
+            f"  {label:26s} total ${r['total']:.4f}; heartbeats 101-{HEARTBEATS} ${r['steady']:.4f} = "
+            f"{r['steady'] / base:.2f}x stateless; cache {r['ttl']}; refreshes {r['refreshes']} "
+            f"(${r['refreshes_usd']:.4f})"
+        )
+    warm, cold = results["persistent, keep-warm"]["steady"], results["persistent, keep-warm off"]["steady"]
+    print(f"persistent with keep-warm / stateless: {warm / base:.2f}x; keep-warm on / off: {warm / cold:.3f}x")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["batch"]:
+    if sys.argv[1:2] == ["keepwarm"]:
+        for minutes in sys.argv[2:] or ["30", "120"]:
+            keepwarm_main(float(minutes))
+    elif sys.argv[1:2] == ["batch"]:
         for minutes in sys.argv[2:] or ["30"]:
             batch_main(float(minutes))
     elif sys.argv[1:2] == ["defaults"]:

@@ -30,6 +30,7 @@ from sessions_app.heartbeat import ClaimedRun, Reservation, RunClock
 from sessions_app.metering import session_run_time_record
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
+    Agent,
     AgentSession,
     HeartbeatRun,
     RunStatus,
@@ -111,12 +112,18 @@ def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:
 
 
 def compaction_run(session: AgentSession, *, now: datetime, trigger: str) -> HeartbeatRun:
-    """The run the compaction is done and billed under, `running` from the start: the
-    database refuses it while another run of the agent is running. It is a run in progress
-    like any: under PAPERCLIP_MAX_CONCURRENT_RUNS it takes a place, under the claims' lock,
-    or is refused (`run_cap_reached`); being an operator's request made now, it is not
-    queued for later."""
-    agent = session.agent
+    """The run the compaction is done and billed under (`agent_run_open`)."""
+    return agent_run_open(session.agent, session=session, now=now, trigger=trigger, task=COMPACT_TASK)
+
+
+def agent_run_open(
+    agent: Agent, *, session: AgentSession | None, now: datetime, trigger: str, task: str
+) -> HeartbeatRun:
+    """A run of the agent doing no task of its own (a compaction, a cache refresh),
+    `running` from the start: the database refuses it while another run of the agent is
+    running. It is a run in progress like any: under PAPERCLIP_MAX_CONCURRENT_RUNS it takes
+    a place, under the claims' lock, or is refused (`run_cap_reached`); being asked for
+    now, it is not queued for later. `session`: the session its end gives its time to."""
     run = None
     try:
         with transaction.atomic():
@@ -130,7 +137,7 @@ def compaction_run(session: AgentSession, *, now: datetime, trigger: str) -> Hea
                     session=session,
                     status=RunStatus.RUNNING,
                     trigger=trigger,
-                    task=COMPACT_TASK,
+                    task=task,
                     started_at=now,
                     deadline_at=run_deadline(
                         get_adapter(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now

@@ -123,6 +123,7 @@ def fit_budget(
         recent_wakes=run.recent_wakes,
     )
     request = build_request(agent=agent, history=plan.history, user_content=user_content, settings=settings_)
+    plan = replace(plan, cache_ttl=settings_.cache_ttl if settings_.caching else None)
     if not agent.is_persistent or settings_.strategy != "summarize":
         return plan, request
     size = request_size(adapter, request, settings_.budget_tokens)

@@ -12,8 +12,11 @@
   wake reads what the last one wrote). Between 5 minutes and an hour: the 1-hour cache
   when the ledger shows it pays (what its cache reads saved is at least what its 1-hour
   writes cost over plain input, over the agent's last calls; tried when they show none),
-  otherwise none. An hour or more apart: none (every write would expire unread), unless
-  `prompt_caching` is set to true, which keeps the 5-minute cache.
+  otherwise none. An hour or more apart: the 1-hour cache when the prefix is kept warm
+  until each wake (`sessions_app.keep_warm`: a persistent agent on a schedule) and that
+  costs less than sending it uncached; otherwise none (every write would expire unread),
+  unless `prompt_caching` is set to true, which keeps the 5-minute cache. The wakes are
+  the agent's runs less its compactions and cache refreshes.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from sessions_app.context import (
     estimate_tokens,
     model_window,
 )
-from sessions_app.models import Agent, HeartbeatRun
+from sessions_app.keep_warm import keep_warm_applies, keep_warm_beats_uncached
+from sessions_app.models import Agent, HeartbeatRun, RunTrigger
 
 # Heartbeats between two summaries under the derived budget. Fewer means more summary
 # calls (each rewrites the cached prefix); more means longer replayed history.
@@ -49,6 +53,7 @@ TRIAL_CALLS = 3
 FIVE_MINUTES = timedelta(minutes=5)
 ONE_HOUR = timedelta(hours=1)
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
+NOT_WAKES = (RunTrigger.COMPACTION, RunTrigger.CACHE_REFRESH)
 
 
 def effective_settings(
@@ -66,7 +71,7 @@ def effective_settings(
     if agent.is_persistent and settings_.strategy == "summarize" and not config.get("context_budget_tokens"):
         changes["budget_tokens"] = derived_budget(agent, settings_, history=history, user_content=user_content)
     if settings_.caching and not config.get("cache_ttl"):
-        ttl = chosen_cache_ttl(agent, now=now, recent_wakes=recent_wakes)
+        ttl = chosen_cache_ttl(agent, now=now, recent_wakes=recent_wakes, history=history, user_content=user_content)
         if ttl == "none" and config.get("prompt_caching") is not True:
             changes["caching"] = False
         else:
@@ -105,20 +110,52 @@ def typical_turn_tokens(history: list) -> int:
 # --- the cache lifetime -----------------------------------------------------------------
 
 
-def chosen_cache_ttl(agent: Agent, *, now: datetime, recent_wakes: tuple[datetime, ...] | None = None) -> str:
+def chosen_cache_ttl(
+    agent: Agent,
+    *,
+    now: datetime,
+    recent_wakes: tuple[datetime, ...] | None = None,
+    history: list | None = None,
+    user_content=None,
+) -> str:
     """ "5m", "1h" or "none", from how often the agent wakes (see the module's docstring)."""
     gap = typical_wake_gap(agent, recent_wakes=recent_wakes)
     if gap is None or gap <= FIVE_MINUTES:
         return "5m"
     if gap >= ONE_HOUR:
-        return "none"
+        return (
+            "1h"
+            if kept_warm_pays(agent, gap=gap, now=now, history=history or [], user_content=user_content)
+            else "none"
+        )
     return "1h" if one_hour_cache_pays(agent, now=now) else "none"
+
+
+def kept_warm_pays(agent: Agent, *, gap: timedelta, now: datetime, history: list, user_content) -> bool:
+    """Whether an agent waking `gap` apart (an hour or more) that keep-warm applies to pays
+    less with its prefix in the 1-hour cache, refreshed until each wake, than uncached: the
+    prefix measured as this request's (its system prompt and history), the turn as its task
+    and a typical answer (`sessions_app.keep_warm`)."""
+    if not keep_warm_applies(agent.adapter_config, persistent=agent.is_persistent) or not history:
+        return False
+    table = price_table(model=agent.model_name, at=now)
+    if table is None:
+        return False
+    prefix = estimate_tokens({"system": agent.system_prompt, "messages": history})
+    turn = estimate_tokens(user_content) + typical_turn_tokens(history) // 2
+    return keep_warm_beats_uncached(prefix_tokens=prefix, turn_tokens=turn, gap=gap, rates=table.rates())
+
+
+def wakes_of(runs):
+    """The runs that are wakes of their agent: not its compactions or cache refreshes,
+    which follow a wake within minutes and would halve the gap measured."""
+    return runs.exclude(trigger__in=NOT_WAKES)
 
 
 def recent_wakes_columns(*, agent_id_ref: str) -> dict[str, Subquery]:
     """The agent's last WAKES_SAMPLED runs' creation, newest first, as columns of a query
     the caller makes anyway (the heartbeat's claim): one indexed subquery each."""
-    created = HeartbeatRun.objects.filter(agent_id=OuterRef(agent_id_ref)).order_by("-created_at")
+    created = wakes_of(HeartbeatRun.objects.filter(agent_id=OuterRef(agent_id_ref))).order_by("-created_at")
     return {f"wake_{k}": Subquery(created.values("created_at")[k : k + 1]) for k in range(WAKES_SAMPLED)}
 
 
@@ -134,7 +171,7 @@ def typical_wake_gap(agent: Agent, *, recent_wakes: tuple[datetime, ...] | None 
     created = recent_wakes
     if created is None:
         created = tuple(
-            HeartbeatRun.objects.filter(agent=agent)
+            wakes_of(HeartbeatRun.objects.filter(agent=agent))
             .order_by("-created_at")
             .values_list("created_at", flat=True)[:WAKES_SAMPLED]
         )

@@ -58,6 +58,7 @@ from sessions_app.context import (
 )
 from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure
 from sessions_app.hot_sql import agent_not_deleted_locked
+from sessions_app.keep_warm import keep_warm_arm
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -212,6 +213,10 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
         idle_streak_record(agent=beat.agent, idle=run.nothing_to_do, now=now)
         if run.session_id is not None and compaction_due(plan, reply, user_content):
             compaction_ahead_enqueue(session_id=run.session_id)  # the next heartbeat finds it summarised
+        elif run.session_id is not None:
+            keep_warm_arm(
+                agent=beat.agent, session_id=run.session_id, ttl=plan.cache_ttl, usage=reply.usage, at=clock()
+            )
     if beat.budgeted:
         budgets_enforce(agent=beat.agent, now=now)
     # A reservation wrote its warning and amount to the row; reading it back is simpler

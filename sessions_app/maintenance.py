@@ -23,6 +23,7 @@ from costs_app.ledger import spend_of
 from sessions_app.adapters.cli_processes import cli_orphans_kill
 from sessions_app.agent_health import agents_health_check
 from sessions_app.batches import batches_poll
+from sessions_app.cache_refresh import cache_refreshes_queue
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -214,6 +215,7 @@ MAINTENANCE_STEPS = {
     "health_alerts": agents_health_check,
     "models_refreshed": models_refresh,
     "batches": lambda *, now: batches_poll(now=now),
+    "cache_refreshes": cache_refreshes_queue,
 }
 
 

@@ -271,6 +271,11 @@ class AgentSession(models.Model):
     # before its COMMIT) or a file not named are never read, and the next write cuts them.
     # NULL: written before sizes were kept; the files are read whole.
     cli_transcript_sizes = models.JSONField(null=True, blank=True, default=None)
+    # Keep-warm (`sessions_app.cache_refresh`): the last decision whether to refresh the
+    # cached prefix before the next wake, with its figures, and when the next refresh is due
+    # (NULL: none). A refresh is no use of the session: it never moves last_used or expiry.
+    keep_warm = models.JSONField(null=True, blank=True, default=None)
+    cache_refresh_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "agent_sessions"
@@ -284,6 +289,12 @@ class AgentSession(models.Model):
                 fields=["ended_at"],
                 name="sessions_unpurged_ended_idx",
                 condition=Q(history_purged_at__isnull=True) & Q(status__in=["expired", "ended"]),
+            ),
+            # The maintenance pass's refreshes falling due (normally few rows).
+            models.Index(
+                fields=["cache_refresh_at"],
+                name="sessions_refresh_due_idx",
+                condition=Q(cache_refresh_at__isnull=False),
             ),
             # The idle-pause task: active sessions whose pause_at has passed.
             models.Index(fields=["pause_at"], name="sessions_active_pause_idx", condition=Q(status="active")),
@@ -432,6 +443,7 @@ class RunTrigger(models.TextChoices):
     COMMAND = "command"
     ADMIN = "admin"
     COMPACTION = "compaction"  # a summary made after a heartbeat's commit (`compaction_ahead`)
+    CACHE_REFRESH = "cache_refresh"  # a read that keeps the cached prefix warm (`cache_refresh`)
 
 
 class HeartbeatRun(models.Model):

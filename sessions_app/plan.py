@@ -57,6 +57,9 @@ class Plan:
     # run's request was held to and that request's size, for the compaction after the commit.
     budget_tokens: int | None = None
     request_tokens: int | None = None
+    # Set by the same step: the lifetime the request's prefix is cached at (None: not
+    # cached), for keeping it warm after the commit (`sessions_app.cache_refresh`).
+    cache_ttl: str | None = None
 
 
 def fresh_plan(*, new_session: bool = True) -> Plan:

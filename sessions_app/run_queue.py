@@ -177,6 +177,9 @@ def _queue_lock(agent: Agent) -> None:
 # The task of compact-now's run (`sessions_app.compact_now`): a run of the agent that only
 # summarises its session.
 COMPACT_TASK = "Compact the session now."
+REFRESH_TASK = "Refresh the cached prompt."
+# Runs of an agent that do no task of its own: no tick is counted on them.
+NO_TASK_RUNS = (COMPACT_TASK, REFRESH_TASK)
 
 
 def tick_merge(*, agent_id) -> HeartbeatRun | None:
@@ -186,10 +189,10 @@ def tick_merge(*, agent_id) -> HeartbeatRun | None:
     other tick counts itself meanwhile.
 
     The UPDATE re-checks the status, so a run that finished meanwhile is not counted: the
-    tick then queues a run of its own. A compaction's run does no task, so a tick is never
-    counted on it (a heartbeat asked for with that very task text is passed over too: its
+    tick then queues a run of its own. A compaction's or a cache refresh's run does no task,
+    so a tick is never counted on it (a heartbeat asked for with that very task text is passed over too: its
     tick queues a run of its own, which loses nothing)."""
-    unfinished = HeartbeatRun.objects.filter(agent_id=agent_id).exclude(task=COMPACT_TASK)
+    unfinished = HeartbeatRun.objects.filter(agent_id=agent_id).exclude(task__in=NO_TASK_RUNS)
     for status in (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUBMITTED):
         oldest = unfinished.filter(status=status).order_by("created_at").first()
         if oldest and HeartbeatRun.objects.filter(pk=oldest.pk, status=status).update(

@@ -15,6 +15,7 @@ from rest_framework import serializers
 from costs_app.money import MoneyField, usd
 from sessions_app.adapters import adapter_for
 from sessions_app.agent_health import agent_health, facts_of, with_health_facts
+from sessions_app.keep_warm import keep_warm_report
 from sessions_app.model_checks import agent_model_info
 from sessions_app.models import (
     MAX_PIN_CHARS,
@@ -370,9 +371,18 @@ class SessionDetailSerializer(SessionSerializer):
         read_only=True, help_text='Claude Code\'s own id of the session (`runtime: "cli"`); empty otherwise.'
     )
 
+    keep_warm = serializers.SerializerMethodField(
+        help_text="Keep-warm: the last decision whether to refresh the cached prompt before the next wake "
+        "(its figures in USD, from the price source), when the next refresh is due, and what the "
+        "refreshes sent so far cost (from the ledger). Null when keep-warm never applied."
+    )
+
     class Meta(SessionSerializer.Meta):
-        fields = [*SessionSerializer.Meta.fields, "manifest", "cli_session_id", "history"]
+        fields = [*SessionSerializer.Meta.fields, "manifest", "cli_session_id", "keep_warm", "history"]
         read_only_fields = fields
+
+    def get_keep_warm(self, session) -> dict | None:
+        return keep_warm_report(session)
 
 
 class SessionListSerializer(serializers.Serializer):

@@ -66,3 +66,9 @@ def maintenance() -> dict:
     from sessions_app.maintenance import maintenance_pass
 
     return maintenance_pass(now=timezone.now())
+
+
+def cache_refresh(session_id: str) -> str:
+    from sessions_app.cache_refresh import session_cache_refresh
+
+    return session_cache_refresh(session_id=session_id)

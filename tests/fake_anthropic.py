@@ -567,6 +567,12 @@ class FakeAnthropic:
                 usage["input_tokens"] = max(usage["input_tokens"] - cleared["cleared_input_tokens"], 1)
         if self.count_output and reply.usage is None:
             message["usage"]["output_tokens"] = self.tokens(text)
+            limit = body.get("max_tokens")
+            if limit and message["usage"]["output_tokens"] > limit and isinstance(text, str):
+                # The API stops at max_tokens: that much of the answer, billed as that much.
+                message["usage"]["output_tokens"] = limit
+                message["content"] = [{"type": "text", "text": text[: 4 * limit]}]
+                message["stop_reason"] = "max_tokens"
         if reply.kind == "no_usage":
             message.pop("usage")
         message.update(reply.extra)

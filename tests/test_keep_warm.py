@@ -30,25 +30,29 @@ def rates(db):
     return found
 
 
-# (lifetime, minutes to the next wake, refreshes needed, refresh?). A 5-minute prefix saves
-# 5.75 per token-million rewritten and a refresh costs 0.5 plus its own 105 micro-dollars:
-# up to 11 refreshes (an hour) pay; a 1-hour prefix saves 9.5: any cadence here pays.
+# (lifetime, minutes to the next wake, refreshes needed, refresh?). A refresh comes 2 minutes
+# (5-minute lifetime) or 5 minutes (1 hour) before expiry, and a wake that late in the
+# lifetime counts as one that finds it expired. A 5-minute prefix saves 5.75 per
+# token-million rewritten and a refresh costs 0.5 plus its own 105 micro-dollars: up to 11
+# refreshes (33 minutes) pay; a 1-hour prefix saves 9.5: any cadence here pays.
 TABLE = [
-    ("5m", 5, 0, False),
-    ("5m", 10, 1, True),
-    ("5m", 15, 2, True),
-    ("5m", 30, 5, True),
-    ("5m", 45, 8, True),
-    ("5m", 60, 11, True),
-    ("5m", 65, 12, False),
-    ("5m", 90, 17, False),
-    ("5m", 120, 23, False),
+    ("5m", 3, 0, False),
+    ("5m", 5, 1, True),
+    ("5m", 10, 2, True),
+    ("5m", 15, 4, True),
+    ("5m", 30, 9, True),
+    ("5m", 38, 11, True),
+    ("5m", 39, 12, False),
+    ("5m", 45, 14, False),
+    ("5m", 60, 19, False),
+    ("5m", 90, 29, False),
+    ("5m", 120, 39, False),
     ("1h", 5, 0, False),
     ("1h", 30, 0, False),
-    ("1h", 60, 0, False),
-    ("1h", 61, 1, True),
+    ("1h", 55, 0, False),
+    ("1h", 60, 1, True),
     ("1h", 90, 1, True),
-    ("1h", 120, 1, True),
+    ("1h", 120, 2, True),
 ]
 
 
@@ -79,6 +83,7 @@ def test_a_tiny_prefix_is_not_worth_refreshing_and_nothing_cached_is_never_refre
     assert not keep_warm_decide(prefix_tokens=0, ttl="1h", gap=timedelta(hours=2), rates=rates).refresh
 
 
-def test_refreshes_are_spaced_under_the_lifetime():
-    lifetime = timedelta(minutes=5)
-    assert [refreshes_needed(timedelta(minutes=m), lifetime) for m in (1, 5, 6, 10, 11)] == [0, 0, 1, 1, 2]
+def test_refreshes_are_spaced_under_the_lifetime_less_a_margin():
+    gaps = [timedelta(minutes=m) for m in (1, 3, 4, 5, 8, 9, 11)]
+    assert [refreshes_needed(gap, "5m") for gap in gaps] == [0, 0, 1, 1, 1, 2, 2]
+    assert [refreshes_needed(timedelta(minutes=m), "1h") for m in (55, 56, 115, 116)] == [0, 1, 1, 2]

@@ -138,6 +138,7 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "schedules_armed",
         "health_alerts",
         "models_refreshed",
+        "cache_refreshes",
         "batches",
     }
     assert result["batches"] == {"submitted": 0, "read": 0, "committed": 0}
