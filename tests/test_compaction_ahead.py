@@ -141,3 +141,40 @@ def test_a_heartbeat_arriving_while_the_queued_summary_is_written_waits_and_lose
     assert session.compaction_count == 1
     assert user_turns(session)[-1] == "racing turn"
     assert len(store_for(session).read(session)) == session.message_count
+
+
+def test_a_heartbeat_committing_between_the_queued_summarys_check_and_its_run_costs_no_second_summary(
+    company, fake_anthropic, monkeypatch
+):
+    """The worst moment: the task found the session as the commit left it, then another
+    worker's heartbeat compacted it in band and committed before the compaction's run was
+    inserted. Once its run is the session's one writer, the task sees the change and ends
+    the run without a model call."""
+    import sessions_app.compact_now as compact_now
+
+    agent = near_the_budget(company, fake_anthropic)
+    racing, summaries_by_then = [], []
+    real_compaction_run = compact_now.compaction_run
+
+    def after_a_racing_heartbeat(*args, **kwargs):
+        if not racing:
+            racing.append(beat(agent, "a turn that commits in the gap: " + "z" * 400))
+            summaries_by_then.append(sum(1 for body in fake_anthropic.message_requests if is_summary_request(body)))
+        return real_compaction_run(*args, **kwargs)
+
+    monkeypatch.setattr(compact_now, "compaction_run", after_a_racing_heartbeat)
+
+    results = run_queued_tasks()
+
+    (heartbeat,) = racing
+    assert heartbeat.status == RunStatus.SUCCEEDED
+    assert summaries_by_then == [1]  # the racing heartbeat summarised in band
+    assert results == ["skipped: the session changed since the commit that asked for its summary"]
+    assert sum(1 for body in fake_anthropic.message_requests if is_summary_request(body)) == 1
+    ahead = HeartbeatRun.objects.get(agent=agent, trigger=RunTrigger.COMPACTION)
+    assert (ahead.status, ahead.cost_usd or 0, ahead.reserved_usd or 0) == (RunStatus.SKIPPED, 0, 0)
+    assert not CostEvent.objects.filter(run=ahead).exists()
+    assert CostEvent.objects.filter(kind=CostKind.COMPACTION).count() == 1
+    session = AgentSession.objects.get(agent=agent)
+    assert session.compaction_count == 1
+    assert user_turns(session)[-1].startswith("a turn that commits in the gap")
