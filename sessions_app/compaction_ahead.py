@@ -34,19 +34,18 @@ def compaction_due(plan: Plan, reply: AdapterReply, user_content) -> bool:
     return plan.request_tokens + answer + estimate_tokens(user_content) > plan.budget_tokens
 
 
-def compaction_ahead_enqueue(*, session_id) -> bool:
+def compaction_ahead_enqueue(*, session: AgentSession) -> bool:
     """Queue the session's summary for the cluster, naming the session as this commit left
-    it: the task does nothing if a turn or a compaction came first. Called after the COMMIT;
-    a refused enqueue is logged, never the run's failure (the next heartbeat compacts in
-    band when it must)."""
+    it (`session` is the row the commit saved, so no read is needed): the task does nothing
+    if a turn or a compaction came first, or the session was deleted since. Called after
+    the COMMIT; a refused enqueue is logged, never the run's failure (the next heartbeat
+    compacts in band when it must)."""
     from django_q.tasks import async_task
 
-    seen = AgentSession.objects.filter(pk=session_id).values_list("message_count", "compaction_count").first()
-    if seen is None:
-        return False  # deleted since the commit
+    seen = (session.message_count, session.compaction_count)
     try:
-        async_task(TASK, str(session_id), *seen, task_name=f"compact {session_id}")
+        async_task(TASK, str(session.pk), *seen, task_name=f"compact {session.pk}")
     except Exception:  # the broker is down: the summary is made in band when needed
-        logger.exception("Could not queue the compaction of session %s", session_id)
+        logger.exception("Could not queue the compaction of session %s", session.pk)
         return False
     return True

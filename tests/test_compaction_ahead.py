@@ -6,9 +6,11 @@ of a session that moved on is not made)."""
 from __future__ import annotations
 
 import pytest
+from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
 from sessions_app.models import AgentSession, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.services import session_delete
 from sessions_app.stores import store_for
 from tests.conftest import (
     beat,
@@ -80,6 +82,18 @@ def test_a_queued_summary_of_a_session_that_moved_on_is_not_made(company, fake_a
 
     assert AgentSession.objects.get(agent=agent).compaction_count == 1
     assert sum(1 for body in fake_anthropic.message_requests if is_summary_request(body)) == 1
+
+
+def test_a_queued_summary_of_a_session_deleted_since_its_commit_is_not_made(company, fake_anthropic):
+    """The commit hands its own counts to the queue without reading the row again; a
+    deletion after it is the task's to see."""
+    agent = near_the_budget(company, fake_anthropic)
+    session_delete(session=AgentSession.objects.get(agent=agent), now=timezone.now())
+
+    assert run_queued_tasks() == ["skipped: the session changed or ended since"]
+
+    assert not HeartbeatRun.objects.filter(agent=agent, trigger=RunTrigger.COMPACTION).exists()
+    assert not [body for body in fake_anthropic.message_requests if is_summary_request(body)]
 
 
 def test_sixty_heartbeats_with_the_cluster_between_them_never_wait_on_a_summary(company, fake_anthropic):
