@@ -5,7 +5,9 @@ request, with a turn like this one, would pass it) hands the summary to the task
 (`compaction_ahead_enqueue`, task `sessions_app.tasks.compact_ahead`). The task is compact
 now's (`sessions_app.compact_now.session_compact_ahead`): a run of the agent, so it is the
 session's one writer, reserved against the budgets, billed under its run, checked for
-pinned facts, refused when it does not shrink. A heartbeat arriving while it runs stays
+pinned facts, refused when it does not shrink. It summarises only the session as the commit
+left it, checked again once its run is the one writer: a heartbeat committing between the
+task's first check and its run's insert leaves the run `skipped`, unpaid. A heartbeat arriving while it runs stays
 queued and is dispatched when it ends; one that still would not fit (the task was lost or
 refused) is compacted in band, as before (`sessions_app.compaction.fit_budget`).
 """
