@@ -37,6 +37,7 @@ from sessions_app.models import (
     RunTrigger,
     SessionCompaction,
 )
+from sessions_app.no_work import run_skip
 from sessions_app.quota import quota_refused
 from sessions_app.run_queue import COMPACT_TASK, dispatch_after_run, run_deadline, run_fail, run_place_free, worker_id
 from sessions_app.services import budgets_enforce
@@ -47,11 +48,26 @@ class CompactRefused(RunFailure):
     """The session cannot be compacted now; `code` maps to an API status."""
 
 
+class SessionMoved(CompactRefused):
+    """The session is no longer as the commit that asked for its summary left it: the
+    summary it asked for is not needed, or would summarise another session."""
+
+    def __init__(self) -> None:
+        super().__init__("session_changed", "The session changed since the commit that asked for its summary.")
+
+
 def session_compact(
-    *, session: AgentSession, now: datetime, keep_recent_turns: int | None = None, trigger: str = RunTrigger.API
+    *,
+    session: AgentSession,
+    now: datetime,
+    keep_recent_turns: int | None = None,
+    trigger: str = RunTrigger.API,
+    seen: tuple[int, int] | None = None,
 ) -> SessionCompaction:
     """Summarise the session's older turns now, keeping the last `keep_recent_turns` (the
-    agent's setting when not given) verbatim. Returns the compaction record."""
+    agent's setting when not given) verbatim. Returns the compaction record. With `seen`
+    (its message and compaction counts), only a session still so: otherwise the run ends
+    `skipped`, with no model call, and `SessionMoved` is raised."""
     agent = session.agent
     refuse_unless_compactable(session, now=now)
     run = compaction_run(session, now=now, trigger=trigger)
@@ -59,7 +75,10 @@ def session_compact(
     beat = ClaimedRun.of(run, now=now, clock=clock)
     beat.calls.names_session(session.pk)
     try:
-        record = compact(beat, session, keep_recent_turns=keep_recent_turns)
+        record = compact(beat, session, keep_recent_turns=keep_recent_turns, seen=seen)
+    except SessionMoved:
+        run_skip(run=run, finished=clock())
+        raise
     except RunFailure as failure:
         run_fail(run, code=failure.code, message=failure.message, now=clock(), cost_usd=beat.calls.cost_usd)
         if isinstance(failure, BudgetExceeded):
@@ -88,16 +107,25 @@ def session_compact_ahead(*, session_id, seen: tuple[int, int], now: datetime | 
     compact now makes it, if the session is still as that commit left it (`seen`: its
     message and compaction counts). Returns what happened, for the task's result. `now`
     is the clock's time unless given (a benchmark on a simulated clock)."""
+    seen = tuple(seen)
     session = AgentSession.objects.select_related("agent").filter(pk=session_id).first()
-    if session is None or (session.message_count, session.compaction_count) != tuple(seen):
+    # Checked before the run too: a session that moved on long ago costs no run.
+    if session is None or session_counts(session) != seen:
         return "skipped: the session changed or ended since"
     try:
-        record = session_compact(session=session, now=now or timezone.now(), trigger=RunTrigger.COMPACTION)
+        record = session_compact(session=session, now=now or timezone.now(), trigger=RunTrigger.COMPACTION, seen=seen)
+    except SessionMoved:  # a heartbeat committed between the check above and the run's insert
+        return "skipped: the session changed since the commit that asked for its summary"
     except CompactRefused as refusal:  # busy, capped, paused, ended: the next commit asks again
         return f"skipped: {refusal.code}"
     except RunFailure as failure:  # recorded on its run, as a heartbeat's would be
         return f"failed: {failure.code}"
     return f"compacted {record.messages_before} messages into {record.messages_after}"
+
+
+def session_counts(session: AgentSession) -> tuple[int, int]:
+    """What a turn or a compaction changes: the session as a commit left it."""
+    return session.message_count, session.compaction_count
 
 
 def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:
@@ -167,9 +195,14 @@ def _session_busy() -> CompactRefused:
     )
 
 
-def compact(beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int | None) -> SessionCompaction:
-    # Read only now that this run is the session's one writer.
+def compact(
+    beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int | None, seen: tuple[int, int] | None = None
+) -> SessionCompaction:
+    # Read only now that this run is the session's one writer: nothing changes it from here
+    # on, so a session still as `seen` is the one the summary was asked for.
     session = AgentSession.objects.get(pk=session.pk)
+    if seen is not None and session_counts(session) != seen:
+        raise SessionMoved()
     history = store_for(session).read(session)
     keep = keep_recent_turns or beat.settings_.keep_recent_turns
     split = choose_split(history, keep)

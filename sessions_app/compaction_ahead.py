@@ -5,7 +5,9 @@ request, with a turn like this one, would pass it) hands the summary to the task
 (`compaction_ahead_enqueue`, task `sessions_app.tasks.compact_ahead`). The task is compact
 now's (`sessions_app.compact_now.session_compact_ahead`): a run of the agent, so it is the
 session's one writer, reserved against the budgets, billed under its run, checked for
-pinned facts, refused when it does not shrink. A heartbeat arriving while it runs stays
+pinned facts, refused when it does not shrink. It summarises only the session as the commit
+left it, checked again once its run is the one writer: a heartbeat committing between the
+task's first check and its run's insert leaves the run `skipped`, unpaid. A heartbeat arriving while it runs stays
 queued and is dispatched when it ends; one that still would not fit (the task was lost or
 refused) is compacted in band, as before (`sessions_app.compaction.fit_budget`).
 """
@@ -34,19 +36,18 @@ def compaction_due(plan: Plan, reply: AdapterReply, user_content) -> bool:
     return plan.request_tokens + answer + estimate_tokens(user_content) > plan.budget_tokens
 
 
-def compaction_ahead_enqueue(*, session_id) -> bool:
+def compaction_ahead_enqueue(*, session: AgentSession) -> bool:
     """Queue the session's summary for the cluster, naming the session as this commit left
-    it: the task does nothing if a turn or a compaction came first. Called after the COMMIT;
-    a refused enqueue is logged, never the run's failure (the next heartbeat compacts in
-    band when it must)."""
+    it (`session` is the row the commit saved, so no read is needed): the task does nothing
+    if a turn or a compaction came first, or the session was deleted since. Called after
+    the COMMIT; a refused enqueue is logged, never the run's failure (the next heartbeat
+    compacts in band when it must)."""
     from django_q.tasks import async_task
 
-    seen = AgentSession.objects.filter(pk=session_id).values_list("message_count", "compaction_count").first()
-    if seen is None:
-        return False  # deleted since the commit
+    seen = (session.message_count, session.compaction_count)
     try:
-        async_task(TASK, str(session_id), *seen, task_name=f"compact {session_id}")
+        async_task(TASK, str(session.pk), *seen, task_name=f"compact {session.pk}")
     except Exception:  # the broker is down: the summary is made in band when needed
-        logger.exception("Could not queue the compaction of session %s", session_id)
+        logger.exception("Could not queue the compaction of session %s", session.pk)
         return False
     return True

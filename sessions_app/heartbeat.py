@@ -212,7 +212,8 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
     if succeeded:
         idle_streak_record(agent=beat.agent, idle=run.nothing_to_do, now=now)
         if run.session_id is not None and compaction_due(plan, reply, user_content):
-            compaction_ahead_enqueue(session_id=run.session_id)  # the next heartbeat finds it summarised
+            # The session the commit saved (`_run_outcome`): its counts are the ones it wrote.
+            compaction_ahead_enqueue(session=run.session)  # the next heartbeat finds it summarised
         elif run.session_id is not None:
             keep_warm_arm(
                 agent=beat.agent, session_id=run.session_id, ttl=plan.cache_ttl, usage=reply.usage, at=clock()

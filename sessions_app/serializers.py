@@ -428,7 +428,9 @@ class RuntimeReportField(serializers.JSONField):
 
 class RunSerializer(serializers.ModelSerializer):
     status = serializers.ChoiceField(
-        choices=RunStatus.choices, help_text="`skipped`: the work check found no work (no model call, nothing billed)."
+        choices=RunStatus.choices,
+        help_text="`skipped`: no model call, nothing billed; the work check found no work, or a queued "
+        "compaction found its session changed since the commit that asked for it.",
     )
     work_check_output = serializers.CharField(
         help_text="What the agent's work check printed (or its URL answered), appended to the task; bounded."

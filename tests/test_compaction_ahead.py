@@ -6,9 +6,11 @@ of a session that moved on is not made)."""
 from __future__ import annotations
 
 import pytest
+from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
 from sessions_app.models import AgentSession, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.services import session_delete
 from sessions_app.stores import store_for
 from tests.conftest import (
     beat,
@@ -82,6 +84,18 @@ def test_a_queued_summary_of_a_session_that_moved_on_is_not_made(company, fake_a
     assert sum(1 for body in fake_anthropic.message_requests if is_summary_request(body)) == 1
 
 
+def test_a_queued_summary_of_a_session_deleted_since_its_commit_is_not_made(company, fake_anthropic):
+    """The commit hands its own counts to the queue without reading the row again; a
+    deletion after it is the task's to see."""
+    agent = near_the_budget(company, fake_anthropic)
+    session_delete(session=AgentSession.objects.get(agent=agent), now=timezone.now())
+
+    assert run_queued_tasks() == ["skipped: the session changed or ended since"]
+
+    assert not HeartbeatRun.objects.filter(agent=agent, trigger=RunTrigger.COMPACTION).exists()
+    assert not [body for body in fake_anthropic.message_requests if is_summary_request(body)]
+
+
 def test_sixty_heartbeats_with_the_cluster_between_them_never_wait_on_a_summary(company, fake_anthropic):
     agent = context_agent(company, context_budget_tokens=BUDGET, keep_recent_turns=2)
     tasks = [f"step {i}: continue the migration of module {i % 7}, " + "y" * 200 for i in range(60)]
@@ -141,3 +155,40 @@ def test_a_heartbeat_arriving_while_the_queued_summary_is_written_waits_and_lose
     assert session.compaction_count == 1
     assert user_turns(session)[-1] == "racing turn"
     assert len(store_for(session).read(session)) == session.message_count
+
+
+def test_a_heartbeat_committing_between_the_queued_summarys_check_and_its_run_costs_no_second_summary(
+    company, fake_anthropic, monkeypatch
+):
+    """The worst moment: the task found the session as the commit left it, then another
+    worker's heartbeat compacted it in band and committed before the compaction's run was
+    inserted. Once its run is the session's one writer, the task sees the change and ends
+    the run without a model call."""
+    import sessions_app.compact_now as compact_now
+
+    agent = near_the_budget(company, fake_anthropic)
+    racing, summaries_by_then = [], []
+    real_compaction_run = compact_now.compaction_run
+
+    def after_a_racing_heartbeat(*args, **kwargs):
+        if not racing:
+            racing.append(beat(agent, "a turn that commits in the gap: " + "z" * 400))
+            summaries_by_then.append(sum(1 for body in fake_anthropic.message_requests if is_summary_request(body)))
+        return real_compaction_run(*args, **kwargs)
+
+    monkeypatch.setattr(compact_now, "compaction_run", after_a_racing_heartbeat)
+
+    results = run_queued_tasks()
+
+    (heartbeat,) = racing
+    assert heartbeat.status == RunStatus.SUCCEEDED
+    assert summaries_by_then == [1]  # the racing heartbeat summarised in band
+    assert results == ["skipped: the session changed since the commit that asked for its summary"]
+    assert sum(1 for body in fake_anthropic.message_requests if is_summary_request(body)) == 1
+    ahead = HeartbeatRun.objects.get(agent=agent, trigger=RunTrigger.COMPACTION)
+    assert (ahead.status, ahead.cost_usd or 0, ahead.reserved_usd or 0) == (RunStatus.SKIPPED, 0, 0)
+    assert not CostEvent.objects.filter(run=ahead).exists()
+    assert CostEvent.objects.filter(kind=CostKind.COMPACTION).count() == 1
+    session = AgentSession.objects.get(agent=agent)
+    assert session.compaction_count == 1
+    assert user_turns(session)[-1].startswith("a turn that commits in the gap")
