@@ -28,6 +28,7 @@ from decimal import Decimal
 from django.db.models import Count, Sum
 
 from costs_app.models import CostEvent, CostKind
+from costs_app.money import usd
 from costs_app.pricing import MILLION, Rates, price_table
 from sessions_app.models import Agent, AgentSession
 from sessions_app.wakes import HeartbeatPlan
@@ -159,9 +160,9 @@ def keep_warm_record(*, agent: Agent, session_id, ttl: str, prefix_tokens: int, 
         "prefix_tokens": prefix_tokens,
         "refresh": decision.refresh,
         "refreshes": decision.refreshes,
-        "refreshes_usd": str(decision.refreshes_usd),
-        "rewrite_usd": str(decision.rewrite_usd),
-        "saved_usd": str(decision.saved_usd),
+        "refreshes_usd": usd(decision.refreshes_usd),
+        "rewrite_usd": usd(decision.rewrite_usd),
+        "saved_usd": usd(decision.saved_usd),
         "reason": decision.reason,
     }
     due = at + refresh_spacing(ttl) if decision.refresh else None
@@ -181,5 +182,23 @@ def keep_warm_report(session: AgentSession) -> dict | None:
         **session.keep_warm,
         "next_refresh_at": session.cache_refresh_at.isoformat() if session.cache_refresh_at else None,
         "refreshes_sent": sent["count"],
-        "refreshes_sent_usd": str(sent["usd"] or Decimal(0)),
+        "refreshes_sent_usd": usd(sent["usd"] or Decimal(0)),
     }
+
+
+def keep_warm_summary(report: dict | None) -> str:
+    """One line of `keep_warm_report` for the admin's pages."""
+    if report is None:
+        return "does not apply (a persistent agent of the Messages API on a schedule, cache_keep_warm not off)"
+    if report["refresh"]:
+        decision = (
+            f"refresh before the next wake: {report['refreshes']} refreshes, ${Decimal(report['refreshes_usd']):.4f}, "
+            f"save ${Decimal(report['saved_usd']):.4f} of a ${Decimal(report['rewrite_usd']):.4f} rewrite"
+        )
+    else:
+        decision = f"no refresh: {report['reason']}"
+    nxt = f"; next refresh due {report['next_refresh_at']}" if report["next_refresh_at"] else ""
+    return (
+        f"{decision} ({report['prefix_tokens']} tokens cached for {report['ttl']}, next wake {report['next_wake']}){nxt}; "
+        f"sent so far {report['refreshes_sent']} (${Decimal(report['refreshes_sent_usd']):.4f}, from the ledger)"
+    )

@@ -7,6 +7,7 @@ history, never counted as the session's use."""
 from __future__ import annotations
 
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from django.utils import timezone
@@ -234,3 +235,26 @@ def test_a_two_hourly_agent_caches_for_an_hour_when_kept_warm_and_not_at_all_wit
             Schedule.objects.filter(name=schedule_name(agent.pk)).update(next_run=at + timedelta(minutes=120))
         last = fake.message_requests[-1]
         assert ("'ttl': '1h'" in str(last)) == cached, keep_warm
+
+
+def test_the_session_api_and_the_agent_page_show_the_decision_and_the_refreshes_sent(company, clocked, admin_client):
+    from django.urls import reverse
+
+    from tests.api.conftest import Api, agent_url
+
+    fake, clock, start = clocked
+    agent = scheduled_agent(company, minutes=120, start=start, cache_ttl="1h")
+    wake(agent, at=start, clock=clock, start=start)
+    session = AgentSession.objects.get(agent=agent)
+    minute = start + timedelta(minutes=56)
+    clock[0] = 56 * 60.0
+    cache_refreshes_queue(now=minute)
+    (queued,) = queued_refreshes()
+    session_cache_refresh(session_id=queued, now=minute)
+    spent = refresh_rows(agent).get().cost_usd
+
+    shown = Api().get(agent_url(agent, f"/sessions/{session.public_id}")).json()["keep_warm"]
+    assert (shown["refresh"], shown["ttl"], shown["refreshes_sent"]) == (True, "1h", 1)
+    assert Decimal(shown["refreshes_sent_usd"]) == spent and shown["next_refresh_at"] is not None
+    page = admin_client.get(reverse("admin:sessions_app_agent_change", args=[agent.pk])).content.decode()
+    assert "refresh before the next wake" in page and f"sent so far 1 (${spent:.4f}, from the ledger)" in page

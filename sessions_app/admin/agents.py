@@ -40,8 +40,10 @@ from sessions_app.admin.common import (
     short_text,
 )
 from sessions_app.agent_health import agent_health, facts_of, with_health_facts
+from sessions_app.keep_warm import keep_warm_report, keep_warm_summary
 from sessions_app.model_checks import agent_model_info, model_warning
 from sessions_app.models import (
+    LIVE_SESSION_STATUSES,
     MAX_PINS_PER_AGENT,
     Agent,
     AgentSession,
@@ -222,6 +224,7 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
             *fields,
             "model_status",
             "next_wakes",
+            "keep_warm",
             "backoff",
             "memory",
             *workspace,
@@ -234,10 +237,20 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
     def get_readonly_fields(self, request, obj=None):
         # Only the change page shows wake times: one schedule lookup for one agent.
         return (
-            [*self.readonly_fields, "model_status", "next_wakes", "memory", "workspace_files"]
+            [*self.readonly_fields, "model_status", "next_wakes", "keep_warm", "memory", "workspace_files"]
             if obj is not None
             else self.readonly_fields
         )
+
+    @admin.display(description="keep-warm")
+    def keep_warm(self, obj: Agent) -> str:
+        session = (
+            AgentSession.objects.filter(agent=obj, status__in=LIVE_SESSION_STATUSES)
+            .only("id", "keep_warm", "cache_refresh_at")
+            .order_by("-last_used")
+            .first()
+        )
+        return keep_warm_summary(keep_warm_report(session) if session is not None else None)
 
     @admin.display(description="workspace files")
     def workspace_files(self, obj: Agent) -> str:
