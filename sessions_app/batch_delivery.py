@@ -1,7 +1,8 @@
 """Batch delivery as one run sees it: whether its answer call goes in a batch, and the
 answer a batch gave it.
 
-A scheduled heartbeat of an agent with `delivery: "batch"` runs its steps as any heartbeat
+A run that asked for batch delivery (`run_delivery`: a scheduled heartbeat of an agent with
+`delivery: "batch"`, or an API heartbeat with `"delivery": "batch"`) runs its steps as any heartbeat
 does (claim, plan, fit, reserve); at its answer call, instead of sending the request, it
 is parked (`BatchParked`, then `batch_park`): the run becomes `submitted`, keeps the
 request's parameters and its reservation, and frees its worker. The batch poll
@@ -22,9 +23,9 @@ from decimal import Decimal
 from django.db.models import Q
 
 from costs_app.models import Delivery
-from sessions_app.adapters import AdapterReply, AdapterRequest
+from sessions_app.adapters import AdapterReply, AdapterRequest, adapter_for
 from sessions_app.adapters.base import DEFAULT_BATCH_MAX_WAIT_MINUTES, Adapter
-from sessions_app.errors import RunFailure
+from sessions_app.errors import HeartbeatRefused, RunFailure
 from sessions_app.models import Agent, BatchState, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.text import storable
 
@@ -37,15 +38,36 @@ class BatchParked(RunFailure):
         self.params = params
 
 
-def batch_wanted(run: HeartbeatRun, agent: Agent, adapter: Adapter) -> bool:
-    """Whether this run's answer call goes in a batch: a scheduled heartbeat of an agent
-    delivering by batch, whose runtime can. API and command heartbeats go direct."""
-    return (
-        run.trigger == RunTrigger.SCHEDULE
-        and agent.adapter_config.get("delivery") == Delivery.BATCH
-        and adapter.delivers_batch
-        and not run.batch_state
-    )
+def run_delivery(agent: Agent, *, trigger: str, asked: str | None) -> str:
+    """The delivery a new run asks for: an API caller's (direct unless it asks for batch),
+    a scheduled tick's agent configuration; command, admin and compaction runs go direct.
+
+    An API caller may ask for batch for any agent whose runtime delivers by batch, whatever
+    the agent's own `delivery`: the agent's `batch_max_wait_minutes` bounds the wait.
+    `HeartbeatRefused` (`invalid_delivery`) for a value that is not a delivery, or batch
+    asked of a runtime that has no batch API."""
+    if trigger == RunTrigger.SCHEDULE:
+        return Delivery.BATCH if agent.adapter_config.get("delivery") == Delivery.BATCH else Delivery.DIRECT
+    if asked is None:
+        return Delivery.DIRECT
+    if asked not in Delivery.values:
+        raise HeartbeatRefused("invalid_delivery", f"delivery must be one of: {', '.join(Delivery.values)}.")
+    if asked == Delivery.BATCH and not delivers_batch(agent):
+        raise HeartbeatRefused(
+            "invalid_delivery", "This agent's runtime cannot deliver by batch (it has no Message Batches API)."
+        )
+    return asked
+
+
+def delivers_batch(agent: Agent) -> bool:
+    adapter = adapter_for(agent.adapter_type, agent.adapter_config)
+    return adapter is not None and adapter.delivers_batch
+
+
+def batch_wanted(run: HeartbeatRun, adapter: Adapter) -> bool:
+    """Whether this run's answer call goes in a batch: it asked for batch when it was
+    queued (`run_delivery`), its runtime still can, and it was never batched."""
+    return run.delivery == Delivery.BATCH and adapter.delivers_batch and not run.batch_state
 
 
 def max_wait(agent: Agent) -> timedelta:
@@ -63,9 +85,8 @@ class BatchCall:
     first answer call can be parked or answered from a batch; later ones (tool rounds)
     go direct."""
 
-    def __init__(self, run: HeartbeatRun, agent: Agent, adapter: Adapter) -> None:
+    def __init__(self, run: HeartbeatRun, adapter: Adapter) -> None:
         self._run = run
-        self._agent = agent
         self._adapter = adapter
         self._taken = False
 
@@ -74,7 +95,7 @@ class BatchCall:
         if self._taken or not self._adapter.delivers_batch:
             return Delivery.DIRECT
         answered = self._run.batch_state == BatchState.ANSWERED
-        if answered or batch_wanted(self._run, self._agent, self._adapter):
+        if answered or batch_wanted(self._run, self._adapter):
             params = self._adapter.batch_params(request)
             if params is not None and (not answered or as_stored(params) == self._run.batch_request):
                 return Delivery.BATCH
@@ -99,7 +120,7 @@ class BatchCall:
                 "not committed and the request was sent direct."
             )
             return None
-        if batch_wanted(run, self._agent, self._adapter) and (params := self._adapter.batch_params(request)):
+        if batch_wanted(run, self._adapter) and (params := self._adapter.batch_params(request)):
             raise BatchParked(params)
         return None
 

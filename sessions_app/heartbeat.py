@@ -102,6 +102,7 @@ def heartbeat_start(
     force_fresh: bool = False,
     wait_seconds: float | None = None,
     merge: bool = False,
+    delivery: str | None = None,
 ) -> tuple[HeartbeatRun, bool]:
     """Wake an agent with a task: the one path of the API, the admin, the `heartbeat`
     command and the scheduled heartbeat.
@@ -109,7 +110,8 @@ def heartbeat_start(
     Records a queued run (`heartbeat_enqueue`: the task is validated there, and refusals
     raise `HeartbeatRefused`); a reused idempotency key returns the earlier run and False,
     and starts nothing, as does a `merge` (a scheduled tick) counted on the agent's
-    unfinished run. With `wait`, the run is executed here, waiting up to
+    unfinished run. `delivery` is an API caller's (`batch_delivery.run_delivery`). With
+    `wait`, the run is executed here, waiting up to
     `wait_seconds` (PAPERCLIP_RUN_TIMEOUT_SECONDS by default) for the agent's current run
     to finish; 0 tries once and leaves it queued while the agent is busy. Otherwise it is
     handed to the task cluster when the current transaction commits (`QueueUnavailable`
@@ -123,6 +125,7 @@ def heartbeat_start(
         force_fresh=force_fresh,
         trigger=trigger,
         merge=merge,
+        delivery=delivery,
     )
     if not created:
         return run, False

@@ -15,6 +15,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from costs_app.models import Delivery
 from paperclip.errors import RunFailure
 from sessions_app.adapters import validate_agent_config
 from sessions_app.model_checks import agent_models_validate, with_default_model
@@ -503,6 +504,12 @@ class HeartbeatRun(models.Model):
     # Batch delivery (`sessions_app.batches`): the batch the request went in, where it is,
     # the Messages API parameters sent (the answer is committed only to the same request),
     # the answer kept until it is committed, and when the run stops waiting for it.
+    # The delivery asked for when the run was queued: an API caller's `delivery`, a
+    # scheduled tick's agent configuration; every other run's is direct. `batch_state`
+    # says what became of a batch request.
+    delivery = models.CharField(
+        max_length=16, choices=Delivery.choices, default=Delivery.DIRECT, db_default=Delivery.DIRECT
+    )
     batch_id = models.CharField(max_length=128, blank=True, default="", db_default="")
     batch_state = models.CharField(max_length=16, choices=BatchState.choices, blank=True, default="", db_default="")
     batch_request = models.JSONField(null=True, blank=True)

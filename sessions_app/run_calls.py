@@ -76,7 +76,7 @@ class RunCalls:
         self.billed_anything = bool(run.calls_before) and run.cost_usd is not None
         # Batch delivery: the first answer call may be parked for a batch, or answered by
         # one (`sessions_app.batch_delivery`).
-        self.batch = BatchCall(run, agent, adapter)
+        self.batch = BatchCall(run, adapter)
 
     @property
     def numbered(self) -> int:

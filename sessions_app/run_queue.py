@@ -27,10 +27,11 @@ from django.db.models.functions import Coalesce
 
 from costs_app.budgets import budgets_exist, money_budgets_exist
 from costs_app.ledger import spend_of
+from costs_app.models import Delivery
 from costs_app.pricing import is_priced, overrides_revision, overrides_revision_seen
 from sessions_app import quota
 from sessions_app.adapters import adapter_for
-from sessions_app.batch_delivery import claimable
+from sessions_app.batch_delivery import claimable, run_delivery
 from sessions_app.context import context_settings
 from sessions_app.context_defaults import recent_wakes_columns, recent_wakes_of
 from sessions_app.errors import HeartbeatRefused
@@ -111,13 +112,17 @@ def heartbeat_enqueue(
     force_fresh: bool = False,
     trigger: str = RunTrigger.API,
     merge: bool = False,
+    delivery: str | None = None,
 ) -> tuple[HeartbeatRun, bool]:
     """Create a queued run; with a used idempotency key, return the earlier run (False).
     With `merge` (a scheduled tick), an agent that has a queued or running run gets no
-    other: the tick is counted on that run, which is returned (False).
+    other: the tick is counted on that run, which is returned (False), whatever its
+    delivery. `delivery` is what an API caller asked for (`run_delivery`).
 
-    The task is validated first, as input is everywhere (400 before any state's 409)."""
+    The task and delivery are validated first, as input is everywhere (400 before any
+    state's 409)."""
     validate_task(task)
+    delivery = run_delivery(agent, trigger=trigger, asked=delivery)
     if idempotency_key and (len(idempotency_key) > IDEMPOTENCY_KEY_LENGTH or not is_storable(idempotency_key)):
         raise HeartbeatRefused(
             "invalid_idempotency_key",
@@ -126,7 +131,7 @@ def heartbeat_enqueue(
     if idempotency_key:
         earlier = HeartbeatRun.objects.filter(agent=agent, idempotency_key=idempotency_key).first()
         if earlier is not None:
-            return _same_request(earlier, task), False
+            return _same_request(earlier, task, delivery), False
     refuse_unless_active(agent)
     refuse_retired(agent)
     fields = {
@@ -136,6 +141,7 @@ def heartbeat_enqueue(
         "idempotency_key": idempotency_key or None,
         "force_fresh": force_fresh,
         "trigger": trigger,
+        "delivery": delivery,
         "created_at": now,
     }
     try:
@@ -152,7 +158,7 @@ def heartbeat_enqueue(
             raise
         # Another request with the same key won the race; theirs is the run.
         earlier = HeartbeatRun.objects.get(agent=agent, idempotency_key=idempotency_key)
-        return _same_request(earlier, task), False
+        return _same_request(earlier, task, delivery), False
     return run, True
 
 
@@ -239,9 +245,16 @@ def _refuse_when_queue_full_or_unpriced(agent: Agent, *, now: datetime) -> None:
         )
 
 
-def _same_request(earlier: HeartbeatRun, task: str) -> HeartbeatRun:
+def _same_request(earlier: HeartbeatRun, task: str, delivery: str) -> HeartbeatRun:
+    """The earlier run, as the answer to a repeated key. Asked for batch, a direct run is
+    still the answer (it is only sooner); asked direct, a batch run is not: the caller
+    would wait for a batch it did not ask for."""
     if earlier.task != task:
         raise HeartbeatRefused("idempotency_key_reused", "This idempotency key was already used for a different task.")
+    if delivery == Delivery.DIRECT and earlier.delivery == Delivery.BATCH:
+        raise HeartbeatRefused(
+            "idempotency_key_reused", 'This idempotency key was already used for a heartbeat with "delivery": "batch".'
+        )
     return earlier
 
 

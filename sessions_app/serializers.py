@@ -12,6 +12,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from costs_app.models import Delivery
 from costs_app.money import MoneyField, usd
 from sessions_app.adapters import adapter_for
 from sessions_app.agent_health import agent_health, facts_of, with_health_facts
@@ -450,6 +451,11 @@ class RunSerializer(serializers.ModelSerializer):
         help_text='Claude Code (`runtime: "cli"`): its session id, turns, tool calls, and its own cost figure '
         "beside the ledger's; null for a Messages API call.",
     )
+    delivery = serializers.ChoiceField(
+        choices=Delivery.choices,
+        help_text="What was asked when the run was queued: the API caller's `delivery`, or a scheduled run's agent's "
+        "`delivery`; `batch_state` says what became of a batch request.",
+    )
     batch_id = serializers.SerializerMethodField(
         help_text='The Message Batches batch its request went in (`delivery: "batch"`); null when none.'
     )
@@ -485,6 +491,7 @@ class RunSerializer(serializers.ModelSerializer):
             "message_id",
             "stop_reason",
             "merged_ticks",
+            "delivery",
             "batch_id",
             "batch_state",
             "runtime_report",
@@ -564,6 +571,20 @@ class HeartbeatRequestSerializer(NoUnknownFieldsMixin, serializers.Serializer):
         default=False,
         help_text="true: run now and answer 200 with the finished run; false: 202 with the queued run.",
     )
+    delivery = serializers.ChoiceField(
+        choices=Delivery.choices,
+        required=False,
+        default=Delivery.DIRECT,
+        help_text="`batch`: the answer call goes in a Message Batch, at half price, answered within the agent's "
+        "`batch_max_wait_minutes` (default 60); not with `wait` true, and only for a runtime with a batch API "
+        '(not `runtime: "cli"`, not `process`). Default `direct`.',
+    )
+
+    def validate(self, attrs: dict) -> dict:
+        # A caller holding its request open for the answer would hold it for the batch.
+        if attrs["wait"] and attrs["delivery"] == Delivery.BATCH:
+            raise serializers.ValidationError({"delivery": '"batch" cannot be asked with "wait": true.'})
+        return attrs
 
 
 # Errors (documentation of the one shape every error takes)

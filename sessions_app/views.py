@@ -210,13 +210,14 @@ def seconds_until_next_utc_month(now: datetime) -> int:
     return max(int((next_month(now) - now) / timedelta(seconds=1)), 1)
 
 
-# Refusals of the task itself answer as the body's field errors do: 400 `invalid`, naming it.
-TASK_REFUSALS = ("invalid_task", "task_too_long")
+# Refusals of the body's own fields answer as its other field errors do: 400 `invalid`,
+# naming the field.
+FIELD_REFUSALS = {"invalid_task": "task", "task_too_long": "task", "invalid_delivery": "delivery"}
 
 
 def refusal_error(exc: HeartbeatRefused, now: datetime) -> Exception:
-    if exc.code in TASK_REFUSALS:
-        return BadRequest("Invalid input: task.", code="invalid", fields={"task": exc.message})
+    if field := FIELD_REFUSALS.get(exc.code):
+        return BadRequest(f"Invalid input: {field}.", code="invalid", fields={field: exc.message})
     error_class = REFUSALS.get(exc.code, Conflict)
     if error_class is TooManyRequests:
         retry_after = QUEUE_FULL_RETRY_AFTER_SECONDS if exc.code == "queue_full" else seconds_until_next_utc_month(now)
@@ -257,6 +258,7 @@ class HeartbeatView(ApiView):
                 wait=data["wait"],
                 idempotency_key=data.get("idempotency_key"),
                 force_fresh=data["force_fresh"],
+                delivery=data["delivery"],
             )
         except HeartbeatRefused as exc:
             raise refusal_error(exc, now) from None

@@ -1,6 +1,7 @@
 """Batch delivery (`sessions_app.batch_delivery`, `sessions_app.batches`): scheduled
-heartbeats through the Message Batches API of the fake, by the real SDK, committed by the
-poll through the normal commit step, billed once at the batch price."""
+heartbeats, and API heartbeats asking for it, through the Message Batches API of the fake,
+by the real SDK, committed by the poll through the normal commit step, billed once at the
+batch price."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from sessions_app.batches import batches_poll
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_start
 from sessions_app.models import Agent, AgentSession, BatchState, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.stores import store_for
+from tests.api.conftest import Api, agent_url, assert_error
 from tests.conftest import ROOT, database_environment, refuse_writes
 
 BATCH = {"model": "claude-opus-4-5", "delivery": "batch"}
@@ -350,3 +352,154 @@ def test_under_a_cap_a_run_waiting_behind_a_submitted_one_does_not_hold_back_oth
     batches_poll(now=timezone.now())
     assert HeartbeatRun.objects.get(id=parked.id).status == RunStatus.SUCCEEDED
     assert heartbeat_execute(run_id=waiting.id).status == RunStatus.SUCCEEDED
+
+
+# API heartbeats asking for batch (`"delivery"` in the heartbeat body).
+
+
+def api_agent(company, name="On call", adapter_type="claude-code", **config) -> Agent:
+    """An agent whose own configuration does not batch: the caller's ask is enough."""
+    return Agent.objects.create(
+        company=company,
+        name=name,
+        system_prompt="You answer when asked.",
+        adapter_type=adapter_type,
+        adapter_config={"model": "claude-opus-4-5", **config} if adapter_type == "claude-code" else config,
+    )
+
+
+def api_beat(agent, **body):
+    return Api().post(agent_url(agent, "/heartbeat"), {"task": "Summarise the week", **body})
+
+
+def executed(answer) -> HeartbeatRun:
+    """What the task cluster does with the run a 202 queued."""
+    assert answer.status_code == 202, answer.json()
+    return heartbeat_execute(run_id=answer.json()["id"])
+
+
+def test_an_api_heartbeat_asking_for_batch_is_parked_sent_in_a_batch_at_half_price_and_committed_once(
+    company, fake_anthropic
+):
+    agent = api_agent(company, session_mode="persistent")
+    answer = api_beat(agent, delivery="batch")
+    assert answer.json()["delivery"] == "batch" and answer.json()["status"] == "queued"
+    run = executed(answer)
+    assert (run.status, run.batch_state) == (RunStatus.SUBMITTED, BatchState.PARKED)
+    shown = Api().get(agent_url(agent, f"/runs/{run.id}")).json()
+    assert (shown["status"], shown["delivery"], shown["batch_state"]) == ("submitted", "batch", "parked")
+    assert fake_anthropic.message_requests == []
+    assert batches_poll(now=timezone.now()) == {"submitted": 1, "read": 1, "committed": 1}
+    assert batches_poll(now=timezone.now()) == {"submitted": 0, "read": 0, "committed": 0}
+    run.refresh_from_db()
+    (batch,) = fake_anthropic.batches.values()
+    assert run.status == RunStatus.SUCCEEDED and run.batch_id == batch["id"]
+    assert fake_anthropic.batch_creates == 1 and fake_anthropic.message_requests == []
+    (row,) = CostEvent.objects.filter(run=run.id)
+    assert (row.delivery, row.call_number) == ("batch", 1)
+    assert row.cost_usd == call_price(usage=row.raw_usage, model=row.model, at=row.created_at).cost_usd / 2
+    assert row.cost_usd == batch_bill(fake_anthropic) and run.cost_usd == row.cost_usd
+    turns = history(agent)
+    assert [t["role"] for t in turns] == ["user", "assistant"] and turns[1]["content"][0]["text"] == run.output
+    shown = Api().get(agent_url(agent, f"/runs/{run.id}")).json()
+    assert (shown["status"], shown["delivery"], shown["batch_id"]) == ("succeeded", "batch", batch["id"])
+
+
+def test_batch_with_wait_is_400_naming_the_field(company, fake_anthropic):
+    agent = api_agent(company)
+    error = assert_error(api_beat(agent, delivery="batch", wait=True), 400, "invalid")
+    assert "delivery" in error["fields"]
+    assert not HeartbeatRun.objects.exists()
+
+
+@pytest.mark.parametrize("value", ["later", "BATCH", "", 1, True, None, ["batch"]])
+def test_a_delivery_that_is_not_one_is_400_naming_the_field(company, value):
+    error = assert_error(api_beat(api_agent(company), delivery=value), 400, "invalid")
+    assert "delivery" in error["fields"]
+    assert not HeartbeatRun.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("adapter_type", "config"),
+    [("claude-code", {"runtime": "cli"}), ("process", {"command": ["true"]})],
+)
+def test_batch_asked_of_a_runtime_without_a_batch_api_is_400_naming_the_field(company, adapter_type, config):
+    agent = api_agent(company, adapter_type=adapter_type, **config)
+    error = assert_error(api_beat(agent, delivery="batch"), 400, "invalid")
+    assert "delivery" in error["fields"] and "batch" in error["fields"]["delivery"]
+    assert not HeartbeatRun.objects.exists()
+
+
+@pytest.mark.parametrize("body", [{}, {"delivery": "direct"}])
+def test_an_api_heartbeat_not_asking_for_batch_goes_direct_even_for_a_batch_agent(company, fake_anthropic, body):
+    agent = batch_agent(company)
+    waited = api_beat(agent, wait=True, **body)
+    assert waited.status_code == 200
+    assert (waited.json()["status"], waited.json()["delivery"], waited.json()["batch_state"]) == (
+        "succeeded",
+        "direct",
+        None,
+    )
+    queued = executed(api_beat(agent, **body))
+    assert queued.status == RunStatus.SUCCEEDED and queued.delivery == "direct" and queued.batch_state == ""
+    assert len(fake_anthropic.message_requests) == 2 and fake_anthropic.batch_creates == 0
+    assert list(CostEvent.objects.values_list("delivery", flat=True)) == ["direct", "direct"]
+
+
+def test_scheduled_runs_of_a_batch_agent_record_batch_and_other_agents_ticks_direct(company, fake_anthropic):
+    batched, direct = batch_agent(company, "batched"), batch_agent(company, "direct", delivery="direct")
+    assert (tick(batched).delivery, tick(direct).delivery) == ("batch", "direct")
+    assert Api().get(agent_url(batched, "/runs")).json()["runs"][0]["delivery"] == "batch"
+
+
+def test_a_tick_merged_into_a_queued_direct_api_run_goes_direct_with_it(company, fake_anthropic):
+    agent = batch_agent(company)
+    queued = api_beat(agent).json()
+    assert tasks.scheduled_heartbeat(str(agent.id)) == f"merged into run {queued['id']}"
+    run = heartbeat_execute(run_id=queued["id"])
+    assert run.status == RunStatus.SUCCEEDED and run.merged_ticks == 1 and run.batch_state == ""
+    assert len(fake_anthropic.message_requests) == 1 and fake_anthropic.batch_creates == 0
+
+
+def test_a_repeated_key_never_answers_a_direct_request_with_a_batch_run(company, fake_anthropic):
+    agent = api_agent(company)
+    batch_run = executed(api_beat(agent, delivery="batch", idempotency_key="week"))
+    assert batch_run.status == RunStatus.SUBMITTED
+    assert_error(api_beat(agent, idempotency_key="week"), 409, "idempotency_key_reused")
+    assert api_beat(agent, delivery="batch", idempotency_key="week").json()["id"] == str(batch_run.id)
+    # Asked for batch, a direct run is the answer: it is only sooner.
+    other = api_agent(company, "other")
+    direct_run = executed(api_beat(other, idempotency_key="today", task="today"))
+    again = Api().post(
+        agent_url(other, "/heartbeat"), {"task": "today", "delivery": "batch", "idempotency_key": "today"}
+    )
+    assert again.status_code == 200 and again.json()["id"] == str(direct_run.id)
+    assert again.json()["delivery"] == "direct"
+    assert HeartbeatRun.objects.count() == 2
+
+
+def test_the_migration_marks_the_runs_that_asked_for_batch_before_the_column(company):
+    from importlib import import_module
+
+    from django.apps import apps
+
+    migration = import_module("sessions_app.migrations.0026_run_delivery")
+    batched, direct = batch_agent(company, "batched"), batch_agent(company, "direct", delivery="direct")
+
+    def run(agent, status, **fields):
+        return HeartbeatRun.objects.create(
+            agent=agent, company=company, task="tick", trigger=RunTrigger.SCHEDULE, status=status, **fields
+        )
+
+    marked = [
+        run(batched, RunStatus.QUEUED),
+        run(batched, RunStatus.SUBMITTED, batch_state=BatchState.PARKED),
+        run(batched, RunStatus.SUCCEEDED, batch_state=BatchState.ANSWERED),
+    ]
+    left = [run(batched, RunStatus.SUCCEEDED), run(direct, RunStatus.QUEUED)]
+    left.append(HeartbeatRun.objects.create(agent=batched, company=company, task="asked", status=RunStatus.QUEUED))
+
+    migration.batch_runs_mark(apps, None)
+
+    assert [HeartbeatRun.objects.get(id=r.id).delivery for r in marked] == ["batch"] * 3
+    assert [HeartbeatRun.objects.get(id=r.id).delivery for r in left] == ["direct"] * 3

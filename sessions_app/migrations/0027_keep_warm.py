@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("sessions_app", "0025_run_trigger_compaction"),
+        ("sessions_app", "0026_run_delivery"),
     ]
 
     operations = [
