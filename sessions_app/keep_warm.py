@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
-from django.db.models import Count, Sum
+from django.db.models import Count, Exists, OuterRef, Subquery, Sum
 
 from costs_app.models import CostEvent, CostKind
 from costs_app.money import usd
@@ -170,20 +170,49 @@ def keep_warm_record(*, agent: Agent, session_id, ttl: str, prefix_tokens: int, 
     return record
 
 
-def keep_warm_report(session: AgentSession) -> dict | None:
+def keep_warm_report(session: AgentSession, *, at: datetime | None = None) -> dict | None:
     """What the API and the admin show of a session's keep-warm: the last decision, the
-    next refresh's time, and the refreshes the ledger holds for it (one aggregate)."""
+    next refresh's time, and from the ledger (two aggregates) the refreshes sent, what they
+    cost, and what they saved: the prefix the wakes after them read instead of writing
+    again, at the write price less the read price, less the refreshes' cost."""
     if session.keep_warm is None:
         return None
     sent = CostEvent.objects.filter(session_id=session.pk, kind=CostKind.CACHE_REFRESH).aggregate(
         count=Count("id"), usd=Sum("cost_usd")
     )
+    spent = sent["usd"] or Decimal(0)
+    table = price_table(model=session.model, at=at or datetime.now(UTC)) if session.model else None
+    saved = None
+    if table is not None:
+        rates = table.rates()
+        write = rates.cache_write_1h if session.keep_warm["ttl"] == "1h" else rates.cache_write_5m
+        saved = refreshed_reads(session.pk) * (write - rates.cache_read) / MILLION - spent
     return {
         **session.keep_warm,
         "next_refresh_at": session.cache_refresh_at.isoformat() if session.cache_refresh_at else None,
         "refreshes_sent": sent["count"],
-        "refreshes_sent_usd": usd(sent["usd"] or Decimal(0)),
+        "refreshes_sent_usd": usd(spent),
+        "refreshes_saved_usd": usd(saved) if saved is not None else None,
     }
+
+
+def refreshed_reads(session_id) -> int:
+    """The cache reads of the session's heartbeat calls that came after a refresh (one since
+    the call before them): what the refreshes kept alive."""
+    calls = CostEvent.objects.filter(session_id=session_id, kind=CostKind.MESSAGE)
+    before = calls.filter(created_at__lt=OuterRef("created_at")).order_by("-created_at").values("created_at")[:1]
+    refreshed = CostEvent.objects.filter(
+        session_id=session_id,
+        kind=CostKind.CACHE_REFRESH,
+        created_at__lt=OuterRef("created_at"),
+        created_at__gt=OuterRef("before"),
+    )
+    reads = (
+        calls.annotate(before=Subquery(before))
+        .filter(Exists(refreshed))
+        .aggregate(tokens=Sum("cache_read_input_tokens"))["tokens"]
+    )
+    return int(reads or 0)
 
 
 def keep_warm_summary(report: dict | None) -> str:
@@ -198,7 +227,12 @@ def keep_warm_summary(report: dict | None) -> str:
     else:
         decision = f"no refresh: {report['reason']}"
     nxt = f"; next refresh due {report['next_refresh_at']}" if report["next_refresh_at"] else ""
+    saved = (
+        f", saving ${Decimal(report['refreshes_saved_usd']):.4f} at the wakes after them"
+        if report["refreshes_saved_usd"] is not None
+        else ""
+    )
     return (
         f"{decision} ({report['prefix_tokens']} tokens cached for {report['ttl']}, next wake {report['next_wake']}){nxt}; "
-        f"sent so far {report['refreshes_sent']} (${Decimal(report['refreshes_sent_usd']):.4f}, from the ledger)"
+        f"sent so far {report['refreshes_sent']} (${Decimal(report['refreshes_sent_usd']):.4f}, from the ledger){saved}"
     )

@@ -375,7 +375,8 @@ class SessionDetailSerializer(SessionSerializer):
     keep_warm = serializers.SerializerMethodField(
         help_text="Keep-warm: the last decision whether to refresh the cached prompt before the next wake "
         "(its figures in USD, from the price source), when the next refresh is due, and what the "
-        "refreshes sent so far cost (from the ledger). Null when keep-warm never applied."
+        "refreshes sent so far cost and saved (from the ledger: the prefix the wakes after them read instead of "
+        "writing again, at the write price less the read price, less their cost). Null when keep-warm never applied."
     )
 
     class Meta(SessionSerializer.Meta):

@@ -20,7 +20,7 @@ from costs_app.models import CostEvent, CostKind
 from costs_app.pricing import price_table
 from sessions_app.cache_refresh import TASK, cache_refreshes_queue, session_cache_refresh
 from sessions_app.heartbeat import heartbeat_execute
-from sessions_app.keep_warm import keep_warm_decide, prefix_tokens_of
+from sessions_app.keep_warm import keep_warm_decide, keep_warm_report, prefix_tokens_of
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.schedules import agent_schedule_sync, schedule_name
@@ -133,6 +133,14 @@ def test_a_two_hourly_agent_is_kept_warm_and_its_wake_reads_the_prefix_instead_o
     # Everything before the new task was read: the refresh had written the last answer.
     assert usage.cache_read_input_tokens > prefix
     assert usage.cache_creation_input_tokens < fake.tokens("Write today's notes.") + 20
+    # What the refreshes saved, from the ledger: that read, which would have been a 1-hour
+    # write, at the write price less the read price, less what the refreshes cost.
+    rates = price_table(model="claude-opus-4-5", at=start).rates()
+    spent = sum(row.cost_usd for row in rows)
+    report = keep_warm_report(AgentSession.objects.get(pk=session.pk), at=start)
+    expected = usage.cache_read_input_tokens * (rates.cache_write_1h - rates.cache_read) / 1_000_000 - spent
+    assert (report["refreshes_sent"], Decimal(report["refreshes_saved_usd"])) == (2, expected)
+    assert expected > 0
 
 
 def usage_of(run: HeartbeatRun) -> CostEvent:
