@@ -27,7 +27,6 @@ import time
 from dataclasses import replace
 from datetime import datetime
 
-from django.db import transaction
 from django.utils import timezone
 
 from costs_app.budgets import BudgetExceeded
@@ -135,15 +134,14 @@ def refresh_send(run: HeartbeatRun, session: AgentSession, *, now: datetime):
         )
         raise
     finished = beat.clock()
-    with transaction.atomic():
-        HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(
-            status=RunStatus.SUCCEEDED,
-            finished_at=finished,
-            reserved_usd=0,
-            model=reply.model,
-            cost_usd=beat.calls.cost_usd,
-            output="Refreshed the cached prompt.",
-        )
+    HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(
+        status=RunStatus.SUCCEEDED,
+        finished_at=finished,
+        reserved_usd=0,
+        model=reply.model,
+        cost_usd=beat.calls.cost_usd,
+        output="Refreshed the cached prompt.",
+    )
     if beat.budgeted:
         budgets_enforce(agent=beat.agent, now=now)
     return reply, finished

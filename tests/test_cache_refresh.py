@@ -10,6 +10,7 @@ from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.module_loading import import_string
 from django_q.brokers import get_broker
@@ -25,6 +26,7 @@ from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus, Ru
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.schedules import agent_schedule_sync, schedule_name
 from sessions_app.stores import store_for
+from tests.api.conftest import Api, agent_url
 from tests.fake_anthropic import Reply
 
 PROMPT = "You keep the team's release notes. " * 400  # a prefix worth keeping
@@ -246,10 +248,6 @@ def test_a_two_hourly_agent_caches_for_an_hour_when_kept_warm_and_not_at_all_wit
 
 
 def test_the_session_api_and_the_agent_page_show_the_decision_and_the_refreshes_sent(company, clocked, admin_client):
-    from django.urls import reverse
-
-    from tests.api.conftest import Api, agent_url
-
     fake, clock, start = clocked
     agent = scheduled_agent(company, minutes=120, start=start, cache_ttl="1h")
     wake(agent, at=start, clock=clock, start=start)
