@@ -1,11 +1,44 @@
 """A fake of the Claude Managed Agents endpoints, served over real HTTP on 127.0.0.1.
 
-So far the versioned agents (`/v1/agents`: create, retrieve, update) and sessions
-(`/v1/sessions`: create, retrieve, archive, delete) are served; a session snapshots the
-agent's version it was created with, as the service does. Every
-answer is shaped so that the SDK's own typed beta models validate it, not merely construct it.
-An update names the version it expects, as the API's optimistic concurrency asks; a stale
-version is refused with 409.
+Served: versioned agents (`/v1/agents`: create, retrieve, update), environments
+(`/v1/environments`: create, list, retrieve, update, archive, delete), sessions
+(`/v1/sessions`: create, retrieve, archive, delete), session events (send, list, SSE
+stream; see `tests/fake_managed_events.py`) and the session-scoped Files API (`/v1/files`:
+list with `scope_id`, metadata, content, delete). Every answer is shaped so that the SDK's
+own typed beta models validate it, not merely construct it. A session snapshots the agent
+version it was created with; an agent update names the version it expects and a stale one
+is refused with 409, as the API's optimistic concurrency asks.
+
+Test controls on a `FakeManaged`:
+
+- `fake.script(session_id_or_None, steps)`: the turn run for the next `user.message` of that
+  session (None: of any session). Steps are tuples:
+    - `("message", text[, usage])`: one model request answering `text`, billing `usage`
+      (a dict of input/output/cache_creation_input/cache_read_input tokens);
+    - `("tool", name, input, "always_allow" | "always_ask"[, result_text])`: a model request
+      emitting `agent.tool_use`; `always_allow` is followed by `agent.tool_result`,
+      `always_ask` idles the session with `requires_action` until a `user.tool_confirmation`
+      for that event id (allow: the result; deny: an error result carrying deny_message),
+      then the remaining steps run;
+    - `("budget_reached",)`, `("retries_exhausted",)`, `("refusal",)`: idle with that stop
+      reason, dropping the remaining steps;
+    - `("reschedule", seconds)`: `session.status_rescheduled`, status `rescheduling` for that
+      long, then `session.status_running` again;
+    - `("terminate", message)`: `session.error` then `session.status_terminated`; later sends
+      are refused with 400 `invalid_request_error`;
+    - `("file", filename, data_bytes)`: the agent writes an output file, which the Files API
+      then lists under `scope_id=<session id>` (the service's model of session outputs);
+    - `("sleep", seconds)`: a pause inside the turn (a `user.interrupt` cuts it short).
+  Without a script a turn answers `f"reply {n}: {text}"`, n being the session's count of
+  user messages so far, billing 100 * n input and 20 output tokens.
+- `fake.latency` (seconds slept per model request, default 0.0),
+  `fake.active_seconds_per_turn` (added to usage and stats at each run's end, default 10.0),
+  `fake.list_price` (USD Decimal per token for input/output/cache_read/cache_write; the
+  session's `usage.list_cost` is priced with it).
+- `fake.fail_next(status, times=1, path_prefix=None)`: the next matching requests answer
+  that status with the API's error body (and `retry-after` on 429).
+- Logs: `fake.requests` [(method, path)], `fake.beta_headers` [anthropic-beta or None],
+  `fake.user_messages[session_id]` [texts sent], `fake.events[session_id]` [event dicts].
 """
 
 from __future__ import annotations
@@ -13,21 +46,88 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+from collections import defaultdict
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+from tests.fake_managed_events import EventsMixin, error_body, first, now_iso, paginate
+
+ERROR_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
 
 
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+def not_found(what: str) -> tuple[int, dict]:
+    return 404, error_body("not_found_error", f"no such {what}")
 
 
-class FakeManaged:
+@dataclass
+class Raw:
+    """A non-JSON answer (a file's content)."""
+
+    data: bytes
+    content_type: str
+
+
+@dataclass
+class Failure:
+    status: int
+    times: int
+    path_prefix: str | None
+
+
+def cloud_config(given: dict | None, current: dict | None = None) -> dict:
+    """The environment config the API answers: omitted fields keep their current value (or
+    the service's default), as the update params document."""
+    given = given or {"type": "cloud"}
+    if given.get("type") == "self_hosted":
+        return {"type": "self_hosted"}
+    current = current if current and current.get("type") == "cloud" else {}
+    networking = given.get("networking") or current.get("networking") or {"type": "unrestricted"}
+    if networking["type"] == "limited":
+        networking = {
+            "type": "limited",
+            "allow_mcp_servers": bool(networking.get("allow_mcp_servers")),
+            "allow_package_managers": bool(networking.get("allow_package_managers")),
+            "allowed_hosts": list(networking.get("allowed_hosts") or []),
+        }
+    packages = dict(current.get("packages") or {}, **(given.get("packages") or {}))
+    packages = {k: list(packages.get(k) or []) for k in ("apt", "cargo", "gem", "go", "npm", "pip")}
+    return {"type": "cloud", "networking": networking, "packages": {**packages, "type": "packages"}}
+
+
+class FakeManaged(EventsMixin):
     def __init__(self) -> None:
         self.agents: dict[str, dict] = {}
+        self.environments: dict[str, dict] = {}
         self.sessions: dict[str, dict] = {}
+        self.files: dict[str, dict] = {}
+        self.file_contents: dict[str, bytes] = {}
         self.requests: list[tuple[str, str]] = []
+        self.beta_headers: list[str | None] = []
+        self.user_messages: defaultdict[str, list[str]] = defaultdict(list)
+        self.latency = 0.0
+        self.active_seconds_per_turn = 10.0
+        self.list_price = {k: Decimal(0) for k in ("input", "output", "cache_read", "cache_write")}
+        self.ping_interval = 1.0
+        self._failures: list[Failure] = []
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        # Re-entrant, because a turn run and a request route share helpers that both lock.
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._stopping = False
+        self._init_events()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
 
     @property
@@ -39,13 +139,35 @@ class FakeManaged:
         return self
 
     def stop(self) -> None:
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
         self._server.shutdown()
         self._server.server_close()
+
+    def fail_next(self, status: int, times: int = 1, path_prefix: str | None = None) -> None:
+        with self._lock:
+            self._failures.append(Failure(status, times, path_prefix))
+
+    def take_failure(self, path: str) -> int | None:
+        with self._lock:
+            for failure in self._failures:
+                if failure.path_prefix is None or path.startswith(failure.path_prefix):
+                    failure.times -= 1
+                    if failure.times <= 0:
+                        self._failures.remove(failure)
+                    return failure.status
+        return None
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}_{next(self._ids):04d}"
+
+    # Agents
 
     def create_agent(self, body: dict) -> dict:
         stamp = now_iso()
         agent = {
-            "id": f"agent_{next(self._ids):04d}",
+            "id": self.new_id("agent"),
             "type": "agent",
             "created_at": stamp,
             "updated_at": stamp,
@@ -80,6 +202,74 @@ class FakeManaged:
         agent["updated_at"] = now_iso()
         return 200, agent
 
+    def agent_route(self, method: str, parts: list[str], body: dict) -> tuple[int, dict]:
+        if len(parts) == 2 and method == "POST":
+            return 200, self.create_agent(body)
+        if len(parts) == 3 and method == "GET":
+            agent = self.agents.get(parts[2])
+            if agent is None:
+                return 404, error_body("not_found_error", f"no agent {parts[2]}")
+            return 200, agent
+        if len(parts) == 3 and method == "POST":
+            return self.update_agent(parts[2], body)
+        return not_found("agent route")
+
+    # Environments
+
+    def create_environment(self, body: dict) -> dict:
+        stamp = now_iso()
+        environment = {
+            "id": self.new_id("env"),
+            "type": "environment",
+            "archived_at": None,
+            "config": cloud_config(body.get("config")),
+            "created_at": stamp,
+            "updated_at": stamp,
+            "description": body.get("description"),
+            "metadata": dict(body.get("metadata") or {}),
+            "name": body["name"],
+            "scope": body.get("scope"),
+        }
+        self.environments[environment["id"]] = environment
+        return environment
+
+    def update_environment(self, environment: dict, body: dict) -> dict:
+        for key in ("name", "description", "scope"):
+            if body.get(key) is not None:
+                environment[key] = body[key]
+        if "config" in body:
+            environment["config"] = cloud_config(body["config"], environment["config"])
+        # Metadata merges; an empty value removes the key, as the update params document.
+        for key, value in (body.get("metadata") or {}).items():
+            if value in (None, ""):
+                environment["metadata"].pop(key, None)
+            else:
+                environment["metadata"][key] = value
+        environment["updated_at"] = now_iso()
+        return environment
+
+    def environment_route(self, method: str, parts: list[str], body: dict, query: dict) -> tuple[int, dict]:
+        if len(parts) == 2:
+            if method == "POST":
+                return 200, self.create_environment(body)
+            return 200, paginate(list(self.environments.values()), query)
+        environment = self.environments.get(parts[2])
+        if environment is None:
+            return not_found("environment")
+        if len(parts) == 3 and method == "GET":
+            return 200, environment
+        if len(parts) == 3 and method == "POST":
+            return 200, self.update_environment(environment, body)
+        if len(parts) == 3 and method == "DELETE":
+            del self.environments[parts[2]]
+            return 200, {"id": parts[2], "type": "environment_deleted"}
+        if parts[3:] == ["archive"] and method == "POST":
+            environment["archived_at"] = environment["archived_at"] or now_iso()
+            return 200, environment
+        return not_found("environment route")
+
+    # Sessions
+
     def create_session(self, body: dict) -> tuple[int, dict]:
         ref = body["agent"]
         agent_id = ref if isinstance(ref, str) else ref["id"]
@@ -89,7 +279,7 @@ class FakeManaged:
         stamp = now_iso()
         snapshot = {k: v for k, v in agent.items() if k not in ("created_at", "updated_at", "archived_at", "metadata")}
         session = {
-            "id": f"sesn_{next(self._ids):04d}",
+            "id": self.new_id("sesn"),
             "type": "session",
             "agent": snapshot,
             "archived_at": None,
@@ -103,44 +293,103 @@ class FakeManaged:
             "stats": {"active_seconds": 0.0, "duration_seconds": 0.0},
             "status": "idle",
             "title": body.get("title"),
-            "usage": {"active_seconds": 0.0, "input_tokens": 0, "output_tokens": 0},
+            "usage": {
+                "active_seconds": 0.0,
+                "input_tokens": 0,
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation": {"ephemeral_5m_input_tokens": 0},
+                "list_cost": {"amount": "0", "currency": "USD"},
+            },
             "vault_ids": [],
         }
         self.sessions[session["id"]] = session
+        self.events[session["id"]] = []
         return 200, session
 
-    def session_route(self, method: str, parts: list[str], body: dict) -> tuple[int, dict]:
+    def live_session(self, session: dict) -> dict:
+        created = datetime.fromisoformat(session["created_at"].replace("Z", "+00:00"))
+        session["stats"]["duration_seconds"] = (datetime.now(UTC) - created).total_seconds()
+        return session
+
+    def session_route(self, method: str, parts: list[str], body: dict, query: dict) -> tuple[int, dict]:
         if len(parts) == 2 and method == "POST":
             return self.create_session(body)
         session = self.sessions.get(parts[2]) if len(parts) > 2 else None
         if session is None:
-            return 404, error_body("not_found_error", "no such session")
+            return not_found("session")
         if len(parts) == 3 and method == "GET":
-            return 200, session
+            return 200, self.live_session(session)
         if len(parts) == 3 and method == "DELETE":
             del self.sessions[parts[2]]
+            self._changed.notify_all()
             return 200, {"id": parts[2], "type": "session_deleted"}
         if parts[3:] == ["archive"] and method == "POST":
             session["archived_at"] = session["archived_at"] or now_iso()
             return 200, session
-        return 404, error_body("not_found_error", f"{method} {'/'.join(parts)}")
+        if parts[3:] == ["events"] and method == "POST":
+            return self.send_events(session, body)
+        if parts[3:] == ["events"] and method == "GET":
+            return 200, self.list_events(session["id"], query)
+        return not_found("session route")
 
-    def route(self, method: str, path: str, body: dict) -> tuple[int, dict]:
-        parts = path.split("?")[0].strip("/").split("/")
+    # Files (the session's outputs)
+
+    def add_file(self, session_id: str, filename: str, data: bytes, mime_type: str) -> dict:
+        metadata = {
+            "id": self.new_id("file"),
+            "type": "file",
+            "created_at": now_iso(),
+            "filename": filename,
+            "mime_type": mime_type,
+            "size_bytes": len(data),
+            "downloadable": True,
+            "scope": {"type": "session", "id": session_id},
+        }
+        self.files[metadata["id"]] = metadata
+        self.file_contents[metadata["id"]] = data
+        return metadata
+
+    def file_route(self, method: str, parts: list[str], query: dict) -> tuple[int, dict | Raw]:
+        if len(parts) == 2 and method == "GET":
+            return 200, self.list_files(query)
+        metadata = self.files.get(parts[2]) if len(parts) > 2 else None
+        if metadata is None:
+            return not_found("file")
+        if len(parts) == 3 and method == "GET":
+            return 200, metadata
+        if len(parts) == 3 and method == "DELETE":
+            del self.files[parts[2]], self.file_contents[parts[2]]
+            return 200, {"id": parts[2], "type": "file_deleted"}
+        if parts[3:] == ["content"] and method == "GET":
+            return 200, Raw(self.file_contents[parts[2]], metadata["mime_type"])
+        return not_found("file route")
+
+    def list_files(self, query: dict) -> dict:
+        files = sorted(self.files.values(), key=lambda f: f["created_at"], reverse=True)
+        if scope_id := first(query, "scope_id"):
+            files = [f for f in files if f["scope"]["id"] == scope_id]
+        if ids := query.get("ids[]"):
+            return {"data": [f for f in files if f["id"] in ids], "next_page": None}
+        return paginate(files, query)
+
+    # HTTP
+
+    def route(self, method: str, path: str, body: dict, beta: str | None = None) -> tuple[int, dict | Raw]:
+        url = urlsplit(path)
+        parts = url.path.strip("/").split("/")
+        query = parse_qs(url.query)
         with self._lock:
             self.requests.append((method, path))
+            self.beta_headers.append(beta)
             if parts[:2] == ["v1", "agents"]:
-                if len(parts) == 2 and method == "POST":
-                    return 200, self.create_agent(body)
-                if len(parts) == 3 and method == "GET":
-                    agent = self.agents.get(parts[2])
-                    if agent is None:
-                        return 404, error_body("not_found_error", f"no agent {parts[2]}")
-                    return 200, agent
-                if len(parts) == 3 and method == "POST":
-                    return self.update_agent(parts[2], body)
+                return self.agent_route(method, parts, body)
+            if parts[:2] == ["v1", "environments"]:
+                return self.environment_route(method, parts, body, query)
             if parts[:2] == ["v1", "sessions"]:
-                return self.session_route(method, parts, body)
+                return self.session_route(method, parts, body, query)
+            if parts[:2] == ["v1", "files"]:
+                return self.file_route(method, parts, query)
         return 404, error_body("not_found_error", f"{method} {path}")
 
     def _handler_class(self):
@@ -154,11 +403,33 @@ class FakeManaged:
                 length = int(self.headers.get("content-length") or 0)
                 raw = self.rfile.read(length) if length else b""
                 body = json.loads(raw) if raw else {}
-                status, payload = fake.route(method, self.path, body)
-                data = json.dumps(payload).encode()
+                beta = self.headers.get("anthropic-beta")
+                status = fake.take_failure(urlsplit(self.path).path)
+                if status is not None:
+                    with fake._lock:
+                        fake.requests.append((method, self.path))
+                        fake.beta_headers.append(beta)
+                    return self._fail(status)
+                stream_of = fake.stream_session_id(method, self.path)
+                if stream_of is not None:
+                    return fake.serve_stream(self, stream_of, beta)
+                status, payload = fake.route(method, self.path, body, beta)
+                if isinstance(payload, Raw):
+                    return self._send(status, payload.data, payload.content_type)
+                self._send(status, json.dumps(payload).encode(), "application/json")
+
+            def _fail(self, status: int) -> None:
+                kind = ERROR_KINDS.get(status, "api_error")
+                data = json.dumps(error_body(kind, f"injected {status}")).encode()
+                extra = {"retry-after": "1"} if status == 429 else {}
+                self._send(status, data, "application/json", extra)
+
+            def _send(self, status: int, data: bytes, content_type: str, extra: dict | None = None) -> None:
                 self.send_response(status)
-                self.send_header("content-type", "application/json")
+                self.send_header("content-type", content_type)
                 self.send_header("content-length", str(len(data)))
+                for key, value in (extra or {}).items():
+                    self.send_header(key, value)
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -172,7 +443,3 @@ class FakeManaged:
                 self._answer("DELETE")
 
         return Handler
-
-
-def error_body(kind: str, message: str) -> dict:
-    return {"type": "error", "error": {"type": kind, "message": message}}
