@@ -135,7 +135,7 @@ class FakeManaged(EventsMixin):
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def start(self) -> FakeManaged:
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -396,6 +396,10 @@ class FakeManaged(EventsMixin):
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            # Headers and body go out in separate writes; Nagle would hold the body back
+            # for the client's delayed ack, some 40 ms a request.
+            disable_nagle_algorithm = True
+
             def log_message(self, *args) -> None:
                 pass
 
