@@ -2,7 +2,8 @@
 
 Served: versioned agents (`/v1/agents`: create, retrieve, update), environments
 (`/v1/environments`: create, list, retrieve, update, archive, delete), sessions
-(`/v1/sessions`: create, retrieve, archive, delete), session events (send, list, SSE
+(`/v1/sessions`: create, retrieve, archive, delete; file resources: add, list, retrieve,
+delete), session events (send, list, SSE
 stream; see `tests/fake_managed_events.py`) and the session-scoped Files API (`/v1/files`:
 list with `scope_id`, metadata, content, delete). Every answer is shaped so that the SDK's
 own typed beta models validate it, not merely construct it. A session snapshots the agent
@@ -331,7 +332,37 @@ class FakeManaged(EventsMixin):
             return self.send_events(session, body)
         if parts[3:] == ["events"] and method == "GET":
             return 200, self.list_events(session["id"], query)
+        if parts[3:4] == ["resources"]:
+            return self.resource_route(session, method, parts[4:], body, query)
         return not_found("session route")
+
+    def resource_route(self, session: dict, method: str, rest: list[str], body: dict, query: dict) -> tuple[int, dict]:
+        """The session's mounted inputs; its outputs are Files scoped to it, not resources."""
+        resources = session["resources"]
+        if not rest:
+            if method == "POST":
+                return 200, self.add_resource(session, body)
+            return 200, paginate(resources, query)
+        resource = next((r for r in resources if r["id"] == rest[0]), None)
+        if resource is None:
+            return not_found("session resource")
+        if method == "DELETE":
+            resources.remove(resource)
+            return 200, {"id": resource["id"], "type": "session_resource_deleted"}
+        return 200, resource
+
+    def add_resource(self, session: dict, body: dict) -> dict:
+        stamp = now_iso()
+        resource = {
+            "id": self.new_id("sesrsc"),
+            "type": "file",
+            "file_id": body["file_id"],
+            "mount_path": body.get("mount_path") or f"/mnt/session/uploads/{body['file_id']}",
+            "created_at": stamp,
+            "updated_at": stamp,
+        }
+        session["resources"].append(resource)
+        return resource
 
     # Files (the session's outputs)
 

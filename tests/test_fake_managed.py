@@ -17,7 +17,12 @@ from anthropic.types.beta import (
     BetaManagedAgentsDeletedSession,
     BetaManagedAgentsSession,
 )
-from anthropic.types.beta.sessions import BetaManagedAgentsSendSessionEvents, BetaManagedAgentsSessionEvent
+from anthropic.types.beta.sessions import (
+    BetaManagedAgentsDeleteSessionResource,
+    BetaManagedAgentsFileResource,
+    BetaManagedAgentsSendSessionEvents,
+    BetaManagedAgentsSessionEvent,
+)
 
 from tests.fake_managed import FakeManaged
 
@@ -419,6 +424,17 @@ def test_an_output_file_is_listed_under_the_session_and_downloaded(client, manag
     assert client.beta.files.list(scope_id="sesn_other").data == []
     strict(BetaDeletedFile, client.beta.files.delete(listed.data[0].id).model_dump())
     assert client.beta.files.list(scope_id=session.id).data == []
+
+
+def test_a_file_resource_is_mounted_listed_and_removed(client, managed, session):
+    added = client.beta.sessions.resources.add(session.id, type="file", file_id="file_in", mount_path="/mnt/in.csv")
+    strict(BetaManagedAgentsFileResource, managed.sessions[session.id]["resources"][0])
+    assert [r.id for r in client.beta.sessions.resources.list(session.id)] == [added.id]
+    assert client.beta.sessions.resources.retrieve(added.id, session_id=session.id).mount_path == "/mnt/in.csv"
+    strict(BetaManagedAgentsSession, managed.sessions[session.id])
+    deleted = client.beta.sessions.resources.delete(added.id, session_id=session.id)
+    strict(BetaManagedAgentsDeleteSessionResource, deleted.model_dump())
+    assert client.beta.sessions.resources.list(session.id).data == []
 
 
 # Failures on demand
