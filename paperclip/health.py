@@ -13,6 +13,7 @@ from django.db.models import Min
 from django.http import JsonResponse
 from django.utils import timezone
 
+from sessions_app.managed_sessions import managed_state
 from sessions_app.models import HeartbeatRun, RunStatus
 from sessions_app.quota import hold_json, holds_now
 
@@ -51,6 +52,7 @@ def health(request):
             cursor.fetchone()
         runs = run_state(now=timezone.now())
         held = [hold_json(hold) for hold in holds_now()]
+        managed = managed_state()
     except DatabaseError as exc:
         return JsonResponse(
             {"status": "unavailable", "database": {"ok": False, "error": exc.__class__.__name__}},
@@ -65,6 +67,9 @@ def health(request):
             "runs": runs,
             # Provider credentials held by a quota: their runs wait queued until the reset.
             "credentials_held": held,
+            # Managed Agents sessions: ends the provider has not confirmed yet (retried by
+            # the maintenance pass), and those it refused at least once.
+            "managed_sessions": managed,
             "session_store": settings.PAPERCLIP_SESSION_STORE,
             "deployment_mode": settings.PAPERCLIP_DEPLOYMENT_MODE,
         },

@@ -69,6 +69,10 @@ PAPERCLIP_CLAUDE_CLI = env_str("PAPERCLIP_CLAUDE_CLI", "")
 # The Claude Code tools API keys may give an agent in authenticated mode (README, "Claude
 # Code agents"): none unless the operator lists them, as for process commands.
 PAPERCLIP_CLI_TOOLS = env_list("PAPERCLIP_CLI_TOOLS", "")
+# The same for Managed Agents agents (README, "Managed Agents"): the agent toolset's tools,
+# and the hosts their containers may reach (`*`: any, unrestricted networking).
+PAPERCLIP_MANAGED_TOOLS = env_list("PAPERCLIP_MANAGED_TOOLS", "")
+PAPERCLIP_MANAGED_HOSTS = env_list("PAPERCLIP_MANAGED_HOSTS", "")
 PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
 # A generous ceiling on heartbeats that queue work, per API key, in authenticated mode only
 # ("N/s|min|hour|day"); what needs a bound is one agent's queue (below).

@@ -123,12 +123,12 @@ def check_cli_tools(app_configs, **kwargs):
 def check_agent_models(app_configs, **kwargs):
     """A model the catalogue lists as deprecated, with a retirement date, or retired, with
     the agents on it (as `model` or `summary_model`): act before their runs fail."""
-    from sessions_app.model_checks import CHECKED_KEYS, CLAUDE_ADAPTER, catalogue
+    from sessions_app.model_checks import CHECKED_KEYS, CLAUDE_ADAPTERS, catalogue
     from sessions_app.models import Agent, AgentStatus
 
     try:
         agents = list(
-            Agent.objects.filter(adapter_type=CLAUDE_ADAPTER)
+            Agent.objects.filter(adapter_type__in=CLAUDE_ADAPTERS)
             .exclude(status=AgentStatus.DELETED)
             .order_by("name")
             .values_list("name", "adapter_config")

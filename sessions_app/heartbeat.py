@@ -59,6 +59,7 @@ from sessions_app.context import (
 from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure
 from sessions_app.hot_sql import agent_not_deleted_locked
 from sessions_app.keep_warm import keep_warm_arm
+from sessions_app.managed_sessions import ManagedSessionHandle, managed_ends_for_sessions
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -66,6 +67,7 @@ from sessions_app.models import (
     AgentSession,
     AgentStatus,
     HeartbeatRun,
+    ManagedEndAction,
     RunStatus,
     SessionStatus,
 )
@@ -330,6 +332,8 @@ def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
     cost = beat.calls.cost_usd
     kept = {"cost_usd": cost}
     report = failure.runtime_report if isinstance(failure, AdapterError) else None
+    if isinstance(failure, AdapterError):
+        kept["active_seconds"] = failure.active_seconds
     if report is not None:
         kept["runtime_report"] = {**report, "ledger_cost_usd": str(cost) if cost is not None else None}
     run_fail(beat.run, code=failure.code, message=failure.message, now=beat.clock(), **kept)
@@ -407,7 +411,11 @@ class OwnSession:
 
     def fit(self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall) -> tuple[Plan, AdapterRequest]:
         request = build_request(agent=beat.agent, history=[], user_content=user_content, settings=beat.settings_)
-        return plan, replace(request, own_session=SessionTranscripts(plan.session, agent_id=beat.agent.id))
+        if beat.calls.adapter.own_session_store == "managed":
+            own = ManagedSessionHandle(plan.session, agent=beat.agent, run=beat.run)
+        else:
+            own = SessionTranscripts(plan.session, agent_id=beat.agent.id)
+        return plan, replace(request, own_session=own)
 
 
 def session_strategy(adapter) -> SessionStrategy:
@@ -544,6 +552,7 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
                     input_tokens=counts.total_input_tokens if counts is not None else None,
                     output_tokens=counts.output_tokens if counts is not None else None,
                     new_messages=2 + len(reply.exchanges),
+                    active_seconds=reply.active_seconds,
                 )
             outcome = _run_outcome(session, reply, counts, cost, finished=finished, replayed=replayed)
             if not HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(**outcome):
@@ -717,6 +726,8 @@ def _session_retire(plan: Plan, *, now: datetime) -> None:
                 "session_deleted", "The session being rotated was deleted while the handoff was written."
             )
         raise RunAbandoned("session_conflict", "The session being rotated ended while the handoff was written.")
+    if retired:  # its remote Managed Agents session, if any, is archived after the commit
+        managed_ends_for_sessions([plan.retire.pk], action=ManagedEndAction.ARCHIVE)
     # Whoever ended it, its unbilled time is billed once (the bill zeroes what it bills).
     session_hours_bill(session_ids=[plan.retire.pk], now=now)
 

@@ -25,6 +25,7 @@ from sessions_app.agent_health import agents_health_check
 from sessions_app.batches import batches_poll
 from sessions_app.cache_refresh import cache_refreshes_queue
 from sessions_app.cli_transcripts import cli_sessions_delete
+from sessions_app.managed_sessions import managed_ends_for_sessions, managed_ends_process, managed_orphans_end
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     ENDED_SESSION_STATUSES,
@@ -35,6 +36,7 @@ from sessions_app.models import (
     AgentStatus,
     HeartbeatRun,
     HistoryStore,
+    ManagedEndAction,
     PausedReason,
     RunStatus,
     SessionStatus,
@@ -69,6 +71,13 @@ def sessions_expire(*, now: datetime) -> int:
             .exclude(id__in=in_use())
             .update(status=SessionStatus.EXPIRED, ended_at=F("expires_at"), end_reason="ttl")
         )
+        if expired:  # the remote sessions of those that expired are archived after the commit
+            managed_ends_for_sessions(
+                AgentSession.objects.filter(id__in=ids, status=SessionStatus.EXPIRED, end_reason="ttl").values_list(
+                    "id", flat=True
+                ),
+                action=ManagedEndAction.ARCHIVE,
+            )
         session_hours_bill(session_ids=ids, statuses=ENDED_SESSION_STATUSES, now=now)
     return expired
 
@@ -216,6 +225,8 @@ MAINTENANCE_STEPS = {
     "models_refreshed": models_refresh,
     "batches": lambda *, now: batches_poll(now=now),
     "cache_refreshes": cache_refreshes_queue,
+    "managed_orphans": managed_orphans_end,
+    "managed_session_ends": managed_ends_process,
 }
 
 

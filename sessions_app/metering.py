@@ -46,14 +46,16 @@ def session_hours_bill(*, session_ids, now: datetime, statuses=None) -> int:
     return billed
 
 
-def session_run_time_record(*, session_id, started: datetime, finished: datetime, expires_at: datetime) -> None:
+def session_run_time_record(
+    *, session_id, started: datetime, finished: datetime, expires_at: datetime, active_seconds: float | None = None
+) -> None:
     """A run of the session ended without a turn to record (it failed, was reaped, or was a
     compaction): the time it was in progress is active time, billed with the rest when the
     session pauses or ends (an ended session's by the maintenance pass); a live session
     expires no sooner than `expires_at` (its TTL counted from the end of the run). Called by
     whoever ended the run, once (`run_fail` and the compaction decide by a conditional
-    update of the run)."""
-    seconds = max((finished - started).total_seconds(), 0.0)
+    update of the run). `active_seconds`: the provider's own measure, when it has one."""
+    seconds = max((finished - started).total_seconds(), 0.0) if active_seconds is None else active_seconds
     AgentSession.objects.filter(pk=session_id).update(
         active_seconds=F("active_seconds") + seconds,
         unbilled_active_seconds=F("unbilled_active_seconds") + seconds,

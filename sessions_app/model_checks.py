@@ -26,8 +26,9 @@ from sessions_app.adapters import AgentConfigError
 
 # The line whose newest model is the default model (README, "Agent configuration").
 DEFAULT_LINE = "sonnet"
-# The adapter whose models are Claude's (the `process` adapter runs any command's own).
+# The adapters whose models are Claude's (the `process` adapter runs any command's own).
 CLAUDE_ADAPTER = "claude-code"
+CLAUDE_ADAPTERS = (CLAUDE_ADAPTER, "claude-managed")
 CHECKED_KEYS = ("model", "summary_model")
 
 
@@ -46,7 +47,7 @@ def default_model() -> str:
 
 def with_default_model(adapter_type: object, config: object) -> object:
     """`config` with the default model filled in when a `claude-code` agent names none."""
-    if adapter_type != CLAUDE_ADAPTER or not isinstance(config, dict) or "model" in config:
+    if adapter_type not in CLAUDE_ADAPTERS or not isinstance(config, dict) or "model" in config:
         return config
     model = default_model()
     if not model:
@@ -75,7 +76,7 @@ def agent_models_validate(*, adapter_type: str, config: dict, previous: dict | N
     """Refuse a `claude-code` agent's model, summary model or max_tokens (see the module),
     each checked when set or changed (`previous`: the stored configuration, None for a new
     agent). Raises AgentConfigError naming the fields."""
-    if adapter_type != CLAUDE_ADAPTER:
+    if adapter_type not in CLAUDE_ADAPTERS:
         return
     previous = previous if isinstance(previous, dict) else {}
     errors = {}

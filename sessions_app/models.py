@@ -70,7 +70,7 @@ class HealthState(models.TextChoices):
 
 
 # Agent columns only the engine writes (by conditional UPDATE), never a save of the row.
-ENGINE_FIELDS = frozenset({"idle_streak", "health_state", "health_changed_at"})
+ENGINE_FIELDS = frozenset({"idle_streak", "health_state", "health_changed_at", "managed_remote"})
 
 
 class Agent(models.Model):
@@ -97,6 +97,10 @@ class Agent(models.Model):
         max_length=16, choices=HealthState.choices, default=HealthState.OK, db_default=HealthState.OK, editable=False
     )
     health_changed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # `claude-managed` (`sessions_app.managed_sessions`): the remote agent and environment
+    # this agent runs as at Anthropic, the agent's version, and the digest of the
+    # configuration they were made from (a changed configuration makes a new version).
+    managed_remote = models.JSONField(null=True, blank=True, default=None, editable=False)
 
     class Meta:
         db_table = "agents"
@@ -277,6 +281,12 @@ class AgentSession(models.Model):
     # (NULL: none). A refresh is no use of the session: it never moves last_used or expiry.
     keep_warm = models.JSONField(null=True, blank=True, default=None)
     cache_refresh_at = models.DateTimeField(null=True, blank=True)
+    # `claude-managed`: the Managed Agents session this one is at Anthropic, which a
+    # heartbeat sends its task to; the remote session keeps the conversation, this row a
+    # mirror of it. Ending this row archives it, deleting this row deletes it
+    # (`ManagedSessionEnd`). NULL for every other runtime (a nullable column is added to
+    # this table without rebuilding it under the ledger's triggers on SQLite).
+    managed_session_id = models.CharField(max_length=128, null=True, blank=True, default=None)
 
     class Meta:
         db_table = "agent_sessions"
@@ -359,13 +369,15 @@ class AgentSession(models.Model):
         output_tokens: int | None,
         new_messages: int = 2,
         replayed: bool = True,
+        active_seconds: float | None = None,
     ) -> None:
         """A heartbeat's answer, committed to this session and saved: `new_messages` more
         messages (the task and the answer, and the tool loop's turns between them), the
         clocks restarted from the end of the run (`finished`), the run's active time and
         tokens added (its cost is the ledger's: see `total_cost_usd`). Called inside the heartbeat's commit, with the row locked and its
         new history staged (`sessions_app.stores`). A turn not `replayed` (a nothing-to-do
-        answer) adds no message and no turn; its call is still counted and billed."""
+        answer) adds no message and no turn; its call is still counted and billed. The
+        active time is the run's unless the runtime measured it (`active_seconds`)."""
         self.message_count = message_count
         if replayed:
             self.next_seq += new_messages
@@ -376,7 +388,7 @@ class AgentSession(models.Model):
         self.status = SessionStatus.ACTIVE
         self.paused_at = None
         self.pause_at = finished + idle_pause
-        active = max((finished - started).total_seconds(), 0.0)
+        active = max((finished - started).total_seconds(), 0.0) if active_seconds is None else active_seconds
         self.active_seconds += active
         self.unbilled_active_seconds += active
         if input_tokens is not None:
@@ -515,6 +527,9 @@ class HeartbeatRun(models.Model):
     batch_request = models.JSONField(null=True, blank=True)
     batch_answer = models.JSONField(null=True, blank=True)
     batch_deadline_at = models.DateTimeField(null=True, blank=True)
+    # `claude-managed`: the remote session this run sent its task to, written before the
+    # task is sent, so a session the run created is never lost to a worker's death.
+    managed_session_id = models.CharField(max_length=128, null=True, blank=True, default=None)
 
     # Set by the claim, not stored: the credential this run was claimed to probe (the one
     # run let through when a hold on it ends), or None; and, when a hold kept it queued,
@@ -539,6 +554,11 @@ class HeartbeatRun(models.Model):
             # The console's failed runs of the last day, by error code and by agent
             # (paperclip/console.py): failures only, so it stays a fraction of the table.
             models.Index(fields=["created_at"], name="runs_failed_created_idx", condition=Q(status="failed")),
+            # Managed Agents orphans (`managed_orphans_end`): the last day's runs that made a
+            # remote session (none for other runtimes).
+            models.Index(
+                fields=["finished_at"], name="runs_managed_finished_idx", condition=Q(managed_session_id__isnull=False)
+            ),
             # The batch poll's scan: only submitted runs.
             models.Index(
                 fields=["batch_state", "created_at"], name="runs_submitted_idx", condition=Q(status="submitted")
@@ -759,3 +779,47 @@ class PinnedFact(models.Model):
             self.text = pin_text_validate(self.text)
         except PinRefused as exc:
             raise ValidationError({"text": exc.message}) from None
+
+
+class ManagedEndAction(models.TextChoices):
+    ARCHIVE = "archive"
+    DELETE = "delete"
+
+
+class ManagedSessionEnd(models.Model):
+    """A remote Managed Agents session to archive or delete at Anthropic: written in the
+    transaction that ends or deletes the session here, carried out after it
+    (`sessions_app.managed_sessions.managed_ends_process`) and retried by the maintenance
+    pass until the provider confirms it, so our row and the remote session always end up
+    agreeing. A failure is kept and shown (admin, /api/health), never forgotten."""
+
+    id = models.BigAutoField(primary_key=True)
+    remote_session_id = models.CharField(max_length=128)
+    action = models.CharField(max_length=16, choices=ManagedEndAction.choices)
+    company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="+", db_index=False)
+    # Plain ids: the session row (and, for a hard delete, the agent) may be gone.
+    agent_id = models.UUIDField(null=True, blank=True)
+    session_id = models.UUIDField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_default=Now(), editable=False)
+    attempts = models.PositiveIntegerField(default=0, db_default=0)
+    last_error = models.TextField(blank=True, default="", db_default="")
+    next_attempt_at = models.DateTimeField(default=timezone.now, db_default=Now())
+    done_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "managed_session_ends"
+        ordering = ["-created_at"]
+        indexes = [
+            # The maintenance pass's retries falling due (normally none).
+            models.Index(
+                fields=["next_attempt_at"], name="managed_ends_pending_idx", condition=Q(done_at__isnull=True)
+            ),
+            models.Index(fields=["company", "-created_at"], name="managed_ends_company_idx"),
+        ]
+        constraints = [
+            # A remote session is archived at most once and deleted at most once.
+            models.UniqueConstraint(fields=["remote_session_id", "action"], name="managed_ends_one_per_action"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.remote_session_id}"

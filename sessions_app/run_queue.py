@@ -459,7 +459,16 @@ def run_cost_refresh(*, run_id) -> None:
     HeartbeatRun.objects.filter(id=run_id).update(cost_usd=spend_of("run_id"))
 
 
-def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, overdue: bool = False, **kept) -> bool:
+def run_fail(
+    run: HeartbeatRun,
+    *,
+    code: str,
+    message: str,
+    now: datetime,
+    overdue: bool = False,
+    active_seconds: float | None = None,
+    **kept,
+) -> bool:
     """End a queued or running run as failed, whoever ends it: its worker, its claim, or
     (`overdue`: only a run still running past its deadline at `now`) the reaper. True when
     this call ended it.
@@ -467,8 +476,9 @@ def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, overd
     Of two enders (the reaper and a worker that was not dead after all) one update wins,
     and only the winner gives the run's session what a run's end owes it: the time the
     run was in progress, as active time, and a TTL counted from `now`
-    (`session_run_time_record`). The session row is locked before the run's, in the order
-    the heartbeat's commit takes them, so that a reaper and a committing worker never
+    (`session_run_time_record`; `active_seconds`: the provider's measure of it, when the
+    runtime has one). The session row is locked before the run's, in the order the
+    heartbeat's commit takes them, so that a reaper and a committing worker never
     deadlock."""
     with transaction.atomic():
         _run_session_lock(run_id=run.id)
@@ -486,7 +496,7 @@ def run_fail(run: HeartbeatRun, *, code: str, message: str, now: datetime, overd
             **kept,
         ):
             return False
-        ended_run_session_record(run_id=run.id, now=now)
+        ended_run_session_record(run_id=run.id, now=now, active_seconds=active_seconds)
     return True
 
 
@@ -522,10 +532,13 @@ def _run_session_lock(*, run_id) -> None:
         AgentSession.objects.select_for_update().filter(pk=linked).values_list("pk", flat=True).first()
 
 
-def ended_run_session_record(*, run_id, now: datetime, started: datetime | None = None) -> None:
+def ended_run_session_record(
+    *, run_id, now: datetime, started: datetime | None = None, active_seconds: float | None = None
+) -> None:
     """Inside the transaction that ended a run's attempt (failed, or put back in the queue
     by a quota): its session, if it has one, counts the attempt's time (from `started`, by
-    default the row's) as active time, and its TTL from `now`."""
+    default the row's; `active_seconds` when the provider measured it) as active time, and
+    its TTL from `now`."""
     ended = (
         HeartbeatRun.objects.filter(id=run_id, session__isnull=False)
         .values("session_id", "started_at", "agent__adapter_config")
@@ -534,4 +547,10 @@ def ended_run_session_record(*, run_id, now: datetime, started: datetime | None 
     started = started or (ended["started_at"] if ended is not None else None)
     if ended is not None and started is not None:
         ttl = Agent(adapter_config=ended["agent__adapter_config"] or {}).session_ttl
-        session_run_time_record(session_id=ended["session_id"], started=started, finished=now, expires_at=now + ttl)
+        session_run_time_record(
+            session_id=ended["session_id"],
+            started=started,
+            finished=now,
+            expires_at=now + ttl,
+            active_seconds=active_seconds,
+        )

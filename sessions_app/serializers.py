@@ -372,6 +372,10 @@ class SessionDetailSerializer(SessionSerializer):
         read_only=True, help_text='Claude Code\'s own id of the session (`runtime: "cli"`); empty otherwise.'
     )
 
+    managed_session_id = serializers.SerializerMethodField(
+        help_text="The Managed Agents session this one is at Anthropic (`claude-managed`); empty otherwise."
+    )
+
     keep_warm = serializers.SerializerMethodField(
         help_text="Keep-warm: the last decision whether to refresh the cached prompt before the next wake "
         "(its figures in USD, from the price source), when the next refresh is due, and what the "
@@ -380,8 +384,18 @@ class SessionDetailSerializer(SessionSerializer):
     )
 
     class Meta(SessionSerializer.Meta):
-        fields = [*SessionSerializer.Meta.fields, "manifest", "cli_session_id", "keep_warm", "history"]
+        fields = [
+            *SessionSerializer.Meta.fields,
+            "manifest",
+            "cli_session_id",
+            "managed_session_id",
+            "keep_warm",
+            "history",
+        ]
         read_only_fields = fields
+
+    def get_managed_session_id(self, session) -> str:
+        return session.managed_session_id or ""
 
     def get_keep_warm(self, session) -> dict | None:
         return keep_warm_report(session)

@@ -16,6 +16,7 @@ from costs_app.alerts import budget_alerts_fire
 from costs_app.budgets import budget_uses, budgets_releasable, crossed_scopes
 from memory_app.stores import agent_memory_delete
 from sessions_app.cli_transcripts import cli_sessions_delete
+from sessions_app.managed_sessions import managed_ends_for_sessions
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -25,6 +26,7 @@ from sessions_app.models import (
     AgentStatus,
     HeartbeatRun,
     HistoryStore,
+    ManagedEndAction,
     PausedReason,
     RunStatus,
     SessionStatus,
@@ -54,6 +56,8 @@ def sessions_delete(*, sessions: QuerySet[AgentSession], now: datetime) -> int:
         rows = list(sessions.values_list("id", "agent_id", "store", "cli_session_id"))
         # Claude Code transcripts: their rows go with this transaction, files after it.
         cli_sessions_delete([(agent_id, cli_id) for _, agent_id, _, cli_id in rows])
+        # Managed Agents sessions: deleted at the provider after this commit, retried until done.
+        managed_ends_for_sessions([row[0] for row in rows], action=ManagedEndAction.DELETE)
         # Active time already spent is billed before the session goes.
         session_hours_bill(session_ids=[row[0] for row in rows], now=now)
         count, _ = AgentSession.objects.filter(id__in=[row[0] for row in rows]).delete()
@@ -73,6 +77,8 @@ def session_expire(*, session: AgentSession, now: datetime) -> bool:
         updated = AgentSession.objects.filter(pk=session.pk, status__in=LIVE_SESSION_STATUSES).update(
             status=SessionStatus.EXPIRED, expires_at=now, ended_at=now, end_reason="expired_by_operator"
         )
+        if updated:
+            managed_ends_for_sessions([session.pk], action=ManagedEndAction.ARCHIVE)
         session_hours_bill(session_ids=[session.pk], now=now)
     return bool(updated)
 

@@ -72,3 +72,9 @@ def cache_refresh(session_id: str) -> str:
     from sessions_app.cache_refresh import session_cache_refresh
 
     return session_cache_refresh(session_id=session_id)
+
+
+def managed_ends() -> int:
+    from sessions_app.managed_sessions import managed_ends_process
+
+    return managed_ends_process(now=timezone.now())

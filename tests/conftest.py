@@ -31,6 +31,7 @@ from sessions_app.models import Agent, AgentSession, Company, HeartbeatRun, Hist
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.stores import store_for
 from tests.fake_anthropic import CATALOGUE, FakeAnthropic, plain_messages, plain_system
+from tests.fake_managed import FakeManaged
 
 FAKE_API_KEY = "sk-ant-test-0000-secret-never-logged"
 
@@ -210,6 +211,29 @@ def fake_anthropic(monkeypatch):
     """`fake_api` for one test: a reply action that broke fails the test."""
     with fake_api(monkeypatch) as fake:
         yield fake
+
+
+@pytest.fixture
+def fake_managed(monkeypatch):
+    """The Managed Agents fake on 127.0.0.1, which the real SDK reaches through the environment."""
+    fake = FakeManaged().start()
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.base_url)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", FAKE_API_KEY)
+    try:
+        yield fake
+    finally:
+        fake.stop()
+
+
+def managed_agent(company: Company, **config) -> Agent:
+    """A `claude-managed` agent (persistent unless `session_mode` says otherwise)."""
+    return Agent.objects.create(
+        company=company,
+        name="Remote",
+        system_prompt="You work remotely.",
+        adapter_type="claude-managed",
+        adapter_config={"model": "claude-sonnet-4-5", "session_mode": "persistent", **config},
+    )
 
 
 def on_own_connection(action):

@@ -140,6 +140,8 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "models_refreshed",
         "cache_refreshes",
         "batches",
+        "managed_orphans",
+        "managed_session_ends",
     }
     assert result["batches"] == {"submitted": 0, "read": 0, "committed": 0}
 

@@ -12,6 +12,7 @@ from sessions_app.adapters.base import (
     validate_common,
 )
 from sessions_app.adapters.claude_code import ClaudeCodeAdapter
+from sessions_app.adapters.claude_managed import ClaudeManagedAdapter
 from sessions_app.adapters.process import ProcessAdapter
 from sessions_app.text import holds_unstorable, storable
 
@@ -21,6 +22,7 @@ from sessions_app import work_checks  # noqa: E402  isort: skip
 
 ADAPTERS: dict[str, Adapter] = {
     ClaudeCodeAdapter.type_name: ClaudeCodeAdapter(),
+    ClaudeManagedAdapter.type_name: ClaudeManagedAdapter(),
     ProcessAdapter.type_name: ProcessAdapter(),
 }
 

@@ -116,6 +116,9 @@ class AdapterReply:
     tool_rounds: int = 0
     # What the provider said is left of its rate limits (`rate_limits.Headroom`), if it did.
     headroom: Any = None
+    # The session's active time this call by the provider's own measure (Managed Agents'
+    # `usage.active_seconds`), which its session hours are priced on; None: the run's clock.
+    active_seconds: float | None = None
 
     @property
     def priced_model(self) -> str:
@@ -180,12 +183,23 @@ class BatchResult:
 class AdapterError(RunFailure):
     """A model call that failed. `code` is stable and stored on the run for operators."""
 
-    def __init__(self, code: str, message: str, *, retryable: bool = False, runtime_report: dict | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        retryable: bool = False,
+        runtime_report: dict | None = None,
+        active_seconds: float | None = None,
+    ) -> None:
         super().__init__(code, message)
         self.retryable = retryable
         # What a runtime stopped short (at one of its caps, its timeout) reports of the work
         # it did: kept on the failed run, as on a succeeded one.
         self.runtime_report = runtime_report
+        # The session's active time during the failed call by the provider's measure
+        # (`AdapterReply.active_seconds`); None: the run's clock.
+        self.active_seconds = active_seconds
 
 
 class QuotaRefused(AdapterError):
@@ -217,6 +231,10 @@ class Adapter:
     # (planned, rotated, compacted to fit). True: the runtime resumes a session it keeps
     # itself; the engine sends only the new turn and records the turn it reports back.
     keeps_own_session: ClassVar[bool] = False
+    # Where the engine keeps such a session: "cli_transcripts" (Claude Code's transcript,
+    # `sessions_app.cli_transcripts`) or "managed" (the remote session's id and mirror,
+    # `sessions_app.managed_sessions`).
+    own_session_store: ClassVar[str] = ""
     # True: one call may make several model requests, whose usage the runtime reports to
     # `request.meter` as each ends (Claude Code); the engine bills the reply's usage otherwise.
     bills_while_running: ClassVar[bool] = False

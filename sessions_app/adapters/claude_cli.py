@@ -452,6 +452,7 @@ FAILURES = {
 class ClaudeCliAdapter(Adapter):
     type_name = "claude-code"
     keeps_own_session = True  # the CLI resumes its own session; the engine sends only the new turn
+    own_session_store = "cli_transcripts"
     bills_while_running = True  # each model request Claude Code makes is billed as it ends
     config_keys = CONFIG_KEYS
 

@@ -112,6 +112,7 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
                 "fields": [
                     "store",
                     "cli_session_id",
+                    "managed_session_id",
                     ("paused_at", "pause_at"),
                     "active_seconds",
                     ("ended_at", "end_reason"),
@@ -151,6 +152,7 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
         "total_output_tokens",
         "store",
         "cli_session_id",
+        "managed_session_id",
         "ended_at",
         "end_reason",
         "history_purged_at",

@@ -11,7 +11,15 @@ import pytest
 from django.utils import timezone
 
 from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, Budget, BudgetAlert, CostEvent, ModelPrice
-from sessions_app.models import AgentSession, ApiKey, HeartbeatRun, HistoryStore, RunStatus, SessionStatus
+from sessions_app.models import (
+    AgentSession,
+    ApiKey,
+    HeartbeatRun,
+    HistoryStore,
+    ManagedSessionEnd,
+    RunStatus,
+    SessionStatus,
+)
 from sessions_app.stores import store_for
 from tests.conftest import catalogue_stored
 
@@ -163,4 +171,7 @@ def full_house(db, company, persistent_agent, stateless_agent, other_agent):
     catalogue_stored()
     ModelPrice.from_list_price("claude-opus-5-5", now.date(), Decimal("3"), Decimal("15")).save()
     hold_and_event(budget, now=now)
+    ManagedSessionEnd.objects.create(
+        remote_session_id="sesn_demo", action="delete", company=company, attempts=2, last_error="Could not reach it."
+    )
     return {"session": session, "db_session": db_session, "run": run, "key": key}

@@ -1,0 +1,562 @@
+"""`claude-managed`: the agent runs on Claude Managed Agents, through the `anthropic` SDK's
+`client.beta` (agents, environments, sessions and their events; the SDK sends the beta
+header `managed-agents-2026-04-01` itself).
+
+The session lives at Anthropic: a heartbeat sends its task as a `user.message` event to
+the remote session and reads the session's event stream until it is idle again. The
+engine keeps the mapping, the mirror of the conversation, the ledger and the session's
+end (`sessions_app.managed_sessions`), handed to each run as `request.own_session`: this
+module touches no model and no transaction.
+
+- Money: every `span.model_request_end` is billed through the engine's meter the moment it
+  arrives, priced like any call; session hours come from the remote session's
+  `usage.active_seconds` (what the service prices its runtime on), not our clock.
+- A stateless agent's session is made for one heartbeat and archived when it ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from decimal import ROUND_DOWN, Decimal
+from typing import Any, Protocol
+
+from django.conf import settings
+
+from sessions_app.adapters.base import (
+    Adapter,
+    AdapterError,
+    AdapterReply,
+    AdapterRequest,
+    is_number,
+    usage_error,
+    validate_model,
+    validate_timeout,
+)
+from sessions_app.adapters.claude_cli import api_usage, usage_total
+from sessions_app.adapters.claude_code import client_for, error_from_sdk
+from sessions_app.adapters.rate_limits import api_credential
+
+logger = logging.getLogger(__name__)
+
+TOOLSET = "agent_toolset_20260401"
+# The agent toolset's tools (`BetaManagedAgentsAgentToolConfigParams`).
+TOOL_NAMES = ("bash", "edit", "read", "write", "glob", "grep", "web_fetch", "web_search")
+DEFAULT_TOOLS = ["bash", "edit", "read", "write", "glob", "grep"]
+PERMISSIONS = ("always_allow", "always_ask")
+PACKAGE_MANAGERS = ("apt", "cargo", "gem", "go", "npm", "pip")
+DEFAULT_TIMEOUT_SECONDS = 600
+MAX_BUDGET_USD = 1000
+CONFIG_KEYS = {"model", "tools", "environment", "max_budget_usd", "timeout_seconds"}
+# How the remote session's idle states end a run that is not a plain end of turn.
+STOP_FAILURES = {
+    "budget_reached": ("managed_budget_reached", "The session reached its budget (max_budget_usd)."),
+    "retries_exhausted": ("managed_retries_exhausted", "The session gave up after its model retries."),
+    "refusal": ("managed_refusal", "The model refused to continue."),
+    "requires_action": ("managed_requires_action", "The session waits for a tool confirmation."),
+}
+RESULT_CHARS = 2000
+
+
+# --- configuration ------------------------------------------------------------------------
+
+
+def _tools(config: dict, errors: dict[str, str]) -> list[dict]:
+    """`tools`: names of the agent toolset's tools, or `{"name": ..., "permission":
+    "always_allow" | "always_ask"}`; a name alone is always allowed."""
+    raw = config.get("tools", DEFAULT_TOOLS)
+    tools: list[dict] = []
+    if isinstance(raw, list):
+        for entry in raw:
+            tool = {"name": entry, "permission": "always_allow"} if isinstance(entry, str) else entry
+            if (
+                not isinstance(tool, dict)
+                or set(tool) - {"name", "permission"}
+                or tool.get("name") not in TOOL_NAMES
+                or tool.get("permission", "always_allow") not in PERMISSIONS
+            ):
+                tools = []
+                break
+            tools.append({"name": tool["name"], "permission": tool.get("permission", "always_allow")})
+        else:
+            if len({tool["name"] for tool in tools}) == len(tools):
+                return tools
+    errors["tools"] = (
+        f"must be a list of tool names ({', '.join(TOOL_NAMES)}), each once, or objects "
+        f"{{'name': ..., 'permission': 'always_allow' | 'always_ask'}}; got {raw!r}"
+    )
+    return tools
+
+
+def _environment(config: dict, errors: dict[str, str]) -> dict:
+    """`environment`: `networking` ("unrestricted", or `{"allowed_hosts": [...],
+    "allow_package_managers": bool}` for limited) and `packages` by manager."""
+    raw = config.get("environment", {})
+    problem = None
+    if not isinstance(raw, dict) or set(raw) - {"networking", "packages"}:
+        problem = "must be an object with 'networking' and 'packages'"
+    else:
+        networking = raw.get("networking", {"allowed_hosts": []})
+        packages = raw.get("packages", {})
+        if networking != "unrestricted" and not (
+            isinstance(networking, dict)
+            and not set(networking) - {"allowed_hosts", "allow_package_managers"}
+            and _strings(networking.get("allowed_hosts", []), longest=253)
+            and isinstance(networking.get("allow_package_managers", False), bool)
+        ):
+            problem = (
+                "networking must be 'unrestricted' or {'allowed_hosts': [host, ...], 'allow_package_managers': bool}"
+            )
+        elif not (isinstance(packages, dict) and set(packages) <= set(PACKAGE_MANAGERS)) or not all(
+            _strings(names, longest=200) for names in packages.values()
+        ):
+            problem = f"packages must map {', '.join(PACKAGE_MANAGERS)} to lists of package names"
+        elif packages and isinstance(networking, dict) and not networking.get("allow_package_managers"):
+            problem = "packages need networking 'unrestricted' or allow_package_managers: true"
+        else:
+            return {"networking": networking, "packages": packages}
+    errors["environment"] = f"{problem}; got {raw!r}"
+    return raw if isinstance(raw, dict) else {}
+
+
+def _strings(value: Any, *, longest: int) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(item, str) and item.strip() and len(item) <= longest for item in value
+    )
+
+
+def validate_managed_config(config: dict, errors: dict[str, str]) -> dict:
+    clean: dict[str, Any] = {}
+    validate_model(config, errors, clean)
+    clean["tools"] = _tools(config, errors)
+    clean["environment"] = _environment(config, errors)
+    if "max_budget_usd" in config:
+        cap = config["max_budget_usd"]
+        if cap is not None and (not is_number(cap) or not Decimal("0.01") <= Decimal(str(cap)) <= MAX_BUDGET_USD):
+            errors["max_budget_usd"] = f"must be a number of dollars in [0.01, {MAX_BUDGET_USD}] or null, got {cap!r}"
+        clean["max_budget_usd"] = cap
+    validate_timeout(config, errors, clean, default=DEFAULT_TIMEOUT_SECONDS)
+    if config.get("context_strategy") not in (None, "none"):
+        errors["context_strategy"] = "a Managed Agents session manages its own context: leave it unset or 'none'"
+    errors.update(
+        authenticated_problems(
+            clean,
+            mode=settings.PAPERCLIP_DEPLOYMENT_MODE,
+            tools=settings.PAPERCLIP_MANAGED_TOOLS,
+            hosts=settings.PAPERCLIP_MANAGED_HOSTS,
+        )
+    )
+    return clean
+
+
+def authenticated_problems(config: dict, *, mode: str, tools: tuple, hosts: tuple) -> dict[str, str]:
+    """What an API key may not give a Managed Agents agent in `authenticated` mode: the
+    tools and the hosts its container reaches are the operator's to grant
+    (PAPERCLIP_MANAGED_TOOLS, PAPERCLIP_MANAGED_HOSTS; `*` among the hosts permits
+    unrestricted networking)."""
+    if mode != "authenticated":
+        return {}
+    problems = {}
+    names = [tool["name"] for tool in config.get("tools") or []]
+    if refused := [name for name in names if name not in tools]:
+        listed = ", ".join(tools) if tools else "none: the operator lists them"
+        problems["tools"] = (
+            f"{', '.join(map(repr, refused))} may not be used in authenticated mode; "
+            f"PAPERCLIP_MANAGED_TOOLS permits {listed}"
+        )
+    environment = config.get("environment") or {}
+    networking = environment.get("networking")
+    if networking == "unrestricted" and "*" not in hosts:
+        problems["environment"] = "unrestricted networking needs '*' in PAPERCLIP_MANAGED_HOSTS in authenticated mode"
+    elif isinstance(networking, dict):
+        wanted = networking.get("allowed_hosts") or []
+        if refused := [host for host in wanted if host not in hosts and "*" not in hosts]:
+            listed = ", ".join(hosts) if hosts else "none: the operator lists them"
+            problems["environment"] = (
+                f"hosts {', '.join(map(repr, refused))} may not be reached in authenticated mode; "
+                f"PAPERCLIP_MANAGED_HOSTS permits {listed}"
+            )
+    return problems
+
+
+def budget_cents(config: dict) -> int | None:
+    """The session's enforced budget in cents, never above what the agent allows."""
+    cap = config.get("max_budget_usd")
+    if cap is None:
+        return None
+    return int((Decimal(str(cap)) * 100).to_integral_value(rounding=ROUND_DOWN))
+
+
+# --- the remote agent and environment ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RemoteAgent:
+    """The agent and environment at Anthropic that an agent runs as, and the digests of
+    the configuration each was last made from."""
+
+    agent_id: str
+    version: int
+    environment_id: str
+    agent_digest: str
+    environment_digest: str
+
+    def as_json(self) -> dict:
+        return self.__dict__.copy()
+
+    @classmethod
+    def of(cls, stored: dict | None) -> RemoteAgent | None:
+        try:
+            return cls(**stored) if stored else None
+        except TypeError:
+            return None  # stored by another version of this module: made again
+
+
+def digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def agent_params(request: AdapterRequest) -> dict:
+    tools = request.config.get("tools", [])
+    return {
+        "model": request.model,
+        "system": request.system or None,
+        "tools": [
+            {
+                "type": TOOLSET,
+                "default_config": {"enabled": False},
+                "configs": [
+                    {"name": tool["name"], "enabled": True, "permission_policy": {"type": tool["permission"]}}
+                    for tool in tools
+                ],
+            }
+        ],
+    }
+
+
+def environment_config(config: dict) -> dict:
+    environment = config.get("environment") or {}
+    networking = environment.get("networking", {"allowed_hosts": []})
+    cloud: dict[str, Any] = {"type": "cloud"}
+    if networking == "unrestricted":
+        cloud["networking"] = {"type": "unrestricted"}
+    else:
+        cloud["networking"] = {
+            "type": "limited",
+            "allowed_hosts": list(networking.get("allowed_hosts", [])),
+            "allow_package_managers": bool(networking.get("allow_package_managers", False)),
+        }
+    if environment.get("packages"):
+        cloud["packages"] = {"type": "packages", **environment["packages"]}
+    return cloud
+
+
+def remote_sync(client, request: AdapterRequest, stored: RemoteAgent | None, *, name: str) -> RemoteAgent:
+    """The remote agent and environment for this request's configuration: made on first use,
+    updated when the configuration changed (a changed agent is a new version)."""
+    params = agent_params(request)
+    environment = environment_config(request.config)
+    agent_digest, environment_digest = digest(params), digest(environment)
+    metadata = {"paperclip_agent": request.metadata.get("agent_id", "")}
+    beta = client.beta
+    if stored is None:
+        created = beta.agents.create(name=name, metadata=metadata, **params)
+        env = beta.environments.create(name=name, config=environment, metadata=metadata)
+        return RemoteAgent(created.id, created.version, env.id, agent_digest, environment_digest)
+    version = stored.version
+    if stored.agent_digest != agent_digest:
+        version = beta.agents.update(stored.agent_id, version=stored.version, **params).version
+    if stored.environment_digest != environment_digest:
+        beta.environments.update(stored.environment_id, config=environment)
+    return RemoteAgent(stored.agent_id, version, stored.environment_id, agent_digest, environment_digest)
+
+
+# --- one heartbeat ------------------------------------------------------------------------
+
+
+class ManagedSessions(Protocol):
+    """What the engine hands this runtime (`request.own_session`): the remote state it keeps
+    in this service's database, written the moment the runtime learns it."""
+
+    resumed_id: str  # the remote session the agent's live session maps to; "" for none
+    persistent: bool
+
+    def remote(self) -> dict | None: ...
+
+    def remote_record(self, remote: dict) -> None: ...
+
+    def session_used(self, remote_session_id: str) -> None:
+        """The remote session this run sends its task to: recorded on the run before it is
+        sent, so a session the run made is never lost to a worker's death."""
+
+    def session_end_later(self, remote_session_id: str) -> None:
+        """A remote session no row will resume: archived after the run, retried until done."""
+
+    def turn_time(self, seconds: float, *, failed: bool) -> None:
+        """The remote session's active time this turn (what session hours are billed on)."""
+
+    def on_commit(self, *, remote_session_id: str, report: dict): ...
+
+
+@dataclass
+class Turn:
+    """What one turn of the remote session streamed."""
+
+    blocks: list = field(default_factory=list)
+    texts: list = field(default_factory=list)
+    billed: list = field(default_factory=list)
+    stop: str = ""
+    terminated: bool = False
+    error: str = ""  # the last error the session reported (it may have recovered since)
+    last_event_id: str = ""
+
+
+class ClaudeManagedAdapter(Adapter):
+    type_name = "claude-managed"
+    keeps_own_session = True  # the remote session keeps the conversation; the engine sends the new turn
+    own_session_store = "managed"
+    bills_while_running = True  # each model request's usage arrives as its span ends
+    config_keys = CONFIG_KEYS
+
+    def validate_config(self, config: dict, errors: dict[str, str]) -> dict:
+        return validate_managed_config(config, errors)
+
+    def credential(self, config: dict) -> str | None:
+        return api_credential()
+
+    def call_seconds(self, config: dict) -> float:
+        return float(config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
+
+    def reservation_usd(self, config: dict) -> Decimal | None:
+        """The session's enforced budget covers what the whole turn may spend."""
+        cents = budget_cents(config)
+        return Decimal(cents) / 100 if cents is not None else None
+
+    def call(self, request: AdapterRequest) -> AdapterReply:
+        # Checked again here, with this worker's mode and lists: the row may predate them,
+        # or have been written around validation.
+        problems = authenticated_problems(
+            request.config,
+            mode=settings.PAPERCLIP_DEPLOYMENT_MODE,
+            tools=settings.PAPERCLIP_MANAGED_TOOLS,
+            hosts=settings.PAPERCLIP_MANAGED_HOSTS,
+        )
+        if problems:
+            detail = "; ".join(f"adapter_config.{key}: {message}" for key, message in problems.items())
+            raise AdapterError(
+                "managed_not_allowed", f"This agent's Managed Agents settings may not run here: {detail}"
+            )
+        own: ManagedSessions = request.own_session
+        anthropic = _sdk()
+        client = client_for({**request.config, "max_retries": 2})
+        try:
+            return self._call(client, request, own)
+        except AdapterError:
+            raise
+        except anthropic.AnthropicError as exc:
+            raise error_from_sdk(exc) from None
+
+    def _call(self, client, request: AdapterRequest, own: ManagedSessions) -> AdapterReply:
+        stored = RemoteAgent.of(own.remote())
+        remote = remote_sync(client, request, stored, name=f"paperclip {request.metadata.get('agent_id', '')}")
+        if remote != stored:
+            own.remote_record(remote.as_json())
+        session_id, before, replaced = self._session(client, request, own, remote)
+        # A stateless run's session ends with it; so does, when the turn fails, a session
+        # this run made: no row names it, and the next heartbeat starts afresh.
+        ends_with_run = not own.persistent
+        try:
+            turn = self._turn(client, request, session_id)
+            after = client.beta.sessions.retrieve(session_id)
+            if turn.terminated or turn.stop in STOP_FAILURES:
+                raise self._failure(session_id, turn, before, after, own)
+        except BaseException:
+            ends_with_run = ends_with_run or session_id != own.resumed_id
+            raise
+        finally:
+            if ends_with_run:
+                own.session_end_later(session_id)
+        report = self._report(session_id, turn, before, after) | ({"replaced_session": replaced} if replaced else {})
+        own.turn_time(report["active_seconds"], failed=False)
+        usage = usage_total(usage for _, usage in turn.billed)
+        return AdapterReply(
+            text="\n\n".join(turn.texts),
+            content=turn.blocks or [{"type": "text", "text": ""}],
+            model=request.model,
+            requested_model=request.model,
+            message_id=turn.last_event_id,
+            stop_reason="end_turn",
+            usage=usage,
+            usage_by_model={request.model: usage} if usage is not None else None,
+            runtime_report=report,
+            active_seconds=report["active_seconds"],
+            on_commit=own.on_commit(remote_session_id=session_id, report=report) if own.persistent else None,
+        )
+
+    def _failure(self, session_id: str, turn: Turn, before, after, own: ManagedSessions) -> AdapterError:
+        report = self._report(session_id, turn, before, after)
+        own.turn_time(report["active_seconds"], failed=True)
+        code, message = STOP_FAILURES.get(turn.stop, ("", ""))
+        if turn.terminated:
+            code, message = "managed_session_terminated", turn.error or "The service terminated the session."
+        return AdapterError(code, message, runtime_report=report, active_seconds=report["active_seconds"])
+
+    def _session(self, client, request: AdapterRequest, own: ManagedSessions, remote: RemoteAgent):
+        """The remote session this turn goes to, as it was before the turn, and the one it
+        replaces ("" for none): the resumed one, unless it ended at the provider or was made
+        from an older version of the agent; otherwise a new one."""
+        anthropic = _sdk()
+        if own.resumed_id:
+            try:
+                session = client.beta.sessions.retrieve(own.resumed_id)
+            except anthropic.NotFoundError:
+                session = None
+            if (
+                session is not None
+                and session.status != "terminated"
+                and session.archived_at is None
+                and session.agent.version == remote.version
+            ):
+                own.session_used(session.id)
+                return session.id, session, ""
+            if session is not None:
+                own.session_end_later(own.resumed_id)
+        params: dict[str, Any] = {
+            "agent": {"type": "agent", "id": remote.agent_id, "version": remote.version},
+            "environment_id": remote.environment_id,
+            "metadata": {
+                "paperclip_agent": request.metadata.get("agent_id", ""),
+                "paperclip_run": request.metadata.get("run_id", ""),
+            },
+        }
+        if (cents := budget_cents(request.config)) is not None:
+            params["budget"] = {"type": "limit", "max_list_cost": {"amount": str(cents), "currency": "USD"}}
+        session = client.beta.sessions.create(**params)
+        own.session_used(session.id)
+        return session.id, session, own.resumed_id
+
+    def _turn(self, client, request: AdapterRequest, session_id: str) -> Turn:
+        """Send the task and read the session's events until it is idle again (or ended).
+        The stream is opened first, so no event of the turn is missed."""
+        timeout = float(request.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
+        deadline = time.monotonic() + timeout
+        turn = Turn()
+        with client.beta.sessions.events.stream(session_id, timeout=timeout) as stream:
+            client.beta.sessions.events.send(
+                session_id, events=[{"type": "user.message", "content": _content(request.messages[-1]["content"])}]
+            )
+            for event in stream:
+                if self._see(event, turn, request):
+                    return turn
+                if time.monotonic() > deadline:
+                    break
+        client.beta.sessions.events.send(session_id, events=[{"type": "user.interrupt"}])
+        raise AdapterError("managed_timeout", f"The session did not finish its turn within {timeout:g} s.")
+
+    def _see(self, event, turn: Turn, request: AdapterRequest) -> bool:
+        """Record one event; True once the turn is over."""
+        kind = event.type
+        turn.last_event_id = event.id
+        if kind == "agent.message":
+            text = "".join(block.text for block in event.content if block.type == "text")
+            turn.texts.append(text)
+            turn.blocks.append({"type": "text", "text": text})
+        elif kind in ("agent.tool_use", "agent.mcp_tool_use", "agent.custom_tool_use"):
+            turn.blocks.append({"type": "tool_use", "id": event.id, "name": event.name, "input": event.input})
+        elif kind in ("agent.tool_result", "agent.mcp_tool_result"):
+            turn.blocks.append({"type": "tool_result", "tool_use_id": event.tool_use_id, "content": _result(event)})
+        elif kind == "agent.thread_context_compacted":
+            turn.blocks.append({"type": "text", "text": "[the session compacted its context]"})
+        elif kind == "span.model_request_end":
+            self._bill(event, turn, request)
+        elif kind == "session.error":
+            turn.error = _error_message(event)
+        elif kind == "session.status_terminated":
+            turn.terminated = True
+            return True
+        elif kind == "session.status_idle":
+            turn.stop = event.stop_reason.type
+            return True
+        return False
+
+    def _bill(self, event, turn: Turn, request: AdapterRequest) -> None:
+        reported = event.model_usage
+        usage = api_usage(
+            {
+                "input_tokens": reported.input_tokens,
+                "output_tokens": reported.output_tokens,
+                "cache_read_input_tokens": reported.cache_read_input_tokens,
+                "cache_creation_input_tokens": reported.cache_creation_input_tokens,
+            },
+            {},
+        )
+        if problem := usage_error(usage):
+            raise AdapterError("managed_error", f"The session reported an impossible usage: {problem}")
+        request.meter.bill(usage=usage, model=request.model, message_id=event.id)
+        turn.billed.append((event.id, usage))
+
+    def _report(self, session_id: str, turn: Turn, before, after) -> dict:
+        spent = max(_active_seconds(after) - _active_seconds(before), 0.0)
+        cost_before, cost_after = _list_cost(before), _list_cost(after)
+        return {
+            "managed_session_id": session_id,
+            "model_requests": len(turn.billed),
+            "active_seconds": spent,
+            "stop_reason": "terminated" if turn.terminated else turn.stop,
+            "list_cost_usd": str(cost_after) if cost_after is not None else None,
+            "list_cost_turn_usd": str(cost_after - (cost_before or 0)) if cost_after is not None else None,
+        }
+
+
+def remote_session_end(remote_session_id: str, *, action: str) -> str | None:
+    """Archive or delete a remote session; None once done (or already gone), else why not."""
+    anthropic = _sdk()
+    try:
+        sessions = client_for({}).beta.sessions
+        if action == "delete":
+            sessions.delete(remote_session_id)
+        else:
+            sessions.archive(remote_session_id)
+    except anthropic.NotFoundError:
+        return None
+    except (anthropic.AnthropicError, AdapterError) as exc:
+        return error_from_sdk(exc).message if isinstance(exc, anthropic.AnthropicError) else exc.message
+    return None
+
+
+def _active_seconds(session) -> float:
+    return float(session.usage.active_seconds or 0.0)
+
+
+def _list_cost(session) -> Decimal | None:
+    cost = session.usage.list_cost  # absent until the service tracks the session's cost
+    if cost is None or cost.currency != "USD":
+        return None
+    return Decimal(cost.amount) / 100
+
+
+def _content(content) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "text", "text": block.get("text", "")} for block in content if block.get("type") == "text"]
+
+
+def _result(event) -> str:
+    text = "".join(block.text for block in event.content or [] if block.type == "text")
+    return (
+        text if len(text) <= RESULT_CHARS else text[:RESULT_CHARS] + f"... [{len(text) - RESULT_CHARS} more characters]"
+    )
+
+
+def _error_message(event) -> str:
+    message = event.error.message
+    return f"The session reported an error: {message}" if message else "The session reported an error."
+
+
+def _sdk():
+    import anthropic
+
+    return anthropic

@@ -1,0 +1,236 @@
+"""The engine's side of `claude-managed` agents: the remote Managed Agents state kept in
+this service's database, and the end of remote sessions.
+
+- `ManagedSessionHandle` is what a run hands the runtime (`request.own_session`): the
+  remote agent and the session the agent's live session maps to, each written the moment
+  the runtime learns it (outside any transaction: a single UPDATE), so a session the run
+  made is never lost to a worker's death.
+- Ending or deleting a session here writes a `ManagedSessionEnd` in the same transaction;
+  the remote session is archived or deleted after the COMMIT and retried by the
+  maintenance pass until the provider confirms it. Our row and the remote session may
+  disagree for a while, never for good, and never the other way round (a remote session
+  ended while our row still resumes it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from decimal import Decimal
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from costs_app.ledger import session_hours_record
+from costs_app.pricing import session_hour_rate, session_hours_cost
+from sessions_app.models import (
+    Agent,
+    AgentSession,
+    HeartbeatRun,
+    ManagedEndAction,
+    ManagedSessionEnd,
+)
+
+logger = logging.getLogger(__name__)
+TASK = "sessions_app.tasks.managed_ends"
+BATCH = 100
+# A claimed end is someone's for this long; a worker that died with it leaves it to the next pass.
+CLAIM_LEASE = timedelta(minutes=5)
+MAX_RETRY_WAIT = timedelta(hours=1)
+ORPHAN_WINDOW = timedelta(days=1)
+CENT = Decimal("0.01")
+
+
+class ManagedSessionHandle:
+    """The run's handle on its agent's remote state (the runtime's `ManagedSessions`)."""
+
+    def __init__(self, session: AgentSession | None, *, agent: Agent, run: HeartbeatRun) -> None:
+        self.session = session
+        self.agent = agent
+        self.run = run
+        self.resumed_id = (session.managed_session_id or "") if session is not None else ""
+        self.persistent = agent.is_persistent
+
+    def remote(self) -> dict | None:
+        return self.agent.managed_remote
+
+    def remote_record(self, remote: dict) -> None:
+        Agent.objects.filter(pk=self.agent.pk).update(managed_remote=remote)
+        self.agent.managed_remote = remote
+
+    def session_used(self, remote_session_id: str) -> None:
+        HeartbeatRun.objects.filter(pk=self.run.pk).update(managed_session_id=remote_session_id)
+        self.run.managed_session_id = remote_session_id
+
+    def session_end_later(self, remote_session_id: str) -> None:
+        session_id = self.session.pk if self.session is not None and remote_session_id == self.resumed_id else None
+        managed_ends_record(
+            [(remote_session_id, self.agent.pk, session_id)],
+            action=ManagedEndAction.ARCHIVE,
+            company_id=self.agent.company_id,
+        )
+
+    def turn_time(self, seconds: float, *, failed: bool) -> None:
+        """The turn's remote active time, which session hours are billed on. A session row
+        records it with the turn (`record_turn`) or the failed run (`run_fail`), billed when
+        the session pauses or ends as every session's time is; the time no row will record
+        (a stateless run's, a failed turn's on a remote session the run made) is billed now."""
+        recorded = self.persistent and (not failed or self.session is not None)
+        if recorded or seconds <= 0 or (rate := session_hour_rate()) <= 0:
+            return
+        session_hours_record(
+            company_id=self.agent.company_id,
+            agent_id=self.agent.pk,
+            session_id=None,
+            seconds=seconds,
+            cost=session_hours_cost(seconds, rate=rate),
+            at=timezone.now(),
+        )
+
+    def on_commit(self, *, remote_session_id: str, report: dict):
+        """The reply's `on_commit`: inside the heartbeat's commit, the session row names the
+        remote session the turn went to; a nothing-to-do answer on a remote session no row
+        names yet leaves it to be archived."""
+
+        def commit(session: AgentSession | None, cost: Decimal | None) -> None:
+            list_cost_check(report, cost)
+            if session is None:
+                if remote_session_id != self.resumed_id:
+                    managed_ends_record(
+                        [(remote_session_id, self.agent.pk, None)],
+                        action=ManagedEndAction.ARCHIVE,
+                        company_id=self.agent.company_id,
+                    )
+                return None
+            if session.managed_session_id != remote_session_id:
+                AgentSession.objects.filter(pk=session.pk).update(managed_session_id=remote_session_id)
+                session.managed_session_id = remote_session_id
+            return None
+
+        return commit
+
+
+def list_cost_check(report: dict, cost: Decimal | None) -> None:
+    """The service's own list cost of the turn beside the ledger's: a disagreement over 1%
+    is logged (the run keeps both figures in its runtime report). The service counts whole
+    cents, so a turn's figure (the difference of two totals) is exact only to a cent."""
+    theirs = report.get("list_cost_turn_usd")
+    if cost is None or theirs is None:
+        return
+    theirs = Decimal(theirs)
+    if abs(theirs - cost) > max(max(cost, theirs) / 100, CENT):
+        logger.warning(
+            "Managed Agents session %s reported a list cost of $%s for a turn the ledger priced at $%s",
+            report.get("managed_session_id"),
+            theirs,
+            cost,
+        )
+
+
+# --- ending remote sessions ------------------------------------------------------------------
+
+
+def managed_ends_record(ends: Iterable[tuple[str, object, object]], *, action: str, company_id) -> int:
+    """Record remote sessions `(remote_id, agent_id, session_id)` to end, in the caller's
+    transaction; they are carried out after its COMMIT. Recording one twice is harmless."""
+    rows = [
+        ManagedSessionEnd(
+            remote_session_id=remote_id, action=action, company_id=company_id, agent_id=agent_id, session_id=session_id
+        )
+        for remote_id, agent_id, session_id in ends
+        if remote_id
+    ]
+    if not rows:
+        return 0
+    ManagedSessionEnd.objects.bulk_create(rows, ignore_conflicts=True)
+    transaction.on_commit(managed_ends_enqueue)
+    return len(rows)
+
+
+def managed_ends_for_sessions(session_ids: Iterable, *, action: str) -> int:
+    """Record the end of the remote sessions that these sessions (being ended or deleted in
+    the caller's transaction) map to."""
+    mapped = list(
+        AgentSession.objects.filter(id__in=list(session_ids))
+        .filter(managed_session_id__isnull=False)
+        .values_list("company_id", "managed_session_id", "agent_id", "id")
+    )
+    by_company: dict = {}
+    for company_id, remote_id, agent_id, session_id in mapped:
+        by_company.setdefault(company_id, []).append((remote_id, agent_id, session_id))
+    return sum(managed_ends_record(ends, action=action, company_id=company) for company, ends in by_company.items())
+
+
+def managed_ends_enqueue() -> None:
+    from django_q.tasks import async_task
+
+    try:
+        async_task(TASK, task_name="managed session ends")
+    except Exception:
+        # The maintenance pass carries out what is recorded; a lost enqueue only delays it.
+        logger.exception("Could not enqueue the end of Managed Agents sessions")
+
+
+def managed_ends_process(*, now: datetime) -> int:
+    """Carry out the recorded ends that are due, each claimed by one worker (a conditional
+    update of its next attempt), and return how many the provider confirmed. A session the
+    provider no longer knows is ended; a failure is kept on the row and retried later."""
+    due = list(
+        ManagedSessionEnd.objects.filter(done_at__isnull=True, next_attempt_at__lte=now)
+        .order_by("next_attempt_at")
+        .values_list("id", "next_attempt_at")[:BATCH]
+    )
+    done = 0
+    for end_id, seen in due:
+        if not ManagedSessionEnd.objects.filter(id=end_id, next_attempt_at=seen, done_at__isnull=True).update(
+            next_attempt_at=now + CLAIM_LEASE
+        ):
+            continue  # another worker has it
+        end = ManagedSessionEnd.objects.get(id=end_id)
+        done += managed_end_carry_out(end, now=now)
+    return done
+
+
+def managed_end_carry_out(end: ManagedSessionEnd, *, now: datetime) -> int:
+    from sessions_app.adapters.claude_managed import remote_session_end
+
+    problem = remote_session_end(end.remote_session_id, action=end.action)
+    if problem is None:
+        ManagedSessionEnd.objects.filter(id=end.id).update(done_at=now, attempts=end.attempts + 1, last_error="")
+        return 1
+    wait = min(timedelta(minutes=2**end.attempts), MAX_RETRY_WAIT)
+    ManagedSessionEnd.objects.filter(id=end.id).update(
+        attempts=end.attempts + 1, last_error=problem[:2000], next_attempt_at=now + wait
+    )
+    logger.warning("Could not %s Managed Agents session %s: %s", end.action, end.remote_session_id, problem)
+    return 0
+
+
+def managed_orphans_end(*, now: datetime) -> int:
+    """Remote sessions made by runs that ended without a session row naming them (a worker
+    killed before its commit): archived, as a failed turn's session is."""
+    named = AgentSession.objects.filter(managed_session_id__isnull=False).values("managed_session_id")
+    ended = ManagedSessionEnd.objects.values("remote_session_id")
+    orphans = (
+        HeartbeatRun.objects.filter(managed_session_id__isnull=False)
+        # A run's remote session is recorded on it as it ends, or not at all: older runs are settled.
+        .filter(finished_at__gte=now - ORPHAN_WINDOW, finished_at__lte=now)
+        .exclude(Q(managed_session_id__in=named) | Q(managed_session_id__in=ended))
+        .values_list("company_id", "managed_session_id", "agent_id")[:BATCH]
+    )
+    count = 0
+    with transaction.atomic():
+        for company_id, remote_id, agent_id in orphans:
+            count += managed_ends_record(
+                [(remote_id, agent_id, None)], action=ManagedEndAction.ARCHIVE, company_id=company_id
+            )
+    return count
+
+
+def managed_state() -> dict:
+    """What /api/health shows: remote sessions still to end, and those whose end the
+    provider refused at least once (both read the pending index, normally empty)."""
+    pending = ManagedSessionEnd.objects.filter(done_at__isnull=True)
+    return {"ends_pending": pending.count(), "ends_failing": pending.filter(attempts__gt=0).count()}

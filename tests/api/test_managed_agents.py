@@ -1,0 +1,38 @@
+"""`claude-managed` agents through the API: created, woken, their sessions read back,
+expired and deleted, against the Managed Agents fake through the real SDK."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.api.conftest import assert_error
+
+pytestmark = pytest.mark.django_db
+
+
+def test_an_api_key_gets_only_the_tools_and_hosts_the_operator_lists(key_api, company, settings):
+    settings.PAPERCLIP_MANAGED_TOOLS = ("read", "grep")
+    settings.PAPERCLIP_MANAGED_HOSTS = ("pypi.org",)
+    url = f"/api/companies/{company.id}/agents"
+
+    def refused(config: dict) -> dict:
+        body = {
+            "name": "remote",
+            "adapter_type": "claude-managed",
+            "adapter_config": {"model": "claude-sonnet-4-5", **config},
+        }
+        return assert_error(key_api.post(url, body), 400)["fields"]
+
+    assert "adapter_config.tools" in refused({})  # the default tools include the shell
+    assert "adapter_config.tools" in refused({"tools": ["read", "bash"]})
+    assert "adapter_config.environment" in refused(
+        {"tools": ["read"], "environment": {"networking": {"allowed_hosts": ["evil.example"]}}}
+    )
+    assert "adapter_config.environment" in refused({"tools": ["read"], "environment": {"networking": "unrestricted"}})
+    allowed = {"tools": ["read", "grep"], "environment": {"networking": {"allowed_hosts": ["pypi.org"]}}}
+    body = {
+        "name": "remote",
+        "adapter_type": "claude-managed",
+        "adapter_config": {"model": "claude-sonnet-4-5", **allowed},
+    }
+    assert key_api.post(url, body).status_code == 201

@@ -1,0 +1,140 @@
+"""The end of remote Managed Agents sessions: recorded in the transaction that ends or
+deletes a session here, carried out after its COMMIT through the real SDK against the
+fake, and retried by the maintenance pass until the provider confirms it."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import anthropic
+import pytest
+from django.utils import timezone
+
+from sessions_app.maintenance import maintenance_pass, sessions_expire
+from sessions_app.managed_sessions import managed_ends_process, managed_orphans_end
+from sessions_app.models import AgentSession, ManagedSessionEnd, RunStatus
+from sessions_app.services import session_delete, session_expire
+from tests.api.conftest import make_run, make_session
+from tests.conftest import FAKE_API_KEY, managed_agent, run_queued_tasks
+
+pytestmark = pytest.mark.django_db
+
+
+def remote_session(fake_managed) -> str:
+    client = anthropic.Anthropic(api_key=FAKE_API_KEY, base_url=fake_managed.base_url, max_retries=0)
+    agent = client.beta.agents.create(name="remote", model="claude-sonnet-4-5")
+    return client.beta.sessions.create(agent=agent.id, environment_id="env_0001").id
+
+
+def unreachable_url() -> str:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_a_session_expired_by_its_ttl_is_archived_at_the_provider(
+    company, fake_managed, django_capture_on_commit_callbacks
+):
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id, last_used=timezone.now() - timedelta(days=2))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert sessions_expire(now=timezone.now()) == 1
+    assert fake_managed.sessions[remote_id]["archived_at"] is None  # not inside the expiry's transaction
+    run_queued_tasks()
+
+    assert fake_managed.sessions[remote_id]["archived_at"] is not None
+    end = ManagedSessionEnd.objects.get(remote_session_id=remote_id)
+    assert (end.action, end.session_id, end.attempts, end.last_error) == ("archive", session.pk, 1, "")
+    assert end.done_at is not None
+
+
+def test_an_operator_expiring_a_session_archives_it_once(company, fake_managed, django_capture_on_commit_callbacks):
+    session = make_session(managed_agent(company), managed_session_id=remote_session(fake_managed))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert session_expire(session=session, now=timezone.now())
+        assert not session_expire(session=session, now=timezone.now())  # already ended: nothing more
+    run_queued_tasks()
+
+    assert ManagedSessionEnd.objects.filter(action="archive", done_at__isnull=False).count() == 1
+
+
+def test_a_failed_remote_delete_is_kept_shown_and_retried_until_done(
+    company, fake_managed, monkeypatch, client, django_capture_on_commit_callbacks
+):
+    remote_id = remote_session(fake_managed)
+    session = make_session(managed_agent(company), managed_session_id=remote_id)
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", unreachable_url())
+
+    with django_capture_on_commit_callbacks(execute=True):
+        session_delete(session=session, now=timezone.now())
+    run_queued_tasks()
+
+    assert not AgentSession.objects.filter(pk=session.pk).exists()  # ours is gone for real
+    assert remote_id in fake_managed.sessions  # theirs not yet
+    end = ManagedSessionEnd.objects.get(remote_session_id=remote_id)
+    assert (end.action, end.attempts, end.done_at) == ("delete", 1, None)
+    assert "Could not reach" in end.last_error
+    assert client.get("/api/health").json()["managed_sessions"] == {"ends_pending": 1, "ends_failing": 1}
+
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake_managed.base_url)
+    assert maintenance_pass(now=timezone.now())["managed_session_ends"] == 0  # its retry is not due yet
+    assert maintenance_pass(now=end.next_attempt_at)["managed_session_ends"] == 1
+
+    assert remote_id not in fake_managed.sessions
+    assert client.get("/api/health").json()["managed_sessions"] == {"ends_pending": 0, "ends_failing": 0}
+
+
+def test_an_end_another_worker_claimed_is_left_to_it(company, fake_managed):
+    remote_id = remote_session(fake_managed)
+    end = ManagedSessionEnd.objects.create(remote_session_id=remote_id, action="archive", company=company)
+    now = timezone.now()
+    # Another worker's claim: the attempt it will make moves past now.
+    ManagedSessionEnd.objects.filter(pk=end.pk).update(next_attempt_at=now + timedelta(minutes=5))
+
+    assert managed_ends_process(now=now) == 0
+    assert fake_managed.sessions[remote_id]["archived_at"] is None
+    assert ("POST", f"/v1/sessions/{remote_id}/archive") not in fake_managed.requests
+
+
+def test_a_session_the_provider_no_longer_knows_is_ended(company, fake_managed):
+    ManagedSessionEnd.objects.create(remote_session_id="sesn_gone", action="delete", company=company)
+
+    assert managed_ends_process(now=timezone.now()) == 1
+    assert ManagedSessionEnd.objects.get(remote_session_id="sesn_gone").done_at is not None
+
+
+def test_a_remote_session_a_dead_run_made_and_no_session_names_is_archived(company, fake_managed):
+    agent = managed_agent(company)
+    named = remote_session(fake_managed)
+    make_session(agent, managed_session_id=named)
+    orphan = remote_session(fake_managed)
+    now = timezone.now()
+    make_run(agent, status=RunStatus.FAILED, managed_session_id=orphan, finished_at=now)
+    make_run(agent, status=RunStatus.SUCCEEDED, managed_session_id=named, finished_at=now)
+    make_run(agent, status=RunStatus.RUNNING, managed_session_id=remote_session(fake_managed))  # still working
+
+    assert managed_orphans_end(now=now) == 1
+    assert managed_orphans_end(now=now) == 0  # recorded once
+    assert list(ManagedSessionEnd.objects.values_list("remote_session_id", flat=True)) == [orphan]
+
+
+def test_a_delete_whose_commit_fails_leaves_the_remote_session_alone(company, fake_managed, refuse_at_commit):
+    """The end is written in the delete's transaction and carried out only after its COMMIT:
+    a COMMIT that fails leaves our row and the remote session both as they were."""
+    remote_id = remote_session(fake_managed)
+    session = make_session(managed_agent(company), managed_session_id=remote_id)
+    refuse_at_commit("managed_session_ends", when="1 = 1", event="INSERT")
+
+    with pytest.raises(Exception, match="refused at commit|FOREIGN KEY"):
+        session_delete(session=session, now=timezone.now())
+    run_queued_tasks()
+    managed_ends_process(now=timezone.now())
+
+    assert AgentSession.objects.filter(pk=session.pk).exists()
+    assert not ManagedSessionEnd.objects.exists()
+    assert remote_id in fake_managed.sessions
+    assert [request for request in fake_managed.requests if request[0] == "DELETE"] == []
