@@ -112,6 +112,16 @@ def run_cost(*, run_id) -> Decimal:
     return ledger_usd(CostEvent.objects.filter(run_id=run_id).aggregate(total=Sum("cost_usd"))["total"] or Decimal(0))
 
 
+def billed_message_ids(*, run_id) -> list[str]:
+    """The message ids of a run's ledger rows that name one (a runtime's request ids)."""
+    return list(CostEvent.objects.filter(run_id=run_id, message_id__isnull=False).values_list("message_id", flat=True))
+
+
+def run_calls_numbered(*, run_id) -> int:
+    """How many ledger rows a run's calls wrote (its attempts so far)."""
+    return CostEvent.objects.filter(run_id=run_id).count()
+
+
 def spend_of(column: str, ref: str = "pk") -> Subquery:
     """The ledger's total for the row of another query whose id is `ref`, over the rows
     whose `column` (`run_id`, `session_id`) names it (NULL when none does): what a run or a

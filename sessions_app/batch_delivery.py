@@ -150,6 +150,12 @@ def batch_ready() -> Q:
 
 
 def claimable(run: HeartbeatRun) -> bool:
-    return run.status == RunStatus.QUEUED or (
-        run.status == RunStatus.SUBMITTED and run.batch_state in (BatchState.ANSWERED, BatchState.DIRECT)
+    """Queued, a submitted run its batch poll made ready, a run waiting for an approval
+    that an operator has decided (`sessions_app.approvals`), or a turn whose worker died
+    (`sessions_app.managed_resume`)."""
+    return (
+        run.status == RunStatus.QUEUED
+        or (run.status == RunStatus.SUBMITTED and run.batch_state in (BatchState.ANSWERED, BatchState.DIRECT))
+        or (run.status == RunStatus.WAITING_APPROVAL and "decision" in (run.managed_turn or {}))
+        or run.status == RunStatus.RESUMING
     )

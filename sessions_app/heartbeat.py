@@ -35,7 +35,8 @@ from costs_app.ledger import run_calls_join_session
 from costs_app.pricing import token_counts
 from paperclip.telemetry import step, traced_heartbeat
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
-from sessions_app.adapters.base import QuotaRefused
+from sessions_app.adapters.base import ApprovalNeeded, QuotaRefused
+from sessions_app.approvals import approval_park
 from sessions_app.batch_delivery import BatchParked, batch_park
 from sessions_app.cli_transcripts import SessionTranscripts
 from sessions_app.compaction import (
@@ -71,7 +72,7 @@ from sessions_app.models import (
     RunStatus,
     SessionStatus,
 )
-from sessions_app.no_work import check_for_work, heartbeat_skip, idle_streak_record
+from sessions_app.no_work import check_for_work, continued_task, heartbeat_skip, idle_streak_record
 from sessions_app.plan import HANDOFF_REASONS, Plan, idle_pause, plan_session
 from sessions_app.quota import probe_end, quota_refused
 from sessions_app.run_calls import RunCalls
@@ -193,7 +194,8 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
     """Steps 2-7. True when the run succeeded and `run` holds every value written to its row."""
     beat = ClaimedRun.of(run, now=now, clock=clock)
     try:
-        task = check_for_work(run=run, agent=beat.agent)  # 1, the work check
+        # 1, the work check; a turn that waited for an approval goes on with its task.
+        task = continued_task(run) if run.managed_turn else check_for_work(run=run, agent=beat.agent)
         if task is None:
             return heartbeat_skip(run=run, agent=beat.agent, finished=clock(), now=now)
         ids = beat.ids()
@@ -312,6 +314,12 @@ def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
     a succeeded run does. A quota's refusal is no failure: the credential is held and the
     run goes back to the queue (`sessions_app.quota`). Nor is a call parked for a batch:
     the run waits `submitted` (`sessions_app.batch_delivery`)."""
+    if isinstance(failure, ApprovalNeeded):
+        calls = beat.calls
+        approval_park(
+            beat.run, state=failure.state, calls_numbered=calls.numbered, cost_usd=calls.cost_usd, now=beat.clock()
+        )
+        return
     if isinstance(failure, BatchParked):
         calls = beat.calls
         batch_park(
@@ -744,6 +752,8 @@ def heartbeat_wait(*, run_id, timeout_seconds: float, poll_seconds: float = 0.1)
         run = heartbeat_execute(run_id=run_id)
         if run.is_finished or time.monotonic() >= deadline:
             return run
+        if run.status == RunStatus.WAITING_APPROVAL:
+            return run  # an operator decides: the caller reads the run's approval and comes back
         if run.quota_held_until is not None:
             return run  # a provider's quota holds it: queued (202), it runs after the reset
         time.sleep(poll_seconds)

@@ -22,9 +22,11 @@ from costs_app.catalogue import catalogue_refresh, catalogue_refresh_due
 from costs_app.ledger import spend_of
 from sessions_app.adapters.cli_processes import cli_orphans_kill
 from sessions_app.agent_health import agents_health_check
+from sessions_app.approvals import approvals_expire
 from sessions_app.batches import batches_poll
 from sessions_app.cache_refresh import cache_refreshes_queue
 from sessions_app.cli_transcripts import cli_sessions_delete
+from sessions_app.managed_resume import resumable, run_resume
 from sessions_app.managed_sessions import managed_ends_for_sessions, managed_ends_process, managed_orphans_end
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -112,11 +114,17 @@ def sessions_bill_ended(*, now: datetime) -> int:
 def runs_reap(*, now: datetime) -> list:
     """Fail runs left `running` past their deadline (a killed worker, a lost host), each
     with `run_fail`, so its session counts the run's time and its TTL from now, as after
-    any failed run. Returns the ids of agents whose queue can move again."""
-    stuck = HeartbeatRun.objects.filter(status=RunStatus.RUNNING, deadline_at__lt=now).only("id", "agent_id")
+    any failed run; a Managed Agents turn is resumed by the next worker instead
+    (`sessions_app.managed_resume`). Returns the ids of agents whose queue can move again."""
+    stuck = HeartbeatRun.objects.filter(status=RunStatus.RUNNING, deadline_at__lt=now).only(
+        "id", "agent_id", "managed_session_id", "managed_turn"
+    )
+    stuck = list(stuck)
+    # A Managed Agents turn goes on at the provider: the next worker continues it instead.
+    stuck = [run for run in stuck if not (resumable(run) and run_resume(run, now=now))]
     reaped = {
         run.agent_id
-        for run in list(stuck)
+        for run in stuck
         if run_fail(
             run,
             code="run_timeout",
@@ -225,6 +233,7 @@ MAINTENANCE_STEPS = {
     "models_refreshed": models_refresh,
     "batches": lambda *, now: batches_poll(now=now),
     "cache_refreshes": cache_refreshes_queue,
+    "approvals_expired": approvals_expire,
     "managed_orphans": managed_orphans_end,
     "managed_session_ends": managed_ends_process,
 }

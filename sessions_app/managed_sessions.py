@@ -32,6 +32,7 @@ from sessions_app.models import (
     ManagedEndAction,
     ManagedSessionEnd,
 )
+from sessions_app.text import storable
 
 logger = logging.getLogger(__name__)
 TASK = "sessions_app.tasks.managed_ends"
@@ -52,6 +53,10 @@ class ManagedSessionHandle:
         self.run = run
         self.resumed_id = (session.managed_session_id or "") if session is not None else ""
         self.persistent = agent.is_persistent
+        # A turn that goes on: one an operator decided on, or one whose worker died.
+        turn = run.managed_turn or {}
+        self.continuation = turn if "decision" in turn or turn.get("resume") else None
+        self.turn_begun = False
 
     def remote(self) -> dict | None:
         return self.agent.managed_remote
@@ -63,6 +68,11 @@ class ManagedSessionHandle:
     def session_used(self, remote_session_id: str) -> None:
         HeartbeatRun.objects.filter(pk=self.run.pk).update(managed_session_id=remote_session_id)
         self.run.managed_session_id = remote_session_id
+
+    def turn_started(self, state: dict) -> None:
+        HeartbeatRun.objects.filter(pk=self.run.pk).update(managed_turn=storable(state))
+        self.run.managed_turn = state
+        self.turn_begun = True
 
     def session_end_later(self, remote_session_id: str) -> None:
         session_id = self.session.pk if self.session is not None and remote_session_id == self.resumed_id else None

@@ -432,6 +432,14 @@ class RunStatus(models.TextChoices):
     # the batch poll commits its answer, or sends it direct. Holds the agent's one place
     # in flight, as `running` does.
     SUBMITTED = "submitted"
+    # A Managed Agents turn stopped at a tool that asks first (`sessions_app.approvals`): no
+    # worker holds it; an operator's approval or denial lets the next worker continue the
+    # same turn. Holds the agent's one place in flight, as `running` does.
+    WAITING_APPROVAL = "waiting_approval"
+    # A Managed Agents turn whose worker died (`sessions_app.managed_resume`): the next
+    # worker continues the same turn from the remote session's events, never sending its
+    # task twice. Holds the agent's one place in flight, as `running` does.
+    RESUMING = "resuming"
 
 
 class BatchState(models.TextChoices):
@@ -444,9 +452,9 @@ class BatchState(models.TextChoices):
     DIRECT = "direct"  # errored, expired, cancelled or too late: sent direct instead
 
 
-UNFINISHED_RUN_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUBMITTED)
 # The statuses that hold an agent's one place in flight (runs_one_in_flight_per_agent).
-IN_FLIGHT_RUN_STATUSES = (RunStatus.RUNNING, RunStatus.SUBMITTED)
+IN_FLIGHT_RUN_STATUSES = (RunStatus.RUNNING, RunStatus.SUBMITTED, RunStatus.WAITING_APPROVAL, RunStatus.RESUMING)
+UNFINISHED_RUN_STATUSES = (RunStatus.QUEUED, *IN_FLIGHT_RUN_STATUSES)
 FINISHED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.SKIPPED)
 
 
@@ -530,6 +538,11 @@ class HeartbeatRun(models.Model):
     # `claude-managed`: the remote session this run sent its task to, written before the
     # task is sent, so a session the run created is never lost to a worker's death.
     managed_session_id = models.CharField(max_length=128, null=True, blank=True, default=None)
+    # A Managed Agents turn that waits for an operator (`waiting_approval`): what the turn
+    # streamed so far, the tool calls waiting, the operator's decision once given; and
+    # when the wait ends in `approval_expired` unless someone decides.
+    managed_turn = models.JSONField(null=True, blank=True, default=None)
+    approval_deadline_at = models.DateTimeField(null=True, blank=True)
 
     # Set by the claim, not stored: the credential this run was claimed to probe (the one
     # run let through when a hold on it ends), or None; and, when a hold kept it queued,

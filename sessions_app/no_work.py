@@ -45,6 +45,12 @@ def check_for_work(*, run: HeartbeatRun, agent: Agent) -> str | None:
     return task_with_output(run.task, found.output)
 
 
+def continued_task(run: HeartbeatRun) -> str:
+    """The task of a run that goes on from an earlier attempt, as the model saw it then
+    (with what its work check found, which is not run again)."""
+    return task_with_output(run.task, run.work_check_output) if run.work_check_output else run.task
+
+
 def run_skip(*, run: HeartbeatRun, finished: datetime) -> bool:
     """End a running run `skipped`; False when it was no longer running (reaped meanwhile)."""
     return bool(

@@ -30,7 +30,7 @@ from django.db import connection, transaction
 from django.db.models import F, Value
 from django.db.models.functions import Greatest
 
-from costs_app.ledger import cost_event_record
+from costs_app.ledger import billed_message_ids, cost_event_record
 from costs_app.models import CostEvent, CostKind, Delivery
 from paperclip.telemetry import record_bill
 from sessions_app.adapters import AdapterReply, AdapterRequest
@@ -70,7 +70,9 @@ class RunCalls:
         # An attempt after one a quota put back in the queue numbers its rows after that
         # one's, and its cost adds to theirs (`sessions_app.quota.run_requeue`).
         self._rows = run.calls_before
-        self._billed_ids: set[str] = set()
+        # A turn continued from an earlier attempt (a Managed Agents turn whose worker died)
+        # may report again requests that attempt billed: each is billed once.
+        self._billed_ids: set[str] = set(billed_message_ids(run_id=run.id)) if run.calls_before else set()
         self.session_id = None  # the session the rows name (see the module docstring)
         self.billed_usd = (run.cost_usd or Decimal(0)) if run.calls_before else Decimal(0)
         self.billed_anything = bool(run.calls_before) and run.cost_usd is not None

@@ -16,6 +16,7 @@ from costs_app.models import Delivery
 from costs_app.money import MoneyField, usd
 from sessions_app.adapters import adapter_for
 from sessions_app.agent_health import agent_health, facts_of, with_health_facts
+from sessions_app.approvals import approval_pending
 from sessions_app.keep_warm import keep_warm_report
 from sessions_app.model_checks import agent_model_info
 from sessions_app.models import (
@@ -481,6 +482,10 @@ class RunSerializer(serializers.ModelSerializer):
     tool_loop = serializers.SerializerMethodField(
         help_text="What the run's tool loop did (memory tool rounds, context editing); null when nothing."
     )
+    approval = serializers.SerializerMethodField(
+        help_text="A Managed Agents turn that stopped at a tool that asks first: the tool calls waiting "
+        "(`id`, `name`, `input`), until when (`expires_at`), and the decision once taken; null when none."
+    )
 
     class Meta:
         model = HeartbeatRun
@@ -511,10 +516,14 @@ class RunSerializer(serializers.ModelSerializer):
             "batch_state",
             "runtime_report",
             "tool_loop",
+            "approval",
             "work_check_output",
             "nothing_to_do",
         ]
         read_only_fields = fields
+
+    def get_approval(self, run: HeartbeatRun) -> dict | None:
+        return approval_pending(run)
 
     def get_session_id(self, run: HeartbeatRun) -> str | None:
         return session_public_id(run.session_id)

@@ -5,6 +5,7 @@ from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from sessions_app import views
+from sessions_app.api.approval_views import RunApproveView, RunDenyView
 from sessions_app.api.history_views import AgentGrowthView, SessionArchiveView
 from sessions_app.api.pin_views import PinDetailView, PinListView
 
@@ -23,6 +24,8 @@ urlpatterns = [
     path(f"{agent}/heartbeat", views.HeartbeatView.as_view(), name="agent-heartbeat"),
     path(f"{agent}/runs", views.RunListView.as_view(), name="run-list"),
     path(f"{agent}/runs/<uuid:run_id>", views.RunDetailView.as_view(), name="run-detail"),
+    path(f"{agent}/runs/<uuid:run_id>/approve", RunApproveView.as_view(), name="run-approve"),
+    path(f"{agent}/runs/<uuid:run_id>/deny", RunDenyView.as_view(), name="run-deny"),
     path(f"{agent}/sessions", views.SessionListView.as_view(), name="session-list"),
     path(f"{agent}/sessions/<str:session_id>", views.SessionDetailView.as_view(), name="session-detail"),
     path(f"{agent}/sessions/<str:session_id>/compact", views.SessionCompactView.as_view(), name="session-compact"),

@@ -150,6 +150,11 @@ class FakeManaged(EventsMixin):
         with self._lock:
             self._failures.append(Failure(status, times, path_prefix))
 
+    def recover(self) -> None:
+        """Drop the failures still queued: the service answers again."""
+        with self._lock:
+            self._failures.clear()
+
     def take_failure(self, path: str) -> int | None:
         with self._lock:
             for failure in self._failures:

@@ -140,6 +140,7 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "models_refreshed",
         "cache_refreshes",
         "batches",
+        "approvals_expired",
         "managed_orphans",
         "managed_session_ends",
     }

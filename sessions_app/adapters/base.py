@@ -202,6 +202,16 @@ class AdapterError(RunFailure):
         self.active_seconds = active_seconds
 
 
+class ApprovalNeeded(AdapterError):
+    """Not a failure: the runtime's turn waits for an operator to approve its tool calls
+    (`sessions_app.approvals`). `state` is what the runtime needs to continue the same turn
+    once someone decided (JSON: kept on the run meanwhile)."""
+
+    def __init__(self, state: dict) -> None:
+        super().__init__("approval_needed", "The turn waits for an operator to approve a tool call.")
+        self.state = state
+
+
 class QuotaRefused(AdapterError):
     """The provider refused the call for a spent quota, or a rate limit whose reset lies
     beyond the retry window (`adapters.rate_limits`). Not a failure of the run: the engine

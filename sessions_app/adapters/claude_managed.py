@@ -31,6 +31,9 @@ from sessions_app.adapters.base import (
     AdapterError,
     AdapterReply,
     AdapterRequest,
+    ApprovalNeeded,
+    QuotaRefused,
+    is_int,
     is_number,
     usage_error,
     validate_model,
@@ -50,7 +53,8 @@ PERMISSIONS = ("always_allow", "always_ask")
 PACKAGE_MANAGERS = ("apt", "cargo", "gem", "go", "npm", "pip")
 DEFAULT_TIMEOUT_SECONDS = 600
 MAX_BUDGET_USD = 1000
-CONFIG_KEYS = {"model", "tools", "environment", "max_budget_usd", "timeout_seconds"}
+CONFIG_KEYS = {"model", "tools", "environment", "max_budget_usd", "timeout_seconds", "approval_timeout_minutes"}
+MAX_APPROVAL_TIMEOUT_MINUTES = 7 * 24 * 60
 # How the remote session's idle states end a run that is not a plain end of turn.
 STOP_FAILURES = {
     "budget_reached": ("managed_budget_reached", "The session reached its budget (max_budget_usd)."),
@@ -139,6 +143,13 @@ def validate_managed_config(config: dict, errors: dict[str, str]) -> dict:
             errors["max_budget_usd"] = f"must be a number of dollars in [0.01, {MAX_BUDGET_USD}] or null, got {cap!r}"
         clean["max_budget_usd"] = cap
     validate_timeout(config, errors, clean, default=DEFAULT_TIMEOUT_SECONDS)
+    if "approval_timeout_minutes" in config:
+        minutes = config["approval_timeout_minutes"]
+        if not is_int(minutes) or not 1 <= minutes <= MAX_APPROVAL_TIMEOUT_MINUTES:
+            errors["approval_timeout_minutes"] = (
+                f"must be a whole number of minutes in 1..{MAX_APPROVAL_TIMEOUT_MINUTES}, got {minutes!r}"
+            )
+        clean["approval_timeout_minutes"] = minutes
     if config.get("context_strategy") not in (None, "none"):
         errors["context_strategy"] = "a Managed Agents session manages its own context: leave it unset or 'none'"
     errors.update(
@@ -283,6 +294,10 @@ class ManagedSessions(Protocol):
 
     resumed_id: str  # the remote session the agent's live session maps to; "" for none
     persistent: bool
+    # A turn that goes on (`TurnStart.state`): one an operator decided on, or one whose
+    # worker died (`resume`).
+    continuation: dict | None
+    turn_begun: bool  # `turn_started` was called: the task may have reached the session
 
     def remote(self) -> dict | None: ...
 
@@ -292,6 +307,11 @@ class ManagedSessions(Protocol):
         """The remote session this run sends its task to: recorded on the run before it is
         sent, so a session the run made is never lost to a worker's death."""
 
+    def turn_started(self, state: dict) -> None:
+        """Where the turn stands before its opening events are sent (`TurnStart.state`,
+        with the event cursor and the opening events): kept on the run for a worker that
+        continues the turn if this one dies."""
+
     def session_end_later(self, remote_session_id: str) -> None:
         """A remote session no row will resume: archived after the run, retried until done."""
 
@@ -299,6 +319,22 @@ class ManagedSessions(Protocol):
         """The remote session's active time this turn (what session hours are billed on)."""
 
     def on_commit(self, *, remote_session_id: str, report: dict): ...
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What a remote session had spent at a moment: its active time and its list cost."""
+
+    active_seconds: float
+    list_cost: Decimal | None
+
+    @classmethod
+    def of(cls, session) -> Figures:
+        cost = session.usage.list_cost  # absent until the service tracks the session's cost
+        return cls(
+            active_seconds=float(session.usage.active_seconds or 0.0),
+            list_cost=Decimal(cost.amount) / 100 if cost is not None and cost.currency == "USD" else None,
+        )
 
 
 @dataclass
@@ -312,6 +348,56 @@ class Turn:
     terminated: bool = False
     error: str = ""  # the last error the session reported (it may have recovered since)
     last_event_id: str = ""
+    waiting_on: list = field(default_factory=list)  # the events a requires_action stop names
+
+    def pending_tools(self) -> list[dict]:
+        """The tool calls the session waits to have confirmed."""
+        return [block for block in self.blocks if block["type"] == "tool_use" and block["id"] in self.waiting_on]
+
+    @classmethod
+    def of_state(cls, state: dict) -> Turn:
+        return cls(blocks=list(state["blocks"]), texts=list(state["texts"]), billed=[tuple(b) for b in state["billed"]])
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """Where a turn began: its remote session, the session's figures then, the session it
+    replaced, and whether this run made the session."""
+
+    session_id: str
+    before: Figures
+    replaced: str
+    made_here: bool
+
+    def state(self, turn: Turn, after: Figures, extra: dict) -> dict:
+        """The turn so far as JSON, for the run to keep (while it waits for an approval, or
+        for the worker that continues it if this one dies), with `extra` (what waits for an
+        approval, the decision taken)."""
+        return extra | {
+            "session": self.session_id,
+            "made_here": self.made_here,
+            "replaced": self.replaced,
+            "before": {"active_seconds": self.before.active_seconds, "list_cost": _decimal_text(self.before.list_cost)},
+            "active_seconds": max(after.active_seconds - self.before.active_seconds, 0.0),
+            "blocks": turn.blocks,
+            "texts": turn.texts,
+            "billed": [list(entry) for entry in turn.billed],
+        }
+
+    @classmethod
+    def of_state(cls, state: dict) -> TurnStart:
+        before = state["before"]
+        cost = before.get("list_cost")
+        return cls(
+            session_id=state["session"],
+            before=Figures(float(before["active_seconds"]), Decimal(cost) if cost is not None else None),
+            replaced=state.get("replaced", ""),
+            made_here=bool(state.get("made_here")),
+        )
+
+
+def _decimal_text(value: Decimal | None) -> str | None:
+    return str(value) if value is not None else None
 
 
 class ClaudeManagedAdapter(Adapter):
@@ -357,29 +443,45 @@ class ClaudeManagedAdapter(Adapter):
         except AdapterError:
             raise
         except anthropic.AnthropicError as exc:
-            raise error_from_sdk(exc) from None
+            error = error_from_sdk(exc)
+            if isinstance(error, QuotaRefused) and own.turn_begun:
+                # The task may have reached the session: putting the run back in the queue
+                # would send it again. The run fails; the session keeps what it did.
+                error = AdapterError(error.code, error.message)
+            raise error from None
 
     def _call(self, client, request: AdapterRequest, own: ManagedSessions) -> AdapterReply:
-        stored = RemoteAgent.of(own.remote())
-        remote = remote_sync(client, request, stored, name=f"paperclip {request.metadata.get('agent_id', '')}")
-        if remote != stored:
-            own.remote_record(remote.as_json())
-        session_id, before, replaced = self._session(client, request, own, remote)
+        state = own.continuation
+        if state is not None and state.get("resume"):  # its worker died: the same turn goes on
+            start, turn, opening = TurnStart.of_state(state), Turn.of_state(state), state["opening"]
+            cursor, resuming = state["cursor"], True
+        else:
+            start, turn, opening = self._opening(client, request, own)
+            # Where the session's events stood before this run sent anything: a worker that
+            # dies from here on leaves the next one what it needs to find the rest.
+            cursor, resuming = ("" if start.made_here else self._cursor(client, start.session_id)), False
+            own.turn_started(start.state(turn, start.before, state or {}) | {"cursor": cursor, "opening": opening})
         # A stateless run's session ends with it; so does, when the turn fails, a session
-        # this run made: no row names it, and the next heartbeat starts afresh.
+        # this run made: no row names it, and the next heartbeat starts afresh. A turn that
+        # waits for an approval keeps its session.
         ends_with_run = not own.persistent
         try:
-            turn = self._turn(client, request, session_id)
-            after = client.beta.sessions.retrieve(session_id)
+            self._turn(client, request, start.session_id, opening, turn, resume_after=cursor if resuming else None)
+            after = Figures.of(client.beta.sessions.retrieve(start.session_id))
+            if turn.stop == "requires_action" and (pending := turn.pending_tools()):
+                ends_with_run = False
+                raise ApprovalNeeded(start.state(turn, after, {"pending": pending}))
             if turn.terminated or turn.stop in STOP_FAILURES:
-                raise self._failure(session_id, turn, before, after, own)
+                raise self._failure(start, turn, after, own)
+        except ApprovalNeeded:
+            raise
         except BaseException:
-            ends_with_run = ends_with_run or session_id != own.resumed_id
+            ends_with_run = ends_with_run or start.made_here
             raise
         finally:
             if ends_with_run:
-                own.session_end_later(session_id)
-        report = self._report(session_id, turn, before, after) | ({"replaced_session": replaced} if replaced else {})
+                own.session_end_later(start.session_id)
+        report = self._report(start, turn, after)
         own.turn_time(report["active_seconds"], failed=False)
         usage = usage_total(usage for _, usage in turn.billed)
         return AdapterReply(
@@ -393,16 +495,37 @@ class ClaudeManagedAdapter(Adapter):
             usage_by_model={request.model: usage} if usage is not None else None,
             runtime_report=report,
             active_seconds=report["active_seconds"],
-            on_commit=own.on_commit(remote_session_id=session_id, report=report) if own.persistent else None,
+            on_commit=own.on_commit(remote_session_id=start.session_id, report=report) if own.persistent else None,
         )
 
-    def _failure(self, session_id: str, turn: Turn, before, after, own: ManagedSessions) -> AdapterError:
-        report = self._report(session_id, turn, before, after)
+    def _failure(self, start: TurnStart, turn: Turn, after: Figures, own: ManagedSessions) -> AdapterError:
+        report = self._report(start, turn, after)
         own.turn_time(report["active_seconds"], failed=True)
         code, message = STOP_FAILURES.get(turn.stop, ("", ""))
         if turn.terminated:
             code, message = "managed_session_terminated", turn.error or "The service terminated the session."
         return AdapterError(code, message, runtime_report=report, active_seconds=report["active_seconds"])
+
+    def _opening(self, client, request: AdapterRequest, own: ManagedSessions) -> tuple[TurnStart, Turn, list]:
+        """Where the turn begins and what it sends first: a turn that waited for an approval
+        goes on with the operator's decision; any other sends its task, to the agent's remote
+        session or a new one."""
+        if own.continuation is not None:
+            state = own.continuation
+            return TurnStart.of_state(state), Turn.of_state(state), confirmations(state)
+        stored = RemoteAgent.of(own.remote())
+        remote = remote_sync(client, request, stored, name=f"paperclip {request.metadata.get('agent_id', '')}")
+        if remote != stored:
+            own.remote_record(remote.as_json())
+        session_id, before, replaced = self._session(client, request, own, remote)
+        start = TurnStart(session_id, Figures.of(before), replaced, made_here=session_id != own.resumed_id)
+        return start, Turn(), [{"type": "user.message", "content": _content(request.messages[-1]["content"])}]
+
+    def _cursor(self, client, session_id: str) -> str:
+        """The id of the session's last event so far ("" for none)."""
+        for event in client.beta.sessions.events.list(session_id, order="desc", limit=1):
+            return event.id
+        return ""
 
     def _session(self, client, request: AdapterRequest, own: ManagedSessions, remote: RemoteAgent):
         """The remote session this turn goes to, as it was before the turn, and the one it
@@ -438,23 +561,56 @@ class ClaudeManagedAdapter(Adapter):
         own.session_used(session.id)
         return session.id, session, own.resumed_id
 
-    def _turn(self, client, request: AdapterRequest, session_id: str) -> Turn:
-        """Send the task and read the session's events until it is idle again (or ended).
-        The stream is opened first, so no event of the turn is missed."""
+    def _turn(
+        self,
+        client,
+        request: AdapterRequest,
+        session_id: str,
+        opening: list[dict],
+        turn: Turn,
+        *,
+        resume_after: str | None = None,
+    ) -> Turn:
+        """Send the turn's opening events (the task, or the confirmations a waiting turn
+        needed) and read the session's events until it is idle again (or ended). The stream
+        is opened first, so no event of the turn is missed.
+
+        `resume_after`: the turn was begun by a worker that died, after this event. What the
+        session has done since is read back first; the opening events are sent only if they
+        never arrived, so a task is never sent twice (requests it billed are not billed again)."""
         timeout = float(request.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
         deadline = time.monotonic() + timeout
-        turn = Turn()
         with client.beta.sessions.events.stream(session_id, timeout=timeout) as stream:
-            client.beta.sessions.events.send(
-                session_id, events=[{"type": "user.message", "content": _content(request.messages[-1]["content"])}]
-            )
+            seen: set[str] = set()
+            if resume_after is not None:
+                done = self._events_after(client, session_id, resume_after)
+                seen = {event.id for event in done}
+                if not any(event.type == opening[0]["type"] for event in done):
+                    client.beta.sessions.events.send(session_id, events=opening)
+                for event in done:
+                    if self._see(event, turn, request):
+                        return turn
+            else:
+                client.beta.sessions.events.send(session_id, events=opening)
             for event in stream:
+                if event.id in seen:
+                    continue  # read back already
                 if self._see(event, turn, request):
                     return turn
                 if time.monotonic() > deadline:
                     break
         client.beta.sessions.events.send(session_id, events=[{"type": "user.interrupt"}])
         raise AdapterError("managed_timeout", f"The session did not finish its turn within {timeout:g} s.")
+
+    def _events_after(self, client, session_id: str, cursor: str) -> list:
+        """The session's events after `cursor` ("": all of them), oldest first: read newest
+        first, so only the turn's own events are read."""
+        events = []
+        for event in client.beta.sessions.events.list(session_id, order="desc", limit=100):
+            if event.id == cursor:
+                break
+            events.append(event)
+        return events[::-1]
 
     def _see(self, event, turn: Turn, request: AdapterRequest) -> bool:
         """Record one event; True once the turn is over."""
@@ -479,6 +635,8 @@ class ClaudeManagedAdapter(Adapter):
             return True
         elif kind == "session.status_idle":
             turn.stop = event.stop_reason.type
+            if turn.stop == "requires_action":
+                turn.waiting_on = list(event.stop_reason.event_ids)
             return True
         return False
 
@@ -498,17 +656,18 @@ class ClaudeManagedAdapter(Adapter):
         request.meter.bill(usage=usage, model=request.model, message_id=event.id)
         turn.billed.append((event.id, usage))
 
-    def _report(self, session_id: str, turn: Turn, before, after) -> dict:
-        spent = max(_active_seconds(after) - _active_seconds(before), 0.0)
-        cost_before, cost_after = _list_cost(before), _list_cost(after)
+    def _report(self, start: TurnStart, turn: Turn, after: Figures) -> dict:
+        before = start.before
         return {
-            "managed_session_id": session_id,
+            "managed_session_id": start.session_id,
             "model_requests": len(turn.billed),
-            "active_seconds": spent,
+            "active_seconds": max(after.active_seconds - before.active_seconds, 0.0),
             "stop_reason": "terminated" if turn.terminated else turn.stop,
-            "list_cost_usd": str(cost_after) if cost_after is not None else None,
-            "list_cost_turn_usd": str(cost_after - (cost_before or 0)) if cost_after is not None else None,
-        }
+            "list_cost_usd": str(after.list_cost) if after.list_cost is not None else None,
+            "list_cost_turn_usd": str(after.list_cost - (before.list_cost or 0))
+            if after.list_cost is not None
+            else None,
+        } | ({"replaced_session": start.replaced} if start.replaced else {})
 
 
 def remote_session_end(remote_session_id: str, *, action: str) -> str | None:
@@ -527,15 +686,31 @@ def remote_session_end(remote_session_id: str, *, action: str) -> str | None:
     return None
 
 
-def _active_seconds(session) -> float:
-    return float(session.usage.active_seconds or 0.0)
-
-
-def _list_cost(session) -> Decimal | None:
-    cost = session.usage.list_cost  # absent until the service tracks the session's cost
-    if cost is None or cost.currency != "USD":
+def remote_turn_interrupt(remote_session_id: str) -> str | None:
+    """Stop a remote session's turn (one whose approval expired); None once sent, else why not."""
+    anthropic = _sdk()
+    try:
+        client_for({}).beta.sessions.events.send(remote_session_id, events=[{"type": "user.interrupt"}])
+    except anthropic.NotFoundError:
         return None
-    return Decimal(cost.amount) / 100
+    except anthropic.AnthropicError as exc:
+        return error_from_sdk(exc).message
+    return None
+
+
+def confirmations(state: dict) -> list[dict]:
+    """The operator's decision on each tool call a waiting turn stopped at."""
+    decision = state["decision"]
+    deny = decision["result"] == "deny"
+    return [
+        {
+            "type": "user.tool_confirmation",
+            "tool_use_id": tool["id"],
+            "result": decision["result"],
+            **({"deny_message": decision["reason"]} if deny and decision.get("reason") else {}),
+        }
+        for tool in state["pending"]
+    ]
 
 
 def _content(content) -> list[dict]:

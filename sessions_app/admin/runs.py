@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from django.contrib import admin
+import json
+
+from django.contrib import admin, messages
+from django.utils import timezone
 
 from sessions_app.admin.common import (
     ApiIdsInUrls,
@@ -14,6 +17,7 @@ from sessions_app.admin.common import (
     short_text,
     tokens_in_out,
 )
+from sessions_app.approvals import ApprovalRefused, approval_decide, approval_pending
 from sessions_app.models import HeartbeatRun, parse_session_id, session_public_id
 
 
@@ -42,6 +46,7 @@ class HeartbeatRunAdmin(ApiIdsInUrls, LargeTableAdmin):
         "company",
         "session_link",
         "status",
+        "approval",
         "trigger",
         "merged_ticks",
         "task",
@@ -69,6 +74,7 @@ class HeartbeatRunAdmin(ApiIdsInUrls, LargeTableAdmin):
         "claimed_by",
     ]
     readonly_fields = fields
+    actions = ["approve_tool_calls", "deny_tool_calls"]
 
     cost = money_column("cost_usd", "cost (USD)")
     reserved = money_column("reserved_usd", "reserved (USD)")
@@ -91,6 +97,43 @@ class HeartbeatRunAdmin(ApiIdsInUrls, LargeTableAdmin):
 
     def has_change_permission(self, request, obj=None) -> bool:
         return False  # a run is a record of what happened
+
+    @admin.display(description="approval")
+    def approval(self, obj: HeartbeatRun) -> str:
+        shown = approval_pending(obj)
+        if shown is None:
+            return "-"
+        calls = "; ".join(f"{call['name']} {json.dumps(call['input'])[:300]}" for call in shown["tool_calls"])
+        decision = shown["decision"]
+        if decision is not None:
+            return f"{calls}: {decision['result']} by {decision['by'] or 'an operator'} ({decision['reason'] or 'no reason'})"
+        return f"{calls}: waiting, until {shown['expires_at']}"
+
+    @admin.action(description="Approve the tool calls the selected runs wait on")
+    def approve_tool_calls(self, request, queryset):
+        self._decide(request, queryset, allow=True)
+
+    @admin.action(description="Deny the tool calls the selected runs wait on")
+    def deny_tool_calls(self, request, queryset):
+        self._decide(request, queryset, allow=False)
+
+    def _decide(self, request, queryset, *, allow: bool) -> None:
+        """Each through `approval_decide`, as the API does; a run that no longer waits is
+        reported by run, the others still decided. Runs are read-only records, so the
+        decision needs the operator's right to change them."""
+        if not super().has_change_permission(request):
+            self.message_user(request, "You may not decide on runs.", messages.ERROR)
+            return
+        decided = 0
+        by = f"admin {request.user.get_username()}"
+        reason = "" if allow else f"Denied by {by}."
+        for run in queryset.select_related("agent"):
+            try:
+                approval_decide(run, allow=allow, reason=reason, by=by, now=timezone.now())
+                decided += 1
+            except ApprovalRefused as refused:
+                self.message_user(request, f"Run {run.pk}: {refused.message}", messages.WARNING)
+        self.message_user(request, f"{'Approved' if allow else 'Denied'} {decided} run(s).", messages.SUCCESS)
 
     @admin.display(description="run", ordering="created_at")
     def run_id(self, obj: HeartbeatRun) -> str:

@@ -1,0 +1,144 @@
+"""Approvals of Managed Agents tool calls: a turn that stops at a tool whose permission is
+"always ask" waits `waiting_approval` for an operator, who approves or denies it (the API,
+the admin); the next worker then continues the same turn. Nobody holds a transaction, a
+row lock or a worker while the run waits.
+
+- The run keeps its agent's one place in flight, so no other heartbeat sends a task to the
+  remote session while it waits on a confirmation.
+- What the turn streamed so far (its mirror, the requests it billed) is kept on the run
+  (`managed_turn`), so the continued turn records the whole of it.
+- A decision is taken by one conditional update: of two operators, or an operator and the
+  expiry, exactly one wins; the loser is told the run no longer waits.
+- Unanswered past `approval_timeout_minutes` the run fails `approval_expired` and the remote
+  turn is interrupted, so the agent spends nothing more on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from django.db.models import Q
+
+from costs_app.ledger import session_hours_record
+from costs_app.pricing import session_hour_rate, session_hours_cost
+from sessions_app.errors import RunFailure
+from sessions_app.models import HeartbeatRun, RunStatus
+from sessions_app.run_queue import heartbeat_dispatch, run_fail
+from sessions_app.text import storable
+
+logger = logging.getLogger(__name__)
+DEFAULT_APPROVAL_TIMEOUT_MINUTES = 60
+MAX_REASON_CHARS = 2000
+
+
+class ApprovalRefused(RunFailure):
+    """A decision that cannot be taken: the run does not wait for one (409), or the reason
+    given is not one (400)."""
+
+    def __init__(self, code: str, message: str, *, status: int = 409) -> None:
+        super().__init__(code, message)
+        self.status = status
+
+
+def approval_timeout(config: dict) -> timedelta:
+    return timedelta(minutes=int(config.get("approval_timeout_minutes") or DEFAULT_APPROVAL_TIMEOUT_MINUTES))
+
+
+def approval_park(run: HeartbeatRun, *, state: dict, calls_numbered: int, cost_usd, now: datetime) -> bool:
+    """The run waits for an operator: `waiting_approval`, keeping its place in flight, the
+    turn so far and the calls it billed (numbered on after them when it continues), with
+    no deadline (the reaper leaves it; the expiry ends it). False when it was no longer
+    running (reaped meanwhile)."""
+    return bool(
+        HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(
+            status=RunStatus.WAITING_APPROVAL,
+            managed_turn=storable(state),
+            approval_deadline_at=now + approval_timeout(run.agent.adapter_config),
+            deadline_at=None,
+            claimed_by="",
+            calls_before=calls_numbered,
+            cost_usd=cost_usd,
+        )
+    )
+
+
+def approval_decide(run: HeartbeatRun, *, allow: bool, reason: str = "", by: str = "", now: datetime) -> HeartbeatRun:
+    """Record an operator's decision on a waiting run and hand it to a worker, which sends
+    the confirmation and continues the turn. Raises `ApprovalRefused` when the run does not
+    wait for one (already decided, expired, or never waiting)."""
+    if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS or "\x00" in reason:
+        raise ApprovalRefused("invalid", f"reason must be text of at most {MAX_REASON_CHARS} characters.", status=400)
+    state = dict(run.managed_turn or {})
+    decision = {"result": "allow" if allow else "deny", "reason": reason, "by": by, "at": now.isoformat()}
+    waiting = Q(id=run.id, status=RunStatus.WAITING_APPROVAL, approval_deadline_at__gt=now)
+    # The decision is taken once: the row must still hold the turn as it was read, undecided.
+    decided = HeartbeatRun.objects.filter(waiting, managed_turn__decision__isnull=True).update(
+        managed_turn={**state, "decision": decision}
+    )
+    if not decided or "decision" in state:
+        raise ApprovalRefused("run_not_waiting_approval", "The run does not wait for an approval (any more).")
+    run.managed_turn = {**state, "decision": decision}
+    heartbeat_dispatch(run=run)
+    return run
+
+
+def approval_pending(run: HeartbeatRun) -> dict | None:
+    """What the API and the admin show of a run's approval: the tool calls waiting, until
+    when, and the decision once taken; None for a run that never waited."""
+    state = run.managed_turn
+    if not state or "pending" not in state:
+        return None
+    return {
+        "tool_calls": state.get("pending", []),
+        "expires_at": run.approval_deadline_at.isoformat() if run.approval_deadline_at else None,
+        "decision": state.get("decision"),
+    }
+
+
+def approvals_expire(*, now: datetime) -> int:
+    """Fail the runs whose approval nobody gave in time (`approval_expired`), then interrupt
+    their remote turns. The run's remote active time so far is its session's, or billed at
+    once when no session row will record it."""
+    due = HeartbeatRun.objects.filter(
+        status=RunStatus.WAITING_APPROVAL, approval_deadline_at__lte=now, managed_turn__decision__isnull=True
+    ).select_related("agent")[:100]
+    expired = 0
+    for run in due:
+        state = run.managed_turn or {}
+        seconds = float(state.get("active_seconds") or 0.0)
+        if not run_fail(
+            run,
+            code="approval_expired",
+            message="Nobody approved or denied the tool call in time (approval_timeout_minutes).",
+            now=now,
+            active_seconds=seconds,
+        ):
+            continue  # decided (or ended) meanwhile
+        expired += 1
+        if run.session_id is None:
+            _unrecorded_time_bill(run, seconds, now=now)
+        _remote_interrupt(state.get("session", ""))
+    return expired
+
+
+def _unrecorded_time_bill(run: HeartbeatRun, seconds: float, *, now: datetime) -> None:
+    if seconds <= 0 or (rate := session_hour_rate()) <= 0:
+        return
+    session_hours_record(
+        company_id=run.company_id,
+        agent_id=run.agent_id,
+        session_id=None,
+        seconds=seconds,
+        cost=session_hours_cost(seconds, rate=rate),
+        at=now,
+    )
+
+
+def _remote_interrupt(remote_session_id: str) -> None:
+    from sessions_app.adapters.claude_managed import remote_turn_interrupt
+
+    if remote_session_id and (problem := remote_turn_interrupt(remote_session_id)):
+        logger.warning(
+            "Could not interrupt the expired turn of Managed Agents session %s: %s", remote_session_id, problem
+        )

@@ -1,0 +1,177 @@
+"""Approvals: a Managed Agents turn that stops at a tool that asks first waits
+`waiting_approval`; an operator approves or denies it through the API and the next worker
+continues the same turn, against the fake through the real SDK."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from costs_app.models import CostEvent, CostKind
+from sessions_app.approvals import approvals_expire
+from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
+from sessions_app.run_queue import heartbeat_enqueue
+from sessions_app.stores import store_for
+from tests.api.conftest import agent_url, assert_error
+from tests.conftest import beat, managed_agent, run_queued_tasks
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ASKING = [
+    ("message", "I will look first.", {"input_tokens": 300, "output_tokens": 12}),
+    ("tool", "bash", {"command": "rm -rf build"}, "always_ask", "removed"),
+    ("message", "Cleaned up.", {"input_tokens": 420, "output_tokens": 8}),
+]
+
+
+def asking_agent(company, **config):
+    return managed_agent(company, tools=["read", {"name": "bash", "permission": "always_ask"}], **config)
+
+
+def test_an_approved_tool_call_continues_the_same_turn(api, company, fake_managed):
+    agent = asking_agent(company)
+    fake_managed.script(None, ASKING)
+
+    waiting = beat(agent, "clean the build")
+
+    assert waiting.status == RunStatus.WAITING_APPROVAL
+    shown = api.get(agent_url(agent, f"/runs/{waiting.id}")).json()
+    (call,) = shown["approval"]["tool_calls"]
+    assert (call["name"], call["input"]) == ("bash", {"command": "rm -rf build"})
+    assert shown["approval"]["decision"] is None and shown["approval"]["expires_at"]
+    # The agent's next heartbeat waits behind it: nobody sends the session a task meanwhile.
+    later, _ = heartbeat_enqueue(agent=agent, task="next", now=timezone.now())
+    assert HeartbeatRun.objects.get(pk=later.pk).status == RunStatus.QUEUED
+
+    approved = api.post(agent_url(agent, f"/runs/{waiting.id}/approve"), {"reason": "fine"})
+    assert approved.status_code == 200, approved.content
+    assert approved.json()["approval"]["decision"]["result"] == "allow"
+    run_queued_tasks()
+
+    run = HeartbeatRun.objects.get(pk=waiting.pk)
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    assert run.output == "I will look first.\n\nCleaned up."
+    (remote_id,) = fake_managed.user_messages
+    assert fake_managed.user_messages[remote_id][0] == "clean the build"  # sent once, before the wait
+    confirmations = [e for e in fake_managed.events[remote_id] if e["type"] == "user.tool_confirmation"]
+    assert [(e["result"], e["tool_use_id"]) for e in confirmations] == [("allow", call["id"])]
+    rows = CostEvent.objects.filter(run_id=run.id, kind=CostKind.MESSAGE).order_by("call_number")
+    assert [(r.call_number, r.input_tokens) for r in rows if r.input_tokens] == [(1, 300), (3, 420)]
+    session = AgentSession.objects.get(agent=agent)
+    turn = next(t for t in store_for(session).read(session) if t["role"] == "assistant")
+    assert [block["type"] for block in turn["content"]] == ["text", "tool_use", "tool_result", "text"]
+    assert HeartbeatRun.objects.get(pk=later.pk).status == RunStatus.SUCCEEDED  # then the next one ran
+
+
+def test_a_denied_tool_call_tells_the_agent_why_and_the_turn_goes_on(api, company, fake_managed):
+    agent = asking_agent(company)
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+
+    denied = api.post(agent_url(agent, f"/runs/{waiting.id}/deny"), {"reason": "not on a Friday"})
+    assert denied.status_code == 200, denied.content
+    run_queued_tasks()
+
+    run = HeartbeatRun.objects.get(pk=waiting.pk)
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    (remote_id,) = fake_managed.user_messages
+    results = [e for e in fake_managed.events[remote_id] if e["type"] == "agent.tool_result"]
+    assert "not on a Friday" in str(results[-1]["content"])
+    assert api.get(agent_url(agent, f"/runs/{waiting.id}")).json()["approval"]["decision"]["result"] == "deny"
+
+
+def test_a_decision_is_taken_once(api, company, fake_managed):
+    agent = asking_agent(company)
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+
+    assert api.post(agent_url(agent, f"/runs/{waiting.id}/approve")).status_code == 200
+    assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/deny")), 409, "run_not_waiting_approval")
+    run_queued_tasks()
+    assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/approve")), 409, "run_not_waiting_approval")
+    done = beat(agent, "a run that never waited")
+    assert_error(api.post(agent_url(agent, f"/runs/{done.id}/approve")), 409, "run_not_waiting_approval")
+
+
+def test_an_unanswered_approval_expires_and_the_remote_turn_is_interrupted(api, company, fake_managed):
+    agent = asking_agent(company, approval_timeout_minutes=5)
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+
+    assert approvals_expire(now=timezone.now()) == 0  # not yet
+    assert approvals_expire(now=timezone.now() + timedelta(minutes=6)) == 1
+
+    run = HeartbeatRun.objects.get(pk=waiting.pk)
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "approval_expired")
+    (remote_id,) = fake_managed.user_messages
+    assert "user.interrupt" in [e["type"] for e in fake_managed.events[remote_id]]
+    assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/approve")), 409, "run_not_waiting_approval")
+
+
+def test_a_decision_after_the_deadline_is_refused_even_before_the_expiry_runs(api, company, fake_managed):
+    agent = asking_agent(company, approval_timeout_minutes=1)
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+    HeartbeatRun.objects.filter(pk=waiting.pk).update(approval_deadline_at=timezone.now() - timedelta(seconds=1))
+
+    assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/approve")), 409, "run_not_waiting_approval")
+    assert approvals_expire(now=timezone.now()) == 1
+
+
+def test_a_wait_true_heartbeat_answers_at_once_with_the_waiting_run(api, company, fake_managed):
+    agent = asking_agent(company)
+    fake_managed.script(None, ASKING)
+
+    answer = api.post(agent_url(agent, "/heartbeat"), {"task": "clean the build", "wait": True})
+
+    assert answer.status_code == 202, answer.content  # not finished: an operator decides
+    assert answer.json()["status"] == "waiting_approval"
+    assert answer.json()["approval"]["tool_calls"][0]["name"] == "bash"
+
+
+def test_a_stateless_agents_session_is_kept_while_it_waits_and_archived_after(api, company, fake_managed):
+    agent = asking_agent(company, session_mode="stateless")
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+    run_queued_tasks()
+    (remote,) = fake_managed.sessions.values()
+    assert remote["archived_at"] is None
+
+    api.post(agent_url(agent, f"/runs/{waiting.id}/approve"))
+    run_queued_tasks()
+    run_queued_tasks()  # the archive the run's end recorded
+
+    assert HeartbeatRun.objects.get(pk=waiting.pk).status == RunStatus.SUCCEEDED
+    assert fake_managed.sessions[remote["id"]]["archived_at"] is not None
+
+
+def test_a_reason_that_is_not_text_is_a_400_naming_it(api, company, fake_managed):
+    agent = asking_agent(company)
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+
+    error = assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/deny"), {"reason": "x" * 3000}), 400)
+
+    assert "reason" in str(error)
+    assert HeartbeatRun.objects.get(pk=waiting.pk).status == RunStatus.WAITING_APPROVAL
+
+
+def test_an_operator_approves_from_the_admin_and_sees_the_waiting_call(admin_client, company, fake_managed):
+    from django.urls import reverse
+
+    agent = asking_agent(company)
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+
+    page = admin_client.get(reverse("admin:sessions_app_heartbeatrun_change", args=[waiting.pk])).content.decode()
+    assert "bash" in page and "rm -rf build" in page and "waiting, until" in page
+    changelist = reverse("admin:sessions_app_heartbeatrun_changelist")
+    answer = admin_client.post(changelist, {"action": "approve_tool_calls", "_selected_action": [str(waiting.pk)]})
+    assert answer.status_code == 302
+    run_queued_tasks()
+
+    run = HeartbeatRun.objects.get(pk=waiting.pk)
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    assert run.managed_turn["decision"]["by"] == "admin admin"

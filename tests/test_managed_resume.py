@@ -1,0 +1,114 @@
+"""A Managed Agents turn whose worker dies: the reaper hands it to the next worker, which
+continues the same turn from the remote session's events, never sending the task twice and
+never billing a request twice (real SDK against the fake, a real worker process killed)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+
+from costs_app.models import CostEvent, CostKind
+from sessions_app.heartbeat import heartbeat_execute
+from sessions_app.maintenance import runs_reap
+from sessions_app.models import AgentSession, HeartbeatRun, ManagedSessionEnd, RunStatus
+from sessions_app.stores import store_for
+from tests.conftest import managed_agent, run_queued_tasks, worker_heartbeat
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FIRST = {"input_tokens": 700, "output_tokens": 30}
+SECOND = {"input_tokens": 900, "output_tokens": 40}
+
+
+def killed_after_first_request(agent, settings, task: str) -> HeartbeatRun:
+    """Start the heartbeat in a worker process, SIGKILL it once its first request is billed."""
+    worker = worker_heartbeat(agent, task, settings)
+    deadline = time.monotonic() + 60
+    while not CostEvent.objects.filter(agent_id=agent.id, kind=CostKind.MESSAGE).exists():
+        assert worker.poll() is None and time.monotonic() < deadline, "the worker ended before it was killed"
+        time.sleep(0.02)
+    worker.kill()
+    worker.wait(timeout=10)
+    return HeartbeatRun.objects.get(agent=agent)
+
+
+@pytest.mark.parametrize("mode", ["persistent", "stateless"])
+def test_a_turn_whose_worker_was_killed_is_finished_by_the_next_without_resending_it(
+    company, fake_managed, settings, mode
+):
+    agent = managed_agent(company, session_mode=mode)
+    fake_managed.script(None, [("message", "part one", FIRST), ("sleep", 1.5), ("message", "part two", SECOND)])
+
+    run = killed_after_first_request(agent, settings, "the long task")
+    assert run.status == RunStatus.RUNNING
+
+    assert runs_reap(now=run.deadline_at + timedelta(seconds=1)) == []  # resumed, not failed
+    run.refresh_from_db()
+    assert run.status == RunStatus.RESUMING
+    run_queued_tasks()
+
+    run.refresh_from_db()
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    assert run.output == "part one\n\npart two"
+    (remote_id,) = fake_managed.user_messages
+    assert fake_managed.user_messages[remote_id] == ["the long task"]  # sent once
+    rows = CostEvent.objects.filter(run_id=run.id, kind=CostKind.MESSAGE).order_by("call_number")
+    assert [(r.call_number, r.input_tokens, r.output_tokens) for r in rows] == [(1, 700, 30), (2, 900, 40)]
+    spans = [e["id"] for e in fake_managed.events[remote_id] if e["type"] == "span.model_request_end"]
+    assert [r.message_id for r in rows] == spans
+    if mode == "persistent":
+        session = AgentSession.objects.get(agent=agent)
+        assert session.managed_session_id == remote_id
+        assert [m["content"] for m in store_for(session).read(session) if m["role"] == "user"] == ["the long task"]
+
+
+def test_a_task_that_never_reached_the_session_is_sent_once_by_the_next_worker(company, fake_managed):
+    """The worker died after recording where the turn starts and before its task arrived."""
+    agent = managed_agent(company)
+    fake_managed.fail_next(500, times=10, path_prefix="/v1/sessions/")  # the task's send fails for good
+    first = heartbeat_execute(run_id=_queued(agent, "a task").id)
+    assert first.status == RunStatus.FAILED  # this worker gave up: nothing was sent
+    remote_id = first.managed_session_id
+    assert fake_managed.user_messages.get(remote_id, []) == []
+    fake_managed.recover()
+
+    # As if the worker had died instead: the run still running, its turn recorded, and
+    # none of the failure's doing (the end of the session it made).
+    ManagedSessionEnd.objects.all().delete()
+    HeartbeatRun.objects.filter(pk=first.pk).update(
+        status=RunStatus.RUNNING, deadline_at=first.finished_at, finished_at=None, error_code="", error=""
+    )
+    assert runs_reap(now=first.finished_at + timedelta(seconds=1)) == []
+    run_queued_tasks()
+
+    first.refresh_from_db()
+    assert first.status == RunStatus.SUCCEEDED, (first.error_code, first.error)
+    assert fake_managed.user_messages[first.managed_session_id] == ["a task"]
+
+
+def test_a_run_resumed_too_often_fails_as_any_overdue_run(company, fake_managed):
+    agent = managed_agent(company)
+    run = _queued(agent, "a task")
+    now = run.created_at
+    HeartbeatRun.objects.filter(pk=run.pk).update(
+        status=RunStatus.RUNNING,
+        started_at=now,
+        deadline_at=now,
+        managed_session_id="sesn_x",
+        managed_turn={"cursor": "", "resume": 3, "opening": []},
+    )
+
+    assert runs_reap(now=now + timedelta(seconds=1)) == [agent.id]
+    run.refresh_from_db()
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
+
+
+def _queued(agent, task: str) -> HeartbeatRun:
+    from django.utils import timezone
+
+    from sessions_app.run_queue import heartbeat_enqueue
+
+    run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
+    return run
