@@ -23,6 +23,7 @@ from typing import Protocol
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from costs_app.budgets import (
@@ -536,7 +537,8 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
     try:
         # Durable: its end is the COMMIT, and the history is published only after it.
         with transaction.atomic(durable=True):
-            session = _session_for_answer(agent=agent, run=run, plan=plan, now=now)
+            appends = _appends_only(agent, plan, reply)
+            session = plan.session if appends else _session_for_answer(agent=agent, run=run, plan=plan, now=now)
             if session is not None and plan.new_session and beat.calls.billed_anything:
                 run_calls_join_session(run_id=run.id, session_id=session.id)
             if reply.on_commit is not None:  # a runtime's own session state (Claude Code's transcript)
@@ -547,21 +549,25 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
                 turns, staged = _stage_turns(
                     beat, session, plan, reply, user_content, counts, finished=finished, replayed=replayed
                 )
-                session.record_turn(
-                    replayed=replayed,
-                    message_count=len(turns),
-                    manifest=manifest_merge(
+                turn = {
+                    "replayed": replayed,
+                    "message_count": len(turns),
+                    "manifest": manifest_merge(
                         plan.manifest, reported_artifacts(reply.text, reply.artifacts), at=finished
                     ),
-                    started=now,
-                    finished=finished,
-                    ttl=agent.session_ttl,
-                    idle_pause=idle_pause(agent),
-                    input_tokens=counts.total_input_tokens if counts is not None else None,
-                    output_tokens=counts.output_tokens if counts is not None else None,
-                    new_messages=2 + len(reply.exchanges),
-                    active_seconds=reply.active_seconds,
-                )
+                    "started": now,
+                    "finished": finished,
+                    "ttl": agent.session_ttl,
+                    "idle_pause": idle_pause(agent),
+                    "input_tokens": counts.total_input_tokens if counts is not None else None,
+                    "output_tokens": counts.output_tokens if counts is not None else None,
+                    "new_messages": 2 + len(reply.exchanges),
+                    "active_seconds": reply.active_seconds,
+                }
+                if appends:
+                    _session_append(agent=agent, session=session, plan=plan, staged=staged, turn=turn)
+                else:
+                    session.record_turn(**turn)
             outcome = _run_outcome(session, reply, counts, cost, finished=finished, replayed=replayed)
             if not HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(**outcome):
                 raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
@@ -681,6 +687,71 @@ def _run_outcome(
         if reply.runtime_report is not None
         else None,
     }
+
+
+def _appends_only(agent: Agent, plan: Plan, reply: AdapterReply) -> bool:
+    """Whether the commit only appends a turn to the session the plan resumed: no session
+    to create or retire, no handoff note, no server compaction to archive, no runtime
+    state (each of those changes more of the row, or other rows, and takes the general
+    path). The common case of a persistent heartbeat."""
+    return (
+        agent.is_persistent
+        and plan.session is not None
+        and not plan.new_session
+        and plan.retire is None
+        and plan.handoff is None
+        and reply.on_commit is None
+        and not starts_with_compaction(reply.content)
+    )
+
+
+def _session_append(*, agent: Agent, session: AgentSession, plan: Plan, staged: StagedHistory, turn: dict) -> None:
+    """Inside the commit transaction: the turn recorded on the resumed session in one
+    UPDATE, which is the checks `_session_for_answer` makes and the save in one statement.
+
+    Its condition locks the agent's row first (`hot_sql.agent_not_deleted_locked`), as the
+    SELECT ... FOR NO KEY UPDATE of the general path does, then the session's row (the
+    UPDATE's own lock, before the run's row, the order `run_fail` takes them in), and holds
+    both to the COMMIT. Once the locks are granted PostgreSQL re-reads both rows, so a
+    deletion, an end of the session or another writer's turn committed meanwhile makes it
+    match nothing: then, and only then, one read says which. Counters are added to the row
+    as it is, never written back from what the plan read: the session's hours may be
+    billed (`unbilled_active_seconds` zeroed) while the model answers."""
+    assigned, added = session.turn_changes(**turn)
+    fields = {name: getattr(session, name) for name in staged.fields}
+    fields |= assigned | {name: F(name) + value for name, value in added.items()}
+    updated = (
+        AgentSession.objects.filter(
+            pk=session.pk,
+            status__in=LIVE_SESSION_STATUSES,
+            # The turns were numbered and the history staged from what the plan read.
+            message_count=len(plan.history),
+            next_seq=session.next_seq,
+        )
+        .filter(agent_not_deleted_locked(agent.pk))
+        .update(**fields)
+    )
+    if not updated:
+        _session_refusal(agent=agent, session_id=session.pk)
+    for name, value in assigned.items():
+        setattr(session, name, value)
+    for name, value in added.items():
+        setattr(session, name, getattr(session, name) + value)
+
+
+def _session_refusal(*, agent: Agent, session_id) -> None:
+    """Why the commit's UPDATE of the session matched nothing, as `_session_for_answer`
+    names it (read in the failed transaction, which rolls back)."""
+    if not Agent.objects.filter(pk=agent.pk).exclude(status=AgentStatus.DELETED).exists():
+        raise RunAbandoned("agent_deleted", "The agent was deleted while the model answered.")
+    status = AgentSession.objects.filter(pk=session_id).values_list("status", flat=True).first()
+    if status is None:
+        raise RunAbandoned("session_deleted", "The session was deleted while the model answered.")
+    if status not in LIVE_SESSION_STATUSES:
+        raise RunAbandoned("session_ended", f"The session was {status} while the model answered.")
+    # Only one run per agent may be running, so this means the one-writer rule was broken
+    # (for example a run reaped while still alive). Refuse rather than lose a turn.
+    raise RunAbandoned("session_conflict", "The session changed while the model answered.")
 
 
 def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: datetime) -> AgentSession | None:

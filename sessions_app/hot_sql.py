@@ -16,7 +16,7 @@ from django.db.models.expressions import RawSQL
 from django.db.models.query import get_related_populators
 from django.db.models.sql.compiler import SQLCompiler
 
-from sessions_app.models import Agent, AgentStatus
+from sessions_app.models import Agent, AgentStatus, RunStatus
 
 
 def agent_not_deleted_locked(agent_id) -> RawSQL:
@@ -103,3 +103,35 @@ class CompiledLookup:
                 setattr(instance, name, row[position])
             instances.append(instance)
         return instances
+
+
+def queued_run_insert(run: Model, *, agent_id, bound: int) -> bool:
+    """INSERT `run` (a new, unsaved queued run) unless its agent already has `bound` queued
+    runs or a run under the same idempotency key: the queue's bound and the insert in one
+    statement. False when it inserted nothing.
+
+    Guarantee: the bound is exact when the caller holds the agent's enqueue lock
+    (`run_queue._queue_lock`, a statement of its own on PostgreSQL, so this statement's
+    snapshot, taken after the lock was granted, sees every run an earlier enqueue of the
+    agent committed; SQLite's IMMEDIATE transaction runs one writer at a time), exactly as
+    the count and the INSERT it replaces were. A repeated idempotency key inserts nothing
+    (ON CONFLICT DO NOTHING: the partial unique index refuses it without an error, so the
+    enqueue's transaction needs no savepoint). A deleted agent's row still refuses the run
+    by its foreign key."""
+    meta = run._meta
+    fields = meta.concrete_fields
+    values = [field.get_db_prep_save(field.pre_save(run, add=True), connection) for field in fields]
+    agent_column, status_column = meta.get_field("agent").column, meta.get_field("status").column
+    columns = ", ".join(f'"{field.column}"' for field in fields)
+    sql = (
+        f'INSERT INTO "{meta.db_table}" ({columns}) SELECT {", ".join(["%s"] * len(values))} '  # noqa: S608
+        f'WHERE (SELECT COUNT(*) FROM "{meta.db_table}" WHERE "{agent_column}" = %s AND "{status_column}" = %s) < %s '
+        "ON CONFLICT DO NOTHING"
+    )
+    agent_key = meta.get_field("agent").target_field.get_db_prep_value(agent_id, connection)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*values, agent_key, RunStatus.QUEUED, bound])
+        inserted = cursor.rowcount == 1
+    if inserted:
+        run._state.adding, run._state.db = False, connection.alias
+    return inserted

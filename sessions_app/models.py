@@ -356,7 +356,18 @@ class AgentSession(models.Model):
             return False
         return self.expires_at is None or self.expires_at > now
 
-    def record_turn(
+    def record_turn(self, **turn) -> None:
+        """A heartbeat's answer, committed to this session and saved (`turn_changes`).
+        Called inside the heartbeat's commit, with the row locked and its new history
+        staged (`sessions_app.stores`)."""
+        assigned, added = self.turn_changes(**turn)
+        for name, value in assigned.items():
+            setattr(self, name, value)
+        for name, value in added.items():
+            setattr(self, name, getattr(self, name) + value)
+        self.save()
+
+    def turn_changes(
         self,
         *,
         message_count: int,
@@ -370,32 +381,32 @@ class AgentSession(models.Model):
         new_messages: int = 2,
         replayed: bool = True,
         active_seconds: float | None = None,
-    ) -> None:
-        """A heartbeat's answer, committed to this session and saved: `new_messages` more
-        messages (the task and the answer, and the tool loop's turns between them), the
-        clocks restarted from the end of the run (`finished`), the run's active time and
-        tokens added (its cost is the ledger's: see `total_cost_usd`). Called inside the heartbeat's commit, with the row locked and its
-        new history staged (`sessions_app.stores`). A turn not `replayed` (a nothing-to-do
-        answer) adds no message and no turn; its call is still counted and billed. The
-        active time is the run's unless the runtime measured it (`active_seconds`)."""
-        self.message_count = message_count
-        if replayed:
-            self.next_seq += new_messages
-            self.turn_count += 1
-        self.manifest = manifest
-        self.last_used = finished
-        self.expires_at = finished + ttl
-        self.status = SessionStatus.ACTIVE
-        self.paused_at = None
-        self.pause_at = finished + idle_pause
+    ) -> tuple[dict, dict]:
+        """What a heartbeat's answer changes on this session: `new_messages` more messages
+        (the task and the answer, and the tool loop's turns between them), the clocks
+        restarted from the end of the run (`finished`), the run's active time and tokens
+        added (its cost is the ledger's: see `total_cost_usd`). A turn not `replayed` (a
+        nothing-to-do answer) adds no message and no turn; its call is still counted and
+        billed. Returns the fields set and the amounts added to counters, apart, so that
+        a single UPDATE can add them to the row as it is (`heartbeat._session_append`).
+        The active time is the run's unless the runtime measured it (`active_seconds`)."""
         active = max((finished - started).total_seconds(), 0.0) if active_seconds is None else active_seconds
-        self.active_seconds += active
-        self.unbilled_active_seconds += active
+        assigned = {
+            "message_count": message_count,
+            "manifest": manifest,
+            "last_used": finished,
+            "expires_at": finished + ttl,
+            "status": SessionStatus.ACTIVE,
+            "paused_at": None,
+            "pause_at": finished + idle_pause,
+        }
+        added = {"active_seconds": active, "unbilled_active_seconds": active}
+        if replayed:
+            added |= {"next_seq": new_messages, "turn_count": 1}
         if input_tokens is not None:
-            self.last_input_tokens = input_tokens
-            self.total_input_tokens += input_tokens
-            self.total_output_tokens += output_tokens or 0
-        self.save()
+            assigned["last_input_tokens"] = input_tokens
+            added |= {"total_input_tokens": input_tokens, "total_output_tokens": output_tokens or 0}
+        return assigned, added
 
 
 def session_public_id(session_id: uuid.UUID | None) -> str | None:

@@ -35,7 +35,7 @@ from sessions_app.batch_delivery import claimable, run_delivery
 from sessions_app.context import context_settings
 from sessions_app.context_defaults import recent_wakes_columns, recent_wakes_of
 from sessions_app.errors import HeartbeatRefused
-from sessions_app.hot_sql import CompiledLookup
+from sessions_app.hot_sql import CompiledLookup, queued_run_insert
 from sessions_app.metering import session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
 from sessions_app.models import (
@@ -87,14 +87,23 @@ def refuse_retired(agent: Agent) -> None:
         raise HeartbeatRefused("model_retired", message)
 
 
+def _models_of(agent: Agent, *, now: datetime) -> set[str]:
+    """The models an agent's runs call: its own, and its summaries' when it keeps a session."""
+    models = {agent.model_name}
+    if agent.is_persistent:
+        models.add(context_settings(agent, now=now).summary_model)
+    return models
+
+
+def _keyed(agent: Agent, idempotency_key: str) -> HeartbeatRun | None:
+    return HeartbeatRun.objects.filter(agent=agent, idempotency_key=idempotency_key).first()
+
+
 def refuse_unpriced(agent: Agent, *, now: datetime) -> None:
     """An agent under a money budget whose model has no price is refused before anything
     is queued: its calls could not be held against the budget (each run would fail
     model_unpriced). Called only for such agents (`_refuse_when_queue_full_or_unpriced`)."""
-    models = {agent.model_name}
-    if agent.is_persistent:
-        models.add(context_settings(agent, now=now).summary_model)
-    unpriced = sorted(model for model in models if not is_priced(model=model, at=now))
+    unpriced = sorted(model for model in _models_of(agent, now=now) if not is_priced(model=model, at=now))
     if unpriced:
         raise HeartbeatRefused(
             "model_unpriced",
@@ -129,7 +138,7 @@ def heartbeat_enqueue(
             f"idempotency_key must be at most {IDEMPOTENCY_KEY_LENGTH} characters of valid Unicode without NUL.",
         )
     if idempotency_key:
-        earlier = HeartbeatRun.objects.filter(agent=agent, idempotency_key=idempotency_key).first()
+        earlier = _keyed(agent, idempotency_key)
         if earlier is not None:
             return _same_request(earlier, task, delivery), False
     refuse_unless_active(agent)
@@ -144,11 +153,21 @@ def heartbeat_enqueue(
         "delivery": delivery,
         "created_at": now,
     }
+    # Whether a money budget applies is read only for an agent whose models are not all
+    # priced (from memory): only then can it be refused `model_unpriced`.
+    priced = all(is_priced(model=model, at=now) for model in _models_of(agent, now=now))
     try:
         with transaction.atomic():
             _queue_lock(agent)
             if merge and (merged := tick_merge(agent_id=agent.pk)) is not None:
                 return merged, False
+            if priced:
+                run = HeartbeatRun(**fields)
+                if queued_run_insert(run, agent_id=agent.pk, bound=settings.PAPERCLIP_MAX_QUEUED_RUNS):
+                    return run, True
+                # Nothing inserted: the key's earlier run, or a full queue (read only now).
+                if idempotency_key and (earlier := _keyed(agent, idempotency_key)) is not None:
+                    return _same_request(earlier, task, delivery), False
             _refuse_when_queue_full_or_unpriced(agent, now=now)
             # A duplicate key needs a savepoint of its own to leave the transaction usable.
             with transaction.atomic() if idempotency_key else nullcontext():
@@ -214,9 +233,10 @@ def _refuse_when_queue_full_or_unpriced(agent: Agent, *, now: datetime) -> None:
     has PAPERCLIP_MAX_QUEUED_RUNS queued runs.
 
     Called inside the enqueue's transaction, under `_queue_lock`: the count is exact. It
-    reads runs_unfinished_idx. Whether a money budget applies is read in the same query as
-    the count: every heartbeat enqueues, and one round trip fewer is ~5% of an unbudgeted
-    turn's overhead (bench/RESULTS.md).
+    reads runs_unfinished_idx. The enqueue of an agent whose models are priced counts in
+    its INSERT instead (`hot_sql.queued_run_insert`) and comes here only to say why that
+    inserted nothing; an agent with an unpriced model comes here first, and whether a money
+    budget applies is read in the same query as the count.
     """
     bound = settings.PAPERCLIP_MAX_QUEUED_RUNS
     queued_runs = (

@@ -13,10 +13,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from costs_app.models import CostEvent
-from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus
+from sessions_app.metering import session_hours_bill
+from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.run_queue import CLAIM_READ, claim_read_query
 from sessions_app.services import agent_delete
-from tests.conftest import Actor, beat, wait_until_blocked
+from tests.conftest import Actor, beat, on_own_connection, wait_until_blocked
 from tests.fake_anthropic import Reply
 
 
@@ -47,6 +48,82 @@ def test_a_stateless_commit_waits_for_an_open_deletion_of_its_agent_and_then_fai
     assert (run.status, run.error_code) == (RunStatus.FAILED, "agent_deleted")
     assert Agent.objects.get(pk=stateless_agent.pk).status == AgentStatus.DELETED
     assert CostEvent.objects.get(run=run).kind == "message"  # the answered call stays billed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_persistent_commit_waits_for_an_open_deletion_of_its_agent_and_then_fails_agent_deleted(
+    postgres_only, persistent_agent, fake_anthropic
+):
+    """The commit's one UPDATE of a resumed session (`heartbeat._session_append`) in place
+    of the agent's lock, the session's lock and the save: a deletion open when the answer
+    arrives (it has written the agent's row and the session's) holds that UPDATE until it
+    commits, and the UPDATE then matches nothing. (Either lock alone holds it: the
+    deletion writes both rows; the condition takes the agent's first, in the order the
+    deletion takes them.)"""
+    beat(persistent_agent, "zero")
+    locked, release = threading.Event(), threading.Event()
+
+    def delete_and_hold() -> None:
+        with transaction.atomic():
+            agent_delete(agent=Agent.objects.get(pk=persistent_agent.pk), now=timezone.now())
+            locked.set()
+            assert release.wait(30), "the test never released the deletion"
+
+    deletion = Actor(delete_and_hold)
+    fake_anthropic.push(Reply.during(lambda: (deletion.start(), locked.wait(30))))
+    heartbeat = Actor(lambda: beat(persistent_agent, "one"))
+    heartbeat.start()
+
+    wait_until_blocked(heartbeat)  # its commit's UPDATE waits for the deletion's row lock
+    assert HeartbeatRun.objects.get(agent=persistent_agent, task="one").status == RunStatus.RUNNING
+    release.set()
+    deletion.result()
+    run = heartbeat.result()
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "agent_deleted")
+    assert not AgentSession.objects.filter(agent=persistent_agent).exists()
+    assert CostEvent.objects.filter(run=run).count() == 1  # the answered call stays billed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_persistent_commit_after_its_session_ended_fails_session_ended_and_writes_no_turn(
+    persistent_agent, fake_anthropic
+):
+    beat(persistent_agent, "zero")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    end = on_own_connection(
+        lambda: AgentSession.objects.filter(pk=session.pk).update(status=SessionStatus.ENDED, end_reason="operator")
+    )
+    fake_anthropic.push(Reply.during(end))
+
+    run = beat(persistent_agent, "one")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "session_ended")
+    session.refresh_from_db()
+    assert (session.status, session.message_count, session.turn_count) == (SessionStatus.ENDED, 2, 1)
+    assert CostEvent.objects.filter(run=run).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_session_hours_billed_while_the_model_answers_are_not_added_back_by_the_commit(
+    persistent_agent, fake_anthropic
+):
+    """The commit adds the run's time and tokens to the row as it is: counters read by
+    the plan before the call are never written back over a bill made during it."""
+    beat(persistent_agent, "zero")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    assert session.unbilled_active_seconds > 0
+    bill = on_own_connection(lambda: session_hours_bill(session_ids=[session.pk], now=timezone.now()))
+    fake_anthropic.push(Reply.during(bill))
+
+    run = beat(persistent_agent, "one")
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    billed = AgentSession.objects.get(pk=session.pk)
+    run_seconds = (run.finished_at - run.started_at).total_seconds()
+    assert 0 < billed.unbilled_active_seconds <= run_seconds + 0.001  # this run's time only
+    assert billed.active_seconds > billed.unbilled_active_seconds  # the first run's stays counted
+    assert (billed.message_count, billed.turn_count, billed.next_seq) == (4, 2, 4)
 
 
 def as_the_orm_reads_it(run: HeartbeatRun) -> tuple:
