@@ -410,10 +410,12 @@ class ReplayedHistory:
 class OwnSession:
     """The runtime resumes a session it keeps itself and only reports each turn back: the
     engine still records the turn on the agent's session, but sends only the new one, and
-    never rotates or compacts (the runtime manages its own context)."""
+    never compacts (the runtime manages its own context); it rotates only where the runtime
+    says so (`rotates_own_session`), with no handoff note."""
 
     def plan(self, beat: ClaimedRun) -> Plan:
-        return plan_session(agent=beat.agent, run=beat.run, now=beat.now, settings_=beat.settings_, rotates=False)
+        rotates = beat.calls.adapter.rotates_own_session
+        return plan_session(agent=beat.agent, run=beat.run, now=beat.now, settings_=beat.settings_, rotates=rotates)
 
     def handoff(self, beat: ClaimedRun, plan: Plan, *, reserve: BeforeCall) -> Plan:
         return plan

@@ -150,3 +150,32 @@ def test_a_failed_turn_on_a_resumed_session_counts_the_providers_time_not_our_cl
     assert session.unbilled_active_seconds == 60.0  # both turns, as the provider measured them
     assert session.managed_session_id == run.managed_session_id  # resumed, and kept
     assert not ManagedSessionEnd.objects.exists()
+
+
+def test_force_fresh_and_rotation_start_a_new_remote_session_and_archive_the_old(company, fake_managed):
+    agent = managed_agent(company, rotate_after_turns=2)
+    beat(agent, "one")
+    first = AgentSession.objects.get(agent=agent).managed_session_id
+
+    fresh = beat(agent, "two", force_fresh=True)
+    second = AgentSession.objects.get(agent=agent, status="active").managed_session_id
+    beat(agent, "three")
+    rotated = beat(agent, "four")  # the live session has had its two turns
+    run_queued_tasks()
+
+    assert fresh.status == rotated.status == RunStatus.SUCCEEDED
+    third = AgentSession.objects.get(agent=agent, status="active").managed_session_id
+    assert len({first, second, third}) == 3
+    assert fake_managed.sessions[first]["archived_at"] and fake_managed.sessions[second]["archived_at"]
+    assert fake_managed.sessions[third]["archived_at"] is None
+    assert fake_managed.user_messages[second] == ["two", "three"]
+    assert rotated.output == "reply 1: four"  # the new remote session starts afresh
+
+
+def test_a_rescheduled_session_is_waited_out(company, fake_managed):
+    agent = managed_agent(company)
+    fake_managed.script(None, [("reschedule", 0.3), ("message", "back", {"input_tokens": 10, "output_tokens": 2})])
+
+    run = beat(agent, "work")
+
+    assert (run.status, run.output) == (RunStatus.SUCCEEDED, "back"), run.error

@@ -245,6 +245,10 @@ class Adapter:
     # `sessions_app.cli_transcripts`) or "managed" (the remote session's id and mirror,
     # `sessions_app.managed_sessions`).
     own_session_store: ClassVar[str] = ""
+    # True: such a session is still rotated by the agent's `rotate_after_*` settings (the
+    # old one ended, a new one started, with no handoff note: Managed Agents); False: never
+    # (Claude Code compacts its own and resumes it for as long as it lives).
+    rotates_own_session: ClassVar[bool] = False
     # True: one call may make several model requests, whose usage the runtime reports to
     # `request.meter` as each ends (Claude Code); the engine bills the reply's usage otherwise.
     bills_while_running: ClassVar[bool] = False

@@ -404,6 +404,7 @@ class ClaudeManagedAdapter(Adapter):
     type_name = "claude-managed"
     keeps_own_session = True  # the remote session keeps the conversation; the engine sends the new turn
     own_session_store = "managed"
+    rotates_own_session = True
     bills_while_running = True  # each model request's usage arrives as its span ends
     config_keys = CONFIG_KEYS
 
