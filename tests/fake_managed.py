@@ -289,7 +289,7 @@ class FakeManaged(EventsMixin):
             "type": "session",
             "agent": snapshot,
             "archived_at": None,
-            "budget": None,
+            "budget": body.get("budget"),  # as sent: the enforced ceiling (never enforced here; scripts stop a turn)
             "created_at": stamp,
             "updated_at": stamp,
             "environment_id": body["environment_id"],

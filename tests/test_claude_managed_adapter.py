@@ -179,3 +179,21 @@ def test_a_rescheduled_session_is_waited_out(company, fake_managed):
     run = beat(agent, "work")
 
     assert (run.status, run.output) == (RunStatus.SUCCEEDED, "back"), run.error
+
+
+def test_under_a_budget_the_sessions_cap_is_reserved_before_anything_is_sent(company, fake_managed):
+    from costs_app.models import Budget
+
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("1"))
+    uncapped = managed_agent(company)
+    over = managed_agent(company, max_budget_usd=2)
+
+    assert beat(uncapped, "go").error_code == "managed_budget_cap_required"
+    assert beat(over, "go").error_code == "budget_exceeded"
+    assert fake_managed.requests == []  # nothing reached the provider
+
+    capped = managed_agent(company, max_budget_usd=0.5)
+    run = beat(capped, "go")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    (remote,) = fake_managed.sessions.values()
+    assert remote["budget"]["max_list_cost"] == {"amount": "50", "currency": "USD"}

@@ -417,10 +417,19 @@ class ClaudeManagedAdapter(Adapter):
     def call_seconds(self, config: dict) -> float:
         return float(config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
 
-    def reservation_usd(self, config: dict) -> Decimal | None:
-        """The session's enforced budget covers what the whole turn may spend."""
+    def reservation_usd(self, config: dict) -> Decimal:
+        """What a budgeted heartbeat holds before the turn: the remote session's enforced
+        budget, the most the session can spend, of which one turn spends at most all (the
+        service stops issuing model requests once its list cost reaches it)."""
         cents = budget_cents(config)
-        return Decimal(cents) / 100 if cents is not None else None
+        if cents is None:
+            # A turn makes as many model requests as the agent wants: nothing else bounds it.
+            raise AdapterError(
+                "managed_budget_cap_required",
+                "A budget applies to this agent: set adapter_config.max_budget_usd, the remote session's "
+                "enforced spending cap, so that a turn can be held against the budget.",
+            )
+        return Decimal(cents) / 100
 
     def call(self, request: AdapterRequest) -> AdapterReply:
         # Checked again here, with this worker's mode and lists: the row may predate them,
