@@ -462,20 +462,23 @@ class ClaudeManagedAdapter(Adapter):
 
     def _call(self, client, request: AdapterRequest, own: ManagedSessions) -> AdapterReply:
         state = own.continuation
-        if state is not None and state.get("resume"):  # its worker died: the same turn goes on
+        resuming = state is not None and bool(state.get("resume"))  # its worker died: the same turn goes on
+        if resuming:
             start, turn, opening = TurnStart.of_state(state), Turn.of_state(state), state["opening"]
-            cursor, resuming = state["cursor"], True
         else:
             start, turn, opening = self._opening(client, request, own)
-            # Where the session's events stood before this run sent anything: a worker that
-            # dies from here on leaves the next one what it needs to find the rest.
-            cursor, resuming = ("" if start.made_here else self._cursor(client, start.session_id)), False
-            own.turn_started(start.state(turn, start.before, state or {}) | {"cursor": cursor, "opening": opening})
         # A stateless run's session ends with it; so does, when the turn fails, a session
         # this run made: no row names it, and the next heartbeat starts afresh. A turn that
         # waits for an approval keeps its session.
         ends_with_run = not own.persistent
         try:
+            if resuming:
+                cursor = state["cursor"]
+            else:
+                # Where the session's events stood before this run sent anything: a worker
+                # that dies from here on leaves the next one what it needs to find the rest.
+                cursor = "" if start.made_here else self._cursor(client, start.session_id)
+                own.turn_started(start.state(turn, start.before, state or {}) | {"cursor": cursor, "opening": opening})
             self._turn(client, request, start.session_id, opening, turn, resume_after=cursor if resuming else None)
             after = Figures.of(client.beta.sessions.retrieve(start.session_id))
             if turn.stop == "requires_action" and (pending := turn.pending_tools()):
