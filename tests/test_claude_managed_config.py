@@ -8,7 +8,7 @@ import pytest
 
 from sessions_app.adapters import AgentConfigError, validate_agent_config
 from sessions_app.adapters.base import AdapterRequest
-from sessions_app.adapters.claude_managed import agent_params, budget_cents, environment_config
+from sessions_app.adapters.claude_managed_config import agent_params, budget_cents, environment_config
 from sessions_app.models import RunStatus
 from tests.conftest import beat, managed_agent
 

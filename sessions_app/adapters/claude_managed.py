@@ -16,12 +16,9 @@ module touches no model and no transaction.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import time
 from dataclasses import dataclass, field
-from decimal import ROUND_DOWN, Decimal
+from decimal import Decimal
 from typing import Any, Protocol
 
 from django.conf import settings
@@ -33,28 +30,21 @@ from sessions_app.adapters.base import (
     AdapterRequest,
     ApprovalNeeded,
     QuotaRefused,
-    is_int,
-    is_number,
     usage_error,
-    validate_model,
-    validate_timeout,
 )
 from sessions_app.adapters.claude_cli import api_usage, usage_total
 from sessions_app.adapters.claude_code import client_for, error_from_sdk
+from sessions_app.adapters.claude_managed_config import (
+    CONFIG_KEYS,
+    DEFAULT_TIMEOUT_SECONDS,
+    RemoteAgent,
+    authenticated_problems,
+    budget_cents,
+    remote_sync,
+    validate_managed_config,
+)
 from sessions_app.adapters.rate_limits import api_credential
 
-logger = logging.getLogger(__name__)
-
-TOOLSET = "agent_toolset_20260401"
-# The agent toolset's tools (`BetaManagedAgentsAgentToolConfigParams`).
-TOOL_NAMES = ("bash", "edit", "read", "write", "glob", "grep", "web_fetch", "web_search")
-DEFAULT_TOOLS = ["bash", "edit", "read", "write", "glob", "grep"]
-PERMISSIONS = ("always_allow", "always_ask")
-PACKAGE_MANAGERS = ("apt", "cargo", "gem", "go", "npm", "pip")
-DEFAULT_TIMEOUT_SECONDS = 600
-MAX_BUDGET_USD = 1000
-CONFIG_KEYS = {"model", "tools", "environment", "max_budget_usd", "timeout_seconds", "approval_timeout_minutes"}
-MAX_APPROVAL_TIMEOUT_MINUTES = 7 * 24 * 60
 # How the remote session's idle states end a run that is not a plain end of turn.
 STOP_FAILURES = {
     "budget_reached": ("managed_budget_reached", "The session reached its budget (max_budget_usd)."),
@@ -63,226 +53,6 @@ STOP_FAILURES = {
     "requires_action": ("managed_requires_action", "The session waits for a tool confirmation."),
 }
 RESULT_CHARS = 2000
-
-
-# --- configuration ------------------------------------------------------------------------
-
-
-def _tools(config: dict, errors: dict[str, str]) -> list[dict]:
-    """`tools`: names of the agent toolset's tools, or `{"name": ..., "permission":
-    "always_allow" | "always_ask"}`; a name alone is always allowed."""
-    raw = config.get("tools", DEFAULT_TOOLS)
-    tools: list[dict] = []
-    if isinstance(raw, list):
-        for entry in raw:
-            tool = {"name": entry, "permission": "always_allow"} if isinstance(entry, str) else entry
-            if (
-                not isinstance(tool, dict)
-                or set(tool) - {"name", "permission"}
-                or tool.get("name") not in TOOL_NAMES
-                or tool.get("permission", "always_allow") not in PERMISSIONS
-            ):
-                tools = []
-                break
-            tools.append({"name": tool["name"], "permission": tool.get("permission", "always_allow")})
-        else:
-            if len({tool["name"] for tool in tools}) == len(tools):
-                return tools
-    errors["tools"] = (
-        f"must be a list of tool names ({', '.join(TOOL_NAMES)}), each once, or objects "
-        f"{{'name': ..., 'permission': 'always_allow' | 'always_ask'}}; got {raw!r}"
-    )
-    return tools
-
-
-def _environment(config: dict, errors: dict[str, str]) -> dict:
-    """`environment`: `networking` ("unrestricted", or `{"allowed_hosts": [...],
-    "allow_package_managers": bool}` for limited) and `packages` by manager."""
-    raw = config.get("environment", {})
-    problem = None
-    if not isinstance(raw, dict) or set(raw) - {"networking", "packages"}:
-        problem = "must be an object with 'networking' and 'packages'"
-    else:
-        networking = raw.get("networking", {"allowed_hosts": []})
-        packages = raw.get("packages", {})
-        if networking != "unrestricted" and not (
-            isinstance(networking, dict)
-            and not set(networking) - {"allowed_hosts", "allow_package_managers"}
-            and _strings(networking.get("allowed_hosts", []), longest=253)
-            and isinstance(networking.get("allow_package_managers", False), bool)
-        ):
-            problem = (
-                "networking must be 'unrestricted' or {'allowed_hosts': [host, ...], 'allow_package_managers': bool}"
-            )
-        elif not (isinstance(packages, dict) and set(packages) <= set(PACKAGE_MANAGERS)) or not all(
-            _strings(names, longest=200) for names in packages.values()
-        ):
-            problem = f"packages must map {', '.join(PACKAGE_MANAGERS)} to lists of package names"
-        elif packages and isinstance(networking, dict) and not networking.get("allow_package_managers"):
-            problem = "packages need networking 'unrestricted' or allow_package_managers: true"
-        else:
-            return {"networking": networking, "packages": packages}
-    errors["environment"] = f"{problem}; got {raw!r}"
-    return raw if isinstance(raw, dict) else {}
-
-
-def _strings(value: Any, *, longest: int) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(item, str) and item.strip() and len(item) <= longest for item in value
-    )
-
-
-def validate_managed_config(config: dict, errors: dict[str, str]) -> dict:
-    clean: dict[str, Any] = {}
-    validate_model(config, errors, clean)
-    clean["tools"] = _tools(config, errors)
-    clean["environment"] = _environment(config, errors)
-    if "max_budget_usd" in config:
-        cap = config["max_budget_usd"]
-        if cap is not None and (not is_number(cap) or not Decimal("0.01") <= Decimal(str(cap)) <= MAX_BUDGET_USD):
-            errors["max_budget_usd"] = f"must be a number of dollars in [0.01, {MAX_BUDGET_USD}] or null, got {cap!r}"
-        clean["max_budget_usd"] = cap
-    validate_timeout(config, errors, clean, default=DEFAULT_TIMEOUT_SECONDS)
-    if "approval_timeout_minutes" in config:
-        minutes = config["approval_timeout_minutes"]
-        if not is_int(minutes) or not 1 <= minutes <= MAX_APPROVAL_TIMEOUT_MINUTES:
-            errors["approval_timeout_minutes"] = (
-                f"must be a whole number of minutes in 1..{MAX_APPROVAL_TIMEOUT_MINUTES}, got {minutes!r}"
-            )
-        clean["approval_timeout_minutes"] = minutes
-    if config.get("context_strategy") not in (None, "none"):
-        errors["context_strategy"] = "a Managed Agents session manages its own context: leave it unset or 'none'"
-    errors.update(
-        authenticated_problems(
-            clean,
-            mode=settings.PAPERCLIP_DEPLOYMENT_MODE,
-            tools=settings.PAPERCLIP_MANAGED_TOOLS,
-            hosts=settings.PAPERCLIP_MANAGED_HOSTS,
-        )
-    )
-    return clean
-
-
-def authenticated_problems(config: dict, *, mode: str, tools: tuple, hosts: tuple) -> dict[str, str]:
-    """What an API key may not give a Managed Agents agent in `authenticated` mode: the
-    tools and the hosts its container reaches are the operator's to grant
-    (PAPERCLIP_MANAGED_TOOLS, PAPERCLIP_MANAGED_HOSTS; `*` among the hosts permits
-    unrestricted networking)."""
-    if mode != "authenticated":
-        return {}
-    problems = {}
-    names = [tool["name"] for tool in config.get("tools") or []]
-    if refused := [name for name in names if name not in tools]:
-        listed = ", ".join(tools) if tools else "none: the operator lists them"
-        problems["tools"] = (
-            f"{', '.join(map(repr, refused))} may not be used in authenticated mode; "
-            f"PAPERCLIP_MANAGED_TOOLS permits {listed}"
-        )
-    environment = config.get("environment") or {}
-    networking = environment.get("networking")
-    if networking == "unrestricted" and "*" not in hosts:
-        problems["environment"] = "unrestricted networking needs '*' in PAPERCLIP_MANAGED_HOSTS in authenticated mode"
-    elif isinstance(networking, dict):
-        wanted = networking.get("allowed_hosts") or []
-        if refused := [host for host in wanted if host not in hosts and "*" not in hosts]:
-            listed = ", ".join(hosts) if hosts else "none: the operator lists them"
-            problems["environment"] = (
-                f"hosts {', '.join(map(repr, refused))} may not be reached in authenticated mode; "
-                f"PAPERCLIP_MANAGED_HOSTS permits {listed}"
-            )
-    return problems
-
-
-def budget_cents(config: dict) -> int | None:
-    """The session's enforced budget in cents, never above what the agent allows."""
-    cap = config.get("max_budget_usd")
-    if cap is None:
-        return None
-    return int((Decimal(str(cap)) * 100).to_integral_value(rounding=ROUND_DOWN))
-
-
-# --- the remote agent and environment ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RemoteAgent:
-    """The agent and environment at Anthropic that an agent runs as, and the digests of
-    the configuration each was last made from."""
-
-    agent_id: str
-    version: int
-    environment_id: str
-    agent_digest: str
-    environment_digest: str
-
-    def as_json(self) -> dict:
-        return self.__dict__.copy()
-
-    @classmethod
-    def of(cls, stored: dict | None) -> RemoteAgent | None:
-        try:
-            return cls(**stored) if stored else None
-        except TypeError:
-            return None  # stored by another version of this module: made again
-
-
-def digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def agent_params(request: AdapterRequest) -> dict:
-    tools = request.config.get("tools", [])
-    return {
-        "model": request.model,
-        "system": request.system or None,
-        "tools": [
-            {
-                "type": TOOLSET,
-                "default_config": {"enabled": False},
-                "configs": [
-                    {"name": tool["name"], "enabled": True, "permission_policy": {"type": tool["permission"]}}
-                    for tool in tools
-                ],
-            }
-        ],
-    }
-
-
-def environment_config(config: dict) -> dict:
-    environment = config.get("environment") or {}
-    networking = environment.get("networking", {"allowed_hosts": []})
-    cloud: dict[str, Any] = {"type": "cloud"}
-    if networking == "unrestricted":
-        cloud["networking"] = {"type": "unrestricted"}
-    else:
-        cloud["networking"] = {
-            "type": "limited",
-            "allowed_hosts": list(networking.get("allowed_hosts", [])),
-            "allow_package_managers": bool(networking.get("allow_package_managers", False)),
-        }
-    if environment.get("packages"):
-        cloud["packages"] = {"type": "packages", **environment["packages"]}
-    return cloud
-
-
-def remote_sync(client, request: AdapterRequest, stored: RemoteAgent | None, *, name: str) -> RemoteAgent:
-    """The remote agent and environment for this request's configuration: made on first use,
-    updated when the configuration changed (a changed agent is a new version)."""
-    params = agent_params(request)
-    environment = environment_config(request.config)
-    agent_digest, environment_digest = digest(params), digest(environment)
-    metadata = {"paperclip_agent": request.metadata.get("agent_id", "")}
-    beta = client.beta
-    if stored is None:
-        created = beta.agents.create(name=name, metadata=metadata, **params)
-        env = beta.environments.create(name=name, config=environment, metadata=metadata)
-        return RemoteAgent(created.id, created.version, env.id, agent_digest, environment_digest)
-    version = stored.version
-    if stored.agent_digest != agent_digest:
-        version = beta.agents.update(stored.agent_id, version=stored.version, **params).version
-    if stored.environment_digest != environment_digest:
-        beta.environments.update(stored.environment_id, config=environment)
-    return RemoteAgent(stored.agent_id, version, stored.environment_id, agent_digest, environment_digest)
 
 
 # --- one heartbeat ------------------------------------------------------------------------
