@@ -172,6 +172,10 @@ def full_house(db, company, persistent_agent, stateless_agent, other_agent):
     ModelPrice.from_list_price("claude-opus-5-5", now.date(), Decimal("3"), Decimal("15")).save()
     hold_and_event(budget, now=now)
     ManagedSessionEnd.objects.create(
-        remote_session_id="sesn_demo", action="delete", company=company, attempts=2, last_error="Could not reach it."
+        remote_session_id="sesn_011CZkZZLKTAm2ydZ7zxGvFx",
+        action="delete",
+        company=company,
+        attempts=7,
+        last_error="Could not reach the Managed Agents API: the connection was refused by api.anthropic.com. " * 3,
     )
     return {"session": session, "db_session": db_session, "run": run, "key": key}

@@ -1,0 +1,65 @@
+"""The admin's list of remote Managed Agents sessions ended, or still to end."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from sessions_app.models import ManagedSessionEnd
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def ends(company):
+    now = timezone.now()
+    make = ManagedSessionEnd.objects.create
+    return {
+        "pending": make(remote_session_id="sesn_pending", action="archive", company=company),
+        "failing": make(
+            remote_session_id="sesn_failing",
+            action="delete",
+            company=company,
+            attempts=3,
+            last_error="overloaded (529).",
+            next_attempt_at=now + timedelta(minutes=8),
+        ),
+        "done": make(remote_session_id="sesn_done", action="archive", company=company, attempts=1, done_at=now),
+    }
+
+
+def rows(page: str) -> dict[str, str]:
+    """Each row's remote session id and its state cell."""
+    found = re.findall(r"sesn_(\w+).*?<td class=\"field-state\">(.*?)</td>", page, re.S)
+    return {name: state for name, state in found}
+
+
+def test_each_end_says_in_one_column_whether_it_is_done_waiting_or_refused_and_why(admin_client, ends):
+    page = admin_client.get(reverse("admin:sessions_app_managedsessionend_changelist")).content.decode()
+    states = rows(page)
+    assert states["pending"] == "pending"
+    assert states["done"].startswith("done ")
+    assert re.fullmatch(r"refused 3x, next \d{4}-\d\d-\d\d \d\d:\d\d UTC: overloaded \(529\)\.", states["failing"])
+
+
+def test_a_long_error_is_cut_in_the_list_and_whole_in_its_tooltip(admin_client, company):
+    error = "The connection was refused. " * 10
+    ManagedSessionEnd.objects.create(
+        remote_session_id="sesn_long", action="delete", company=company, attempts=1, last_error=error
+    )
+    page = admin_client.get(reverse("admin:sessions_app_managedsessionend_changelist")).content.decode()
+    state = rows(page)["long"]
+    assert state.endswith("…</span>") and error.strip() in state
+
+
+@pytest.mark.parametrize(
+    ("state", "shown"), [("pending", {"pending", "failing"}), ("failing", {"failing"}), ("done", {"done"})]
+)
+def test_the_state_filter_lists_what_it_names(admin_client, ends, state, shown):
+    url = reverse("admin:sessions_app_managedsessionend_changelist")
+    page = admin_client.get(url, {"state": state}).content.decode()
+    assert set(rows(page)) == shown
