@@ -22,7 +22,7 @@ from decimal import Decimal
 from typing import Protocol
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -59,7 +59,7 @@ from sessions_app.context import (
     user_turn_content,
 )
 from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure
-from sessions_app.hot_sql import agent_not_deleted_locked
+from sessions_app.hot_sql import agent_not_deleted_locked, turn_and_outcome_update
 from sessions_app.keep_warm import keep_warm_arm
 from sessions_app.managed_sessions import ManagedSessionHandle, managed_ends_for_sessions
 from sessions_app.metering import session_hours_bill
@@ -535,11 +535,13 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
     if not agent.is_persistent and reply.on_commit is None:
         outcome = _run_outcome(None, reply, counts, cost, finished=finished, replayed=replayed)
         return _commit_stateless(beat, outcome)
+    appends = _appends_only(agent, plan, reply)
+    if appends and connection.vendor == "postgresql":
+        return _commit_appended(beat, plan, reply, user_content, counts, finished=finished, replayed=replayed)
     staged = runtime_staged = NOTHING_STAGED
     try:
         # Durable: its end is the COMMIT, and the history is published only after it.
         with transaction.atomic(durable=True):
-            appends = _appends_only(agent, plan, reply)
             session = plan.session if appends else _session_for_answer(agent=agent, run=run, plan=plan, now=now)
             if session is not None and plan.new_session and beat.calls.billed_anything:
                 run_calls_join_session(run_id=run.id, session_id=session.id)
@@ -551,21 +553,7 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
                 turns, staged = _stage_turns(
                     beat, session, plan, reply, user_content, counts, finished=finished, replayed=replayed
                 )
-                turn = {
-                    "replayed": replayed,
-                    "message_count": len(turns),
-                    "manifest": manifest_merge(
-                        plan.manifest, reported_artifacts(reply.text, reply.artifacts), at=finished
-                    ),
-                    "started": now,
-                    "finished": finished,
-                    "ttl": agent.session_ttl,
-                    "idle_pause": idle_pause(agent),
-                    "input_tokens": counts.total_input_tokens if counts is not None else None,
-                    "output_tokens": counts.output_tokens if counts is not None else None,
-                    "new_messages": 2 + len(reply.exchanges),
-                    "active_seconds": reply.active_seconds,
-                }
+                turn = _turn(beat, plan, reply, counts, turns=turns, finished=finished, replayed=replayed)
                 if appends:
                     _session_append(agent=agent, session=session, plan=plan, staged=staged, turn=turn)
                 else:
@@ -582,6 +570,58 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
         return False
     staged.publish()
     runtime_staged.publish()
+    for name, value in outcome.items():
+        setattr(run, name, value)
+    return True
+
+
+def _turn(beat: ClaimedRun, plan: Plan, reply: AdapterReply, counts, *, turns: list, finished, replayed) -> dict:
+    """What the turn changes on its session (`AgentSession.turn_changes`)."""
+    return {
+        "replayed": replayed,
+        "message_count": len(turns),
+        "manifest": manifest_merge(plan.manifest, reported_artifacts(reply.text, reply.artifacts), at=finished),
+        "started": beat.now,
+        "finished": finished,
+        "ttl": beat.agent.session_ttl,
+        "idle_pause": idle_pause(beat.agent),
+        "input_tokens": counts.total_input_tokens if counts is not None else None,
+        "output_tokens": counts.output_tokens if counts is not None else None,
+        "new_messages": 2 + len(reply.exchanges),
+        "active_seconds": reply.active_seconds,
+    }
+
+
+def _commit_appended(
+    beat: ClaimedRun, plan: Plan, reply: AdapterReply, user_content, counts, *, finished: datetime, replayed: bool
+) -> bool:
+    """7. commit, PostgreSQL, for a turn appended to the session the plan resumed (the
+    common persistent heartbeat): the session's UPDATE and the run's in one statement
+    (`hot_sql.turn_and_outcome_update`), with the checks and locks of the transaction
+    `_commit` writes and the same outcomes; the history published after it."""
+    run, session = beat.run, plan.session
+    staged = NOTHING_STAGED
+    try:
+        turns, staged = _stage_turns(
+            beat, session, plan, reply, user_content, counts, finished=finished, replayed=replayed
+        )
+        turn = _turn(beat, plan, reply, counts, turns=turns, finished=finished, replayed=replayed)
+        outcome = _run_outcome(session, reply, counts, beat.calls.cost_usd, finished=finished, replayed=replayed)
+        assigned, added, session_update = _session_append_update(beat.agent, session, plan, staged, turn)
+        run_update = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING)
+        written = turn_and_outcome_update(session_update, (run_update, outcome))
+        if written is None:
+            raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
+        if not written:
+            _session_refusal(agent=beat.agent, session_id=session.pk)
+    except Exception as exc:
+        staged.discard()
+        if not isinstance(exc, RunFailure):
+            raise
+        _fail(beat, exc)
+        return False
+    staged.publish()
+    _session_turn_set(session, assigned, added)
     for name, value in outcome.items():
         setattr(run, name, value)
     return True
@@ -709,7 +749,17 @@ def _appends_only(agent: Agent, plan: Plan, reply: AdapterReply) -> bool:
 
 def _session_append(*, agent: Agent, session: AgentSession, plan: Plan, staged: StagedHistory, turn: dict) -> None:
     """Inside the commit transaction: the turn recorded on the resumed session in one
-    UPDATE, which is the checks `_session_for_answer` makes and the save in one statement.
+    UPDATE (`_session_append_update`), which is the checks `_session_for_answer` makes and
+    the save in one statement."""
+    assigned, added, (queryset, fields) = _session_append_update(agent, session, plan, staged, turn)
+    if not queryset.update(**fields):
+        _session_refusal(agent=agent, session_id=session.pk)
+    _session_turn_set(session, assigned, added)
+
+
+def _session_append_update(agent: Agent, session: AgentSession, plan: Plan, staged: StagedHistory, turn: dict):
+    """The UPDATE that records a turn on the resumed session: what it assigns, what it adds,
+    and the queryset and values of the statement.
 
     Its condition locks the agent's row first (`hot_sql.agent_not_deleted_locked`), as the
     SELECT ... FOR NO KEY UPDATE of the general path does, then the session's row (the
@@ -722,19 +772,18 @@ def _session_append(*, agent: Agent, session: AgentSession, plan: Plan, staged: 
     assigned, added = session.turn_changes(**turn)
     fields = {name: getattr(session, name) for name in staged.fields}
     fields |= assigned | {name: F(name) + value for name, value in added.items()}
-    updated = (
-        AgentSession.objects.filter(
-            pk=session.pk,
-            status__in=LIVE_SESSION_STATUSES,
-            # The turns were numbered and the history staged from what the plan read.
-            message_count=len(plan.history),
-            next_seq=session.next_seq,
-        )
-        .filter(agent_not_deleted_locked(agent.pk))
-        .update(**fields)
-    )
-    if not updated:
-        _session_refusal(agent=agent, session_id=session.pk)
+    queryset = AgentSession.objects.filter(
+        pk=session.pk,
+        status__in=LIVE_SESSION_STATUSES,
+        # The turns were numbered and the history staged from what the plan read.
+        message_count=len(plan.history),
+        next_seq=session.next_seq,
+    ).filter(agent_not_deleted_locked(agent.pk))
+    return assigned, added, (queryset, fields)
+
+
+def _session_turn_set(session: AgentSession, assigned: dict, added: dict) -> None:
+    """The instance made to hold what the turn's UPDATE wrote."""
     for name, value in assigned.items():
         setattr(session, name, value)
     for name, value in added.items():

@@ -8,13 +8,15 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
-from django.db import connection
-from django.db.models import BooleanField, Field, Model, QuerySet
+from django.db import DataError, connection, transaction
+from django.db.models import BooleanField, Field, Model, QuerySet, sql
 from django.db.models.expressions import RawSQL
 from django.db.models.query import get_related_populators
 from django.db.models.sql.compiler import SQLCompiler
+from psycopg.errors import DivisionByZero
 
 from sessions_app.models import Agent, AgentStatus, RunStatus
 
@@ -135,3 +137,47 @@ def queued_run_insert(run: Model, *, agent_id, bound: int) -> bool:
     if inserted:
         run._state.adding, run._state.db = False, connection.alias
     return inserted
+
+
+def _update_sql(queryset: QuerySet, values: dict) -> tuple[str, list]:
+    """The SQL of `queryset.update(**values)`, as the ORM writes it (a single-table UPDATE)."""
+    query = queryset.query.chain(sql.UpdateQuery)
+    query.add_update_values(values)
+    statement, params = query.get_compiler(queryset.db).as_sql()
+    return statement, list(params)
+
+
+def turn_and_outcome_update(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> bool | None:
+    """PostgreSQL: the UPDATE of a session (its turn) and the UPDATE of the run (its
+    outcome), each a queryset and its values, in one autocommitted statement: True when both
+    matched, False when the session's matched nothing (and so nothing was written), None
+    when the session's matched but the run's did not (and nothing was written either).
+
+    Guarantee: both or neither, as in a transaction. The run's UPDATE reads the session's
+    RETURNING, so it runs after the session's (the agent's row locked, then the session's,
+    then the run's: the order of the transaction it replaces and of `run_fail`, so no
+    deadlock); a data-modifying WITH runs to completion whether or not it is read, so a
+    session updated beside a run that is no longer running is undone by failing the whole
+    statement (a division by zero, at run time, on that case only). It saves the BEGIN and
+    the COMMIT and one exchange: three of a persistent heartbeat's round trips."""
+    session_sql, session_params = _update_sql(*session)
+    run_queryset, run_values = run
+    run_queryset = run_queryset.filter(RawSQL("EXISTS (SELECT 1 FROM turn)", [], output_field=BooleanField()))
+    run_sql, run_params = _update_sql(run_queryset, run_values)
+    statement = (
+        f"WITH turn AS ({session_sql} RETURNING 1), outcome AS ({run_sql} RETURNING 1) "  # noqa: S608 (the ORM's SQL)
+        "SELECT (SELECT COUNT(*) FROM turn), (SELECT COUNT(*) FROM outcome) / "
+        "CASE WHEN (SELECT COUNT(*) FROM turn) = (SELECT COUNT(*) FROM outcome) THEN 1 ELSE 0 END"
+    )
+    # Outside a transaction the statement is its own, durable at its end; under a caller's
+    # (a test's) a savepoint keeps the refused case from aborting it.
+    try:
+        with transaction.atomic(durable=True) if connection.in_atomic_block else nullcontext():
+            with connection.cursor() as cursor:
+                cursor.execute(statement, [*session_params, *run_params])
+                turns, _ = cursor.fetchone()
+    except DataError as exc:
+        if not isinstance(exc.__cause__, DivisionByZero):
+            raise
+        return None
+    return bool(turns)

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import threading
 import uuid
+from datetime import timedelta
 
 import pytest
 from django.db import transaction
 from django.utils import timezone
 
 from costs_app.models import CostEvent
+from sessions_app.maintenance import runs_reap
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.run_queue import CLAIM_READ, claim_read_query
 from sessions_app.services import agent_delete
+from sessions_app.stores import store_for
 from tests.conftest import Actor, beat, on_own_connection, wait_until_blocked
 from tests.fake_anthropic import Reply
 
@@ -124,6 +127,63 @@ def test_session_hours_billed_while_the_model_answers_are_not_added_back_by_the_
     assert 0 < billed.unbilled_active_seconds <= run_seconds + 0.001  # this run's time only
     assert billed.active_seconds > billed.unbilled_active_seconds  # the first run's stays counted
     assert (billed.message_count, billed.turn_count, billed.next_seq) == (4, 2, 4)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_persistent_commit_after_its_run_was_reaped_writes_no_turn(settings, persistent_agent, fake_anthropic):
+    """The reaper failed the run while the model answered: the session's turn and the run's
+    outcome are both or neither (on PostgreSQL one statement, whose session half matched:
+    it must be undone), and the file keeps the old history."""
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    beat(persistent_agent, "zero")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    before = store_for(session).path_for(session).read_bytes()
+    reap = on_own_connection(lambda: runs_reap(now=timezone.now() + timedelta(hours=2)))
+    fake_anthropic.push(Reply.during(reap))
+
+    run = beat(persistent_agent, "one")
+
+    run.refresh_from_db()
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
+    session.refresh_from_db()
+    assert (session.message_count, session.turn_count, session.next_seq) == (2, 1, 2)
+    assert store_for(session).path_for(session).read_bytes() == before
+    assert CostEvent.objects.filter(run=run).count() == 1  # the answered call stays billed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_persistent_commit_waits_for_an_open_reap_of_its_run_and_then_writes_nothing(
+    postgres_only, persistent_agent, fake_anthropic
+):
+    """The reaper's `run_fail` holds the session's row and the run's, uncommitted, when the
+    answer arrives: the one-statement commit takes the session's lock first, as `run_fail`
+    does (no deadlock), waits, and then finds the run failed and writes nothing."""
+    beat(persistent_agent, "zero")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    history = store_for(session).read(session)
+    locked, release = threading.Event(), threading.Event()
+
+    def reap_and_hold() -> None:
+        with transaction.atomic():
+            assert runs_reap(now=timezone.now() + timedelta(hours=2))
+            locked.set()
+            assert release.wait(30), "the test never released the reap"
+
+    reaper = Actor(reap_and_hold)
+    fake_anthropic.push(Reply.during(lambda: (reaper.start(), locked.wait(30))))
+    heartbeat = Actor(lambda: beat(persistent_agent, "one"))
+    heartbeat.start()
+
+    wait_until_blocked(heartbeat)
+    release.set()
+    reaper.result()
+    run = heartbeat.result()
+
+    run.refresh_from_db()
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
+    session.refresh_from_db()
+    assert (session.message_count, session.turn_count) == (2, 1)
+    assert store_for(session).read(session) == history
 
 
 def as_the_orm_reads_it(run: HeartbeatRun) -> tuple:

@@ -339,8 +339,11 @@ def test_unwritable_history_leaves_the_old_file_and_row(settings, company, fake_
 def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
     postgres_only, settings, persistent_agent, fake_anthropic
 ):
-    """Killed in the COMMIT itself, after every statement (and the staged history file)
-    succeeded: the transaction never commits, so the file must not move either."""
+    """Killed at the commit's very end, after the statement (and the staged history file)
+    succeeded: on PostgreSQL a resumed session's turn and the run's outcome are one
+    autocommitted statement (`hot_sql.turn_and_outcome_update`), held open here by a
+    deferred trigger, which runs as it commits. It never commits, so the file must not
+    move either."""
     settings.PAPERCLIP_SESSION_STORE = "file"
     beat(persistent_agent, "first")
     session = AgentSession.objects.get(agent=persistent_agent)
@@ -356,7 +359,7 @@ def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
     thread = threading.Thread(target=lambda: (beat(persistent_agent, "second"), connection.close()))
     thread.start()
     try:
-        terminate_backend_running("COMMIT%")
+        terminate_backend_running("WITH turn AS%")
         thread.join(timeout=30)
     finally:
         with connection.cursor() as cursor:
