@@ -186,11 +186,12 @@ def main() -> None:
             f"{'' if 'floor' in label else goal}, overhead {figures.overhead_ms:.2f} ms/heartbeat"
         )
     turn_1, floor_, turn_200 = results.values()
-    goal = " (goal <= 2)" if not latency else ""  # these two goals are set at zero latency
+    # These two goals are set at zero latency.
+    floor_goal, growth_goal = (" (goal <= 2)", " (goal <= 1.5)") if not latency else ("", "")
     print(
         f"overhead: turn 1 {turn_1.overhead_ms:.2f} ms, floor {floor_.overhead_ms:.2f} ms, "
         f"turn 200 {turn_200.overhead_ms:.2f} ms; turn 1 / floor {turn_1.overhead_ms / floor_.overhead_ms:.2f}"
-        f"{goal}, turn 200 / turn 1 {turn_200.overhead_ms / turn_1.overhead_ms:.2f}{goal}"
+        f"{floor_goal}, turn 200 / turn 1 {turn_200.overhead_ms / turn_1.overhead_ms:.2f}{growth_goal}"
     )
     call_ms = 1000 / turn_1.bare
     print(
