@@ -20,7 +20,8 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Case, F, Q, TextField, Value, When
+from django.db.models.functions import Concat
 from django.utils import timezone
 
 from costs_app.ledger import session_hours_record
@@ -105,7 +106,11 @@ class ManagedSessionHandle:
         names yet leaves it to be archived."""
 
         def commit(session: AgentSession | None, cost: Decimal | None) -> None:
-            list_cost_check(report, cost)
+            if disagreement := list_cost_disagreement(report, cost):
+                logger.warning("Managed Agents session %s: %s", remote_session_id, disagreement)
+                run_warning_add(self.run.pk, disagreement)
+            if not self.persistent:
+                return None  # its session ends with the run (recorded by the adapter)
             if session is None:
                 if remote_session_id != self.resumed_id:
                     managed_ends_record(
@@ -122,21 +127,28 @@ class ManagedSessionHandle:
         return commit
 
 
-def list_cost_check(report: dict, cost: Decimal | None) -> None:
-    """The service's own list cost of the turn beside the ledger's: a disagreement over 1%
-    is logged (the run keeps both figures in its runtime report). The service counts whole
-    cents, so a turn's figure (the difference of two totals) is exact only to a cent."""
+def list_cost_disagreement(report: dict, cost: Decimal | None) -> str:
+    """The service's own list cost of the turn beside the ledger's: what to say when they
+    differ by more than 1% ("" when they agree). The service counts whole cents, so a
+    turn's figure (the difference of two totals) is exact only to a cent."""
     theirs = report.get("list_cost_turn_usd")
     if cost is None or theirs is None:
-        return
+        return ""
     theirs = Decimal(theirs)
-    if abs(theirs - cost) > max(max(cost, theirs) / 100, CENT):
-        logger.warning(
-            "Managed Agents session %s reported a list cost of $%s for a turn the ledger priced at $%s",
-            report.get("managed_session_id"),
-            theirs,
-            cost,
+    if abs(theirs - cost) <= max(max(cost, theirs) / 100, CENT):
+        return ""
+    return f"the session reported a list cost of ${theirs} for this turn; the ledger priced it at ${cost}"
+
+
+def run_warning_add(run_id, warning: str) -> None:
+    """Add `warning` to the run's (a budget's may be there already), shown in the admin and the API."""
+    HeartbeatRun.objects.filter(pk=run_id).update(
+        warning=Case(
+            When(warning="", then=Value(warning)),
+            default=Concat(F("warning"), Value(f"; {warning}"), output_field=TextField()),
+            output_field=TextField(),
         )
+    )
 
 
 # --- ending remote sessions ------------------------------------------------------------------

@@ -34,8 +34,10 @@ Test controls on a `FakeManaged`:
   user messages so far, billing 100 * n input and 20 output tokens.
 - `fake.latency` (seconds slept per model request, default 0.0),
   `fake.active_seconds_per_turn` (added to usage and stats at each run's end, default 10.0),
-  `fake.list_price` (USD Decimal per token for input/output/cache_read/cache_write; the
-  session's `usage.list_cost` is priced with it).
+  `fake.list_price` (None, the default: sessions report no list cost; else USD Decimal per
+  token for input/output/cache_read/cache_write: from the next model request on, a
+  session's `usage.list_cost` is priced with it and shown, as the API shows it, in whole cents;
+  `fake.list_costs[session_id]` keeps it exact).
 - `fake.fail_next(status, times=1, path_prefix=None)`: the next matching requests answer
   that status with the API's error body (and `retry-after` on 429).
 - Logs: `fake.requests` [(method, path)], `fake.beta_headers` [anthropic-beta or None],
@@ -120,7 +122,9 @@ class FakeManaged(EventsMixin):
         self.user_messages: defaultdict[str, list[str]] = defaultdict(list)
         self.latency = 0.0
         self.active_seconds_per_turn = 10.0
-        self.list_price = {k: Decimal(0) for k in ("input", "output", "cache_read", "cache_write")}
+        # None: the session reports no list cost (the API's "absent until cost tracking is available").
+        self.list_price: dict[str, Decimal] | None = None
+        self.list_costs: dict[str, Decimal] = {}  # each session's list cost, exact (shown in cents)
         self.ping_interval = 1.0
         self._failures: list[Failure] = []
         self._ids = itertools.count(1)
@@ -305,7 +309,7 @@ class FakeManaged(EventsMixin):
                 "output_tokens": 0,
                 "cache_read_input_tokens": 0,
                 "cache_creation": {"ephemeral_5m_input_tokens": 0},
-                "list_cost": {"amount": "0", "currency": "USD"},
+                "list_cost": None if self.list_price is None else {"amount": "0", "currency": "USD"},
             },
             "vault_ids": [],
         }

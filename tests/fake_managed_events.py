@@ -17,7 +17,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 
 USAGE_KEYS = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
 PRICE_OF = {
@@ -321,9 +321,13 @@ class EventsMixin:
         totals["output_tokens"] += usage["output_tokens"]
         totals["cache_read_input_tokens"] += usage["cache_read_input_tokens"]
         totals["cache_creation"]["ephemeral_5m_input_tokens"] += usage["cache_creation_input_tokens"]
+        if self.list_price is None:
+            return
         cost = sum((Decimal(self.list_price[PRICE_OF[key]]) * usage[key] for key in USAGE_KEYS), Decimal(0))
-        amount = Decimal(totals["list_cost"]["amount"]) + cost
-        totals["list_cost"]["amount"] = format(amount, "f")
+        # Kept exact, shown as the API shows it: whole cents ("50" is fifty cents).
+        self.list_costs[session_id] = self.list_costs.get(session_id, Decimal(0)) + cost
+        cents = (self.list_costs[session_id] * 100).quantize(Decimal(1), rounding=ROUND_HALF_UP)
+        totals["list_cost"] = {"amount": str(int(cents)), "currency": "USD"}
 
     # List
 

@@ -240,17 +240,19 @@ def test_the_session_is_running_during_a_turn_and_idle_after(client, managed, se
 
 
 def test_active_seconds_and_list_cost_grow_per_turn(client, managed, session):
+    assert client.beta.sessions.retrieve(session.id).usage.list_cost is None  # until a list price is set
     managed.active_seconds_per_turn = 7.5
     managed.list_price = {
-        "input": Decimal("0.000003"),
-        "output": Decimal("0.000015"),
-        "cache_read": Decimal("0.0000003"),
-        "cache_write": Decimal("0.00000375"),
+        "input": Decimal("0.003"),
+        "output": Decimal("0.015"),
+        "cache_read": Decimal("0.0003"),
+        "cache_write": Decimal("0.00375"),
     }
     turn(client, session.id, user_message("one"))
     fetched = client.beta.sessions.retrieve(session.id)
     assert (fetched.usage.active_seconds, fetched.stats.active_seconds) == (7.5, 7.5)
-    assert Decimal(fetched.usage.list_cost.amount) == Decimal("0.0006")
+    # In whole cents, as the API counts: 100 input and 20 output tokens cost $0.60.
+    assert (fetched.usage.list_cost.amount, fetched.usage.list_cost.currency) == ("60", "USD")
     usage = {
         "input_tokens": 10,
         "output_tokens": 1,
@@ -266,7 +268,9 @@ def test_active_seconds_and_list_cost_grow_per_turn(client, managed, session):
         1000,
         100,
     )
-    assert Decimal(fetched.usage.list_cost.amount) == Decimal("0.0006") + Decimal("0.000720")
+    # $0.60 + $0.72 (10 * 0.003 + 0.015 + 100 * 0.00375 + 1000 * 0.0003)
+    assert fetched.usage.list_cost.amount == "132"
+    assert managed.list_costs[session.id] == Decimal("1.32")
 
 
 def test_a_script_for_any_session_serves_the_next_message(client, managed, session):

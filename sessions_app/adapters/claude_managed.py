@@ -278,7 +278,7 @@ class ClaudeManagedAdapter(Adapter):
             usage_by_model={request.model: usage} if usage is not None else None,
             runtime_report=report,
             active_seconds=report["active_seconds"],
-            on_commit=own.on_commit(remote_session_id=start.session_id, report=report) if own.persistent else None,
+            on_commit=own.on_commit(remote_session_id=start.session_id, report=report),
         )
 
     def _failure(self, start: TurnStart, turn: Turn, after: Figures, own: ManagedSessions) -> AdapterError:
