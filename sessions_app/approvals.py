@@ -23,6 +23,7 @@ from django.db.models import Q
 from costs_app.ledger import session_hours_record
 from costs_app.pricing import session_hour_rate, session_hours_cost
 from sessions_app.errors import RunFailure
+from sessions_app.managed_sessions import remote_turn_stop
 from sessions_app.models import HeartbeatRun, RunStatus
 from sessions_app.run_queue import heartbeat_dispatch, run_fail
 from sessions_app.text import storable
@@ -118,7 +119,7 @@ def approvals_expire(*, now: datetime) -> int:
         expired += 1
         if run.session_id is None:
             _unrecorded_time_bill(run, seconds, now=now)
-        _remote_interrupt(state.get("session", ""))
+        remote_turn_stop(state.get("session", ""), why="its approval expired")
     return expired
 
 
@@ -133,12 +134,3 @@ def _unrecorded_time_bill(run: HeartbeatRun, seconds: float, *, now: datetime) -
         cost=session_hours_cost(seconds, rate=rate),
         at=now,
     )
-
-
-def _remote_interrupt(remote_session_id: str) -> None:
-    from sessions_app.adapters.claude_managed import remote_turn_interrupt
-
-    if remote_session_id and (problem := remote_turn_interrupt(remote_session_id)):
-        logger.warning(
-            "Could not interrupt the expired turn of Managed Agents session %s: %s", remote_session_id, problem
-        )

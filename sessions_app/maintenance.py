@@ -27,7 +27,12 @@ from sessions_app.batches import batches_poll
 from sessions_app.cache_refresh import cache_refreshes_queue
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.managed_resume import resumable, run_resume
-from sessions_app.managed_sessions import managed_ends_for_sessions, managed_ends_process, managed_orphans_end
+from sessions_app.managed_sessions import (
+    managed_ends_for_sessions,
+    managed_ends_process,
+    managed_orphans_end,
+    remote_turn_stop,
+)
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     ENDED_SESSION_STATUSES,
@@ -122,9 +127,8 @@ def runs_reap(*, now: datetime) -> list:
     stuck = list(stuck)
     # A Managed Agents turn goes on at the provider: the next worker continues it instead.
     stuck = [run for run in stuck if not (resumable(run) and run_resume(run, now=now))]
-    reaped = {
-        run.agent_id
-        for run in stuck
+    reaped = set()
+    for run in stuck:
         if run_fail(
             run,
             code="run_timeout",
@@ -133,8 +137,10 @@ def runs_reap(*, now: datetime) -> list:
             overdue=True,
             # Its calls were billed as each returned: the run shows what they cost.
             cost_usd=spend_of("run_id"),
-        )
-    }
+        ):
+            reaped.add(run.agent_id)
+            # A turn given up on here may still be working at the provider, spending.
+            remote_turn_stop(run.managed_session_id or "", why="its run was given up on")
     return sorted(reaped, key=str)
 
 

@@ -151,6 +151,18 @@ def run_warning_add(run_id, warning: str) -> None:
     )
 
 
+def remote_turn_stop(remote_session_id: str, *, why: str) -> None:
+    """Interrupt a remote turn whose run has ended here (an approval that expired, a turn
+    resumed too often), so the session spends nothing more on it; a failure is logged (the
+    session's end, when it comes, stops it for good)."""
+    from sessions_app.adapters.claude_managed import remote_turn_interrupt
+
+    if remote_session_id and (problem := remote_turn_interrupt(remote_session_id)):
+        logger.warning(
+            "Could not interrupt the turn of Managed Agents session %s (%s): %s", remote_session_id, why, problem
+        )
+
+
 # --- ending remote sessions ------------------------------------------------------------------
 
 

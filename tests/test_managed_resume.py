@@ -10,11 +10,12 @@ from datetime import timedelta
 import pytest
 
 from costs_app.models import CostEvent, CostKind
+from sessions_app.adapters.claude_code import client_for
 from sessions_app.heartbeat import heartbeat_execute
 from sessions_app.maintenance import runs_reap
 from sessions_app.models import AgentSession, HeartbeatRun, ManagedSessionEnd, RunStatus
 from sessions_app.stores import store_for
-from tests.conftest import managed_agent, run_queued_tasks, worker_heartbeat
+from tests.conftest import beat, managed_agent, run_queued_tasks, worker_heartbeat
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -88,21 +89,34 @@ def test_a_task_that_never_reached_the_session_is_sent_once_by_the_next_worker(c
     assert fake_managed.user_messages[first.managed_session_id] == ["a task"]
 
 
-def test_a_run_resumed_too_often_fails_as_any_overdue_run(company, fake_managed):
+def test_a_run_resumed_too_often_fails_as_any_overdue_run_and_its_remote_turn_is_stopped(company, fake_managed):
     agent = managed_agent(company)
+    beat(agent, "first")  # the remote session exists
+    remote_id = AgentSession.objects.get(agent=agent).managed_session_id
+    # Its turn still works at the provider, as after a worker that died a third time.
+    fake_managed.script(None, [("sleep", 30), ("message", "never", FIRST)])
+    client_for({}).beta.sessions.events.send(
+        remote_id, events=[{"type": "user.message", "content": [{"type": "text", "text": "a task"}]}]
+    )
     run = _queued(agent, "a task")
     now = run.created_at
     HeartbeatRun.objects.filter(pk=run.pk).update(
         status=RunStatus.RUNNING,
         started_at=now,
         deadline_at=now,
-        managed_session_id="sesn_x",
+        managed_session_id=remote_id,
         managed_turn={"cursor": "", "resume": 3, "opening": []},
     )
 
     assert runs_reap(now=now + timedelta(seconds=1)) == [agent.id]
     run.refresh_from_db()
     assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
+    assert [e["type"] for e in fake_managed.events[remote_id]].count("user.interrupt") == 1
+    deadline = time.monotonic() + 10
+    while fake_managed.sessions[remote_id]["status"] != "idle":
+        assert time.monotonic() < deadline, "the remote turn went on"
+        time.sleep(0.02)
+    assert not any(e["type"] == "agent.message" and "never" in str(e) for e in fake_managed.events[remote_id])
 
 
 def _queued(agent, task: str) -> HeartbeatRun:
