@@ -197,3 +197,24 @@ def test_under_a_budget_the_sessions_cap_is_reserved_before_anything_is_sent(com
     assert run.status == RunStatus.SUCCEEDED, run.error
     (remote,) = fake_managed.sessions.values()
     assert remote["budget"]["max_list_cost"] == {"amount": "50", "currency": "USD"}
+
+
+def test_a_resumed_session_the_service_terminates_fails_the_run_and_the_next_heartbeat_starts_afresh(
+    company, fake_managed
+):
+    agent = managed_agent(company)
+    beat(agent, "one")
+    first_remote = AgentSession.objects.get(agent=agent).managed_session_id
+    fake_managed.script(None, [("terminate", "the container ran out of memory")])
+
+    failed = beat(agent, "two")
+    after = beat(agent, "three")
+    run_queued_tasks()
+
+    assert (failed.status, failed.error_code) == (RunStatus.FAILED, "managed_session_terminated")
+    assert "the container ran out of memory" in failed.error
+    assert after.status == RunStatus.SUCCEEDED, after.error
+    session = AgentSession.objects.get(agent=agent)
+    assert session.managed_session_id not in ("", first_remote)
+    assert after.runtime_report["replaced_session"] == first_remote
+    assert fake_managed.user_messages[session.managed_session_id] == ["three"]  # never "two" again
