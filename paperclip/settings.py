@@ -73,6 +73,11 @@ PAPERCLIP_CLI_TOOLS = env_list("PAPERCLIP_CLI_TOOLS", "")
 # and the hosts their containers may reach (`*`: any, unrestricted networking).
 PAPERCLIP_MANAGED_TOOLS = env_list("PAPERCLIP_MANAGED_TOOLS", "")
 PAPERCLIP_MANAGED_HOSTS = env_list("PAPERCLIP_MANAGED_HOSTS", "")
+# The files a Managed Agents session produced, copied here before it ends: per file, per session.
+PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES = env_int("PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES", 25 * 1024 * 1024, minimum=0)
+PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES = env_int(
+    "PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES", 200 * 1024 * 1024, minimum=0
+)
 PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
 # A generous ceiling on heartbeats that queue work, per API key, in authenticated mode only
 # ("N/s|min|hour|day"); what needs a bound is one agent's queue (below).

@@ -26,6 +26,7 @@ from django.utils import timezone
 
 from costs_app.ledger import session_hours_record
 from costs_app.pricing import session_hour_rate, session_hours_cost
+from sessions_app.managed_outputs import OutputsUnavailable, outputs_extract
 from sessions_app.models import (
     Agent,
     AgentSession,
@@ -228,9 +229,16 @@ def managed_ends_process(*, now: datetime) -> int:
 
 
 def managed_end_carry_out(end: ManagedSessionEnd, *, now: datetime) -> int:
+    """Copy the session's outputs here, then archive or delete it: a session whose files
+    could not all be read is not ended (its files would go with it)."""
     from sessions_app.adapters.claude_managed import remote_session_end
 
-    problem = remote_session_end(end.remote_session_id, action=end.action)
+    try:
+        outputs_extract(end)
+    except (OutputsUnavailable, OSError) as unavailable:  # the provider, or our disk
+        problem = str(unavailable)
+    else:
+        problem = remote_session_end(end.remote_session_id, action=end.action)
     if problem is None:
         ManagedSessionEnd.objects.filter(id=end.id).update(done_at=now, attempts=end.attempts + 1, last_error="")
         return 1

@@ -847,3 +847,40 @@ class ManagedSessionEnd(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} {self.remote_session_id}"
+
+
+class ManagedOutput(models.Model):
+    """A file a Managed Agents session produced (its session-scoped Files), copied here when
+    the remote session ended and before it was archived or deleted
+    (`sessions_app.managed_outputs`): the product's own copy once the provider's is gone.
+    Kept with the agent, after its session's row is gone too; deleted with the agent."""
+
+    id = models.BigAutoField(primary_key=True)
+    company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="+", db_index=False)
+    agent = models.ForeignKey("Agent", on_delete=models.CASCADE, related_name="managed_outputs", db_index=False)
+    # A plain id: the session row may be deleted, and its outputs kept.
+    session_id = models.UUIDField(null=True, blank=True)
+    remote_session_id = models.CharField(max_length=128)
+    file_id = models.CharField(max_length=128)
+    filename = models.CharField(max_length=255)
+    media_type = models.CharField(max_length=255, blank=True, default="")
+    size_bytes = models.BigIntegerField()
+    sha256 = models.CharField(max_length=64, blank=True, default="", help_text="Empty when not stored.")
+    skipped = models.TextField(blank=True, default="", help_text="Why the file was not copied (a size limit).")
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        db_table = "managed_outputs"
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["agent", "-created_at", "-id"], name="managed_outputs_agent_idx")]
+        constraints = [
+            # An extraction retried after a failure never copies a file twice.
+            models.UniqueConstraint(fields=["remote_session_id", "file_id"], name="managed_outputs_one_per_file"),
+        ]
+
+    def __str__(self) -> str:
+        return self.filename
+
+    @property
+    def stored(self) -> bool:
+        return not self.skipped

@@ -16,6 +16,7 @@ from costs_app.alerts import budget_alerts_fire
 from costs_app.budgets import budget_uses, budgets_releasable, crossed_scopes
 from memory_app.stores import agent_memory_delete
 from sessions_app.cli_transcripts import cli_sessions_delete
+from sessions_app.managed_outputs import outputs_delete
 from sessions_app.managed_sessions import managed_ends_for_sessions
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -163,6 +164,7 @@ def agent_delete(*, agent: Agent, now: datetime) -> None:
         )
         sessions_delete(sessions=AgentSession.objects.filter(agent=agent), now=now)
         agent_memory_delete(agent_ids=[agent.pk])
+        outputs_delete(agent_ids=[agent.pk])
     agent.refresh_from_db(fields=["status", "deleted_at", "paused_reason"])
     agent_schedule_sync(agent=agent)
 
@@ -172,6 +174,7 @@ def agents_hard_delete(*, agents: QuerySet[Agent], now: datetime) -> int:
     with transaction.atomic():
         agent_ids = list(agents.values_list("id", flat=True))
         sessions_delete(sessions=AgentSession.objects.filter(agent_id__in=agent_ids), now=now)
+        outputs_delete(agent_ids=agent_ids)
         count, _ = Agent.objects.filter(id__in=agent_ids).delete()
     for agent_id in agent_ids:
         agent_schedule_sync(agent=Agent(id=agent_id, status=AgentStatus.DELETED))

@@ -7,6 +7,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from sessions_app import views
 from sessions_app.api.approval_views import RunApproveView, RunDenyView
 from sessions_app.api.history_views import AgentGrowthView, SessionArchiveView
+from sessions_app.api.output_views import OutputDetailView, OutputListView
 from sessions_app.api.pin_views import PinDetailView, PinListView
 
 app_name = "api"
@@ -33,4 +34,6 @@ urlpatterns = [
     path(f"{agent}/growth", AgentGrowthView.as_view(), name="agent-growth"),
     path(f"{agent}/pins", PinListView.as_view(), name="agent-pins"),
     path(f"{agent}/pins/<uuid:pin_id>", PinDetailView.as_view(), name="agent-pin-detail"),
+    path(f"{agent}/outputs", OutputListView.as_view(), name="agent-outputs"),
+    path(f"{agent}/outputs/<int:output_id>", OutputDetailView.as_view(), name="agent-output-detail"),
 ]

@@ -17,6 +17,7 @@ module touches no model and no transaction.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Protocol
@@ -53,6 +54,7 @@ STOP_FAILURES = {
     "requires_action": ("managed_requires_action", "The session waits for a tool confirmation."),
 }
 RESULT_CHARS = 2000
+CHUNK_BYTES = 1 << 16
 
 
 # --- one heartbeat ------------------------------------------------------------------------
@@ -467,6 +469,29 @@ def remote_session_end(remote_session_id: str, *, action: str) -> str | None:
     except (anthropic.AnthropicError, AdapterError) as exc:
         return error_from_sdk(exc).message if isinstance(exc, anthropic.AnthropicError) else exc.message
     return None
+
+
+def remote_session_files(remote_session_id: str) -> list:
+    """The files a remote session produced (the Files API's, scoped to it), every page."""
+    from sessions_app.managed_outputs import OutputsUnavailable
+
+    anthropic = _sdk()
+    try:
+        return list(client_for({}).beta.files.list(scope_id=remote_session_id, limit=100))
+    except anthropic.AnthropicError as exc:
+        raise OutputsUnavailable(f"Could not list the session's files: {error_from_sdk(exc).message}") from None
+
+
+def remote_file_chunks(file_id: str) -> Iterator[bytes]:
+    """A file's content as it arrives."""
+    from sessions_app.managed_outputs import OutputsUnavailable
+
+    anthropic = _sdk()
+    try:
+        with client_for({}).beta.files.with_streaming_response.download(file_id) as response:
+            yield from response.iter_bytes(CHUNK_BYTES)
+    except anthropic.AnthropicError as exc:
+        raise OutputsUnavailable(f"Could not download file {file_id}: {error_from_sdk(exc).message}") from None
 
 
 def remote_turn_interrupt(remote_session_id: str) -> str | None:

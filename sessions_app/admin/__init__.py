@@ -23,7 +23,7 @@ from sessions_app.admin.common import (
     money_column,
 )
 from sessions_app.admin.companies import CompanyAdmin
-from sessions_app.admin.managed import ManagedSessionEndAdmin
+from sessions_app.admin.managed import ManagedOutputAdmin, ManagedSessionEndAdmin
 from sessions_app.admin.quota import CredentialHoldAdmin
 from sessions_app.admin.runs import HeartbeatRunAdmin
 from sessions_app.admin.sessions import AgentSessionAdmin
@@ -37,6 +37,7 @@ __all__ = [
     "CredentialHoldAdmin",
     "HeartbeatRunAdmin",
     "LargeTableAdmin",
+    "ManagedOutputAdmin",
     "ManagedSessionEndAdmin",
     "ModelNameFilter",
     "admin_link",

@@ -31,6 +31,7 @@ from sessions_app.admin.common import (
     short_text,
     tokens_in_out,
 )
+from sessions_app.admin.managed import managed_outputs_html
 from sessions_app.admin.transcript import transcript
 from sessions_app.compact_now import session_compact
 from sessions_app.errors import HistoryUnavailable, RunFailure
@@ -38,6 +39,7 @@ from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     AgentSession,
     HeartbeatRun,
+    ManagedOutput,
     RunTrigger,
     SessionCompaction,
     parse_session_id,
@@ -113,6 +115,7 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
                     "store",
                     "cli_session_id",
                     "managed_session_id",
+                    "outputs",
                     ("paused_at", "pause_at"),
                     "active_seconds",
                     ("ended_at", "end_reason"),
@@ -153,6 +156,7 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
         "store",
         "cli_session_id",
         "managed_session_id",
+        "outputs",
         "ended_at",
         "end_reason",
         "history_purged_at",
@@ -237,6 +241,13 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
         if not obj.manifest:
             return "-"
         return format_html("<pre>{}</pre>", json.dumps(obj.manifest, indent=2, ensure_ascii=False, default=str))
+
+    @admin.display(description="outputs")
+    def outputs(self, obj: AgentSession) -> str:
+        """The files its Managed Agents session produced, copied as the remote session ended."""
+        if not obj.managed_session_id:
+            return "-"  # no query for the sessions of other runtimes
+        return managed_outputs_html(ManagedOutput.objects.filter(session_id=obj.pk))
 
     @admin.display(description="predecessor")
     def predecessor_link(self, obj: AgentSession) -> str:

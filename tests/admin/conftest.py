@@ -16,6 +16,7 @@ from sessions_app.models import (
     ApiKey,
     HeartbeatRun,
     HistoryStore,
+    ManagedOutput,
     ManagedSessionEnd,
     RunStatus,
     SessionStatus,
@@ -146,7 +147,12 @@ def full_house(db, company, persistent_agent, stateless_agent, other_agent):
     from django_q.models import Failure, OrmQ, Schedule, Success
     from django_q.signing import SignedPackage
 
-    session = make_session(persistent_agent, history=conversation(4), status=SessionStatus.ACTIVE)
+    session = make_session(
+        persistent_agent,
+        history=conversation(4),
+        status=SessionStatus.ACTIVE,
+        managed_session_id="sesn_011CZkZZLKTAm2ydZ7zxGvFx",
+    )
     db_session = make_session(other_agent, history=conversation(2), store=HistoryStore.DATABASE)
     run = make_run(persistent_agent, session=session)
     make_run(stateless_agent, status=RunStatus.FAILED, error_code="model_timeout", error="Timed out.")
@@ -177,5 +183,15 @@ def full_house(db, company, persistent_agent, stateless_agent, other_agent):
         company=company,
         attempts=7,
         last_error="Could not reach the Managed Agents API: the connection was refused by api.anthropic.com. " * 3,
+    )
+    ManagedOutput.objects.create(
+        company=company,
+        agent=persistent_agent,
+        session_id=session.pk,
+        remote_session_id="sesn_011CZkZZLKTAm2ydZ7zxGvFx",
+        file_id="file_011CNha8iCJcU1wXNR6q4V8w",
+        filename="quarterly-planning-report-for-the-northern-european-sales-regions-final-v2.xlsx",
+        size_bytes=123_456_789,
+        skipped="larger than PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES (123456789 > 26214400 bytes)",
     )
     return {"session": session, "db_session": db_session, "run": run, "key": key}

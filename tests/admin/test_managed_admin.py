@@ -63,3 +63,22 @@ def test_the_state_filter_lists_what_it_names(admin_client, ends, state, shown):
     url = reverse("admin:sessions_app_managedsessionend_changelist")
     page = admin_client.get(url, {"state": state}).content.decode()
     assert set(rows(page)) == shown
+
+
+def test_a_sessions_page_lists_its_outputs_and_each_downloads_from_the_admin(admin_client, persistent_agent):
+    from tests.admin.conftest import conversation, make_session
+    from tests.api.test_managed_outputs import stored_output
+
+    session = make_session(persistent_agent, history=conversation(2), managed_session_id="sesn_with_files")
+    output = stored_output(persistent_agent, "report.csv", b"a,b\n1,2\n", session_id=session.pk)
+    stored_output(persistent_agent, "huge.bin", b"", session_id=session.pk, skipped="over the limit", sha256="")
+
+    page = admin_client.get(reverse("admin:sessions_app_agentsession_change", args=[session.pk])).content.decode()
+    download = reverse("admin:sessions_app_managedoutput_download", args=[output.pk])
+    assert f'<a href="{download}">report.csv</a>' in page
+    assert "huge.bin (not copied: over the limit)" in page
+
+    response = admin_client.get(download)
+    assert b"".join(response.streaming_content) == b"a,b\n1,2\n"
+    assert response["Content-Disposition"] == 'attachment; filename="report.csv"'
+    assert response["Content-Type"] == "application/octet-stream"

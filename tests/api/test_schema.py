@@ -21,6 +21,7 @@ from costs_app.models import AlertTarget, Budget
 from sessions_app.api_keys import api_key_create
 from sessions_app.models import Agent, Company, PinnedFact
 from tests.api.conftest import make_run, make_session
+from tests.api.test_managed_outputs import stored_output
 
 pytestmark = pytest.mark.django_db
 
@@ -63,7 +64,9 @@ def test_every_operation_documents_its_bodies_and_the_error_shape(schema):
             assert success, (method, path)
             for code in success:
                 if code != "204":
-                    assert "application/json" in responses[code]["content"], (method, path, code)
+                    content = responses[code]["content"]
+                    downloads = content.get("application/octet-stream", {}).get("schema", {}).get("format")
+                    assert "application/json" in content or downloads == "binary", (method, path, code)
             if method in ("post", "patch"):
                 assert "application/json" in operation["requestBody"]["content"], (method, path)
             if path.startswith("/api/companies/"):
@@ -110,6 +113,7 @@ def test_schemathesis_finds_no_server_errors_and_no_schema_violations(live_serve
         "session_id": session.public_id,
         "run_id": str(run.id),
         "memory_path": "notes/todo.md",
+        "output_id": stored_output(agent, "fuzzed.txt", b"fuzzed output").id,
         # A budget without limits, for its alert target: the fuzzed heartbeats are not refused.
         "target_id": AlertTarget.objects.create(
             budget=Budget.objects.create(company=company), url="https://alerts.example/hook", secret="s" * 32

@@ -1,0 +1,163 @@
+"""The files a Managed Agents session produced, copied here before the session is ended.
+
+The session's outputs are Files scoped to it at the provider (`files.list(scope_id=...)`),
+and they go with the session: so each recorded end (`managed_sessions.managed_end_carry_out`)
+first copies them, and archives or deletes the remote session only once every file is here
+or recorded as skipped. A failure to copy leaves the end pending, retried with the end.
+
+Each file is written under `PAPERCLIP_HOME/outputs/{agent_id}/{remote_session_id}/` to a
+temporary name, flushed to disk and renamed before its row is written: a row always has its
+file; a file left without a row (a crash between the two) is overwritten by the retry. A
+file over `PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES`, or past the session's
+`PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES`, gets a row saying so and no copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+
+from django.conf import settings
+from django.db import transaction
+
+from sessions_app.models import ManagedOutput, ManagedSessionEnd
+
+logger = logging.getLogger(__name__)
+
+
+class OutputsUnavailable(Exception):
+    """The provider did not give the session's files: the end waits for them."""
+
+
+class OutputTooLarge(Exception):
+    """A file turned out larger than the limit as it arrived."""
+
+
+def outputs_root() -> Path:
+    return Path(settings.PAPERCLIP_HOME) / "outputs"
+
+
+def output_path(output: ManagedOutput) -> Path:
+    return outputs_root() / str(output.agent_id) / output.remote_session_id / output.file_id
+
+
+def outputs_extract(end: ManagedSessionEnd) -> int:
+    """Copy the files of the ended remote session that are not copied yet; returns how many
+    rows it wrote. Raises OutputsUnavailable when the provider fails to list or serve one."""
+    if end.agent_id is None:
+        return 0
+    from sessions_app.adapters.claude_managed import remote_session_files
+
+    files = remote_session_files(end.remote_session_id)
+    known = set(ManagedOutput.objects.filter(remote_session_id=end.remote_session_id).values_list("file_id", flat=True))
+    total = sum(
+        ManagedOutput.objects.filter(remote_session_id=end.remote_session_id, skipped="").values_list(
+            "size_bytes", flat=True
+        )
+    )
+    written = 0
+    for remote in files:
+        if remote.id in known:
+            continue
+        output = ManagedOutput(
+            company_id=end.company_id,
+            agent_id=end.agent_id,
+            session_id=end.session_id,
+            remote_session_id=end.remote_session_id,
+            file_id=remote.id,
+            filename=safe_filename(remote.filename, fallback=remote.id),
+            media_type=(remote.mime_type or "").replace("\x00", "")[:255],
+            size_bytes=remote.size_bytes,
+        )
+        output.skipped = _limit_refusal(remote.size_bytes, total)
+        if not output.skipped:
+            try:
+                output.sha256, output.size_bytes = _copy(output, limit=min(_largest(), _session_largest() - total))
+            except OutputTooLarge as refusal:
+                output.skipped = str(refusal)
+            else:
+                total += output.size_bytes
+        ManagedOutput.objects.bulk_create([output], ignore_conflicts=True)
+        written += 1
+    return written
+
+
+def safe_filename(name: str, *, fallback: str) -> str:
+    """The name a download is offered under: no directories, no NUL (PostgreSQL refuses it)."""
+    name = PurePosixPath(name.replace("\\", "/").replace("\x00", "")).name.strip()
+    return name[-255:] if name not in ("", ".", "..") else fallback
+
+
+def _largest() -> int:
+    return settings.PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES
+
+
+def _session_largest() -> int:
+    return settings.PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES
+
+
+def _limit_refusal(size: int, total_so_far: int) -> str:
+    if size > _largest():
+        return f"larger than PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES ({size} > {_largest()} bytes)"
+    if total_so_far + size > _session_largest():
+        return f"past the session's PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES ({_session_largest()} bytes)"
+    return ""
+
+
+def _copy(output: ManagedOutput, *, limit: int) -> tuple[str, int]:
+    """Download the file to its place; its digest and size as received (a file that grows
+    past `limit` as it arrives, whatever its listing said, is refused)."""
+    from sessions_app.adapters.claude_managed import remote_file_chunks
+
+    target = output_path(output)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with partial.open("wb") as handle:
+            for chunk in remote_file_chunks(output.file_id):
+                size += len(chunk)
+                if size > limit:
+                    raise OutputTooLarge(f"larger than its size limit as it arrived (over {limit} bytes)")
+                handle.write(chunk)
+                digest.update(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return digest.hexdigest(), size
+
+
+def outputs_delete(*, agent_ids: Iterable) -> int:
+    """Delete the outputs of these agents (being deleted in the caller's transaction): the
+    rows now, the files once the transaction commits (a rollback keeps both)."""
+    agent_ids = list(agent_ids)
+    count, _ = ManagedOutput.objects.filter(agent_id__in=agent_ids).delete()
+    transaction.on_commit(lambda: _folders_remove(agent_ids))
+    return count
+
+
+def output_delete(output: ManagedOutput) -> None:
+    """One output, its row and then (after the commit) its file."""
+    path = output_path(output)
+    with transaction.atomic():
+        ManagedOutput.objects.filter(pk=output.pk).delete()
+        transaction.on_commit(lambda: path.unlink(missing_ok=True))
+
+
+def _folders_remove(agent_ids: list) -> None:
+    for agent_id in agent_ids:
+        folder = outputs_root() / str(agent_id)
+        try:
+            shutil.rmtree(folder)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            # No row names these files any more: they are unreachable, only disk.
+            logger.exception("Could not remove the Managed Agents outputs under %s", folder)

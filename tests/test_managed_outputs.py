@@ -1,0 +1,166 @@
+"""The files a Managed Agents session produced, copied here before the remote session is
+archived or deleted, through the real SDK against the fake (whose Files API keeps them
+scoped to the session)."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from sessions_app.managed_outputs import output_path
+from sessions_app.managed_sessions import managed_ends_process
+from sessions_app.models import ManagedOutput, ManagedSessionEnd, RunStatus
+from sessions_app.services import agent_delete, session_delete, session_expire
+from tests.api.conftest import make_session
+from tests.conftest import beat, managed_agent, run_queued_tasks
+from tests.test_managed_sessions import remote_session
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+REPORT = b"region,total\nnorth,12\nsouth,30\n"
+
+
+def requested(fake_managed, method: str, path: str) -> int:
+    """Where in the fake's request log a request was made (it must have been)."""
+    return fake_managed.requests.index((method, path))
+
+
+def test_a_deleted_sessions_files_are_copied_before_the_remote_session_is_deleted(company, fake_managed):
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id)
+    produced = fake_managed.add_file(remote_id, "report.csv", REPORT, "text/csv")
+
+    session_delete(session=session, now=timezone.now())
+    run_queued_tasks()
+
+    (output,) = ManagedOutput.objects.filter(agent=agent)
+    assert (output.filename, output.media_type, output.size_bytes) == ("report.csv", "text/csv", len(REPORT))
+    assert (output.session_id, output.remote_session_id, output.file_id) == (session.pk, remote_id, produced["id"])
+    assert output.sha256 == hashlib.sha256(REPORT).hexdigest()
+    assert output_path(output).read_bytes() == REPORT
+    assert remote_id not in fake_managed.sessions  # deleted at the provider...
+    content = requested(fake_managed, "GET", f"/v1/files/{produced['id']}/content")
+    assert content < requested(fake_managed, "DELETE", f"/v1/sessions/{remote_id}")  # ...after the copy
+
+
+def test_a_session_expired_by_its_ttl_has_its_files_copied_before_it_is_archived(company, fake_managed):
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id)
+    produced = [fake_managed.add_file(remote_id, f"part-{n}.txt", b"x" * n, "text/plain") for n in (1, 2, 3)]
+
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+
+    assert fake_managed.sessions[remote_id]["archived_at"] is not None
+    outputs = ManagedOutput.objects.filter(session_id=session.pk)
+    assert sorted(outputs.values_list("filename", "size_bytes")) == [
+        ("part-1.txt", 1),
+        ("part-2.txt", 2),
+        ("part-3.txt", 3),
+    ]
+    last_copy = max(requested(fake_managed, "GET", f"/v1/files/{f['id']}/content") for f in produced)
+    assert last_copy < requested(fake_managed, "POST", f"/v1/sessions/{remote_id}/archive")
+
+
+def test_a_stateless_runs_files_are_copied_when_its_session_ends_with_it(company, fake_managed):
+    agent = managed_agent(company, session_mode="stateless")
+    fake_managed.script(None, [("file", "summary.md", b"# Done\n"), ("message", "written")])
+
+    run = beat(agent, "write the summary")
+    run_queued_tasks()
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    (output,) = ManagedOutput.objects.filter(agent=agent)
+    assert (output.filename, output.session_id, output.remote_session_id) == (
+        "summary.md",
+        None,
+        run.managed_session_id,
+    )
+    assert output_path(output).read_bytes() == b"# Done\n"
+    assert fake_managed.sessions[run.managed_session_id]["archived_at"] is not None
+
+
+def test_a_file_over_a_limit_is_listed_as_skipped_and_never_silently_dropped(company, fake_managed, settings):
+    settings.PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES = 10
+    settings.PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES = 15
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id)
+    for name, size in (("big.bin", 11), ("first.txt", 9), ("second.txt", 9)):
+        fake_managed.add_file(remote_id, name, b"z" * size, "application/octet-stream")
+
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+
+    outputs = {output.filename: output for output in ManagedOutput.objects.filter(agent=agent)}
+    assert set(outputs) == {"big.bin", "first.txt", "second.txt"}
+    assert "PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES" in outputs["big.bin"].skipped
+    assert not output_path(outputs["big.bin"]).exists()
+    copied = [o for o in outputs.values() if o.stored]
+    skipped_for_session = [o for o in outputs.values() if "MAX_SESSION_BYTES" in o.skipped]
+    assert len(copied) == len(skipped_for_session) == 1  # 9 bytes fit the session's 15, 18 would not
+    assert output_path(copied[0]).read_bytes() == b"z" * 9
+    assert fake_managed.sessions[remote_id]["archived_at"] is not None
+
+
+def test_a_failed_download_ends_nothing_and_the_retry_copies_each_file_once(company, fake_managed):
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id)
+    kept = fake_managed.add_file(remote_id, "kept.txt", b"kept", "text/plain")
+    fake_managed.add_file(remote_id, "late.txt", b"late", "text/plain")
+    fake_managed.fail_next(500, times=10, path_prefix=f"/v1/files/{kept['id']}/content")
+
+    session_delete(session=session, now=timezone.now())
+    run_queued_tasks()
+
+    end = ManagedSessionEnd.objects.get(remote_session_id=remote_id)
+    assert end.done_at is None and end.attempts == 1
+    assert "Could not download file" in end.last_error
+    assert remote_id in fake_managed.sessions  # not deleted: its files would have gone with it
+    assert ("DELETE", f"/v1/sessions/{remote_id}") not in fake_managed.requests
+    copied_before = set(ManagedOutput.objects.values_list("filename", flat=True))
+
+    fake_managed.recover()
+    assert managed_ends_process(now=timezone.now() + timedelta(hours=2)) == 1
+
+    assert remote_id not in fake_managed.sessions
+    assert sorted(ManagedOutput.objects.values_list("filename", flat=True)) == ["kept.txt", "late.txt"]
+    assert copied_before <= {"late.txt"}  # what the first attempt copied is not copied again
+    assert all(output_path(o).read_bytes() == o.filename[:4].encode() for o in ManagedOutput.objects.all())
+
+
+def test_a_deleted_agent_takes_its_outputs_and_their_files_with_it(company, fake_managed):
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id)
+    fake_managed.add_file(remote_id, "notes.txt", b"notes", "text/plain")
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+    (output,) = ManagedOutput.objects.filter(agent=agent)
+    path = output_path(output)
+    assert path.exists()
+
+    agent_delete(agent=agent, now=timezone.now())
+
+    assert not ManagedOutput.objects.filter(agent=agent).exists()
+    assert not path.exists()
+
+
+def test_a_name_from_the_provider_is_only_a_name(company, fake_managed):
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id)
+    fake_managed.add_file(remote_id, "../../etc/passwd\x00.txt", b"data", "text/plain")
+
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+
+    (output,) = ManagedOutput.objects.filter(agent=agent)
+    assert output.filename == "passwd.txt"
+    assert output_path(output).parent.parent.parent.name == "outputs"
