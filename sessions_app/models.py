@@ -856,7 +856,8 @@ class ManagedOutput(models.Model):
     Kept with the agent, after its session's row is gone too; deleted with the agent."""
 
     id = models.BigAutoField(primary_key=True)
-    company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="+", db_index=False)
+    # Indexed for the company's deletion, which cascades here.
+    company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="+")
     agent = models.ForeignKey("Agent", on_delete=models.CASCADE, related_name="managed_outputs", db_index=False)
     # A plain id: the session row may be deleted, and its outputs kept.
     session_id = models.UUIDField(null=True, blank=True)

@@ -39,7 +39,6 @@ class Migration(migrations.Migration):
                 (
                     "company",
                     models.ForeignKey(
-                        db_index=False,
                         on_delete=django.db.models.deletion.CASCADE,
                         related_name="+",
                         to="sessions_app.company",
