@@ -24,13 +24,10 @@ from pathlib import Path, PurePosixPath
 from django.conf import settings
 from django.db import transaction
 
+from sessions_app.adapters.claude_managed import remote_file_chunks, remote_session_files
 from sessions_app.models import ManagedOutput, ManagedSessionEnd
 
 logger = logging.getLogger(__name__)
-
-
-class OutputsUnavailable(Exception):
-    """The provider did not give the session's files: the end waits for them."""
 
 
 class OutputTooLarge(Exception):
@@ -50,8 +47,6 @@ def outputs_extract(end: ManagedSessionEnd) -> int:
     rows it wrote. Raises OutputsUnavailable when the provider fails to list or serve one."""
     if end.agent_id is None:
         return 0
-    from sessions_app.adapters.claude_managed import remote_session_files
-
     files = remote_session_files(end.remote_session_id)
     known = set(ManagedOutput.objects.filter(remote_session_id=end.remote_session_id).values_list("file_id", flat=True))
     total = sum(
@@ -111,8 +106,6 @@ def _limit_refusal(size: int, total_so_far: int) -> str:
 def _copy(output: ManagedOutput, *, limit: int) -> tuple[str, int]:
     """Download the file to its place; its digest and size as received (a file that grows
     past `limit` as it arrives, whatever its listing said, is refused)."""
-    from sessions_app.adapters.claude_managed import remote_file_chunks
-
     target = output_path(output)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")

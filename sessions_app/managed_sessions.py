@@ -26,7 +26,8 @@ from django.utils import timezone
 
 from costs_app.ledger import session_hours_record
 from costs_app.pricing import session_hour_rate, session_hours_cost
-from sessions_app.managed_outputs import OutputsUnavailable, outputs_extract
+from sessions_app.adapters.claude_managed import OutputsUnavailable
+from sessions_app.managed_outputs import outputs_extract
 from sessions_app.models import (
     Agent,
     AgentSession,

@@ -471,10 +471,12 @@ def remote_session_end(remote_session_id: str, *, action: str) -> str | None:
     return None
 
 
+class OutputsUnavailable(Exception):
+    """The provider did not give the session's files: the end waits for them."""
+
+
 def remote_session_files(remote_session_id: str) -> list:
     """The files a remote session produced (the Files API's, scoped to it), every page."""
-    from sessions_app.managed_outputs import OutputsUnavailable
-
     anthropic = _sdk()
     try:
         return list(client_for({}).beta.files.list(scope_id=remote_session_id, limit=100))
@@ -484,8 +486,6 @@ def remote_session_files(remote_session_id: str) -> list:
 
 def remote_file_chunks(file_id: str) -> Iterator[bytes]:
     """A file's content as it arrives."""
-    from sessions_app.managed_outputs import OutputsUnavailable
-
     anthropic = _sdk()
     try:
         with client_for({}).beta.files.with_streaming_response.download(file_id) as response:
