@@ -78,6 +78,8 @@ PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES = env_int("PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES
 PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES = env_int(
     "PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES", 200 * 1024 * 1024, minimum=0
 )
+# How often the maintenance pass reads each live remote session's status (docs/runtimes.md, "Health").
+PAPERCLIP_MANAGED_HEALTH_INTERVAL_SECONDS = env_int("PAPERCLIP_MANAGED_HEALTH_INTERVAL_SECONDS", 300, minimum=1)
 PAPERCLIP_IDLE_PAUSE_MINUTES = env_int("PAPERCLIP_IDLE_PAUSE_MINUTES", 30, minimum=1)
 # A generous ceiling on heartbeats that queue work, per API key, in authenticated mode only
 # ("N/s|min|hour|day"); what needs a bound is one agent's queue (below).

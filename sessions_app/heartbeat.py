@@ -56,11 +56,13 @@ from sessions_app.context import (
     input_tokens_bound,
     manifest_merge,
     reported_artifacts,
+    summary_pair,
     user_turn_content,
 )
 from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure
 from sessions_app.hot_sql import agent_not_deleted_locked, turn_and_outcome_update
 from sessions_app.keep_warm import keep_warm_arm
+from sessions_app.managed_health import lost_session_note
 from sessions_app.managed_sessions import ManagedSessionHandle, managed_ends_for_sessions
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -418,12 +420,16 @@ class OwnSession:
         return plan_session(agent=beat.agent, run=beat.run, now=beat.now, settings_=beat.settings_, rotates=rotates)
 
     def handoff(self, beat: ClaimedRun, plan: Plan, *, reserve: BeforeCall) -> Plan:
-        return plan
+        if plan.retire_reason != "remote_lost":
+            return plan
+        # The lost session's successor opens with what our mirror of it holds (no model call).
+        note = lost_session_note(plan.retire)
+        return replace(plan, lost_note=note, history=summary_pair(note, kind="handoff", at=beat.now))
 
     def fit(self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall) -> tuple[Plan, AdapterRequest]:
         request = build_request(agent=beat.agent, history=[], user_content=user_content, settings=beat.settings_)
         if beat.calls.adapter.own_session_store == "managed":
-            own = ManagedSessionHandle(plan.session, agent=beat.agent, run=beat.run)
+            own = ManagedSessionHandle(plan.session, agent=beat.agent, run=beat.run, lost_note=plan.lost_note)
         else:
             own = SessionTranscripts(plan.session, agent_id=beat.agent.id)
         return plan, replace(request, own_session=own)
@@ -828,7 +834,7 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
             created_at=now,
             last_used=now,
             expires_at=now + agent.session_ttl,
-            predecessor=plan.handoff.predecessor if plan.handoff else None,
+            predecessor=plan.predecessor,
             manifest=plan.manifest,
         )
     # The history was read before the call; only the row's metadata is needed (and locked).

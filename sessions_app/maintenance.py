@@ -26,6 +26,7 @@ from sessions_app.approvals import approvals_expire
 from sessions_app.batches import batches_poll
 from sessions_app.cache_refresh import cache_refreshes_queue
 from sessions_app.cli_transcripts import cli_sessions_delete
+from sessions_app.managed_health import managed_health_check
 from sessions_app.managed_resume import resumable, run_resume
 from sessions_app.managed_sessions import (
     managed_ends_for_sessions,
@@ -241,6 +242,7 @@ MAINTENANCE_STEPS = {
     "cache_refreshes": cache_refreshes_queue,
     "approvals_expired": approvals_expire,
     "managed_orphans": managed_orphans_end,
+    "managed_health": managed_health_check,
     "managed_session_ends": managed_ends_process,
 }
 

@@ -27,6 +27,7 @@ from django.utils import timezone
 from costs_app.ledger import session_hours_record
 from costs_app.pricing import session_hour_rate, session_hours_cost
 from sessions_app.adapters.claude_managed import OutputsUnavailable
+from sessions_app.managed_health import lost_session_note, managed_health_state
 from sessions_app.managed_outputs import outputs_extract
 from sessions_app.models import (
     Agent,
@@ -50,8 +51,9 @@ CENT = Decimal("0.01")
 class ManagedSessionHandle:
     """The run's handle on its agent's remote state (the runtime's `ManagedSessions`)."""
 
-    def __init__(self, session: AgentSession | None, *, agent: Agent, run: HeartbeatRun) -> None:
+    def __init__(self, session: AgentSession | None, *, agent: Agent, run: HeartbeatRun, lost_note: str = "") -> None:
         self.session = session
+        self.lost_note = lost_note
         self.agent = agent
         self.run = run
         self.resumed_id = (session.managed_session_id or "") if session is not None else ""
@@ -63,6 +65,14 @@ class ManagedSessionHandle:
 
     def remote(self) -> dict | None:
         return self.agent.managed_remote
+
+    def handoff_note(self) -> str:
+        """What a new remote session replacing a lost one opens with: the note the plan
+        made (the health check found it lost), or one made now from the resumed row (the
+        run found it lost)."""
+        if self.lost_note or self.session is None:
+            return self.lost_note
+        return lost_session_note(self.session)
 
     def remote_record(self, remote: dict) -> None:
         Agent.objects.filter(pk=self.agent.pk).update(managed_remote=remote)
@@ -274,6 +284,11 @@ def managed_orphans_end(*, now: datetime) -> int:
 
 def managed_state() -> dict:
     """What /api/health shows: remote sessions still to end, and those whose end the
-    provider refused at least once (both read the pending index, normally empty)."""
+    provider refused at least once (both read the pending index, normally empty); live
+    sessions whose remote session is lost or was unreachable at its last check."""
     pending = ManagedSessionEnd.objects.filter(done_at__isnull=True)
-    return {"ends_pending": pending.count(), "ends_failing": pending.filter(attempts__gt=0).count()}
+    return {
+        "ends_pending": pending.count(),
+        "ends_failing": pending.filter(attempts__gt=0).count(),
+        **managed_health_state(),
+    }

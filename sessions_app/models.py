@@ -287,6 +287,15 @@ class AgentSession(models.Model):
     # (`ManagedSessionEnd`). NULL for every other runtime (a nullable column is added to
     # this table without rebuilding it under the ledger's triggers on SQLite).
     managed_session_id = models.CharField(max_length=128, null=True, blank=True, default=None)
+    # The maintenance pass's last reading of that remote session (`sessions_app.managed_health`):
+    # when, what was wrong ("" or NULL: nothing), how many readings in a row failed to reach
+    # it, and when it was found ended at the provider (terminated, archived or unknown), after
+    # which the next heartbeat retires this row (`remote_lost`) and opens a new remote session
+    # with a handoff note from the mirrored history. Nullable: added without a table rebuild.
+    managed_checked_at = models.DateTimeField(null=True, blank=True)
+    managed_problem = models.TextField(null=True, blank=True)
+    managed_check_failures = models.PositiveIntegerField(null=True, blank=True)
+    managed_lost_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "agent_sessions"
@@ -315,6 +324,13 @@ class AgentSession(models.Model):
                 fields=["ended_at"],
                 name="sessions_unbilled_ended_idx",
                 condition=Q(unbilled_active_seconds__gt=0) & Q(status__in=["expired", "ended"]),
+            ),
+            # The health check's next readings: live sessions mapped to a remote session,
+            # least recently checked first (only `claude-managed` rows are in it).
+            models.Index(
+                fields=["managed_checked_at"],
+                name="sessions_managed_check_idx",
+                condition=Q(managed_session_id__isnull=False) & Q(status__in=LIVE_SESSION_STATUSES),
             ),
             # The expiry task: live sessions whose expires_at has passed.
             models.Index(

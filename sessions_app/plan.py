@@ -60,6 +60,15 @@ class Plan:
     # Set by the same step: the lifetime the request's prefix is cached at (None: not
     # cached), for keeping it warm after the commit (`sessions_app.cache_refresh`).
     cache_ttl: str | None = None
+    # A session whose remote session was lost: the note the new remote session opens with.
+    lost_note: str = ""
+
+    @property
+    def predecessor(self) -> AgentSession | None:
+        """The session the new one continues from: one rotated with a note, or one lost."""
+        if self.handoff is not None:
+            return self.handoff.predecessor
+        return self.retire if self.lost_note else None
 
 
 def fresh_plan(*, new_session: bool = True) -> Plan:
@@ -99,6 +108,8 @@ def retire_reason(
     raw SQL names no model or adapter: it continues with the agent's."""
     if not live.is_live_at(now):
         return "expired"
+    if live.managed_lost_at is not None:
+        return "remote_lost"  # its remote session ended at the provider (`sessions_app.managed_health`)
     if run.force_fresh:
         return "force_fresh"
     if live.model not in ("", agent.model_name) or live.adapter_type not in ("", agent.adapter_type):

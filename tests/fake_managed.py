@@ -40,6 +40,11 @@ Test controls on a `FakeManaged`:
   `fake.list_costs[session_id]` keeps it exact).
 - `fake.fail_next(status, times=1, path_prefix=None)`: the next matching requests answer
   that status with the API's error body (and `retry-after` on 429).
+- `fake.terminate(session_id)`: the service ends the session between turns (its status
+  becomes `terminated`), as a container lost to the provider would.
+- `fake.before_next(method, path_prefix, action)`: `action()` runs on the fake's thread
+  once, when the next matching request arrives and before it is answered (a second actor
+  at the moment the service is being read).
 - Logs: `fake.requests` [(method, path)], `fake.beta_headers` [anthropic-beta or None],
   `fake.user_messages[session_id]` [texts sent], `fake.events[session_id]` [event dicts].
 """
@@ -127,6 +132,7 @@ class FakeManaged(EventsMixin):
         self.list_costs: dict[str, Decimal] = {}  # each session's list cost, exact (shown in cents)
         self.ping_interval = 1.0
         self._failures: list[Failure] = []
+        self._before: list[tuple] = []
         self._ids = itertools.count(1)
         # Re-entrant, because a turn run and a request route share helpers that both lock.
         self._lock = threading.RLock()
@@ -158,6 +164,23 @@ class FakeManaged(EventsMixin):
         """Drop the failures still queued: the service answers again."""
         with self._lock:
             self._failures.clear()
+
+    def terminate(self, session_id: str) -> None:
+        with self._lock:
+            self.sessions[session_id]["status"] = "terminated"
+            self.sessions[session_id]["updated_at"] = now_iso()
+
+    def before_next(self, method: str, path_prefix: str, action) -> None:
+        with self._lock:
+            self._before.append((method, path_prefix, action))
+
+    def take_before(self, method: str, path: str):
+        with self._lock:
+            for hook in self._before:
+                if hook[0] == method and path.startswith(hook[1]):
+                    self._before.remove(hook)
+                    return hook[2]
+        return None
 
     def take_failure(self, path: str) -> int | None:
         with self._lock:
@@ -448,6 +471,8 @@ class FakeManaged(EventsMixin):
                 raw = self.rfile.read(length) if length else b""
                 body = json.loads(raw) if raw else {}
                 beta = self.headers.get("anthropic-beta")
+                if action := fake.take_before(method, urlsplit(self.path).path):
+                    action()
                 status = fake.take_failure(urlsplit(self.path).path)
                 if status is not None:
                     with fake._lock:

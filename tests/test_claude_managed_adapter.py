@@ -217,4 +217,8 @@ def test_a_resumed_session_the_service_terminates_fails_the_run_and_the_next_hea
     session = AgentSession.objects.get(agent=agent)
     assert session.managed_session_id not in ("", first_remote)
     assert after.runtime_report["replaced_session"] == first_remote
-    assert fake_managed.user_messages[session.managed_session_id] == ["three"]  # never "two" again
+    [sent] = fake_managed.user_messages[session.managed_session_id]
+    # The new session opens with our record of the lost one; the failed task is never sent again.
+    assert sent.startswith("[Handoff note: your previous session ended at the service")
+    assert "[user]\none\n\n[assistant]\nreply 1: one" in sent
+    assert sent.endswith("three") and "two" not in sent

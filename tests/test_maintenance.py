@@ -142,6 +142,7 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "batches",
         "approvals_expired",
         "managed_orphans",
+        "managed_health",
         "managed_session_ends",
     }
     assert result["batches"] == {"submitted": 0, "read": 0, "committed": 0}

@@ -78,14 +78,24 @@ def test_a_failed_remote_delete_is_kept_shown_and_retried_until_done(
     end = ManagedSessionEnd.objects.get(remote_session_id=remote_id)
     assert (end.action, end.attempts, end.done_at) == ("delete", 1, None)
     assert "Could not reach" in end.last_error
-    assert client.get("/api/health").json()["managed_sessions"] == {"ends_pending": 1, "ends_failing": 1}
+    assert client.get("/api/health").json()["managed_sessions"] == {
+        "ends_pending": 1,
+        "ends_failing": 1,
+        "sessions_lost": 0,
+        "sessions_unreachable": 0,
+    }
 
     monkeypatch.setenv("ANTHROPIC_BASE_URL", fake_managed.base_url)
     assert maintenance_pass(now=timezone.now())["managed_session_ends"] == 0  # its retry is not due yet
     assert maintenance_pass(now=end.next_attempt_at)["managed_session_ends"] == 1
 
     assert remote_id not in fake_managed.sessions
-    assert client.get("/api/health").json()["managed_sessions"] == {"ends_pending": 0, "ends_failing": 0}
+    assert client.get("/api/health").json()["managed_sessions"] == {
+        "ends_pending": 0,
+        "ends_failing": 0,
+        "sessions_lost": 0,
+        "sessions_unreachable": 0,
+    }
 
 
 def test_an_end_another_worker_claimed_is_left_to_it(company, fake_managed):

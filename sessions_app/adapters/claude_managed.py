@@ -55,6 +55,8 @@ STOP_FAILURES = {
 }
 RESULT_CHARS = 2000
 CHUNK_BYTES = 1 << 16
+# One reading of one session in the maintenance pass: a slow provider must not hold the pass.
+HEALTH_TIMEOUT_SECONDS = 10.0
 
 
 # --- one heartbeat ------------------------------------------------------------------------
@@ -86,6 +88,9 @@ class ManagedSessions(Protocol):
 
     def session_end_later(self, remote_session_id: str) -> None:
         """A remote session no row will resume: archived after the run, retried until done."""
+
+    def handoff_note(self) -> str:
+        """The note a new remote session opens with when it replaces a lost one ("": none)."""
 
     def turn_time(self, seconds: float, *, failed: bool) -> None:
         """The remote session's active time this turn (what session hours are billed on)."""
@@ -302,9 +307,12 @@ class ClaudeManagedAdapter(Adapter):
         remote = remote_sync(client, request, stored, name=f"paperclip {request.metadata.get('agent_id', '')}")
         if remote != stored:
             own.remote_record(remote.as_json())
-        session_id, before, replaced = self._session(client, request, own, remote)
+        session_id, before, replaced, lost = self._session(client, request, own, remote)
         start = TurnStart(session_id, Figures.of(before), replaced, made_here=session_id != own.resumed_id)
-        return start, Turn(), [{"type": "user.message", "content": _content(request.messages[-1]["content"])}]
+        content = _content(request.messages[-1]["content"])
+        if (lost or not own.resumed_id) and (note := own.handoff_note()):
+            content = [{"type": "text", "text": note}, *content]
+        return start, Turn(), [{"type": "user.message", "content": content}]
 
     def _cursor(self, client, session_id: str) -> str:
         """The id of the session's last event so far ("" for none)."""
@@ -313,23 +321,21 @@ class ClaudeManagedAdapter(Adapter):
         return ""
 
     def _session(self, client, request: AdapterRequest, own: ManagedSessions, remote: RemoteAgent):
-        """The remote session this turn goes to, as it was before the turn, and the one it
-        replaces ("" for none): the resumed one, unless it ended at the provider or was made
-        from an older version of the agent; otherwise a new one."""
+        """The remote session this turn goes to, as it was before the turn, the one it
+        replaces ("" for none) and whether that one was lost: the resumed one, unless it
+        ended at the provider (lost) or was made from an older version of the agent;
+        otherwise a new one."""
         anthropic = _sdk()
+        lost = False
         if own.resumed_id:
             try:
                 session = client.beta.sessions.retrieve(own.resumed_id)
             except anthropic.NotFoundError:
                 session = None
-            if (
-                session is not None
-                and session.status != "terminated"
-                and session.archived_at is None
-                and session.agent.version == remote.version
-            ):
+            lost = session is None or session.status == "terminated" or session.archived_at is not None
+            if not lost and session.agent.version == remote.version:
                 own.session_used(session.id)
-                return session.id, session, ""
+                return session.id, session, "", False
             if session is not None:
                 own.session_end_later(own.resumed_id)
         params: dict[str, Any] = {
@@ -344,7 +350,7 @@ class ClaudeManagedAdapter(Adapter):
             params["budget"] = {"type": "limit", "max_list_cost": {"amount": str(cents), "currency": "USD"}}
         session = client.beta.sessions.create(**params)
         own.session_used(session.id)
-        return session.id, session, own.resumed_id
+        return session.id, session, own.resumed_id, lost
 
     def _turn(
         self,
@@ -469,6 +475,35 @@ def remote_session_end(remote_session_id: str, *, action: str) -> str | None:
     except (anthropic.AnthropicError, AdapterError) as exc:
         return error_from_sdk(exc).message if isinstance(exc, anthropic.AnthropicError) else exc.message
     return None
+
+
+@dataclass(frozen=True)
+class RemoteHealth:
+    """One reading of a remote session: `lost` when it ended at the provider (terminated,
+    archived, or unknown to it), `unreachable` when it could not be read, else neither."""
+
+    lost: bool = False
+    unreachable: bool = False
+    problem: str = ""
+
+
+def remote_session_health(remote_session_id: str) -> RemoteHealth:
+    """Read a remote session's status once (no retries: the next maintenance pass is the retry)."""
+    anthropic = _sdk()
+    try:
+        client = client_for({"max_retries": 0, "timeout_seconds": HEALTH_TIMEOUT_SECONDS})
+        session = client.beta.sessions.retrieve(remote_session_id)
+    except anthropic.NotFoundError:
+        return RemoteHealth(lost=True, problem="The service no longer knows the session.")
+    except anthropic.AnthropicError as exc:
+        return RemoteHealth(unreachable=True, problem=error_from_sdk(exc).message)
+    except AdapterError as exc:  # no credential configured
+        return RemoteHealth(unreachable=True, problem=exc.message)
+    if session.status == "terminated":
+        return RemoteHealth(lost=True, problem="The service terminated the session.")
+    if session.archived_at is not None:
+        return RemoteHealth(lost=True, problem="The session was archived at the service.")
+    return RemoteHealth()
 
 
 class OutputsUnavailable(Exception):

@@ -65,6 +65,25 @@ class AdapterTypeFilter(admin.SimpleListFilter):
         return queryset.filter(adapter_type=self.value()) if self.value() else queryset
 
 
+class RemoteHealthFilter(admin.SimpleListFilter):
+    """Live sessions whose Managed Agents session is lost or was unreachable (`managed_health`)."""
+
+    title = "remote session"
+    parameter_name = "remote"
+
+    def lookups(self, request, model_admin):
+        return [("lost", "lost at the provider"), ("unreachable", "unreachable at the last check")]
+
+    def queryset(self, request, queryset):
+        if self.value() == "lost":
+            return queryset.filter(status__in=LIVE_SESSION_STATUSES, managed_lost_at__isnull=False)
+        if self.value() == "unreachable":
+            return queryset.filter(
+                status__in=LIVE_SESSION_STATUSES, managed_lost_at__isnull=True, managed_check_failures__gt=0
+            )
+        return queryset
+
+
 @admin.register(AgentSession)
 class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
     # The columns an operator decides on, inside a 1366-pixel screen beside the filters
@@ -80,7 +99,7 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
         "expires",
     ]
     list_display_links = ["short_session_id"]
-    list_filter = ["status", "company", "agent", AdapterTypeFilter, ModelNameFilter]
+    list_filter = ["status", "company", "agent", AdapterTypeFilter, ModelNameFilter, RemoteHealthFilter]
     search_fields = ["agent__name"]
     search_help_text = "A session id (sess_… or UUID) or an agent name."
     date_hierarchy = "last_used"
@@ -114,7 +133,7 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
                 "fields": [
                     "store",
                     "cli_session_id",
-                    "managed_session_id",
+                    ("managed_session_id", "remote_health"),
                     "outputs",
                     ("paused_at", "pause_at"),
                     "active_seconds",
@@ -156,6 +175,7 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
         "store",
         "cli_session_id",
         "managed_session_id",
+        "remote_health",
         "outputs",
         "ended_at",
         "end_reason",
@@ -216,7 +236,20 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
     def status_now(self, obj: AgentSession) -> str:
         if obj.status in LIVE_SESSION_STATUSES and not obj.is_live_at(timezone.now()):
             return "expired (not yet swept)"
+        if obj.status in LIVE_SESSION_STATUSES and obj.managed_lost_at is not None:
+            return f"{obj.status} (remote session lost)"
         return obj.status
+
+    @admin.display(description="remote session health")
+    def remote_health(self, obj: AgentSession) -> str:
+        """The maintenance pass's last reading of its Managed Agents session."""
+        if not obj.managed_session_id:
+            return "-"
+        if obj.managed_lost_at is not None:
+            return f"lost {admin_time(obj.managed_lost_at)}: {obj.managed_problem}"
+        if obj.managed_check_failures:
+            return f"unreachable at the last {obj.managed_check_failures} checks: {obj.managed_problem}"
+        return f"ok at {admin_time(obj.managed_checked_at)}" if obj.managed_checked_at else "not checked yet"
 
     @admin.display(description="expires", ordering="expires_at")
     def expires(self, obj: AgentSession) -> str:

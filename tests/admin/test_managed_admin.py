@@ -82,3 +82,39 @@ def test_a_sessions_page_lists_its_outputs_and_each_downloads_from_the_admin(adm
     assert b"".join(response.streaming_content) == b"a,b\n1,2\n"
     assert response["Content-Disposition"] == 'attachment; filename="report.csv"'
     assert response["Content-Type"] == "application/octet-stream"
+
+
+def test_a_lost_remote_session_is_shown_on_its_page_and_found_by_the_filter(admin_client, persistent_agent, company):
+    from tests.admin.conftest import conversation, make_session
+    from tests.conftest import managed_agent
+
+    now = timezone.now()
+    lost = make_session(
+        persistent_agent,
+        history=conversation(2),
+        status="active",
+        managed_session_id="sesn_lost",
+        managed_lost_at=now,
+        managed_problem="The service terminated the session.",
+    )
+    unreachable = make_session(
+        managed_agent(company),
+        history=conversation(2),
+        status="active",
+        managed_session_id="sesn_unreachable",
+        managed_checked_at=now,
+        managed_check_failures=3,
+        managed_problem="Could not reach the Messages API.",
+    )
+
+    page = admin_client.get(reverse("admin:sessions_app_agentsession_change", args=[lost.pk])).content.decode()
+    assert "active (remote session lost)" in page
+    assert "The service terminated the session." in page
+    page = admin_client.get(reverse("admin:sessions_app_agentsession_change", args=[unreachable.pk])).content.decode()
+    assert "unreachable at the last 3 checks: Could not reach the Messages API." in page
+
+    listing = reverse("admin:sessions_app_agentsession_changelist")
+    found = admin_client.get(listing, {"remote": "lost"}).context["cl"].result_list
+    assert [session.pk for session in found] == [lost.pk]
+    found = admin_client.get(listing, {"remote": "unreachable"}).context["cl"].result_list
+    assert [session.pk for session in found] == [unreachable.pk]
