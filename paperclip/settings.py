@@ -73,6 +73,8 @@ PAPERCLIP_CLI_TOOLS = env_list("PAPERCLIP_CLI_TOOLS", "")
 # and the hosts their containers may reach (`*`: any, unrestricted networking).
 PAPERCLIP_MANAGED_TOOLS = env_list("PAPERCLIP_MANAGED_TOOLS", "")
 PAPERCLIP_MANAGED_HOSTS = env_list("PAPERCLIP_MANAGED_HOSTS", "")
+# The Files API files an API key may mount into such an agent's sessions (`*`: any).
+PAPERCLIP_MANAGED_FILES = env_list("PAPERCLIP_MANAGED_FILES", "")
 # The files a Managed Agents session produced, copied here before it ends: per file, per session.
 PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES = env_int("PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES", 25 * 1024 * 1024, minimum=0)
 PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES = env_int(

@@ -40,6 +40,8 @@ Test controls on a `FakeManaged`:
   `fake.list_costs[session_id]` keeps it exact).
 - `fake.fail_next(status, times=1, path_prefix=None)`: the next matching requests answer
   that status with the API's error body (and `retry-after` on 429).
+- `fake.upload(filename, data)`: a file uploaded through the Files API (what an agent's
+  `resources` mount); a session created naming a file the fake does not hold is refused 404.
 - `fake.terminate(session_id)`: the service ends the session between turns (its status
   becomes `terminated`), as a container lost to the provider would.
 - `fake.before_next(method, path_prefix, action)`: `action()` runs on the fake's thread
@@ -164,6 +166,10 @@ class FakeManaged(EventsMixin):
         """Drop the failures still queued: the service answers again."""
         with self._lock:
             self._failures.clear()
+
+    def upload(self, filename: str, data: bytes) -> str:
+        with self._lock:
+            return self.add_file(None, filename, data, "text/plain")["id"]
 
     def terminate(self, session_id: str) -> None:
         with self._lock:
@@ -336,8 +342,13 @@ class FakeManaged(EventsMixin):
             },
             "vault_ids": [],
         }
+        for resource in body.get("resources") or []:
+            if resource.get("type") == "file" and resource["file_id"] not in self.files:
+                return 404, error_body("not_found_error", f"no file {resource['file_id']} to mount")
         self.sessions[session["id"]] = session
         self.events[session["id"]] = []
+        for resource in body.get("resources") or []:
+            self.add_resource(session, resource)
         return 200, session
 
     def live_session(self, session: dict) -> dict:
@@ -398,7 +409,8 @@ class FakeManaged(EventsMixin):
 
     # Files (the session's outputs)
 
-    def add_file(self, session_id: str, filename: str, data: bytes, mime_type: str) -> dict:
+    def add_file(self, session_id: str | None, filename: str, data: bytes, mime_type: str) -> dict:
+        """A file a session wrote (scoped to it), or one uploaded to mount (`session_id` None)."""
         metadata = {
             "id": self.new_id("file"),
             "type": "file",
@@ -406,9 +418,10 @@ class FakeManaged(EventsMixin):
             "filename": filename,
             "mime_type": mime_type,
             "size_bytes": len(data),
-            "downloadable": True,
-            "scope": {"type": "session", "id": session_id},
+            "downloadable": session_id is not None,
         }
+        if session_id is not None:
+            metadata["scope"] = {"type": "session", "id": session_id}
         self.files[metadata["id"]] = metadata
         self.file_contents[metadata["id"]] = data
         return metadata
@@ -431,7 +444,7 @@ class FakeManaged(EventsMixin):
     def list_files(self, query: dict) -> dict:
         files = sorted(self.files.values(), key=lambda f: f["created_at"], reverse=True)
         if scope_id := first(query, "scope_id"):
-            files = [f for f in files if f["scope"]["id"] == scope_id]
+            files = [f for f in files if f.get("scope", {}).get("id") == scope_id]
         if ids := query.get("ids[]"):
             return {"data": [f for f in files if f["id"] in ids], "next_page": None}
         return paginate(files, query)

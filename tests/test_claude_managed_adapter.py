@@ -222,3 +222,38 @@ def test_a_resumed_session_the_service_terminates_fails_the_run_and_the_next_hea
     assert sent.startswith("[Handoff note: your previous session ended at the service")
     assert "[user]\none\n\n[assistant]\nreply 1: one" in sent
     assert sent.endswith("three") and "two" not in sent
+
+
+def test_the_files_an_agent_mounts_are_in_each_new_session_and_a_change_of_them_starts_a_new_one(
+    company, fake_managed
+):
+    data, notes = fake_managed.upload("data.csv", b"a,b\n"), fake_managed.upload("notes.md", b"# notes\n")
+    agent = managed_agent(company, resources=[{"file_id": data, "mount_path": "/mnt/data/data.csv"}])
+
+    first, same = beat(agent, "one"), beat(agent, "two")
+    agent.adapter_config = {**agent.adapter_config, "resources": [{"file_id": data}, {"file_id": notes}]}
+    agent.save()
+    changed = beat(agent, "three")
+    run_queued_tasks()
+
+    assert {first.status, same.status, changed.status} == {RunStatus.SUCCEEDED}, changed.error
+    assert first.managed_session_id == same.managed_session_id != changed.managed_session_id
+    mounted = fake_managed.sessions[first.managed_session_id]["resources"]
+    assert [(r["file_id"], r["mount_path"]) for r in mounted] == [(data, "/mnt/data/data.csv")]
+    mounted = fake_managed.sessions[changed.managed_session_id]["resources"]
+    assert [(r["file_id"], r["mount_path"]) for r in mounted] == [
+        (data, f"/mnt/session/uploads/{data}"),
+        (notes, f"/mnt/session/uploads/{notes}"),
+    ]
+    assert changed.runtime_report["replaced_session"] == first.managed_session_id
+    assert fake_managed.sessions[first.managed_session_id]["archived_at"] is not None
+    assert fake_managed.user_messages[changed.managed_session_id] == ["three"]  # replaced, not lost: no note
+
+
+def test_a_file_the_provider_does_not_hold_fails_the_run_with_its_message(company, fake_managed):
+    agent = managed_agent(company, resources=[{"file_id": "file_9999"}])
+
+    run = beat(agent, "read it")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "managed_session_not_created")
+    assert "no file file_9999 to mount" in run.error and "adapter_config.resources" in run.error

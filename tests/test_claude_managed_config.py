@@ -45,6 +45,12 @@ def test_the_defaults_are_the_file_and_shell_tools_always_allowed_and_no_network
         ({"max_budget_usd": "ten"}, "adapter_config.max_budget_usd"),
         ({"context_strategy": "summarize"}, "adapter_config.context_strategy"),
         ({"max_tokens": 100}, "adapter_config.max_tokens"),
+        ({"resources": "file_1"}, "adapter_config.resources"),
+        ({"resources": [{"file_id": "file 1"}]}, "adapter_config.resources"),
+        ({"resources": [{"file_id": "file_1", "mount_path": "data.csv"}]}, "adapter_config.resources"),
+        ({"resources": [{"file_id": "file_1", "mount_path": "/mnt/../etc/passwd"}]}, "adapter_config.resources"),
+        ({"resources": [{"file_id": "file_1"}, {"file_id": "file_1"}]}, "adapter_config.resources"),
+        ({"resources": [{"file_id": "file_1", "repo": "x"}]}, "adapter_config.resources"),
     ],
     ids=[
         "unknown-tool",
@@ -57,6 +63,12 @@ def test_the_defaults_are_the_file_and_shell_tools_always_allowed_and_no_network
         "budget-not-a-number",
         "own-summaries",
         "messages-api-setting",
+        "resources-not-a-list",
+        "resource-bad-file-id",
+        "resource-relative-path",
+        "resource-path-escapes",
+        "resource-twice",
+        "resource-unknown-key",
     ],
 )
 def test_a_bad_setting_is_refused_by_name(config, field):
@@ -97,4 +109,19 @@ def test_an_agent_saved_before_authenticated_mode_does_not_reach_the_provider(co
 
     assert (run.status, run.error_code) == (RunStatus.FAILED, "managed_not_allowed")
     assert "adapter_config.tools" in run.error and "'bash'" in run.error
+    assert fake_managed.requests == []
+
+
+def test_an_agent_mounting_a_file_the_operator_no_longer_lists_does_not_reach_the_provider(
+    company, fake_managed, settings
+):
+    agent = managed_agent(company, tools=["read"], resources=[{"file_id": "file_0001"}])
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_MANAGED_TOOLS = ("read",)
+    settings.PAPERCLIP_MANAGED_FILES = ("file_0002",)
+
+    run = beat(agent, "read the data")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "managed_not_allowed")
+    assert "adapter_config.resources" in run.error and "'file_0001'" in run.error
     assert fake_managed.requests == []

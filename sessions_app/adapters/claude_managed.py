@@ -41,7 +41,9 @@ from sessions_app.adapters.claude_managed_config import (
     RemoteAgent,
     authenticated_problems,
     budget_cents,
+    digest,
     remote_sync,
+    session_resources,
     validate_managed_config,
 )
 from sessions_app.adapters.rate_limits import api_credential
@@ -57,6 +59,7 @@ RESULT_CHARS = 2000
 CHUNK_BYTES = 1 << 16
 # One reading of one session in the maintenance pass: a slow provider must not hold the pass.
 HEALTH_TIMEOUT_SECONDS = 10.0
+MOUNTS_KEY = "paperclip_resources"
 
 
 # --- one heartbeat ------------------------------------------------------------------------
@@ -216,6 +219,7 @@ class ClaudeManagedAdapter(Adapter):
             mode=settings.PAPERCLIP_DEPLOYMENT_MODE,
             tools=settings.PAPERCLIP_MANAGED_TOOLS,
             hosts=settings.PAPERCLIP_MANAGED_HOSTS,
+            files=settings.PAPERCLIP_MANAGED_FILES,
         )
         if problems:
             detail = "; ".join(f"adapter_config.{key}: {message}" for key, message in problems.items())
@@ -327,13 +331,14 @@ class ClaudeManagedAdapter(Adapter):
         otherwise a new one."""
         anthropic = _sdk()
         lost = False
+        mounts = session_resources(request.config)
         if own.resumed_id:
             try:
                 session = client.beta.sessions.retrieve(own.resumed_id)
             except anthropic.NotFoundError:
                 session = None
             lost = session is None or session.status == "terminated" or session.archived_at is not None
-            if not lost and session.agent.version == remote.version:
+            if not lost and session.agent.version == remote.version and _mounts_current(session, mounts):
                 own.session_used(session.id)
                 return session.id, session, "", False
             if session is not None:
@@ -344,11 +349,24 @@ class ClaudeManagedAdapter(Adapter):
             "metadata": {
                 "paperclip_agent": request.metadata.get("agent_id", ""),
                 "paperclip_run": request.metadata.get("run_id", ""),
+                # A session's mounts are fixed when it is made: a change of them needs a new one.
+                MOUNTS_KEY: digest(mounts),
             },
         }
+        if mounts:
+            params["resources"] = mounts
         if (cents := budget_cents(request.config)) is not None:
             params["budget"] = {"type": "limit", "max_list_cost": {"amount": str(cents), "currency": "USD"}}
-        session = client.beta.sessions.create(**params)
+        try:
+            session = client.beta.sessions.create(**params)
+        except anthropic.NotFoundError as exc:
+            # Not a missing model: a file to mount (or the remote agent) the provider does not hold.
+            mounted = ", ".join(resource["file_id"] for resource in mounts)
+            raise AdapterError(
+                "managed_session_not_created",
+                f"The service could not create the session ({error_from_sdk(exc).message})"
+                + (f"; adapter_config.resources mounts {mounted}" if mounted else ""),
+            ) from None
         own.session_used(session.id)
         return session.id, session, own.resumed_id, lost
 
@@ -459,6 +477,12 @@ class ClaudeManagedAdapter(Adapter):
             if after.list_cost is not None
             else None,
         } | ({"replaced_session": start.replaced} if start.replaced else {})
+
+
+def _mounts_current(session, mounts: list[dict]) -> bool:
+    """Whether a remote session was made with these resources mounted (one made before the
+    digest was kept had none)."""
+    return (session.metadata or {}).get(MOUNTS_KEY, digest([])) == digest(mounts)
 
 
 def remote_session_end(remote_session_id: str, *, action: str) -> str | None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from decimal import ROUND_DOWN, Decimal
+from pathlib import PurePosixPath
 from typing import Any
 
 from django.conf import settings
@@ -22,7 +24,18 @@ PERMISSIONS = ("always_allow", "always_ask")
 PACKAGE_MANAGERS = ("apt", "cargo", "gem", "go", "npm", "pip")
 DEFAULT_TIMEOUT_SECONDS = 600
 MAX_BUDGET_USD = 1000
-CONFIG_KEYS = {"model", "tools", "environment", "max_budget_usd", "timeout_seconds", "approval_timeout_minutes"}
+CONFIG_KEYS = {
+    "model",
+    "tools",
+    "environment",
+    "resources",
+    "max_budget_usd",
+    "timeout_seconds",
+    "approval_timeout_minutes",
+}
+# A Files API id, as the API spells them.
+FILE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+MAX_RESOURCES = 100
 MAX_APPROVAL_TIMEOUT_MINUTES = 7 * 24 * 60
 
 # --- configuration ------------------------------------------------------------------------
@@ -86,6 +99,50 @@ def _environment(config: dict, errors: dict[str, str]) -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
+def _resources(config: dict, errors: dict[str, str]) -> list[dict]:
+    """`resources`: the files (uploaded through the Files API) mounted into each new remote
+    session's container: `{"file_id": ..., "mount_path": "/absolute/path"}`, the path
+    optional (the service's default is /mnt/session/uploads/<file_id>)."""
+    raw = config.get("resources", [])
+    problem = ""
+    if not isinstance(raw, list) or len(raw) > MAX_RESOURCES:
+        problem = f"must be a list of at most {MAX_RESOURCES} files"
+    else:
+        for entry in raw:
+            if problem := _resource_problem(entry):
+                break
+        else:
+            ids = [entry["file_id"] for entry in raw]
+            paths = [entry["mount_path"] for entry in raw if entry.get("mount_path")]
+            if len(set(ids)) < len(ids) or len(set(paths)) < len(paths):
+                problem = "names a file or a mount path twice"
+    if problem:
+        errors["resources"] = (
+            f"{problem}; each entry is {{'file_id': 'file_...', 'mount_path': '/absolute/path'}}; got {raw!r}"
+        )
+        return []
+    return [{key: entry[key] for key in ("file_id", "mount_path") if entry.get(key)} for entry in raw]
+
+
+def _resource_problem(entry: Any) -> str:
+    if not isinstance(entry, dict) or set(entry) - {"file_id", "mount_path"}:
+        return "each entry must be an object with 'file_id' and an optional 'mount_path'"
+    if not isinstance(entry.get("file_id"), str) or not FILE_ID.fullmatch(entry["file_id"]):
+        return f"{entry.get('file_id')!r} is not a file id"
+    path = entry.get("mount_path")
+    if path is None:
+        return ""
+    if (
+        not isinstance(path, str)
+        or len(path) > 1024
+        or not path.startswith("/")
+        or any(ord(char) < 32 for char in path)
+        or ".." in PurePosixPath(path).parts
+    ):
+        return f"mount_path {path!r} must be an absolute path without '..' or control characters"
+    return ""
+
+
 def _strings(value: Any, *, longest: int) -> bool:
     return isinstance(value, list) and all(
         isinstance(item, str) and item.strip() and len(item) <= longest for item in value
@@ -97,6 +154,8 @@ def validate_managed_config(config: dict, errors: dict[str, str]) -> dict:
     validate_model(config, errors, clean)
     clean["tools"] = _tools(config, errors)
     clean["environment"] = _environment(config, errors)
+    if "resources" in config:
+        clean["resources"] = _resources(config, errors)
     if "max_budget_usd" in config:
         cap = config["max_budget_usd"]
         if cap is not None and (not is_number(cap) or not Decimal("0.01") <= Decimal(str(cap)) <= MAX_BUDGET_USD):
@@ -118,19 +177,27 @@ def validate_managed_config(config: dict, errors: dict[str, str]) -> dict:
             mode=settings.PAPERCLIP_DEPLOYMENT_MODE,
             tools=settings.PAPERCLIP_MANAGED_TOOLS,
             hosts=settings.PAPERCLIP_MANAGED_HOSTS,
+            files=settings.PAPERCLIP_MANAGED_FILES,
         )
     )
     return clean
 
 
-def authenticated_problems(config: dict, *, mode: str, tools: tuple, hosts: tuple) -> dict[str, str]:
+def authenticated_problems(config: dict, *, mode: str, tools: tuple, hosts: tuple, files: tuple) -> dict[str, str]:
     """What an API key may not give a Managed Agents agent in `authenticated` mode: the
-    tools and the hosts its container reaches are the operator's to grant
-    (PAPERCLIP_MANAGED_TOOLS, PAPERCLIP_MANAGED_HOSTS; `*` among the hosts permits
-    unrestricted networking)."""
+    tools, the hosts its container reaches and the files mounted in it are the operator's
+    to grant (PAPERCLIP_MANAGED_TOOLS, PAPERCLIP_MANAGED_HOSTS, PAPERCLIP_MANAGED_FILES;
+    `*` among the hosts permits unrestricted networking, among the files any file)."""
     if mode != "authenticated":
         return {}
     problems = {}
+    mounted = [resource["file_id"] for resource in config.get("resources") or []]
+    if "*" not in files and (refused := [file_id for file_id in mounted if file_id not in files]):
+        listed = ", ".join(files) if files else "none: the operator lists them"
+        problems["resources"] = (
+            f"files {', '.join(map(repr, refused))} may not be mounted in authenticated mode; "
+            f"PAPERCLIP_MANAGED_FILES permits {listed}"
+        )
     names = [tool["name"] for tool in config.get("tools") or []]
     if refused := [name for name in names if name not in tools]:
         listed = ", ".join(tools) if tools else "none: the operator lists them"
@@ -151,6 +218,11 @@ def authenticated_problems(config: dict, *, mode: str, tools: tuple, hosts: tupl
                 f"PAPERCLIP_MANAGED_HOSTS permits {listed}"
             )
     return problems
+
+
+def session_resources(config: dict) -> list[dict]:
+    """The `resources` a new remote session is created with."""
+    return [{"type": "file", **resource} for resource in config.get("resources") or []]
 
 
 def budget_cents(config: dict) -> int | None:

@@ -36,3 +36,17 @@ def test_an_api_key_gets_only_the_tools_and_hosts_the_operator_lists(key_api, co
         "adapter_config": {"model": "claude-sonnet-4-5", **allowed},
     }
     assert key_api.post(url, body).status_code == 201
+
+
+def test_an_api_key_mounts_only_the_files_the_operator_lists(key_api, company, settings):
+    settings.PAPERCLIP_MANAGED_TOOLS = ("read",)
+    settings.PAPERCLIP_MANAGED_FILES = ("file_allowed",)
+    url = f"/api/companies/{company.id}/agents"
+
+    def created(resources: list) -> object:
+        config = {"model": "claude-sonnet-4-5", "tools": ["read"], "resources": resources}
+        return key_api.post(url, {"name": "remote", "adapter_type": "claude-managed", "adapter_config": config})
+
+    refused = assert_error(created([{"file_id": "file_allowed"}, {"file_id": "file_secret"}]), 400)
+    assert "'file_secret'" in refused["fields"]["adapter_config.resources"]
+    assert created([{"file_id": "file_allowed", "mount_path": "/mnt/data/in.csv"}]).status_code == 201
