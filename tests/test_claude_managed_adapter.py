@@ -224,9 +224,7 @@ def test_a_resumed_session_the_service_terminates_fails_the_run_and_the_next_hea
     assert sent.endswith("three") and "two" not in sent
 
 
-def test_the_files_an_agent_mounts_are_in_each_new_session_and_a_change_of_them_starts_a_new_one(
-    company, fake_managed
-):
+def test_the_files_an_agent_mounts_are_in_each_new_session_and_a_change_of_them_starts_a_new_one(company, fake_managed):
     data, notes = fake_managed.upload("data.csv", b"a,b\n"), fake_managed.upload("notes.md", b"# notes\n")
     agent = managed_agent(company, resources=[{"file_id": data, "mount_path": "/mnt/data/data.csv"}])
 
