@@ -47,6 +47,7 @@ Test controls on a `FakeManaged`:
 - `fake.before_next(method, path_prefix, action)`: `action()` runs on the fake's thread
   once, when the next matching request arrives and before it is answered (a second actor
   at the moment the service is being read).
+- `python -m tests.fake_managed` serves it alone (`serve_forever`).
 - Logs: `fake.requests` [(method, path)], `fake.beta_headers` [anthropic-beta or None],
   `fake.user_messages[session_id]` [texts sent], `fake.events[session_id]` [event dicts].
 """
@@ -456,6 +457,11 @@ class FakeManaged(EventsMixin):
         parts = url.path.strip("/").split("/")
         query = parse_qs(url.query)
         with self._lock:
+            if parts == ["_fake", "stats"]:  # for a fake in another process (benchmarks); not logged
+                return 200, {
+                    "requests": len(self.requests),
+                    "user_messages": sum(map(len, self.user_messages.values())),
+                }
             self.requests.append((method, path))
             self.beta_headers.append(beta)
             if parts[:2] == ["v1", "agents"]:
@@ -475,6 +481,9 @@ class FakeManaged(EventsMixin):
             # Headers and body go out in separate writes; Nagle would hold the body back
             # for the client's delayed ack, some 40 ms a request.
             disable_nagle_algorithm = True
+            # Connections kept alive between answers, as the API's are (each answer says
+            # its length; a stream closes its connection).
+            protocol_version = "HTTP/1.1"
 
             def log_message(self, *args) -> None:
                 pass
@@ -525,3 +534,28 @@ class FakeManaged(EventsMixin):
                 self._answer("DELETE")
 
         return Handler
+
+
+def serve_forever() -> None:
+    """`python -m tests.fake_managed`: run the fake alone (benchmarks). Prints its base URL
+    on the first line; FAKE_LATENCY_MS delays every model request. `GET /_fake/stats`
+    counts the requests served and the user messages received."""
+    import os
+    import signal
+
+    fake = FakeManaged()
+    fake.latency = float(os.environ.get("FAKE_LATENCY_MS", "0")) / 1000
+    print(fake.base_url, flush=True)
+
+    def stop(*args):
+        raise KeyboardInterrupt  # shutdown() from the serving thread itself would deadlock
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        fake._server.serve_forever(poll_interval=0.05)
+    except KeyboardInterrupt:
+        fake._server.server_close()
+
+
+if __name__ == "__main__":
+    serve_forever()

@@ -368,6 +368,7 @@ class EventsMixin:
         handler.send_response(200)
         handler.send_header("content-type", "text/event-stream")
         handler.send_header("cache-control", "no-cache")
+        handler.send_header("connection", "close")
         handler.end_headers()
         try:
             self._pump(handler, session_id, cursor)
