@@ -83,8 +83,11 @@ class ManagedSessionHandle:
         self.run.managed_session_id = remote_session_id
 
     def turn_started(self, state: dict) -> None:
-        HeartbeatRun.objects.filter(pk=self.run.pk).update(managed_turn=storable(state))
+        HeartbeatRun.objects.filter(pk=self.run.pk).update(
+            managed_turn=storable(state), managed_session_id=state["session"]
+        )
         self.run.managed_turn = state
+        self.run.managed_session_id = state["session"]
         self.turn_begun = True
 
     def session_end_later(self, remote_session_id: str) -> None:

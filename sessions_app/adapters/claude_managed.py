@@ -87,7 +87,7 @@ class ManagedSessions(Protocol):
     def turn_started(self, state: dict) -> None:
         """Where the turn stands before its opening events are sent (`TurnStart.state`,
         with the event cursor and the opening events): kept on the run for a worker that
-        continues the turn if this one dies."""
+        continues the turn if this one dies, with the remote session it goes to."""
 
     def session_end_later(self, remote_session_id: str) -> None:
         """A remote session no row will resume: archived after the run, retried until done."""
@@ -339,7 +339,7 @@ class ClaudeManagedAdapter(Adapter):
                 session = None
             lost = session is None or session.status == "terminated" or session.archived_at is not None
             if not lost and session.agent.version == remote.version and _mounts_current(session, mounts):
-                own.session_used(session.id)
+                # Recorded on the run with the turn's start (`turn_started`): the row names it already.
                 return session.id, session, "", False
             if session is not None:
                 own.session_end_later(own.resumed_id)
