@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Protocol
@@ -60,6 +61,8 @@ CHUNK_BYTES = 1 << 16
 # One reading of one session in the maintenance pass: a slow provider must not hold the pass.
 HEALTH_TIMEOUT_SECONDS = 10.0
 MOUNTS_KEY = "paperclip_resources"
+# Reads a turn makes beside its own (no database work: the SDK's client is thread-safe).
+CURSORS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="managed-cursor")
 
 
 # --- one heartbeat ------------------------------------------------------------------------
@@ -244,6 +247,8 @@ class ClaudeManagedAdapter(Adapter):
     def _call(self, client, request: AdapterRequest, own: ManagedSessions) -> AdapterReply:
         state = own.continuation
         resuming = state is not None and bool(state.get("resume"))  # its worker died: the same turn goes on
+        # The resumed session's last event, read while its status is: both before anything is sent.
+        cursor_ahead = CURSORS.submit(self._cursor, client, own.resumed_id) if own.resumed_id and not state else None
         if resuming:
             start, turn, opening = TurnStart.of_state(state), Turn.of_state(state), state["opening"]
         else:
@@ -258,7 +263,10 @@ class ClaudeManagedAdapter(Adapter):
             else:
                 # Where the session's events stood before this run sent anything: a worker
                 # that dies from here on leaves the next one what it needs to find the rest.
-                cursor = "" if start.made_here else self._cursor(client, start.session_id)
+                if start.made_here:
+                    cursor = ""
+                else:
+                    cursor = cursor_ahead.result() if cursor_ahead else self._cursor(client, start.session_id)
                 own.turn_started(start.state(turn, start.before, state or {}) | {"cursor": cursor, "opening": opening})
             self._turn(client, request, start.session_id, opening, turn, resume_after=cursor if resuming else None)
             after = Figures.of(client.beta.sessions.retrieve(start.session_id))
