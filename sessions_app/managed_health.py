@@ -30,6 +30,9 @@ from sessions_app.stores import store_for
 
 logger = logging.getLogger(__name__)
 BATCH = 50
+# Readings in a row that could not reach the provider before a pass stops reading: each
+# may take the whole timeout, and the steps after this one must not wait on an outage.
+GIVE_UP_AFTER = 3
 # About 5,000 tokens: the end of the lost conversation, not all of it.
 HANDOFF_CHARS = 20_000
 LOST_NOTE_HEADING = (
@@ -55,9 +58,13 @@ def managed_health_check(*, now: datetime) -> int:
         .order_by(F("managed_checked_at").asc(nulls_first=True))
         .values_list("id", "managed_session_id", "managed_check_failures")[:BATCH]
     )
-    lost = 0
+    lost = unreachable_in_a_row = 0
     for session_id, remote_id, failures in list(due):
-        lost += reading_record(session_id, remote_id, remote_session_health(remote_id), failures=failures, now=now)
+        reading = remote_session_health(remote_id)
+        lost += reading_record(session_id, remote_id, reading, failures=failures, now=now)
+        unreachable_in_a_row = unreachable_in_a_row + 1 if reading.unreachable else 0
+        if unreachable_in_a_row == GIVE_UP_AFTER:
+            break  # the provider is down, not these sessions: the rest wait for the next pass
     return lost
 
 

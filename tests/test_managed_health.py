@@ -13,7 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from sessions_app.maintenance import maintenance_pass
-from sessions_app.managed_health import BATCH, managed_health_check, managed_health_state
+from sessions_app.managed_health import BATCH, GIVE_UP_AFTER, managed_health_check, managed_health_state
 from sessions_app.models import AgentSession, PinnedFact, RunStatus, SessionStatus
 from tests.api.conftest import make_run, make_session
 from tests.conftest import beat, managed_agent, on_own_connection, run_queued_tasks, user_turns
@@ -98,6 +98,22 @@ def test_an_unreachable_provider_is_counted_shown_and_never_taken_for_a_loss(
     session.refresh_from_db()
     assert (session.managed_problem, session.managed_check_failures) == (None, None)
     assert managed_health_state() == {"sessions_lost": 0, "sessions_unreachable": 0}
+
+
+def test_a_pass_stops_reading_when_the_provider_is_down_and_the_rest_wait_their_turn(
+    company, fake_managed, monkeypatch
+):
+    sessions = [
+        make_session(managed_agent(company), managed_session_id=remote_session(fake_managed))
+        for _ in range(GIVE_UP_AFTER + 2)
+    ]
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", unreachable_url())
+
+    assert managed_health_check(now=timezone.now()) == 0
+
+    read = AgentSession.objects.filter(pk__in=[s.pk for s in sessions], managed_check_failures=1)
+    assert read.count() == GIVE_UP_AFTER
+    assert AgentSession.objects.filter(pk__in=[s.pk for s in sessions], managed_checked_at__isnull=True).count() == 2
 
 
 def test_a_session_a_run_takes_while_its_status_is_read_is_never_marked(company, fake_managed):
