@@ -4,7 +4,9 @@ It runs as a run of the agent, so the rules of a heartbeat's compaction hold unc
 - one writer per session: the index that allows one `running` run per agent refuses it
   while a heartbeat runs (`session_busy`), and a heartbeat arriving meanwhile stays
   queued and is dispatched when the compaction ends, so no turn is lost; a scheduled tick
-  is never counted on the compaction's run (`tick_merge`), it queues its own;
+  is never counted on the compaction's run (`tick_merge`), it queues its own. A summary a
+  commit asked for (`session_compact_ahead`) is written beside the heartbeats instead and
+  takes the agent's place only to commit (`agent_place_take`);
 - the summary is reserved against the budgets before it is sent and billed to the
   ledger under the run (kind `compaction`); the record is the heartbeat's own
   (`compaction_commit`), and a summary that does not shrink the session is refused the
@@ -26,12 +28,14 @@ from sessions_app.adapters import get_adapter
 from sessions_app.adapters.base import QuotaRefused
 from sessions_app.compaction import compaction_commit, compaction_refused, summary_call, summary_not_shrinking
 from sessions_app.context import choose_split, estimate_tokens, summary_pair
+from sessions_app.errors import StepFailed
 from sessions_app.heartbeat import ClaimedRun, Reservation, RunClock
-from sessions_app.metering import session_run_time_record
+from sessions_app.metering import alone_seconds, session_run_time_record
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     Agent,
     AgentSession,
+    BesideState,
     HeartbeatRun,
     RunStatus,
     RunTrigger,
@@ -42,6 +46,10 @@ from sessions_app.quota import quota_refused
 from sessions_app.run_queue import COMPACT_TASK, dispatch_after_run, run_deadline, run_fail, run_place_free, worker_id
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import store_for
+
+# How often a summary waiting for its agent's place looks again, doubling up to the most.
+PLACE_POLL_FIRST_SECONDS = 0.02
+PLACE_POLL_MAX_SECONDS = 0.5
 
 
 class CompactRefused(RunFailure):
@@ -67,10 +75,11 @@ def session_compact(
     """Summarise the session's older turns now, keeping the last `keep_recent_turns` (the
     agent's setting when not given) verbatim. Returns the compaction record. With `seen`
     (its message and compaction counts), only a session still so: otherwise the run ends
-    `skipped`, with no model call, and `SessionMoved` is raised."""
+    `skipped`, with no model call, and `SessionMoved` is raised. A summary a commit asked
+    for (`RunTrigger.COMPACTION`) is written beside the agent's heartbeats."""
     agent = session.agent
     refuse_unless_compactable(session, now=now)
-    run = compaction_run(session, now=now, trigger=trigger)
+    run = compaction_run(session, now=now, trigger=trigger, beside=trigger == RunTrigger.COMPACTION)
     clock = RunClock(now=now, started=time.monotonic())
     beat = ClaimedRun.of(run, now=now, clock=clock)
     beat.calls.names_session(session.pk)
@@ -139,19 +148,21 @@ def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:
         )
 
 
-def compaction_run(session: AgentSession, *, now: datetime, trigger: str) -> HeartbeatRun:
+def compaction_run(session: AgentSession, *, now: datetime, trigger: str, beside: bool = False) -> HeartbeatRun:
     """The run the compaction is done and billed under (`agent_run_open`)."""
-    return agent_run_open(session.agent, session=session, now=now, trigger=trigger, task=COMPACT_TASK)
+    return agent_run_open(session.agent, session=session, now=now, trigger=trigger, task=COMPACT_TASK, beside=beside)
 
 
 def agent_run_open(
-    agent: Agent, *, session: AgentSession | None, now: datetime, trigger: str, task: str
+    agent: Agent, *, session: AgentSession | None, now: datetime, trigger: str, task: str, beside: bool = False
 ) -> HeartbeatRun:
     """A run of the agent doing no task of its own (a compaction, a cache refresh),
     `running` from the start: the database refuses it while another run of the agent is
     running. It is a run in progress like any: under PAPERCLIP_MAX_CONCURRENT_RUNS it takes
     a place, under the claims' lock, or is refused (`run_cap_reached`); being asked for
-    now, it is not queued for later. `session`: the session its end gives its time to."""
+    now, it is not queued for later. `session`: the session its end gives its time to.
+    `beside`: it does not take the agent's place (only another such run refuses it) until
+    it asks for it to commit (`agent_place_take`)."""
     run = None
     try:
         with transaction.atomic():
@@ -171,6 +182,7 @@ def agent_run_open(
                         get_adapter(agent.adapter_type, agent.adapter_config), agent.adapter_config, at=now
                     ),
                     claimed_by=worker_id(),
+                    beside=BesideState.CALLING if beside else None,
                 )
     except IntegrityError:
         raise _session_busy() from None
@@ -198,8 +210,9 @@ def _session_busy() -> CompactRefused:
 def compact(
     beat: ClaimedRun, session: AgentSession, *, keep_recent_turns: int | None, seen: tuple[int, int] | None = None
 ) -> SessionCompaction:
-    # Read only now that this run is the session's one writer: nothing changes it from here
-    # on, so a session still as `seen` is the one the summary was asked for.
+    # Read only now that the run exists: a session still as `seen` is the one the summary was
+    # asked for. Only a run beside the heartbeats sees turns appended after this read, and
+    # keeps them (`compaction_commit`'s `rebase`).
     session = AgentSession.objects.get(pk=session.pk)
     if seen is not None and session_counts(session) != seen:
         raise SessionMoved()
@@ -220,6 +233,9 @@ def compact(
     new_history = summary_pair(summary.text, kind="summary", at=beat.now) + history[split:]
     if summary_not_shrinking(new_history[:2], history[:split]):
         compaction_refused(session=session, replaced=split, at=beat.now)
+    beside = beat.run.beside is not None
+    if beside:
+        agent_place_take(beat.run, clock=beat.clock)
     system = beat.agent.system_prompt
     updated = compaction_commit(
         session=session,
@@ -231,6 +247,7 @@ def compact(
         tokens_before=estimate_tokens({"system": system, "messages": history}),
         tokens_after=estimate_tokens({"system": system, "messages": new_history}),
         at=beat.now,
+        rebase=beside,
     )
     record = SessionCompaction.objects.filter(run=beat.run).latest("created_at")
     finished = beat.clock()
@@ -244,10 +261,46 @@ def compact(
             output=f"Compacted {record.messages_before} messages into {updated.message_count}.",
         ):
             # Its time is the session's active time, as a heartbeat's (a failed one's: run_fail).
+            started = beat.run.started_at
             session_run_time_record(
                 session_id=session.pk,
-                started=beat.run.started_at,
+                started=started,
                 finished=finished,
                 expires_at=finished + beat.agent.session_ttl,
+                active_seconds=alone_seconds(
+                    run_id=beat.run.id, session_id=session.pk, started=started, finished=finished
+                )
+                if beside
+                else None,
             )
     return record
+
+
+def agent_place_take(run: HeartbeatRun, *, clock: RunClock) -> None:
+    """A summary written beside its agent's heartbeats commits only from the agent's place,
+    so that no heartbeat's plan ever read the history it replaces: it says it waits (from
+    then on no heartbeat is claimed, `run_queue.summary_waiting_for_place`), then takes the
+    place once the heartbeat in progress, if any, has ended. Given up at the run's deadline
+    (`session_busy`; its summary stays billed, as a refused one's does)."""
+    mine = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING)
+    if not mine.update(beside=BesideState.WAITING):
+        raise _reaped()
+    pause = PLACE_POLL_FIRST_SECONDS
+    while True:
+        try:
+            with transaction.atomic():  # a savepoint inside a caller's transaction
+                taken = mine.update(beside=None)
+        except IntegrityError:  # a heartbeat of the agent holds it
+            if clock() >= run.deadline_at:
+                raise _session_busy() from None
+            time.sleep(pause)
+            pause = min(pause * 2, PLACE_POLL_MAX_SECONDS)
+            continue
+        if not taken:
+            raise _reaped()
+        run.beside = None
+        return
+
+
+def _reaped() -> StepFailed:
+    return StepFailed("run_timeout", "The run was reaped as timed out while the session was summarised.")

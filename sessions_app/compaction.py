@@ -28,6 +28,7 @@ from sessions_app.context import (
     build_request,
     choose_split,
     estimate_tokens,
+    model_window,
     request_size,
     summary_input_text,
     summary_pair,
@@ -42,6 +43,7 @@ from sessions_app.models import (
     CompactionKind,
     HeartbeatRun,
     RunStatus,
+    RunTrigger,
     SessionCompaction,
 )
 from sessions_app.pins import (
@@ -59,6 +61,26 @@ from sessions_app.stores import NOTHING_STAGED, store_for
 # against the budgets there, and refuses (BudgetExceeded) before any request is made.
 BeforeCall = Callable[[AdapterRequest], None]
 NOT_SHRINKING = "compaction_not_shrinking"
+
+
+class SummaryAwaited(StepFailed):
+    """Not a failure: the session's summary is being written beside its heartbeats
+    (`sessions_app.compaction_ahead`) and this heartbeat's request would not fit the
+    model's window without it, so the run goes back to the queue until the summary ends."""
+
+    def __init__(self, size: int, window: int) -> None:
+        super().__init__(
+            "summary_awaited",
+            f"The session's summary is being written and the request ({size:,} tokens) would not fit "
+            f"the model's window ({window:,}) without it; the run waits for it in the queue.",
+        )
+
+
+def summary_beside(session: AgentSession) -> bool:
+    """Whether a summary of the session is being written beside its heartbeats."""
+    return HeartbeatRun.objects.filter(
+        session_id=session.pk, trigger=RunTrigger.COMPACTION, status=RunStatus.RUNNING, beside__isnull=False
+    ).exists()
 
 
 def write_handoff(
@@ -131,6 +153,12 @@ def fit_budget(
         return replace(plan, budget_tokens=settings_.budget_tokens, request_tokens=size), request
     if plan.session is None or over_budget(agent, adapter, [], user_content, settings_):
         raise budget_exceeded(size, settings_)  # no summary can help: only the task's own size matters
+    if summary_beside(plan.session):
+        # Its summary is on its way: a second one would pay again for the same turns, so
+        # the turn goes over the budget, within the model's window, or waits for it.
+        if size > (window := model_window(agent.model_name)):
+            raise SummaryAwaited(size, window)
+        return replace(plan, budget_tokens=settings_.budget_tokens, request_tokens=size), request
     split = summary_split(agent, adapter, plan.history, user_content, settings_)
     if split is None:
         raise budget_exceeded(size, settings_)
@@ -336,18 +364,27 @@ def compaction_commit(
     tokens_before: int,
     tokens_after: int,
     at: datetime,
+    rebase: bool = False,
 ) -> AgentSession:
     """Swap in the compacted history, archive the replaced turns, record the compaction:
     all in one transaction, so a failure leaves the session as it was (its summary stays
-    billed). The new history is published only after the COMMIT (see `sessions_app.stores`)."""
+    billed). The new history is published only after the COMMIT (see `sessions_app.stores`).
+
+    `rebase`: turns heartbeats appended while the summary was written (it was written
+    beside them) are kept after it; any other change to the session refuses the summary."""
     staged = NOTHING_STAGED
     try:
         with transaction.atomic(durable=True):
             locked = AgentSession.objects.select_for_update().defer("history").filter(pk=session.pk).first()
             if locked is None:
                 raise StepFailed("session_deleted", "The session was deleted while it was being summarised.")
-            if locked.message_count != len(old_history) or locked.status not in LIVE_SESSION_STATUSES:
+            appended = turns_appended(locked, old_history) if rebase else []
+            if locked.message_count != len(old_history) + len(appended) or locked.status not in LIVE_SESSION_STATUSES:
                 raise StepFailed("session_conflict", "The session changed while it was being compacted.")
+            if appended:
+                added = estimate_tokens(appended)
+                old_history, new_history = old_history + appended, new_history + appended
+                tokens_before, tokens_after = tokens_before + added, tokens_after + added
             # A run reaped while its summary was written is no longer the session's one
             # writer. Locked, so the reaper cannot fail it between this check and COMMIT.
             if not HeartbeatRun.objects.select_for_update().filter(id=run.id, status=RunStatus.RUNNING).exists():
@@ -378,6 +415,15 @@ def compaction_commit(
         raise
     staged.publish()
     return locked
+
+
+def turns_appended(locked: AgentSession, history: list) -> list:
+    """The turns the locked session holds after `history` when it starts with exactly that
+    history (heartbeats appended them); none when it holds no more, or holds another."""
+    if locked.message_count <= len(history):
+        return []
+    current = store_for(locked).read(locked)
+    return current[len(history) :] if current[: len(history)] == history else []
 
 
 def starts_with_compaction(content) -> bool:

@@ -3,13 +3,20 @@
 A heartbeat whose commit leaves its session near its budget (`compaction_due`: the next
 request, with a turn like this one, would pass it) hands the summary to the task cluster
 (`compaction_ahead_enqueue`, task `sessions_app.tasks.compact_ahead`). The task is compact
-now's (`sessions_app.compact_now.session_compact_ahead`): a run of the agent, so it is the
-session's one writer, reserved against the budgets, billed under its run, checked for
-pinned facts, refused when it does not shrink. It summarises only the session as the commit
-left it, checked again once its run is the one writer: a heartbeat committing between the
-task's first check and its run's insert leaves the run `skipped`, unpaid. A heartbeat arriving while it runs stays
-queued and is dispatched when it ends; one that still would not fit (the task was lost or
-refused) is compacted in band, as before (`sessions_app.compaction.fit_budget`).
+now's (`sessions_app.compact_now.session_compact_ahead`): a run of the agent, reserved
+against the budgets, billed under its run, checked for pinned facts, refused when it does
+not shrink. It summarises only the session as the commit left it, checked again when its
+run reads the history: a heartbeat committing between the task's first check and its run's
+insert leaves the run `skipped`, unpaid.
+
+Its run is written beside the agent's heartbeats (`HeartbeatRun.beside`): it does not hold
+the agent's place during its model call, so a heartbeat arriving then is claimed and goes
+ahead on the whole history when the request fits the model's window, or goes back to the
+queue until the summary ends (`compaction.SummaryAwaited`). The summary commits only from
+the agent's place (`compact_now.agent_place_take`), keeping the turns committed since it
+read the history (`compaction.compaction_commit`, `rebase`). A heartbeat that still would not
+fit (the task was lost or refused) is compacted in band, as before
+(`sessions_app.compaction.fit_budget`).
 """
 
 from __future__ import annotations

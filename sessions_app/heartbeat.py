@@ -42,6 +42,7 @@ from sessions_app.batch_delivery import BatchParked, batch_park
 from sessions_app.cli_transcripts import SessionTranscripts
 from sessions_app.compaction import (
     BeforeCall,
+    SummaryAwaited,
     fit_budget,
     handoff_record,
     server_compaction_archive,
@@ -70,6 +71,7 @@ from sessions_app.models import (
     Agent,
     AgentSession,
     AgentStatus,
+    BesideState,
     HeartbeatRun,
     ManagedEndAction,
     RunStatus,
@@ -334,6 +336,9 @@ def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
             now=beat.clock(),
         )
         return
+    if isinstance(failure, SummaryAwaited):
+        summary_await(beat)
+        return
     if isinstance(failure, QuotaRefused):
         now = beat.clock()
         quota_refused(credential=beat.calls.adapter.credential(beat.agent.adapter_config), refusal=failure, now=now)
@@ -352,6 +357,25 @@ def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
         run_cost_refresh(run_id=beat.run.id)  # reaped meanwhile: its row is the reaper's, its calls ours
     if isinstance(failure, BudgetExceeded):
         budgets_enforce(agent=beat.agent, now=beat.now)
+
+
+def summary_await(beat: ClaimedRun) -> None:
+    """The run goes back to the queue behind its session's summary, which from then on
+    waits for the agent's place (no heartbeat is claimed until it ends, and its end
+    dispatches this run): otherwise the release would claim this run again at once."""
+    calls = beat.calls
+    with transaction.atomic():  # the session's row, then the runs', as every ender of a run
+        run_requeue(
+            beat.run,
+            calls_numbered=calls.numbered,
+            cost_usd=calls.cost_usd,
+            reason="its session's summary is being written",
+            now=beat.clock(),
+            quota=False,
+        )
+        HeartbeatRun.objects.filter(
+            agent_id=beat.agent.pk, status=RunStatus.RUNNING, beside=BesideState.CALLING
+        ).update(beside=BesideState.WAITING)
 
 
 def _release(run: HeartbeatRun, *, current: bool, now: datetime) -> HeartbeatRun:

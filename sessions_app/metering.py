@@ -14,7 +14,7 @@ from django.db.models import Case, F, Value, When
 
 from costs_app.ledger import session_hours_record
 from costs_app.pricing import session_hour_rate, session_hours_cost
-from sessions_app.models import LIVE_SESSION_STATUSES, AgentSession
+from sessions_app.models import LIVE_SESSION_STATUSES, AgentSession, HeartbeatRun
 
 
 def session_hours_bill(*, session_ids, now: datetime, statuses=None) -> int:
@@ -64,3 +64,21 @@ def session_run_time_record(
             default=F("expires_at"),
         ),
     )
+
+
+def alone_seconds(*, run_id, session_id, started: datetime, finished: datetime) -> float:
+    """The part of a run's time (`started` to `finished`) when no other run of the session
+    was in progress: what a summary written beside its heartbeats adds to the session's
+    active time, so that time with both in progress is counted once. A run still in
+    progress overlaps it up to `finished`."""
+    others = (
+        HeartbeatRun.objects.filter(session_id=session_id, started_at__lt=finished)
+        .exclude(id=run_id)
+        .exclude(finished_at__lte=started)
+        .values_list("started_at", "finished_at")
+    )
+    overlap = sum(
+        max((min(other_finished or finished, finished) - max(other_started, started)).total_seconds(), 0.0)
+        for other_started, other_finished in others
+    )
+    return max((finished - started).total_seconds() - overlap, 0.0)

@@ -482,6 +482,17 @@ class BatchState(models.TextChoices):
 # The statuses that hold an agent's one place in flight (runs_one_in_flight_per_agent).
 IN_FLIGHT_RUN_STATUSES = (RunStatus.RUNNING, RunStatus.SUBMITTED, RunStatus.WAITING_APPROVAL, RunStatus.RESUMING)
 UNFINISHED_RUN_STATUSES = (RunStatus.QUEUED, *IN_FLIGHT_RUN_STATUSES)
+# A run in flight that holds its agent's place: no other such run of the agent may start.
+HOLDS_AGENT_PLACE = Q(status__in=IN_FLIGHT_RUN_STATUSES, beside__isnull=True)
+
+
+class BesideState(models.TextChoices):
+    """Where a summary written beside its agent's heartbeats is (`HeartbeatRun.beside`)."""
+
+    CALLING = "calling"
+    WAITING = "waiting"
+
+
 FINISHED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.SKIPPED)
 
 
@@ -570,6 +581,11 @@ class HeartbeatRun(models.Model):
     # when the wait ends in `approval_expired` unless someone decides.
     managed_turn = models.JSONField(null=True, blank=True, default=None)
     approval_deadline_at = models.DateTimeField(null=True, blank=True)
+    # A summary made after a heartbeat's commit (`compaction_ahead`) does not hold its
+    # agent's place while its model call goes on (`calling`), so heartbeats go on beside it;
+    # it then waits for the place to commit (`waiting`: no heartbeat is claimed meanwhile)
+    # and holds it to its end (NULL, as every other run).
+    beside = models.CharField(max_length=8, choices=BesideState.choices, null=True, blank=True, default=None)
 
     # Set by the claim, not stored: the credential this run was claimed to probe (the one
     # run let through when a hold on it ends), or None; and, when a hold kept it queued,
@@ -606,12 +622,14 @@ class HeartbeatRun(models.Model):
         ]
         constraints = [
             # One writer per agent: at most one run in flight (running, or submitted in a
-            # batch), enforced by the database so that any number of web and worker
-            # processes on any hosts are safe.
+            # batch) holding the agent's place, enforced by the database so that any number
+            # of web and worker processes on any hosts are safe.
+            models.UniqueConstraint(fields=["agent"], condition=HOLDS_AGENT_PLACE, name="runs_one_running_per_agent"),
+            # And at most one summary written beside its heartbeats.
             models.UniqueConstraint(
                 fields=["agent"],
-                condition=Q(status__in=IN_FLIGHT_RUN_STATUSES),
-                name="runs_one_running_per_agent",
+                condition=Q(status__in=IN_FLIGHT_RUN_STATUSES, beside__isnull=False),
+                name="runs_one_beside_per_agent",
             ),
             models.UniqueConstraint(
                 fields=["agent", "idempotency_key"],

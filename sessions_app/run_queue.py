@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, F, Min, OuterRef, Subquery
+from django.db.models import Count, Exists, F, Min, OuterRef, Subquery
 from django.db.models.functions import Coalesce
 
 from costs_app.budgets import budgets_exist, money_budgets_exist
@@ -36,14 +36,15 @@ from sessions_app.context import context_settings
 from sessions_app.context_defaults import recent_wakes_columns, recent_wakes_of
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.hot_sql import CompiledLookup, queued_run_insert
-from sessions_app.metering import session_run_time_record
+from sessions_app.metering import alone_seconds, session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
 from sessions_app.models import (
-    IN_FLIGHT_RUN_STATUSES,
+    HOLDS_AGENT_PLACE,
     UNFINISHED_RUN_STATUSES,
     Agent,
     AgentSession,
     AgentStatus,
+    BesideState,
     HeartbeatRun,
     RunStatus,
     RunTrigger,
@@ -307,8 +308,9 @@ def dispatch_waiting(*, agent_ids=None) -> int:
     waiting = HeartbeatRun.objects.filter(status=RunStatus.QUEUED)
     if agent_ids is not None:
         waiting = waiting.filter(agent_id__in=agent_ids)
-    # An agent with a run in flight (running, or submitted in a batch) cannot start another.
-    running = HeartbeatRun.objects.filter(status__in=IN_FLIGHT_RUN_STATUSES).values("agent_id")
+    # An agent with a run in flight holding its place (running, or submitted in a batch;
+    # not a summary written beside its heartbeats) cannot start another.
+    running = HeartbeatRun.objects.filter(HOLDS_AGENT_PLACE).values("agent_id")
     heads = (
         waiting.exclude(agent_id__in=running)
         .values("agent_id", "agent__status")
@@ -348,9 +350,21 @@ def claim_read_query(run_id):
             budgeted=budgets_exist(company_id_ref="company_id", agent_id_ref="agent_id"),
             held=quota.holds_exist(),
             prices_revision=overrides_revision(),
+            summary_waiting=summary_waiting_for_place(agent_id_ref="agent_id"),
             **recent_wakes_columns(agent_id_ref="agent_id"),
         )
         .filter(id=run_id)
+    )
+
+
+def summary_waiting_for_place(*, agent_id_ref: str) -> Exists:
+    """Whether a summary written beside the agent's heartbeats waits for the agent's place
+    to commit (`sessions_app.compact_now`): the claim then leaves its run queued, or
+    heartbeats arriving back to back would keep the summary from ever committing."""
+    return Exists(
+        HeartbeatRun.objects.filter(
+            agent_id=OuterRef(agent_id_ref), status=RunStatus.RUNNING, beside=BesideState.WAITING
+        )
     )
 
 
@@ -376,6 +390,8 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     overrides_revision_seen(run.prices_revision)
     run.recent_wakes = recent_wakes_of(run)
     if not claimable(run):  # queued, or a submitted run its batch poll made ready
+        return run, False
+    if run.summary_waiting:  # it is dispatched when the summary ends
         return run, False
     agent = run.agent
     if refusal := agent.refusal():
@@ -434,8 +450,9 @@ def run_place_free(*, agent_id, created_at: datetime) -> bool:
     free = free_run_places()
     if free <= 0:
         return False
-    # An agent with a run in flight (running, or submitted in a batch) cannot start another.
-    running = HeartbeatRun.objects.filter(status__in=IN_FLIGHT_RUN_STATUSES).values("agent_id")
+    # An agent with a run in flight holding its place (running, or submitted in a batch;
+    # not a summary written beside its heartbeats) cannot start another.
+    running = HeartbeatRun.objects.filter(HOLDS_AGENT_PLACE).values("agent_id")
     ahead = list(
         HeartbeatRun.objects.filter(
             status=RunStatus.QUEUED, created_at__lt=created_at, agent__status=AgentStatus.ACTIVE
@@ -520,11 +537,14 @@ def run_fail(
     return True
 
 
-def run_requeue(run: HeartbeatRun, *, calls_numbered: int, cost_usd, reason: str, now: datetime) -> bool:
+def run_requeue(
+    run: HeartbeatRun, *, calls_numbered: int, cost_usd, reason: str, now: datetime, quota: bool = True
+) -> bool:
     """Put a running run back in the queue, not failed: a provider's quota refused its call
-    (`sessions_app.quota`). It keeps what its calls cost (each was billed as it returned)
-    and how many there were, releases its reservation, and gives its session the
-    attempt's time, as any ended attempt does. False when it was no longer running."""
+    (`sessions_app.quota`), or (`quota` False) it waits for its session's summary. It keeps
+    what its calls cost (each was billed as it returned) and how many there were, releases
+    its reservation, and gives its session the attempt's time, as any ended attempt does.
+    False when it was no longer running."""
     with transaction.atomic():
         _run_session_lock(run_id=run.id)  # before the run's row, as `run_fail` and the commit
         requeued = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).update(
@@ -535,7 +555,7 @@ def run_requeue(run: HeartbeatRun, *, calls_numbered: int, cost_usd, reason: str
             reserved_usd=0,
             cost_usd=cost_usd,
             calls_before=calls_numbered,
-            quota_requeues=F("quota_requeues") + 1,
+            quota_requeues=F("quota_requeues") + int(quota),
             warning=storable(f"Put back in the queue: {reason}"[:2000]),
         )
         if requeued and run.started_at is not None:
@@ -561,12 +581,14 @@ def ended_run_session_record(
     its TTL from `now`."""
     ended = (
         HeartbeatRun.objects.filter(id=run_id, session__isnull=False)
-        .values("session_id", "started_at", "agent__adapter_config")
+        .values("session_id", "started_at", "trigger", "agent__adapter_config")
         .first()
     )
     started = started or (ended["started_at"] if ended is not None else None)
     if ended is not None and started is not None:
         ttl = Agent(adapter_config=ended["agent__adapter_config"] or {}).session_ttl
+        if ended["trigger"] == RunTrigger.COMPACTION and active_seconds is None:  # beside its heartbeats
+            active_seconds = alone_seconds(run_id=run_id, session_id=ended["session_id"], started=started, finished=now)
         session_run_time_record(
             session_id=ended["session_id"],
             started=started,

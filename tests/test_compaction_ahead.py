@@ -1,26 +1,32 @@
 """Compaction after the commit: a heartbeat leaving its session near the budget queues the
 summary for the cluster, the next heartbeat sends only its own call, and the queued summary
-races the heartbeats (one arriving while it is written waits and loses no turn; a summary
-of a session that moved on is not made)."""
+races the heartbeats (one arriving while it is written goes ahead on the whole history, or
+waits in the queue when that would not fit the model's window; the summary commits only
+from the agent's place, keeping the turns made beside it; a summary of a session that moved
+on is not made)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
-from sessions_app.models import AgentSession, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.models import AgentSession, BesideState, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.services import session_delete
 from sessions_app.stores import store_for
 from tests.conftest import (
+    Actor,
     beat,
+    catalogue_stored,
     context_agent,
     is_summary_request,
     on_own_connection,
     run_queued_tasks,
     user_turns,
 )
-from tests.fake_anthropic import Reply, plain_messages
+from tests.fake_anthropic import CATALOGUE, Reply, plain_messages
 
 BUDGET = 1000
 
@@ -135,10 +141,12 @@ def test_a_failing_queued_summary_changes_nothing_and_the_next_heartbeat_still_f
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_heartbeat_arriving_while_the_queued_summary_is_written_waits_and_loses_no_turn(
+def test_a_heartbeat_arriving_while_the_queued_summary_is_written_goes_ahead_and_the_summary_keeps_its_turn(
     file_store, company, fake_anthropic
 ):
     agent = near_the_budget(company, fake_anthropic)
+    session = AgentSession.objects.get(agent=agent)
+    before = store_for(session).read(session)
     racing = []
     # Another worker takes the next heartbeat while the cluster writes the summary.
     fake_anthropic.push(Reply(before=on_own_connection(lambda: racing.append(beat(agent, "racing turn")))))
@@ -146,15 +154,101 @@ def test_a_heartbeat_arriving_while_the_queued_summary_is_written_waits_and_lose
     results = run_queued_tasks()
 
     (run,) = racing
-    assert run.status == RunStatus.QUEUED  # the compaction is the session's one writer
+    assert run.status == RunStatus.SUCCEEDED  # it did not wait for the summary
+    (request,) = [body for body in fake_anthropic.message_requests if "racing turn" in str(body)]
+    assert len(plain_messages(request)) == len(before) + 1  # on the whole history, unsummarised
     assert results[0].startswith("compacted"), results
-    # The compaction's end dispatched the waiting heartbeat; the worker above ran it.
-    run.refresh_from_db()
-    assert run.status == RunStatus.SUCCEEDED, (run.status, run.error_code, results)
+    session.refresh_from_db()
+    history = store_for(session).read(session)
+    assert (session.compaction_count, history[0]["kind"], len(history)) == (1, "summary", session.message_count)
+    assert user_turns(session)[-1] == "racing turn"  # the summary kept the turn made beside it
+    assert session.compactions.get().messages_before == len(before) + 2
+    assert sum(1 for body in fake_anthropic.message_requests if is_summary_request(body)) == 1
+
+
+def union_seconds(runs) -> float:
+    """The time at least one of `runs` was in progress."""
+    total, end = 0.0, None
+    for started, finished in sorted(runs.values_list("started_at", "finished_at")):
+        if end is None or started >= end:
+            total, end = total + (finished - started).total_seconds(), finished
+        elif finished > end:
+            total, end = total + (finished - end).total_seconds(), finished
+    return total
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_summary_commits_only_once_the_heartbeat_beside_it_has_ended_and_claims_wait_for_it(company, fake_anthropic):
+    """The worst moment for the summary: its answer arrives while a heartbeat's call is in
+    flight. It waits for the agent's place, no heartbeat is claimed meanwhile (back to back
+    they would keep it waiting for ever), and it commits on top of the heartbeat's turn; the
+    time both were in progress is counted once."""
+    agent = near_the_budget(company, fake_anthropic)
     session = AgentSession.objects.get(agent=agent)
+    active_before, since = session.active_seconds, timezone.now()
+    beside = Actor(lambda: beat(agent, "turn beside the summary"))
+
+    def start_the_heartbeat_and_wait_for_its_call():
+        beside.start()
+        while not any("turn beside the summary" in str(body) for body in fake_anthropic.message_requests):
+            time.sleep(0.01)
+
+    # The summary's answer, then the heartbeat's, which takes a second.
+    fake_anthropic.push(Reply(before=start_the_heartbeat_and_wait_for_its_call), Reply.delay(1.0))
+    cluster = Actor(run_queued_tasks)
+    cluster.start()
+    waiting = HeartbeatRun.objects.filter(trigger=RunTrigger.COMPACTION, beside=BesideState.WAITING)
+    deadline = time.monotonic() + 30
+    while not waiting.exists():
+        assert time.monotonic() < deadline, "the summary never waited for the place"
+        time.sleep(0.01)
+
+    held_back = beat(agent, "a heartbeat while the summary waits")
+
+    assert held_back.status == RunStatus.QUEUED
+    assert beside.result().status == RunStatus.SUCCEEDED
+    results = cluster.result()
+    assert results[0].startswith("compacted"), results
+    held_back.refresh_from_db()
+    assert held_back.status == RunStatus.SUCCEEDED  # dispatched by the summary's end
+    session.refresh_from_db()
     assert session.compaction_count == 1
-    assert user_turns(session)[-1] == "racing turn"
-    assert len(store_for(session).read(session)) == session.message_count
+    assert user_turns(session)[-2:] == ["turn beside the summary", "a heartbeat while the summary waits"]
+    # The held-back heartbeat was sent the summary, not the history it replaced.
+    (request,) = [body for body in fake_anthropic.message_requests if "while the summary waits" in str(body)]
+    assert "summary" in str(plain_messages(request)[0]).lower()
+    runs = HeartbeatRun.objects.filter(session=session, created_at__gte=since)
+    assert runs.count() == 3
+    assert session.active_seconds - active_before == pytest.approx(union_seconds(runs), abs=1e-4)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_that_would_not_fit_the_window_without_the_summary_waits_for_it_in_the_queue(
+    company, fake_anthropic
+):
+    """The model's window is 1,200 tokens here: the history near its 1,000-token budget and
+    a 700-token task fit only once the summary is made (and then within the budget)."""
+    catalogue_stored(
+        [{**entry, "max_input_tokens": 1200} if entry["id"] == "claude-opus-4-5" else entry for entry in CATALOGUE]
+    )
+    agent = near_the_budget(company, fake_anthropic)
+    racing = []
+    big_task = "a task the window holds only beside a summary: " + "w" * 2700
+    fake_anthropic.push(Reply(before=on_own_connection(lambda: racing.append(beat(agent, big_task)))))
+
+    results = run_queued_tasks()
+
+    (run,) = racing
+    assert run.status == RunStatus.QUEUED  # back in the queue, behind the summary
+    assert results[0].startswith("compacted"), results
+    run.refresh_from_db()
+    assert (run.status, run.quota_requeues) == (RunStatus.SUCCEEDED, 0), (run.status, run.error_code)
+    bodies = fake_anthropic.message_requests
+    (sent,) = [index for index, body in enumerate(bodies) if big_task in str(body)]
+    assert "summary" in str(plain_messages(bodies[sent])[0]).lower()
+    assert sum(1 for body in bodies[:sent] if is_summary_request(body)) == 1  # none of its own
+    assert not CostEvent.objects.filter(run=run, kind=CostKind.COMPACTION).exists()
+    assert user_turns(AgentSession.objects.get(agent=agent))[-1] == big_task
 
 
 def test_a_heartbeat_committing_between_the_queued_summarys_check_and_its_run_costs_no_second_summary(
