@@ -164,6 +164,9 @@ def agent_run_open(
     `beside`: it does not take the agent's place (only another such run refuses it) until
     it asks for it to commit (`agent_place_take`)."""
     run = None
+    # A heartbeat parked in a batch holds the place for hours: a summary beside it would be
+    # paid for and then wait it out. It is refused instead, as a summary next to any run is.
+    beside = beside and not HeartbeatRun.objects.filter(agent_id=agent.pk, status=RunStatus.SUBMITTED).exists()
     try:
         with transaction.atomic():
             # Refused by committing, not rolling back: a deferral wakes the older runs waiting.
@@ -291,7 +294,8 @@ def agent_place_take(run: HeartbeatRun, *, clock: RunClock) -> None:
             with transaction.atomic():  # a savepoint inside a caller's transaction
                 taken = mine.update(beside=None)
         except IntegrityError:  # a heartbeat of the agent holds it
-            if clock() >= run.deadline_at:
+            parked = HeartbeatRun.objects.filter(agent_id=run.agent_id, status=RunStatus.SUBMITTED).exists()
+            if parked or clock() >= run.deadline_at:  # a batch's answer may take hours
                 raise _session_busy() from None
             time.sleep(pause)
             pause = min(pause * 2, PLACE_POLL_MAX_SECONDS)

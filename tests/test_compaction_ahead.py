@@ -286,3 +286,17 @@ def test_a_heartbeat_committing_between_the_queued_summarys_check_and_its_run_co
     session = AgentSession.objects.get(agent=agent)
     assert session.compaction_count == 1
     assert user_turns(session)[-1].startswith("a turn that commits in the gap")
+
+
+def test_a_queued_summary_is_not_written_beside_a_heartbeat_parked_in_a_batch(company, fake_anthropic):
+    """A parked heartbeat holds the agent's place until its batch answers (hours): a summary
+    beside it would be paid for and then wait that out. It is refused before any call."""
+    agent = near_the_budget(company, fake_anthropic)
+    HeartbeatRun.objects.create(
+        company=company, agent=agent, status=RunStatus.SUBMITTED, task="parked", delivery="batch"
+    )
+
+    assert run_queued_tasks() == ["skipped: session_busy"]
+
+    assert not [body for body in fake_anthropic.message_requests if is_summary_request(body)]
+    assert not HeartbeatRun.objects.filter(agent=agent, trigger=RunTrigger.COMPACTION).exists()
