@@ -8,6 +8,7 @@ on is not made)."""
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 from django.utils import timezone
@@ -300,3 +301,36 @@ def test_a_queued_summary_is_not_written_beside_a_heartbeat_parked_in_a_batch(co
 
     assert not [body for body in fake_anthropic.message_requests if is_summary_request(body)]
     assert not HeartbeatRun.objects.filter(agent=agent, trigger=RunTrigger.COMPACTION).exists()
+
+
+def test_a_summary_that_cannot_take_the_place_by_its_deadline_gives_up_and_changes_nothing(
+    company, fake_anthropic, settings
+):
+    """A heartbeat holds the agent's place past the summary's deadline: the summary, billed,
+    is not kept; its run fails `session_busy` and the session is as it was."""
+    settings.PAPERCLIP_RUN_TIMEOUT_SECONDS = 1
+    agent = near_the_budget(company, fake_anthropic)
+    agent.adapter_config = {**agent.adapter_config, "timeout_seconds": 0.5, "max_retries": 0}
+    agent.save()
+    session = AgentSession.objects.get(agent=agent)
+    before = store_for(session).read(session)
+    now = timezone.now()
+    HeartbeatRun.objects.create(
+        company=company,
+        agent=agent,
+        status=RunStatus.RUNNING,
+        task="stuck",
+        started_at=now,
+        deadline_at=now + timedelta(hours=1),
+    )
+    started = time.monotonic()
+
+    assert run_queued_tasks() == ["skipped: session_busy"]
+
+    assert time.monotonic() - started < 30
+    ahead = HeartbeatRun.objects.get(agent=agent, trigger=RunTrigger.COMPACTION)
+    assert (ahead.status, ahead.error_code, ahead.beside) == (RunStatus.FAILED, "session_busy", BesideState.WAITING)
+    assert CostEvent.objects.filter(run=ahead, kind=CostKind.COMPACTION).count() == 1
+    assert ahead.cost_usd == CostEvent.objects.get(run=ahead).cost_usd > 0
+    session.refresh_from_db()
+    assert (session.compaction_count, store_for(session).read(session)) == (0, before)
