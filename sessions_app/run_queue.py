@@ -559,7 +559,7 @@ def run_requeue(
             warning=storable(f"Put back in the queue: {reason}"[:2000]),
         )
         if requeued and run.started_at is not None:
-            ended_run_session_record(run_id=run.id, started=run.started_at, now=now)
+            ended_run_session_record(run_id=run.id, started=run.started_at, now=now, erased=True)
     return bool(requeued)
 
 
@@ -573,12 +573,19 @@ def _run_session_lock(*, run_id) -> None:
 
 
 def ended_run_session_record(
-    *, run_id, now: datetime, started: datetime | None = None, active_seconds: float | None = None
+    *,
+    run_id,
+    now: datetime,
+    started: datetime | None = None,
+    active_seconds: float | None = None,
+    erased: bool = False,
 ) -> None:
-    """Inside the transaction that ended a run's attempt (failed, or put back in the queue
-    by a quota): its session, if it has one, counts the attempt's time (from `started`, by
-    default the row's; `active_seconds` when the provider measured it) as active time, and
-    its TTL from `now`."""
+    """Inside the transaction that ended a run's attempt (failed, or put back in the queue):
+    its session, if it has one, counts the attempt's time (from `started`, by default the
+    row's; `active_seconds` when the provider measured it) as active time, and its TTL from
+    `now`. Only the time no other run of the session was in progress counts for a summary
+    written beside the heartbeats, and for an attempt whose times the row is about to lose
+    (`erased`: a requeue), which a summary ending later could not see to count once."""
     ended = (
         HeartbeatRun.objects.filter(id=run_id, session__isnull=False)
         .values("session_id", "started_at", "trigger", "agent__adapter_config")
@@ -587,7 +594,7 @@ def ended_run_session_record(
     started = started or (ended["started_at"] if ended is not None else None)
     if ended is not None and started is not None:
         ttl = Agent(adapter_config=ended["agent__adapter_config"] or {}).session_ttl
-        if ended["trigger"] == RunTrigger.COMPACTION and active_seconds is None:  # beside its heartbeats
+        if active_seconds is None and (erased or ended["trigger"] == RunTrigger.COMPACTION):
             active_seconds = alone_seconds(run_id=run_id, session_id=ended["session_id"], started=started, finished=now)
         session_run_time_record(
             session_id=ended["session_id"],

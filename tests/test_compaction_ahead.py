@@ -233,6 +233,7 @@ def test_a_heartbeat_that_would_not_fit_the_window_without_the_summary_waits_for
         [{**entry, "max_input_tokens": 1200} if entry["id"] == "claude-opus-4-5" else entry for entry in CATALOGUE]
     )
     agent = near_the_budget(company, fake_anthropic)
+    active_before, since = AgentSession.objects.get(agent=agent).active_seconds, timezone.now()
     racing = []
     big_task = "a task the window holds only beside a summary: " + "w" * 2700
     fake_anthropic.push(Reply(before=on_own_connection(lambda: racing.append(beat(agent, big_task)))))
@@ -249,6 +250,10 @@ def test_a_heartbeat_that_would_not_fit_the_window_without_the_summary_waits_for
     assert "summary" in str(plain_messages(bodies[sent])[0]).lower()
     assert sum(1 for body in bodies[:sent] if is_summary_request(body)) == 1  # none of its own
     assert not CostEvent.objects.filter(run=run, kind=CostKind.COMPACTION).exists()
+    # The attempt put back in the queue lay inside the summary's time: counted once.
+    session = AgentSession.objects.get(agent=agent)
+    runs = HeartbeatRun.objects.filter(session=session, created_at__gte=since)
+    assert session.active_seconds - active_before == pytest.approx(union_seconds(runs), abs=1e-4)
     assert user_turns(AgentSession.objects.get(agent=agent))[-1] == big_task
 
 
