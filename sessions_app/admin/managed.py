@@ -10,6 +10,7 @@ from django.http import FileResponse, Http404
 from django.template.defaultfilters import filesizeformat
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 
 from sessions_app.admin.common import LargeTableAdmin, admin_link, admin_time, short_text
 from sessions_app.managed_outputs import output_delete, output_path
@@ -84,7 +85,7 @@ def managed_outputs_html(outputs: QuerySet) -> str:
     if not rows:
         return "-"
     links = format_html_join(
-        format_html("<br>"), "{}", ((output_download_link(output),) for output in rows[:OUTPUTS_SHOWN])
+        mark_safe("<br>"), "{}", ((output_download_link(output),) for output in rows[:OUTPUTS_SHOWN])
     )
     if len(rows) > OUTPUTS_SHOWN:
         more = reverse("admin:sessions_app_managedoutput_changelist") + f"?session_id={rows[0].session_id}"
