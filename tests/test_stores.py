@@ -15,7 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent
@@ -356,7 +356,17 @@ def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
             "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.message_count > OLD.message_count) "
             "EXECUTE FUNCTION slow_commit();"
         )
-    thread = threading.Thread(target=lambda: (beat(persistent_agent, "second"), connection.close()))
+    lost = []
+
+    def second_heartbeat():
+        try:
+            beat(persistent_agent, "second")
+        except OperationalError as exc:  # the worker's connection is gone: it dies, as a worker would
+            lost.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=second_heartbeat)
     thread.start()
     try:
         terminate_backend_running("WITH turn AS%")
@@ -367,6 +377,7 @@ def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
                 "DROP TRIGGER IF EXISTS slow_commit ON agent_sessions; DROP FUNCTION IF EXISTS slow_commit();"
             )
 
+    assert lost, "the commit's connection was never terminated"
     assert store_for(session).path_for(session).read_bytes() == before
     session.refresh_from_db()
     assert session.message_count == 2
