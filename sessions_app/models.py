@@ -12,12 +12,14 @@ from datetime import UTC, datetime, timedelta
 from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
+from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import Now
 from django.utils import timezone
 
 from costs_app.models import Delivery
 from paperclip.errors import RunFailure
 from sessions_app.adapters import validate_agent_config
+from sessions_app.history_json import history_loads
 from sessions_app.model_checks import agent_models_validate, with_default_model
 from sessions_app.text import MESSAGE_ID_MAX_LENGTH, STOP_REASON_MAX_LENGTH, is_storable
 
@@ -206,6 +208,16 @@ class HistoryStore(models.TextChoices):
     FILE = "file"
 
 
+class HistoryField(models.JSONField):
+    """A session's turns: a JSON column decoded by `history_loads` (the whole history is read
+    by every heartbeat of a persistent agent; `sessions_app.history_json`)."""
+
+    def from_db_value(self, value, expression, connection):
+        if isinstance(value, str) and self.decoder is None and not isinstance(expression, KeyTransform):
+            return history_loads(value)
+        return super().from_db_value(value, expression, connection)
+
+
 class AgentSession(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     # sessions_agent_last_used_idx leads with agent_id and serves its lookups and cascades
@@ -213,7 +225,7 @@ class AgentSession(models.Model):
     agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="sessions", db_index=False)
     company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="sessions")
     # Only the `database` store keeps turns here; the `file` store leaves it empty.
-    history = models.JSONField(default=list, db_default=models.Value([], output_field=models.JSONField()))
+    history = HistoryField(default=list, db_default=models.Value([], output_field=models.JSONField()))
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     last_used = models.DateTimeField(db_default=Now())
     expires_at = models.DateTimeField(null=True, blank=True)

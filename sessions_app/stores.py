@@ -23,7 +23,6 @@ agent resumed with no memory would silently redo (and re-bill) its work.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import uuid
@@ -35,6 +34,7 @@ from django.db.models import F, Func, Value
 
 from sessions_app.adapters.base import HistoryMessage
 from sessions_app.errors import HistoryUnavailable
+from sessions_app.history_json import history_dumps, history_loads
 from sessions_app.models import AgentSession, HistoryStore
 
 logger = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class FileStore(HistoryBackend):
                 "history_unreadable", f"History file of session {session.public_id} cannot be read: {exc.strerror}."
             ) from None
         try:
-            document = json.loads(raw)
+            document = history_loads(raw)
             if not isinstance(document["messages"], list):
                 raise TypeError("messages is not a list")
         except (ValueError, KeyError, TypeError) as exc:
@@ -356,11 +356,8 @@ def _write_durably(path: Path, document: dict) -> None:
     """Create `path` (never over another file) with the document, flushed to disk with its
     directory entry: once the COMMIT names it, a crash cannot take it away."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        # dumps, not dump: json.dump streams through the pure-Python encoder, several times
-        # slower on a long history than the C one dumps uses (bench/RESULTS.md, heartbeat
-        # overhead, 2026-12-03 afternoon).
-        handle.write(json.dumps(document, ensure_ascii=False))
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(history_dumps(document))
         handle.flush()
         os.fsync(handle.fileno())
     _fsync_directory(path.parent)
