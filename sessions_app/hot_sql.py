@@ -160,14 +160,39 @@ def turn_and_outcome_update(session: tuple[QuerySet, dict], run: tuple[QuerySet,
     session updated beside a run that is no longer running is undone by failing the whole
     statement (a division by zero, at run time, on that case only). It saves the BEGIN and
     the COMMIT and one exchange: three of a persistent heartbeat's round trips."""
+    return _session_then_run_update(session, run, names=("turn", "outcome"))
+
+
+def session_take_update(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> bool | None:
+    """PostgreSQL: a heartbeat takes the session it resumes (the session's UPDATE, conditional
+    on its still being live) and links its run to it (the run's UPDATE) in one autocommitted
+    statement, with the outcomes of `turn_and_outcome_update`.
+
+    Guarantee: no moment exists at which the session is taken and its run not linked, or
+    the reverse, so the sweeps, which skip sessions with a running run linked and re-check
+    expires_at and pause_at on the row they end, never end a session a heartbeat took; a
+    sweep or an operator that ended it first (committed, or holding its row: the UPDATE
+    waits, then re-reads it) leaves nothing to take, and nothing is linked. Locks are taken
+    session, then run, as every other writer of both takes them. One round trip where the
+    link and the take were two."""
+    return _session_then_run_update(session, run, names=("taken", "linked"))
+
+
+def _session_then_run_update(
+    session: tuple[QuerySet, dict], run: tuple[QuerySet, dict], *, names: tuple[str, str]
+) -> bool | None:
+    """The statement of the two above; `names` name its two parts, so that the statement
+    running says in pg_stat_activity which of the two it is."""
+    first, second = names
     session_sql, session_params = _update_sql(*session)
     run_queryset, run_values = run
-    run_queryset = run_queryset.filter(RawSQL("EXISTS (SELECT 1 FROM turn)", [], output_field=BooleanField()))
+    first_matched = f"EXISTS (SELECT 1 FROM {first})"  # noqa: S608 (our own constant names)
+    run_queryset = run_queryset.filter(RawSQL(first_matched, [], output_field=BooleanField()))  # noqa: S611
     run_sql, run_params = _update_sql(run_queryset, run_values)
     statement = (
-        f"WITH turn AS ({session_sql} RETURNING 1), outcome AS ({run_sql} RETURNING 1) "  # noqa: S608 (the ORM's SQL)
-        "SELECT (SELECT COUNT(*) FROM turn), (SELECT COUNT(*) FROM outcome) / "
-        "CASE WHEN (SELECT COUNT(*) FROM turn) = (SELECT COUNT(*) FROM outcome) THEN 1 ELSE 0 END"
+        f"WITH {first} AS ({session_sql} RETURNING 1), {second} AS ({run_sql} RETURNING 1) "  # noqa: S608 (the ORM's SQL)
+        f"SELECT (SELECT COUNT(*) FROM {first}), (SELECT COUNT(*) FROM {second}) / "
+        f"CASE WHEN (SELECT COUNT(*) FROM {first}) = (SELECT COUNT(*) FROM {second}) THEN 1 ELSE 0 END"
     )
     # Outside a transaction the statement is its own, durable at its end; under a caller's
     # (a test's) a savepoint keeps the refused case from aborting it.
@@ -175,9 +200,9 @@ def turn_and_outcome_update(session: tuple[QuerySet, dict], run: tuple[QuerySet,
         with transaction.atomic(durable=True) if connection.in_atomic_block else nullcontext():
             with connection.cursor() as cursor:
                 cursor.execute(statement, [*session_params, *run_params])
-                turns, _ = cursor.fetchone()
+                sessions_matched, _ = cursor.fetchone()
     except DataError as exc:
         if not isinstance(exc.__cause__, DivisionByZero):
             raise
         return None
-    return bool(turns)
+    return bool(sessions_matched)

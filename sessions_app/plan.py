@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import IntegrityError
+from django.db import IntegrityError, connection
 from django.db.models import Exists
 
 from costs_app.budgets import session_limit_reached
 from sessions_app.adapters import AdapterReply
 from sessions_app.context import SUMMARY_KINDS, ContextSettings, rotation_due
+from sessions_app.hot_sql import CompiledLookup, session_take_update
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     Agent,
@@ -84,7 +85,7 @@ def plan_session(
     keeps its own context)."""
     if not agent.is_persistent:
         return fresh_plan(new_session=False)
-    live = AgentSession.objects.filter(agent=agent, status__in=LIVE_SESSION_STATUSES).first()
+    live = LIVE_SESSION.first(agent.pk)
     if live is None:
         return fresh_plan()
     reason = retire_reason(live, agent=agent, run=run, now=now, settings_=settings_, rotates=rotates)
@@ -128,6 +129,13 @@ def retire_reason(
     return ""
 
 
+# The agent's live session (at most one: sessions_one_live_per_agent), its query compiled
+# once per connection: every persistent heartbeat reads it.
+LIVE_SESSION = CompiledLookup(
+    lambda agent_id: AgentSession.objects.filter(agent_id=agent_id, status__in=LIVE_SESSION_STATUSES).order_by("pk")
+)
+
+
 def idle_pause(agent: Agent) -> timedelta:
     minutes = agent.adapter_config.get("idle_pause_minutes") or settings.PAPERCLIP_IDLE_PAUSE_MINUTES
     return timedelta(minutes=minutes)
@@ -150,12 +158,11 @@ def _take_session(
 ) -> AgentSession | None:
     """Resume `live` for this run; None when it stopped being live after it was read.
 
-    The run is linked first, so from then on neither sweep expires or pauses the session;
-    a sweep that ended it before the link makes the conditional update below find
+    On PostgreSQL the take and the run's link are one statement (`hot_sql.session_take_update`).
+    On SQLite the run is linked first, so from then on neither sweep expires or pauses the
+    session; a sweep that ended it before the link makes the conditional update below find
     nothing, and the run starts a fresh session instead of resurrecting it.
     """
-    if not _link_run(run, live):
-        return None
     fields = {
         "last_used": now,
         "expires_at": max(now + agent.session_ttl, live.expires_at or now),
@@ -164,7 +171,13 @@ def _take_session(
         "pause_at": now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS) + idle_pause(agent),
         **_repairs(live, agent=agent, history=history),
     }
-    if not AgentSession.objects.filter(pk=live.pk, status__in=LIVE_SESSION_STATUSES).update(**fields):
+    still_live = AgentSession.objects.filter(pk=live.pk, status__in=LIVE_SESSION_STATUSES)
+    if connection.vendor == "postgresql":
+        if not session_take_update((still_live, fields), (HeartbeatRun.objects.filter(id=run.id), {"session": live})):
+            return None
+    elif not _link_run(run, live):
+        return None
+    elif not still_live.update(**fields):
         HeartbeatRun.objects.filter(id=run.id, session=live.pk).update(session=None)
         return None
     for name, value in fields.items():

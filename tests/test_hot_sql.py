@@ -14,14 +14,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from costs_app.models import CostEvent
-from sessions_app.maintenance import runs_reap
+from sessions_app.maintenance import runs_reap, sessions_expire
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.run_queue import CLAIM_READ, claim_read_query
-from sessions_app.services import agent_delete
+from sessions_app.services import agent_delete, session_expire
 from sessions_app.stores import store_for
 from tests.conftest import Actor, beat, on_own_connection, wait_until_blocked
-from tests.fake_anthropic import Reply
+from tests.fake_anthropic import Reply, plain_messages, text_turn
 
 
 @pytest.mark.django_db(transaction=True)
@@ -205,3 +205,58 @@ def test_the_compiledclaim_read_query_gives_what_the_orm_gives_for_each_run(
         assert compiled.agent.adapter_config == run.agent.adapter_config
         assert as_the_orm_reads_it(compiled) == as_the_orm_reads_it(claim_read_query(run.id).get())
     assert CLAIM_READ.first(uuid.uuid4()) is None
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("actor", ["operator", "maintenance"])
+def test_a_session_ended_and_held_open_while_a_heartbeat_takes_it_is_never_resumed(
+    postgres_only, persistent_agent, fake_anthropic, monkeypatch, actor
+):
+    """The take and the run's link are one statement (`session_take_update`). An operator's
+    expiry, or the maintenance pass's, has ended the session and not committed when the
+    heartbeat, which read it live, takes it: the take waits for the row, then finds it
+    ended, links nothing, and the run starts a fresh session."""
+    start = timezone.now()
+    first = beat(persistent_agent, "remember 42", now=start)
+    session = AgentSession.objects.get(pk=first.session_id)
+    later = start + timedelta(hours=23)
+    locked, release = threading.Event(), threading.Event()
+
+    def end_and_hold() -> None:
+        with transaction.atomic():
+            if actor == "operator":
+                assert session_expire(session=AgentSession.objects.get(pk=session.pk), now=later)
+            else:
+                assert sessions_expire(now=start + timedelta(hours=30)) == 1
+            locked.set()
+            assert release.wait(30), "the test never released the expiry"
+
+    ender = Actor(end_and_hold)
+    store = type(store_for(session))
+    read = store.read
+
+    def read_then_end(self, live):
+        history = read(self, live)
+        ender.start()  # once: the second read of the test's session would raise
+        assert locked.wait(30)
+        return history
+
+    monkeypatch.setattr(store, "read", read_then_end)
+    heartbeat = Actor(lambda: beat(persistent_agent, "what did I say?", now=later))
+    heartbeat.start()
+
+    wait_until_blocked(heartbeat)  # the take waits for the expiry's row lock
+    release.set()
+    ender.result()
+    run = heartbeat.result()
+
+    assert run.status == RunStatus.SUCCEEDED
+    assert run.session_id != session.pk
+    assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "what did I say?")]
+    session.refresh_from_db()
+    assert (session.status, session.message_count, session.last_used) == (
+        SessionStatus.EXPIRED,
+        2,
+        first.finished_at,
+    )
+    assert not HeartbeatRun.objects.filter(session=session, task="what did I say?").exists()
