@@ -34,6 +34,7 @@ from costs_app.budgets import (
 )
 from costs_app.ledger import run_calls_join_session
 from costs_app.pricing import token_counts
+from paperclip.long_lived import long_lived_objects_freeze
 from paperclip.telemetry import step, traced_heartbeat
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.adapters.base import ApprovalNeeded, QuotaRefused
@@ -192,7 +193,9 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     with step("release", run_id=run.id):
         if run.quota_probe is not None and probe_end(run=run, now=clock()):
             dispatch_waiting()  # the probe was not refused: the hold ended, the queue drains
-        return _release(run, current=current, now=now)  # 8
+        released = _release(run, current=current, now=now)  # 8
+    long_lived_objects_freeze()  # once per process: what a heartbeat loads is loaded now
+    return released
 
 
 def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
