@@ -139,6 +139,34 @@ def queued_run_insert(run: Model, *, agent_id, bound: int) -> bool:
     return inserted
 
 
+def rows_insert_ignoring_conflicts(rows: list[Model]) -> None:
+    """INSERT `rows` (new, unsaved, of one model), skipping those a unique constraint refuses.
+
+    Guarantee: what `bulk_create(rows, ignore_conflicts=True)` writes (ON CONFLICT DO NOTHING),
+    all or nothing, without the transaction bulk_create opens around its one statement when
+    none is open: rows that fit one statement are that statement alone, its own transaction
+    (a BEGIN and a COMMIT fewer: two round trips); more go in one transaction, as bulk_create
+    would. Keys the database assigns are not read back (nor are they by bulk_create here)."""
+    if not rows:
+        return
+    meta = rows[0]._meta
+    fields = [field for field in meta.concrete_fields if field is not meta.auto_field]
+    columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
+    row_placeholder = f"({', '.join(['%s'] * len(fields))})"
+    size = max(connection.ops.bulk_batch_size(fields, rows), 1)
+    batches = [rows[start : start + size] for start in range(0, len(rows), size)]
+    with transaction.atomic() if len(batches) > 1 else nullcontext(), connection.cursor() as cursor:
+        for batch in batches:
+            values = [
+                field.get_db_prep_save(field.pre_save(row, add=True), connection) for row in batch for field in fields
+            ]
+            cursor.execute(
+                f"INSERT INTO {connection.ops.quote_name(meta.db_table)} ({columns}) "  # noqa: S608 (model names)
+                f"VALUES {', '.join([row_placeholder] * len(batch))} ON CONFLICT DO NOTHING",
+                values,
+            )
+
+
 def _update_sql(queryset: QuerySet, values: dict) -> tuple[str, list]:
     """The SQL of `queryset.update(**values)`, as the ORM writes it (a single-table UPDATE)."""
     query = queryset.query.chain(sql.UpdateQuery)

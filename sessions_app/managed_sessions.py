@@ -27,6 +27,7 @@ from django.utils import timezone
 from costs_app.ledger import session_hours_record
 from costs_app.pricing import session_hour_rate, session_hours_cost
 from sessions_app.adapters.claude_managed import OutputsUnavailable
+from sessions_app.hot_sql import rows_insert_ignoring_conflicts
 from sessions_app.managed_health import lost_session_note, managed_health_state
 from sessions_app.managed_outputs import outputs_extract
 from sessions_app.models import (
@@ -193,7 +194,7 @@ def managed_ends_record(ends: Iterable[tuple[str, object, object]], *, action: s
     ]
     if not rows:
         return 0
-    ManagedSessionEnd.objects.bulk_create(rows, ignore_conflicts=True)
+    rows_insert_ignoring_conflicts(rows)
     transaction.on_commit(managed_ends_enqueue)
     return len(rows)
 
