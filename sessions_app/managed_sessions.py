@@ -116,29 +116,31 @@ class ManagedSessionHandle:
             at=timezone.now(),
         )
 
-    def on_commit(self, *, remote_session_id: str, report: dict):
-        """The reply's `on_commit`: inside the heartbeat's commit, the session row names the
-        remote session the turn went to; a nothing-to-do answer on a remote session no row
-        names yet leaves it to be archived."""
+    def list_cost_check(self, report: dict, cost: Decimal | None) -> None:
+        """Before the commit (a failed commit keeps the warning on the failed run)."""
+        if disagreement := list_cost_disagreement(report, cost):
+            logger.warning("Managed Agents session %s: %s", report.get("managed_session_id"), disagreement)
+            run_warning_add(self.run.pk, disagreement)
+
+    def on_commit(self, *, remote_session_id: str):
+        """Inside the heartbeat's commit, the session row names a remote session the turn
+        made; a nothing-to-do answer on one leaves it to be archived (no row names it). A
+        stateless run's session ends with it (recorded by the adapter), and a turn that
+        went to the session already named needs nothing: None, so the commit takes the
+        path of a plain turn (one statement on PostgreSQL)."""
+        if not self.persistent or remote_session_id == self.resumed_id:
+            return None
 
         def commit(session: AgentSession | None, cost: Decimal | None) -> None:
-            if disagreement := list_cost_disagreement(report, cost):
-                logger.warning("Managed Agents session %s: %s", remote_session_id, disagreement)
-                run_warning_add(self.run.pk, disagreement)
-            if not self.persistent:
-                return None  # its session ends with the run (recorded by the adapter)
             if session is None:
-                if remote_session_id != self.resumed_id:
-                    managed_ends_record(
-                        [(remote_session_id, self.agent.pk, None)],
-                        action=ManagedEndAction.ARCHIVE,
-                        company_id=self.agent.company_id,
-                    )
-                return None
-            if session.managed_session_id != remote_session_id:
+                managed_ends_record(
+                    [(remote_session_id, self.agent.pk, None)],
+                    action=ManagedEndAction.ARCHIVE,
+                    company_id=self.agent.company_id,
+                )
+            elif session.managed_session_id != remote_session_id:
                 AgentSession.objects.filter(pk=session.pk).update(managed_session_id=remote_session_id)
                 session.managed_session_id = remote_session_id
-            return None
 
         return commit
 

@@ -210,3 +210,7 @@ class RunMeter:
         self.rows += 1
         self.billed_usd += event.cost_usd
         return event.cost_usd
+
+    @property
+    def run_cost_usd(self) -> Decimal | None:
+        return self._calls.cost_usd

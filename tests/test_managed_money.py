@@ -59,9 +59,15 @@ def test_a_list_cost_that_agrees_with_the_ledger_is_kept_beside_it_and_flags_not
     assert run.warning == ""
 
 
-@pytest.mark.parametrize("mode", ["persistent", "stateless"])
+@pytest.mark.parametrize("mode", ["persistent", "persistent, resumed", "stateless"])
 def test_a_list_cost_more_than_one_percent_off_is_logged_and_shown_on_the_run(company, fake_managed, caplog, mode):
-    agent = managed_agent(company, session_mode=mode)
+    """A resumed turn's commit is the plain turn's (one statement on PostgreSQL): the
+    check is made before it, as for a turn that opened its remote session."""
+    agent = managed_agent(company, session_mode=mode.split(",")[0])
+    if mode == "persistent, resumed":
+        fake_managed.list_price = our_list_price()
+        fake_managed.script(None, [("message", "zero", USAGE)])
+        assert beat(agent, "first").warning == ""
     fake_managed.list_price = our_list_price(scale=Decimal("1.02"))
     fake_managed.script(None, [("message", "one", USAGE)])
 

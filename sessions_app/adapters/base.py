@@ -67,6 +67,11 @@ class CallMeter(Protocol):
     def billed_usd(self) -> Decimal:
         """What this call has billed so far."""
 
+    @property
+    def run_cost_usd(self) -> Decimal | None:
+        """What the run's calls have billed so far, this one's and an earlier attempt's of
+        the same run included (None while none reported usage): the run's ledger cost."""
+
 
 @dataclass
 class AdapterRequest:

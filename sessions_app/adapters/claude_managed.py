@@ -101,7 +101,13 @@ class ManagedSessions(Protocol):
     def turn_time(self, seconds: float, *, failed: bool) -> None:
         """The remote session's active time this turn (what session hours are billed on)."""
 
-    def on_commit(self, *, remote_session_id: str, report: dict): ...
+    def list_cost_check(self, report: dict, cost: Decimal | None) -> None:
+        """The service's list cost of the turn (`report`) beside the ledger's (`cost`): a
+        disagreement is logged and added to the run's warning."""
+
+    def on_commit(self, *, remote_session_id: str):
+        """The reply's `on_commit`, or None when the commit has nothing of this runtime's to
+        write (the turn went to the remote session the agent's session already names)."""
 
 
 @dataclass(frozen=True)
@@ -285,6 +291,7 @@ class ClaudeManagedAdapter(Adapter):
                 own.session_end_later(start.session_id)
         report = self._report(start, turn, after)
         own.turn_time(report["active_seconds"], failed=False)
+        own.list_cost_check(report, request.meter.run_cost_usd)
         usage = usage_total(usage for _, usage in turn.billed)
         return AdapterReply(
             text="\n\n".join(turn.texts),
@@ -297,7 +304,7 @@ class ClaudeManagedAdapter(Adapter):
             usage_by_model={request.model: usage} if usage is not None else None,
             runtime_report=report,
             active_seconds=report["active_seconds"],
-            on_commit=own.on_commit(remote_session_id=start.session_id, report=report),
+            on_commit=own.on_commit(remote_session_id=start.session_id),
         )
 
     def _failure(self, start: TurnStart, turn: Turn, after: Figures, own: ManagedSessions) -> AdapterError:
