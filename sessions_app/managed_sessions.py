@@ -79,10 +79,6 @@ class ManagedSessionHandle:
         Agent.objects.filter(pk=self.agent.pk).update(managed_remote=remote)
         self.agent.managed_remote = remote
 
-    def session_used(self, remote_session_id: str) -> None:
-        HeartbeatRun.objects.filter(pk=self.run.pk).update(managed_session_id=remote_session_id)
-        self.run.managed_session_id = remote_session_id
-
     def turn_started(self, state: dict) -> None:
         HeartbeatRun.objects.filter(pk=self.run.pk).update(
             managed_turn=storable(state), managed_session_id=state["session"]

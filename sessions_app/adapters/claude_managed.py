@@ -83,14 +83,11 @@ class ManagedSessions(Protocol):
 
     def remote_record(self, remote: dict) -> None: ...
 
-    def session_used(self, remote_session_id: str) -> None:
-        """The remote session this run sends its task to: recorded on the run before it is
-        sent, so a session the run made is never lost to a worker's death."""
-
     def turn_started(self, state: dict) -> None:
         """Where the turn stands before its opening events are sent (`TurnStart.state`,
         with the event cursor and the opening events): kept on the run for a worker that
-        continues the turn if this one dies, with the remote session it goes to."""
+        continues the turn if this one dies, with the remote session it goes to, so that a
+        session the run made is never lost to a worker's death."""
 
     def session_end_later(self, remote_session_id: str) -> None:
         """A remote session no row will resume: archived after the run, retried until done."""
@@ -326,10 +323,10 @@ class ClaudeManagedAdapter(Adapter):
         remote = remote_sync(client, request, stored, name=f"paperclip {request.metadata.get('agent_id', '')}")
         if remote != stored:
             own.remote_record(remote.as_json())
-        session_id, before, replaced, lost = self._session(client, request, own, remote)
-        start = TurnStart(session_id, Figures.of(before), replaced, made_here=session_id != own.resumed_id)
+        session, replaced, note = self._session(client, request, own, remote)
+        start = TurnStart(session.id, Figures.of(session), replaced, made_here=session.id != own.resumed_id)
         content = _content(request.messages[-1]["content"])
-        if (lost or not own.resumed_id) and (note := own.handoff_note()):
+        if note:
             content = [{"type": "text", "text": note}, *content]
         return start, Turn(), [{"type": "user.message", "content": content}]
 
@@ -341,9 +338,11 @@ class ClaudeManagedAdapter(Adapter):
 
     def _session(self, client, request: AdapterRequest, own: ManagedSessions, remote: RemoteAgent):
         """The remote session this turn goes to, as it was before the turn, the one it
-        replaces ("" for none) and whether that one was lost: the resumed one, unless it
-        ended at the provider (lost) or was made from an older version of the agent;
-        otherwise a new one."""
+        replaces ("" for none) and the note a new one opens with ("" for none): the resumed
+        one, unless it ended at the provider (lost) or was made from an older version of the
+        agent; otherwise a new one. A new one is recorded on the run with the turn's start
+        (`turn_started`), before its task is sent; nothing that can fail comes between its
+        creation and that record (the note is made first)."""
         anthropic = _sdk()
         lost = False
         mounts = session_resources(request.config)
@@ -355,9 +354,10 @@ class ClaudeManagedAdapter(Adapter):
             lost = session is None or session.status == "terminated" or session.archived_at is not None
             if not lost and session.agent.version == remote.version and _mounts_current(session, mounts):
                 # Recorded on the run with the turn's start (`turn_started`): the row names it already.
-                return session.id, session, "", False
+                return session, "", ""
             if session is not None:
                 own.session_end_later(own.resumed_id)
+        note = own.handoff_note() if lost or not own.resumed_id else ""
         params: dict[str, Any] = {
             "agent": {"type": "agent", "id": remote.agent_id, "version": remote.version},
             "environment_id": remote.environment_id,
@@ -382,8 +382,7 @@ class ClaudeManagedAdapter(Adapter):
                 f"The service could not create the session ({error_from_sdk(exc).message})"
                 + (f"; adapter_config.resources mounts {mounted}" if mounted else ""),
             ) from None
-        own.session_used(session.id)
-        return session.id, session, own.resumed_id, lost
+        return session, own.resumed_id, note
 
     def _turn(
         self,
