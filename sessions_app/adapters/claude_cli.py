@@ -649,12 +649,14 @@ class CliRun:
         prompt = self.prompt()
         async for message in query(prompt=prompt, options=self.options(conversation, processes)):
             if isinstance(message, StreamEvent):
+                if isinstance(message.event, dict) and message.event.get("type") == "message_start":
+                    processes.take_stock()
                 reports.put((message, None))
                 continue
             conversation.messages.append(message)
             if isinstance(message, ResultMessage):
                 conversation.result = message
-                processes.settle()
+                processes.take_stock()
 
     def prompt(self) -> str:
         content = self.request.messages[-1]["content"]

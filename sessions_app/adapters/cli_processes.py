@@ -254,11 +254,19 @@ class RunProcesses:
             self._tracker = threading.Thread(target=self._track, name=f"cli-track-{self.mark}", daemon=True)
             self._tracker.start()
 
-    def settle(self) -> None:
-        """The CLI has answered and is about to exit: take stock of its tree while it is
-        still there (what it adopted is found under it; once it exits, init adopts them)."""
-        if self.cgroup is None and self._tracker is not None:
+    def take_stock(self) -> None:
+        """Without a cgroup, find the run's processes now, at a moment the CLI is known to
+        be alive: when one of its model requests begins (the commands of the turn before
+        have ended, and a job they left running is under the CLI, waiting with it) and
+        when it has answered, about to exit (once it exits, init adopts what it adopted).
+        Found then, a job that detached (`env -i job &`) is found however long the
+        tracker's next poll waits for the CPU."""
+        if self._tracking:
             self.scan()
+
+    @property
+    def _tracking(self) -> bool:
+        return self.cgroup is None and self._tracker is not None
 
     def _track(self) -> None:
         while not self._stop.wait(TRACK_EVERY_SECONDS):
