@@ -23,11 +23,12 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
-def history_loads(text: str | bytes):
+def history_loads(text: str | bytes, *, otherwise=json.loads):
+    """The value of `text`; what msgspec refuses is read by `otherwise` (`json.loads`)."""
     try:
         return _decode(text)
     except msgspec.DecodeError:
-        return json.loads(text)
+        return otherwise(text)
 
 
 def history_dumps(value) -> bytes:

@@ -49,8 +49,10 @@ class _Compiled:
 
 
 class CompiledLookup:
-    """A query by primary key, compiled once per database connection and then run with
-    another key each time, its rows made into instances as Django makes them.
+    """A query by one key of the model's key type (its primary key, or a foreign key to a
+    model keyed alike: the agent's live session by agent id), compiled once per database
+    connection and then run with another key each time, its rows made into instances as
+    Django makes them.
 
     Guarantee: the same statement and the same instances as `build(pk).first()`. Django
     compiles a query's SQL on every evaluation; the claim's (its annotations: budgets,
@@ -146,7 +148,9 @@ def rows_insert_ignoring_conflicts(rows: list[Model]) -> None:
     all or nothing, without the transaction bulk_create opens around its one statement when
     none is open: rows that fit one statement are that statement alone, its own transaction
     (a BEGIN and a COMMIT fewer: two round trips); more go in one transaction, as bulk_create
-    would. Keys the database assigns are not read back (nor are they by bulk_create here)."""
+    would. Keys the database assigns are not read back (nor are they by bulk_create here).
+    Every other field must hold a value (one with a Python default does): a field left to
+    its database default alone is not written as bulk_create would write it."""
     if not rows:
         return
     meta = rows[0]._meta

@@ -213,9 +213,11 @@ class HistoryField(models.JSONField):
     by every heartbeat of a persistent agent; `sessions_app.history_json`)."""
 
     def from_db_value(self, value, expression, connection):
+        as_django_reads_it = super().from_db_value
         if isinstance(value, str) and self.decoder is None and not isinstance(expression, KeyTransform):
-            return history_loads(value)
-        return super().from_db_value(value, expression, connection)
+            # What msgspec refuses is read as JSONField reads it (a text no JSON reads stays text).
+            return history_loads(value, otherwise=lambda text: as_django_reads_it(text, expression, connection))
+        return as_django_reads_it(value, expression, connection)
 
 
 class AgentSession(models.Model):

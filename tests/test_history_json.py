@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from django.db import connection, models
 
 from sessions_app.history_json import history_dumps, history_loads
+from sessions_app.models import AgentSession
 
 HISTORY = [
     {"role": "user", "content": 'Ünïcode, emoji 🦀, "quotes", \u2028 and \\\n', "seq": 0, "at": "2026-12-06T00:00"},
@@ -43,3 +45,13 @@ def test_a_text_is_read_as_json_reads_it(text):
 def test_corrupt_text_raises_as_json_does():
     with pytest.raises(ValueError):
         history_loads('[{"role": "user"')
+
+
+@pytest.mark.parametrize(
+    "text", ['[{"role": "user", "content": "hi", "n": 18446744073709551617}]', "[NaN]", "{not json"]
+)
+def test_the_history_column_reads_what_django_s_jsonfield_reads(text):
+    history = AgentSession._meta.get_field("history")
+    assert repr(history.from_db_value(text, None, connection)) == repr(
+        models.JSONField().from_db_value(text, None, connection)
+    )

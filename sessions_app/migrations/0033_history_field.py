@@ -4,7 +4,7 @@ import sessions_app.models
 
 
 class Migration(migrations.Migration):
-    """The history column's field decodes with orjson (`sessions_app.history_json`); the
+    """The history column's field decodes with msgspec (`sessions_app.history_json`); the
     column is as it was. State only: on SQLite an AlterField would rebuild the table, which
     the ledger's triggers on `agent_sessions` refuse."""
 
