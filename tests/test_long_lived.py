@@ -1,4 +1,4 @@
-"""A heartbeat process freezes its long-lived objects once, at its first heartbeat."""
+"""A heartbeat process freezes its long-lived objects once, when its first heartbeat ends."""
 
 from __future__ import annotations
 
