@@ -527,13 +527,23 @@ def test_a_command_that_clears_its_environment_does_not_outlive_its_run(
         Reply.tool_use("Bash", {"command": command, "description": "start a job"}),
         Reply.message("Started.", before=lambda: seen.extend(processes_started(marker))),
     )
+    tracked = []  # what the run held when it ended, for the message of a miss
+    close = cli_processes.RunProcesses.close
+    monkeypatch.setattr(
+        cli_processes.RunProcesses, "close", lambda self: (tracked.append(dict(self.tracked)), close(self))
+    )
 
     run = beat(agent, "start the job in the background")
 
     assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
     # The command was running when the CLI answered (what the CLI sent, should it not have) ...
     assert seen, [body["messages"][-1] for body in fake_anthropic.message_requests]
-    assert processes_gone(marker)  # ... and ended with the run
+    # ... and ended with the run.
+    assert processes_gone(marker), (
+        {pid: cli_processes.process_stat(pid) for pid in processes_running(marker)},
+        {pid: cli_processes.process_stat(pid) for pid in seen},
+        tracked,
+    )
     assert not list(cli_processes.records_dir().glob("*.json"))
 
 
@@ -903,10 +913,14 @@ def test_a_worker_killed_after_claude_codes_nth_answered_call_leaves_exactly_tho
     assert not [pid for pid in cli_processes_of(agent) if not process_gone(pid)]
 
 
-def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_by_our_ledger(company, fake_anthropic):
+def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_by_our_ledger(
+    company, fake_anthropic, monkeypatch
+):
     """An operator's price three times what Claude Code assumes: Claude Code's own
     --max-budget-usd would let about three times the cap through; the ledger stops the run
     at the call that reaches the cap."""
+    from sessions_app.adapters import cli_processes
+
     listed = library_table(model="claude-sonnet-4-5", at=timezone.now()).rates()
     ModelPrice.objects.create(
         model="claude-sonnet-4-5",
@@ -920,14 +934,22 @@ def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_
     cap = Decimal("0.2")
     agent = cli_agent(company, max_budget_usd=float(cap), max_turns=20)
     fake_anthropic.push(*[Reply.tool_use("Bash", {"command": f"echo {n}", "description": "step"}) for n in range(12)])
+    stopped_at = []
+    kill = cli_processes.RunProcesses.kill
+    monkeypatch.setattr(
+        cli_processes.RunProcesses, "kill", lambda self: (stopped_at.append(time.monotonic()), kill(self))
+    )
 
     run = beat(agent, "keep going")
 
     assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_budget_cap"), run.error
     rows = list(CostEvent.objects.filter(run=run).order_by("call_number"))
     spent = [sum((row.cost_usd for row in rows[:n]), Decimal(0)) for n in range(len(rows) + 1)]
-    assert spent[-2] < cap <= spent[-1]  # stopped at the call that reached the cap: one call over, no more
-    assert len(answered_usages(fake_anthropic)) == len(rows)  # every answered call billed
+    reached = next(n for n in range(1, len(spent)) if spent[n] >= cap)  # the call that reached the cap
+    # Stopped there: what came after it was sent before the stop (in flight on a loaded host) ...
+    sent = [r["at"] for r in fake_anthropic.requests if r["path"] == "/v1/messages"]
+    assert all(at < stopped_at[0] for at in sent[reached:])
+    assert len(answered_usages(fake_anthropic)) == len(rows)  # ... and every answered call is billed
     # Claude Code's own table prices the same calls at a third: under its --max-budget-usd.
     assert spent[-1] / 3 < cap
     assert run.cost_usd == spent[-1]

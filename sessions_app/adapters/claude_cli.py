@@ -632,14 +632,16 @@ class CliRun:
             event, ended = reports.get()
             if event is None:
                 break
-            if stopped is not None:
-                continue  # the CLI is being stopped; what it streamed after the cap was not answered by us
             try:
+                # Billed even while the CLI is being stopped: a request it streamed the end of
+                # was answered, and the provider bills it (one in flight when the cap was
+                # reached, on a loaded host).
                 self.calls.see(event)
             except (LedgerCapReached, AdapterError) as exc:
-                stopped = exc
-                processes.kill()
-                loop.call_soon_threadsafe(conversing.cancel)
+                if stopped is None:
+                    stopped = exc
+                    processes.kill()
+                    loop.call_soon_threadsafe(conversing.cancel)
         thread.join()
         return stopped or ended
 
