@@ -517,7 +517,7 @@ def test_a_command_that_clears_its_environment_does_not_outlive_its_run(
         pytest.skip("this host offers no writable cgroup v2")
     if containment == "process tree":
         monkeypatch.setattr(cli_processes, "cgroup_base", lambda: None)
-        # A tracker starved of the CPU (CI saw one miss the job): only the run's own looks find it.
+        # A tracker starved of the CPU (CI saw one miss the job): only the look after the tool finds it.
         monkeypatch.setattr(cli_processes, "TRACK_EVERY_SECONDS", 3600)
     agent = cli_agent(company)
     marker = unique_marker()

@@ -561,7 +561,7 @@ class CliRun:
                 local_copy_delete(agent_id=self.agent_id, cli_session_id=self.session_id)
 
     def options(self, conversation: Conversation, processes: RunProcesses):
-        from claude_agent_sdk import ClaudeAgentOptions
+        from claude_agent_sdk import ClaudeAgentOptions, HookMatcher
 
         config = self.config
         allowed = list(config.get("allowed_tools", DEFAULT_ALLOWED_TOOLS))
@@ -574,6 +574,12 @@ class CliRun:
 
         def stderr(line: str) -> None:
             conversation.stderr = [*conversation.stderr[-19:], line]
+
+        async def after_tool(_input, _tool_use_id, _context) -> dict:
+            # The CLI waits for this answer: a job the tool left running (`env -i job &`) is
+            # under it now, whatever the tracker's poll and this loop's backlog are doing.
+            processes.take_stock()
+            return {}
 
         options = ClaudeAgentOptions(
             model=self.request.model,
@@ -596,6 +602,10 @@ class CliRun:
             session_store=self.transcript,
             # The API's own stream events: each model request's usage as it ends, billed then.
             include_partial_messages=True,
+            # Without a cgroup, the run's processes are found after each tool too.
+            hooks={event: [HookMatcher(hooks=[after_tool])] for event in ("PostToolUse", "PostToolUseFailure")}
+            if processes.cgroup is None
+            else None,
         )
         if self.resume_id:
             options.resume = self.resume_id
@@ -651,14 +661,11 @@ class CliRun:
         prompt = self.prompt()
         async for message in query(prompt=prompt, options=self.options(conversation, processes)):
             if isinstance(message, StreamEvent):
-                if isinstance(message.event, dict) and message.event.get("type") == "message_start":
-                    processes.take_stock()
                 reports.put((message, None))
                 continue
             conversation.messages.append(message)
             if isinstance(message, ResultMessage):
                 conversation.result = message
-                processes.take_stock()
 
     def prompt(self) -> str:
         content = self.request.messages[-1]["content"]

@@ -255,12 +255,11 @@ class RunProcesses:
             self._tracker.start()
 
     def take_stock(self) -> None:
-        """Without a cgroup, find the run's processes now, at a moment the CLI is known to
-        be alive: when one of its model requests begins (the commands of the turn before
-        have ended, and a job they left running is under the CLI, waiting with it) and
-        when it has answered, about to exit (once it exits, init adopts what it adopted).
-        Found then, a job that detached (`env -i job &`) is found however long the
-        tracker's next poll waits for the CPU."""
+        """Without a cgroup, find the run's processes now: after each of the CLI's tools (a
+        PostToolUse hook, which the CLI waits for), while what the tool left running is
+        under the CLI (once the CLI exits, init adopts it). Found then, a job that detached
+        (`env -i job &`) is found however long the tracker's next poll, or the engine's
+        reading of the CLI's messages, waits for the CPU."""
         if self._tracking:
             self.scan()
 
