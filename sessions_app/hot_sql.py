@@ -17,6 +17,7 @@ from django.db.models.expressions import RawSQL
 from django.db.models.query import get_related_populators
 from django.db.models.sql.compiler import SQLCompiler
 from psycopg.errors import DivisionByZero
+from psycopg.pq import TransactionStatus
 
 from sessions_app.models import Agent, AgentStatus, RunStatus
 
@@ -122,6 +123,60 @@ def queued_run_insert(run: Model, *, agent_id, bound: int) -> bool:
     (ON CONFLICT DO NOTHING: the partial unique index refuses it without an error, so the
     enqueue's transaction needs no savepoint). A deleted agent's row still refuses the run
     by its foreign key."""
+    with connection.cursor() as cursor:
+        cursor.execute(*_queued_run_insert_sql(run, agent_id=agent_id, bound=bound))
+        inserted = cursor.rowcount == 1
+    if inserted:
+        run._state.adding, run._state.db = False, connection.alias
+    return inserted
+
+
+def queued_run_insert_locking(run: Model, *, agent_id, bound: int, lock: tuple[str, list]) -> bool:
+    """PostgreSQL, outside any transaction: the enqueue's whole transaction, `lock` (the
+    statement of the agent's enqueue lock) and then `queued_run_insert`'s statement, in one
+    round trip where BEGIN, the lock, the INSERT and COMMIT were four. False when it
+    inserted nothing.
+
+    Guarantee: that of `queued_run_insert` under the lock, since the transaction is the
+    same: the four statements go out in one pipeline (libpq's pipeline mode, one Sync), and
+    the server runs them in order, each once the one before has finished, so the INSERT
+    takes its snapshot after the lock was granted. Nothing is committed unless all four
+    succeed; a failure (the agent's row gone, the COMMIT's foreign key check) is raised as
+    Django raises it, after the transaction was rolled back."""
+    insert_sql, insert_params = _queued_run_insert_sql(run, agent_id=agent_id, bound=bound)
+    counts = _pipelined_transaction([lock, (insert_sql, insert_params)])
+    inserted = counts[1] == 1
+    if inserted:
+        run._state.adding, run._state.db = False, connection.alias
+    return inserted
+
+
+def _pipelined_transaction(statements: list[tuple[str, list]]) -> list[int]:
+    """BEGIN, `statements` and COMMIT sent at once (PostgreSQL's pipeline mode), outside
+    any transaction; the row count of each statement."""
+    if connection.in_atomic_block:
+        raise RuntimeError("a pipelined transaction cannot run inside another")
+    connection.ensure_connection()
+    raw = connection.connection
+    cursors = [connection.cursor() for _ in statements]
+    try:
+        with connection.wrap_database_errors, raw.pipeline():
+            raw.execute("BEGIN")
+            for cursor, (statement, params) in zip(cursors, statements, strict=True):
+                cursor.execute(statement, params)
+            raw.execute("COMMIT")
+        return [cursor.rowcount for cursor in cursors]
+    except Exception:
+        # A failed statement leaves the transaction aborted (its BEGIN outlives the Sync).
+        if raw.info.transaction_status != TransactionStatus.IDLE:
+            raw.execute("ROLLBACK")
+        raise
+    finally:
+        for cursor in cursors:
+            cursor.close()
+
+
+def _queued_run_insert_sql(run: Model, *, agent_id, bound: int) -> tuple[str, list]:
     meta = run._meta
     fields = meta.concrete_fields
     values = [field.get_db_prep_save(field.pre_save(run, add=True), connection) for field in fields]
@@ -133,12 +188,7 @@ def queued_run_insert(run: Model, *, agent_id, bound: int) -> bool:
         "ON CONFLICT DO NOTHING"
     )
     agent_key = meta.get_field("agent").target_field.get_db_prep_value(agent_id, connection)
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [*values, agent_key, RunStatus.QUEUED, bound])
-        inserted = cursor.rowcount == 1
-    if inserted:
-        run._state.adding, run._state.db = False, connection.alias
-    return inserted
+    return sql, [*values, agent_key, RunStatus.QUEUED, bound]
 
 
 def rows_insert_ignoring_conflicts(rows: list[Model]) -> None:

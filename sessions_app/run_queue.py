@@ -35,7 +35,7 @@ from sessions_app.batch_delivery import claimable, run_delivery
 from sessions_app.context import context_settings
 from sessions_app.context_defaults import recent_wakes_columns, recent_wakes_of
 from sessions_app.errors import HeartbeatRefused
-from sessions_app.hot_sql import CompiledLookup, queued_run_insert
+from sessions_app.hot_sql import CompiledLookup, queued_run_insert, queued_run_insert_locking
 from sessions_app.metering import alone_seconds, session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
 from sessions_app.models import (
@@ -158,6 +158,8 @@ def heartbeat_enqueue(
     # priced (from memory): only then can it be refused `model_unpriced`.
     priced = all(is_priced(model=model, at=now) for model in _models_of(agent, now=now))
     try:
+        if priced and not merge and _queued_at_once(run := HeartbeatRun(**fields), agent=agent):
+            return run, True
         with transaction.atomic():
             _queue_lock(agent)
             if merge and (merged := tick_merge(agent_id=agent.pk)) is not None:
@@ -197,7 +199,23 @@ def _queue_lock(agent: Agent) -> None:
     bits share a lock, which only makes their enqueues wait for each other."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [QUEUE_LOCK_NAMESPACE, agent.pk.int % 2**31])
+            cursor.execute(*_queue_lock_statement(agent))
+
+
+def _queue_lock_statement(agent: Agent) -> tuple[str, list]:
+    return "SELECT pg_advisory_xact_lock(%s, %s)", [QUEUE_LOCK_NAMESPACE, agent.pk.int % 2**31]
+
+
+def _queued_at_once(run: HeartbeatRun, *, agent: Agent) -> bool:
+    """The common enqueue on PostgreSQL outside a caller's transaction (an API request, the
+    `heartbeat` command; not a tick, which may merge): the transaction, the queue lock and the bounded
+    INSERT in one round trip (`hot_sql.queued_run_insert_locking`). False when that does
+    not apply or inserted nothing; the enqueue's transaction then finds out why."""
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        return False
+    return queued_run_insert_locking(
+        run, agent_id=agent.pk, bound=settings.PAPERCLIP_MAX_QUEUED_RUNS, lock=_queue_lock_statement(agent)
+    )
 
 
 # The task of compact-now's run (`sessions_app.compact_now`): a run of the agent that only

@@ -1,21 +1,24 @@
 """The hot path's hand-made statements: the claim's read compiled once (`CompiledLookup`)
 gives what the ORM gives, an insert skipping conflicts writes what bulk_create would in
-fewer round trips, and a stateless run's one-statement commit
+fewer round trips, the enqueue's pipelined transaction is one round trip and commits all or
+nothing, and a stateless run's one-statement commit
 (`agent_not_deleted_locked`) against an agent's deletion open, uncommitted, on another
 connection at its worst moment (PostgreSQL: SQLite runs one writer at a time)."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import uuid
 from datetime import timedelta
 
 import pytest
-from django.db import IntegrityError, transaction
+from django.db import DataError, IntegrityError, connection, transaction
 from django.utils import timezone
+from psycopg import pq
 
 from costs_app.models import CostEvent
-from sessions_app.hot_sql import rows_insert_ignoring_conflicts
+from sessions_app.hot_sql import queued_run_insert_locking, rows_insert_ignoring_conflicts
 from sessions_app.maintenance import runs_reap, sessions_expire
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -28,7 +31,7 @@ from sessions_app.models import (
     RunStatus,
     SessionStatus,
 )
-from sessions_app.run_queue import CLAIM_READ, claim_read_query
+from sessions_app.run_queue import CLAIM_READ, claim_read_query, heartbeat_enqueue
 from sessions_app.services import agent_delete, session_expire
 from sessions_app.stores import store_for
 from tests.conftest import Actor, beat, on_own_connection, wait_until_blocked
@@ -305,3 +308,57 @@ def test_rows_beyond_one_statement_go_in_one_transaction_all_or_nothing(company)
     with pytest.raises(IntegrityError):  # the last batch names a company that does not exist
         rows_insert_ignoring_conflicts(doomed)
     assert ManagedSessionEnd.objects.count() == 3000
+
+
+def round_trips(action) -> int:
+    """The exchanges `action` makes with the server on this thread's connection: each ends
+    with the server's ReadyForQuery, in libpq's own trace of the protocol."""
+    connection.ensure_connection()
+    pgconn = connection.connection.pgconn
+    with tempfile.TemporaryFile(mode="w+") as trace:
+        pgconn.trace(trace.fileno())
+        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            action()
+        finally:
+            pgconn.untrace()
+        trace.seek(0)
+        return sum(1 for line in trace if "\tReadyForQuery\t" in line)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_enqueue_outside_a_transaction_is_one_round_trip(postgres_only, persistent_agent):
+    heartbeat_enqueue(agent=persistent_agent, task="warm", now=timezone.now())  # the prices, read once
+
+    assert round_trips(lambda: heartbeat_enqueue(agent=persistent_agent, task="one", now=timezone.now())) == 1
+    assert list(HeartbeatRun.objects.filter(agent=persistent_agent).values_list("task", flat=True).order_by("task")) == [
+        "one",
+        "warm",
+    ]
+
+
+def queued_run(agent, **fields) -> HeartbeatRun:
+    return HeartbeatRun(company_id=agent.company_id, agent=agent, task="t", created_at=timezone.now(), **fields)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pipelined_statement_that_fails_commits_nothing_before_it_and_leaves_the_connection_usable(
+    postgres_only, persistent_agent
+):
+    refusing_lock = ("SELECT 1 / %s", [0])  # fails after BEGIN, before the INSERT
+    with pytest.raises(DataError):
+        queued_run_insert_locking(queued_run(persistent_agent), agent_id=persistent_agent.pk, bound=5, lock=refusing_lock)
+    assert connection.connection.info.transaction_status == pq.TransactionStatus.IDLE
+
+    unlocked = ("SELECT 1", [])
+    orphan = HeartbeatRun(company_id=uuid.uuid4(), agent=persistent_agent, task="t", created_at=timezone.now())
+    with pytest.raises(IntegrityError):  # the COMMIT's deferred foreign key check refuses it
+        queued_run_insert_locking(orphan, agent_id=persistent_agent.pk, bound=5, lock=unlocked)
+    assert connection.connection.info.transaction_status == pq.TransactionStatus.IDLE
+    assert not HeartbeatRun.objects.exists()
+
+    assert queued_run_insert_locking(queued_run(persistent_agent), agent_id=persistent_agent.pk, bound=1, lock=unlocked)
+    assert not queued_run_insert_locking(
+        queued_run(persistent_agent), agent_id=persistent_agent.pk, bound=1, lock=unlocked
+    )  # the bound: one queued run
+    assert HeartbeatRun.objects.count() == 1
