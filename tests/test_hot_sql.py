@@ -331,7 +331,9 @@ def test_an_enqueue_outside_a_transaction_is_one_round_trip(postgres_only, persi
     heartbeat_enqueue(agent=persistent_agent, task="warm", now=timezone.now())  # the prices, read once
 
     assert round_trips(lambda: heartbeat_enqueue(agent=persistent_agent, task="one", now=timezone.now())) == 1
-    assert list(HeartbeatRun.objects.filter(agent=persistent_agent).values_list("task", flat=True).order_by("task")) == [
+    assert list(
+        HeartbeatRun.objects.filter(agent=persistent_agent).values_list("task", flat=True).order_by("task")
+    ) == [
         "one",
         "warm",
     ]
@@ -347,7 +349,9 @@ def test_a_pipelined_statement_that_fails_commits_nothing_before_it_and_leaves_t
 ):
     refusing_lock = ("SELECT 1 / %s", [0])  # fails after BEGIN, before the INSERT
     with pytest.raises(DataError):
-        queued_run_insert_locking(queued_run(persistent_agent), agent_id=persistent_agent.pk, bound=5, lock=refusing_lock)
+        queued_run_insert_locking(
+            queued_run(persistent_agent), agent_id=persistent_agent.pk, bound=5, lock=refusing_lock
+        )
     assert connection.connection.info.transaction_status == pq.TransactionStatus.IDLE
 
     unlocked = ("SELECT 1", [])
