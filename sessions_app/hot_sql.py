@@ -167,8 +167,10 @@ def _pipelined_transaction(statements: list[tuple[str, list]]) -> list[int]:
             raw.execute("COMMIT")
         return [cursor.rowcount for cursor in cursors]
     except Exception:
-        # A failed statement leaves the transaction aborted (its BEGIN outlives the Sync).
-        if raw.info.transaction_status != TransactionStatus.IDLE:
+        # A failed statement leaves the transaction aborted, and one that failed before it
+        # was sent leaves it open: the BEGIN outlives the Sync. A broken connection has
+        # neither, and Django discards it.
+        if raw.info.transaction_status in (TransactionStatus.INERROR, TransactionStatus.INTRANS):
             raw.execute("ROLLBACK")
         raise
     finally:

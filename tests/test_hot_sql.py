@@ -13,7 +13,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from django.db import DataError, IntegrityError, connection, transaction
+from django.db import DataError, IntegrityError, ProgrammingError, connection, transaction
 from django.utils import timezone
 from psycopg import pq
 
@@ -351,6 +351,13 @@ def test_a_pipelined_statement_that_fails_commits_nothing_before_it_and_leaves_t
     with pytest.raises(DataError):
         queued_run_insert_locking(
             queued_run(persistent_agent), agent_id=persistent_agent.pk, bound=5, lock=refusing_lock
+        )
+    assert connection.connection.info.transaction_status == pq.TransactionStatus.IDLE
+
+    unsendable_lock = ("SELECT %s", [object()])  # refused by psycopg before it is sent, after the BEGIN
+    with pytest.raises(ProgrammingError):
+        queued_run_insert_locking(
+            queued_run(persistent_agent), agent_id=persistent_agent.pk, bound=5, lock=unsendable_lock
         )
     assert connection.connection.info.transaction_status == pq.TransactionStatus.IDLE
 
