@@ -19,10 +19,11 @@ import os
 import socket
 from contextlib import nullcontext
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, Exists, F, Min, OuterRef, Subquery
+from django.db.models import Count, Exists, F, Min, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
 from costs_app.budgets import budgets_exist, money_budgets_exist
@@ -35,7 +36,7 @@ from sessions_app.batch_delivery import claimable, run_delivery
 from sessions_app.context import context_settings
 from sessions_app.context_defaults import recent_wakes_columns, recent_wakes_of
 from sessions_app.errors import HeartbeatRefused
-from sessions_app.hot_sql import CompiledLookup, queued_run_insert, queued_run_insert_locking
+from sessions_app.hot_sql import CompiledLookup, CompiledUpdate, queued_run_insert, queued_run_insert_locking
 from sessions_app.metering import alone_seconds, session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
 from sessions_app.models import (
@@ -45,6 +46,7 @@ from sessions_app.models import (
     AgentSession,
     AgentStatus,
     BesideState,
+    CredentialHold,
     HeartbeatRun,
     RunStatus,
     RunTrigger,
@@ -390,6 +392,41 @@ def summary_waiting_for_place(*, agent_id_ref: str) -> Exists:
 CLAIM_READ = CompiledLookup(claim_read_query)
 
 
+def claim_update_query(values) -> tuple[QuerySet, dict]:
+    """The claim's UPDATE: the run moves to `running` if it is still as the claim read it
+    and its credential is not held by a provider's quota (`quota.hold_free`)."""
+    queryset = HeartbeatRun.objects.filter(id=values.run_id, status=values.status, batch_state=values.batch_state)
+    queryset = queryset.filter(quota.hold_free(credential=values.credential, run_id=values.run_id))
+    running = {
+        "status": RunStatus.RUNNING,
+        "started_at": values.started_at,
+        "deadline_at": values.deadline_at,
+        "claimed_by": values.claimed_by,
+    }
+    return queryset, running
+
+
+_CLAIM_FIELDS = {
+    name: HeartbeatRun._meta.get_field(field)
+    for name, field in {
+        "run_id": "id",
+        "status": "status",
+        "batch_state": "batch_state",
+        "started_at": "started_at",
+        "deadline_at": "deadline_at",
+        "claimed_by": "claimed_by",
+    }.items()
+}
+# Compiled once per connection (`hot_sql.CompiledUpdate`): a run whose adapter names no
+# credential has no hold to check.
+CLAIM_UPDATE = CompiledUpdate(
+    lambda values: claim_update_query(SimpleNamespace(**vars(values), credential=None)), _CLAIM_FIELDS
+)
+CLAIM_UPDATE_UNLESS_HELD = CompiledUpdate(
+    claim_update_query, {**_CLAIM_FIELDS, "credential": CredentialHold._meta.get_field("credential")}
+)
+
+
 def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     """1. claim: move a queued run to running unless another run of its agent is running,
     or the deployment's runs in progress are at PAPERCLIP_MAX_CONCURRENT_RUNS.
@@ -435,10 +472,14 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
             if capped and not run_place_free(agent_id=run.agent_id, created_at=run.created_at):
                 quota.probe_give_back(run=run)
                 return run, False
-            claimed = (
-                HeartbeatRun.objects.filter(id=run.id, status=run.status, batch_state=run.batch_state)
-                .filter(quota.hold_free(credential=credential, run_id=run.id))
-                .update(status=RunStatus.RUNNING, started_at=now, deadline_at=deadline, claimed_by=worker_id())
+            claimed = (CLAIM_UPDATE_UNLESS_HELD if credential is not None else CLAIM_UPDATE).update(
+                run_id=run.id,
+                status=run.status,
+                batch_state=run.batch_state,
+                credential=credential,
+                started_at=now,
+                deadline_at=deadline,
+                claimed_by=worker_id(),
             )
     except IntegrityError:
         quota.probe_give_back(run=run)

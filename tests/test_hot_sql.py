@@ -11,9 +11,11 @@ import tempfile
 import threading
 import uuid
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 from django.db import DataError, IntegrityError, ProgrammingError, connection, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from psycopg import pq
 
@@ -25,13 +27,21 @@ from sessions_app.models import (
     Agent,
     AgentSession,
     AgentStatus,
+    CredentialHold,
     HeartbeatRun,
     ManagedEndAction,
     ManagedSessionEnd,
     RunStatus,
     SessionStatus,
 )
-from sessions_app.run_queue import CLAIM_READ, claim_read_query, heartbeat_enqueue
+from sessions_app.run_queue import (
+    CLAIM_READ,
+    CLAIM_UPDATE,
+    CLAIM_UPDATE_UNLESS_HELD,
+    claim_read_query,
+    claim_update_query,
+    heartbeat_enqueue,
+)
 from sessions_app.services import agent_delete, session_expire
 from sessions_app.stores import store_for
 from tests.conftest import Actor, beat, on_own_connection, wait_until_blocked
@@ -219,6 +229,57 @@ def test_the_compiledclaim_read_query_gives_what_the_orm_gives_for_each_run(
         assert compiled.agent.adapter_config == run.agent.adapter_config
         assert as_the_orm_reads_it(compiled) == as_the_orm_reads_it(claim_read_query(run.id).get())
     assert CLAIM_READ.first(uuid.uuid4()) is None
+
+
+@pytest.mark.parametrize("credential", [None, "fingerprint-1"])
+def test_the_compiled_claim_update_is_the_statement_the_orm_writes_for_any_values(persistent_agent, credential):
+    compiled = CLAIM_UPDATE_UNLESS_HELD if credential else CLAIM_UPDATE
+    at = timezone.now()
+    for status, batch_state, started in [("queued", "", at), ("submitted", "ready", at + timedelta(days=400))]:
+        values = {
+            "run_id": uuid.uuid4(),
+            "status": status,
+            "batch_state": batch_state,
+            "credential": credential,
+            "started_at": started,
+            "deadline_at": started + timedelta(hours=1),
+            "claimed_by": f"host:{status}",
+        }
+        with CaptureQueriesContext(connection) as ours:
+            assert compiled.update(**values) == 0
+        queryset, running = claim_update_query(SimpleNamespace(**values))
+        with CaptureQueriesContext(connection) as the_orms:
+            queryset.update(**running)
+        assert [q["sql"] for q in ours] == [q["sql"] for q in the_orms]
+
+
+def test_the_compiled_claim_update_moves_a_queued_run_to_running_unless_its_credential_is_held(persistent_agent):
+    now = timezone.now()
+    run = HeartbeatRun.objects.create(
+        company_id=persistent_agent.company_id, agent=persistent_agent, task="t", created_at=now
+    )
+    values = {
+        "run_id": run.id,
+        "status": "queued",
+        "batch_state": "",
+        "credential": "fingerprint-1",
+        "started_at": now,
+        "deadline_at": now + timedelta(hours=1),
+        "claimed_by": "host:1",
+    }
+    hold = CredentialHold.objects.create(credential="fingerprint-1", held_until=now + timedelta(minutes=5))
+    assert CLAIM_UPDATE_UNLESS_HELD.update(**values) == 0
+    hold.probe_run = run.id  # the hold's probe may go
+    hold.save()
+    assert CLAIM_UPDATE_UNLESS_HELD.update(**values) == 1
+    run.refresh_from_db()
+    assert (run.status, run.started_at, run.deadline_at, run.claimed_by) == (
+        "running",
+        now,
+        now + timedelta(hours=1),
+        "host:1",
+    )
+    assert CLAIM_UPDATE.update(**{**values, "credential": None}) == 0  # no longer queued
 
 
 @pytest.mark.django_db(transaction=True)
