@@ -309,14 +309,17 @@ def heartbeat_dispatch(*, run: HeartbeatRun) -> None:
 
 def dispatch_next_queued(*, agent_id) -> None:
     """Wake the oldest queued run of an agent (after a run finished or was reaped)."""
-    nxt = (
-        HeartbeatRun.objects.filter(agent_id=agent_id, status=RunStatus.QUEUED)
-        .order_by("created_at")
-        .only("id")
-        .first()
-    )
+    nxt = NEXT_QUEUED.first(agent_id)
     if nxt is not None:
         heartbeat_dispatch(run=nxt)
+
+
+def next_queued_query(agent_id):
+    return HeartbeatRun.objects.filter(agent_id=agent_id, status=RunStatus.QUEUED).order_by("created_at").only("id")[:1]
+
+
+# Every heartbeat's release reads it: compiled once per connection (`hot_sql.CompiledLookup`).
+NEXT_QUEUED = CompiledLookup(next_queued_query)
 
 
 def dispatch_waiting(*, agent_ids=None) -> int:

@@ -38,9 +38,11 @@ from sessions_app.run_queue import (
     CLAIM_READ,
     CLAIM_UPDATE,
     CLAIM_UPDATE_UNLESS_HELD,
+    NEXT_QUEUED,
     claim_read_query,
     claim_update_query,
     heartbeat_enqueue,
+    next_queued_query,
 )
 from sessions_app.services import agent_delete, session_expire
 from sessions_app.stores import store_for
@@ -229,6 +231,23 @@ def test_the_compiledclaim_read_query_gives_what_the_orm_gives_for_each_run(
         assert compiled.agent.adapter_config == run.agent.adapter_config
         assert as_the_orm_reads_it(compiled) == as_the_orm_reads_it(claim_read_query(run.id).get())
     assert CLAIM_READ.first(uuid.uuid4()) is None
+
+
+def test_the_compiled_next_queued_run_is_the_orms_for_each_agent(persistent_agent, stateless_agent):
+    now = timezone.now()
+    for agent, ages in ((persistent_agent, (3, 1, 2)), (stateless_agent, (5,))):
+        for minutes in ages:
+            HeartbeatRun.objects.create(
+                company_id=agent.company_id, agent=agent, task=f"{minutes}", created_at=now - timedelta(minutes=minutes)
+            )
+    HeartbeatRun.objects.filter(agent=persistent_agent, task="3").update(status=RunStatus.SUCCEEDED)
+
+    for agent, oldest_queued in ((persistent_agent, "2"), (stateless_agent, "5")):
+        compiled = NEXT_QUEUED.first(agent.id)
+        assert compiled.pk == next_queued_query(agent.id).get().pk
+        assert HeartbeatRun.objects.get(pk=compiled.pk).task == oldest_queued
+    HeartbeatRun.objects.filter(agent=stateless_agent).update(status=RunStatus.SUCCEEDED)
+    assert NEXT_QUEUED.first(stateless_agent.id) is None
 
 
 @pytest.mark.parametrize("credential", [None, "fingerprint-1"])
