@@ -122,8 +122,9 @@ class CompiledUpdate:
     returns with the same values (Django compiles the claim's UPDATE, its filters and the
     quota hold's subquery, on every claim: about 0.65 ms, bench/RESULTS.md). Only for
     statements whose other parameters are constants: `build` is called once, with a
-    placeholder for each value, and each placeholder must show among the
-    statement's parameters (a value the ORM does not pass as a parameter cannot vary)."""
+    placeholder for each value, and each placeholder must show among the statement's
+    parameters (a value the ORM does not pass as a parameter cannot vary; a condition on
+    None, which the ORM writes as IS NULL, needs a statement of its own)."""
 
     def __init__(self, build: Callable[[SimpleNamespace], tuple[QuerySet, dict]], fields: dict[str, Field]) -> None:
         self.build, self.fields = build, fields

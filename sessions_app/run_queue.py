@@ -210,9 +210,9 @@ def _queue_lock_statement(agent: Agent) -> tuple[str, list]:
 
 def _queued_at_once(run: HeartbeatRun, *, agent: Agent) -> bool:
     """The common enqueue on PostgreSQL outside a caller's transaction (an API request, the
-    `heartbeat` command; not a tick, which may merge): the transaction, the queue lock and the bounded
-    INSERT in one round trip (`hot_sql.queued_run_insert_locking`). False when that does
-    not apply or inserted nothing; the enqueue's transaction then finds out why."""
+    `heartbeat` command; not a tick, which may merge): the transaction, the queue lock and
+    the bounded INSERT in one round trip (`hot_sql.queued_run_insert_locking`). False when
+    that does not apply or inserted nothing; the enqueue's transaction then finds out why."""
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         return False
     return queued_run_insert_locking(
