@@ -38,6 +38,7 @@ def run_check(tmp_path, **env):
         ({"PAPERCLIP_WORK_CHECK_HOSTS": "https://tracker.example"}, "PAPERCLIP_WORK_CHECK_HOSTS"),
         ({"PAPERCLIP_CLUSTER_NAME": "two words"}, "PAPERCLIP_CLUSTER_NAME"),
         ({"PAPERCLIP_WEB_WORKERS": "many"}, "PAPERCLIP_WEB_WORKERS"),
+        ({"PAPERCLIP_PG_PREPARED_STATEMENTS": "sometimes"}, "PAPERCLIP_PG_PREPARED_STATEMENTS"),
     ],
 )
 def test_bad_configuration_stops_with_one_clear_line(tmp_path, env, mentions):
@@ -255,3 +256,32 @@ def test_the_task_queue_is_named_by_the_setting_so_two_deployments_can_share_a_r
     )
     # (Django's shell may first say what it imported.)
     assert result.stdout.strip().splitlines()[-1].split() == ["staging", "staging"], (result.stdout, result.stderr)
+
+
+# A statement run six times on one connection, then what that connection has prepared.
+PREPARED_COUNT = (
+    "from django.db import connection\n"
+    "with connection.cursor() as cursor:\n"
+    "    for i in range(6):\n"
+    "        cursor.execute('SELECT %s + 1', [i])\n"
+    "    cursor.execute('SELECT count(*) FROM pg_prepared_statements')\n"
+    "    print('prepared', cursor.fetchone()[0])"
+)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(("asked", "prepared"), [("", 0), ("false", 0), ("true", 1)])
+def test_prepared_statements_only_when_asked_for(postgres_only, settings, asked, prepared):
+    from tests.conftest import database_environment
+
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
+    environment.update(database_environment(settings), PAPERCLIP_PG_PREPARED_STATEMENTS=asked)
+    result = subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", PREPARED_COUNT],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.stdout.strip().splitlines()[-1] == f"prepared {prepared}", (result.stdout, result.stderr)
