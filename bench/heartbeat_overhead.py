@@ -146,8 +146,10 @@ def main() -> None:
             bare_rates.append(bare_sdk(bodies))
         return Figures(engine_rates, bare_rates)
 
-    # Warm both paths (connections, imports) before measuring.
-    engine(stateless, 5)
+    # Warm both paths (connections, imports) before measuring; with
+    # PAPERCLIP_PG_PREPARED_STATEMENTS, psycopg prepares a statement on its 5th run, in
+    # exchanges of its own, so the round trips are counted after that.
+    engine(stateless, 10)
     bare_sdk(engine_requests())
     trips = {"stateless": round_trips(lambda: engine(stateless, 1))}
     engine_requests()
@@ -182,7 +184,13 @@ def main() -> None:
     fake.terminate()
     fake.wait()
 
-    print(f"store={store_for(session).name} fake latency={latency:g} ms rounds={ROUNDS} per_round={PER_ROUND}")
+    from django.db import connection
+
+    prepared = "on" if connection.settings_dict.get("OPTIONS", {}).get("server_side_binding") else "off"
+    print(
+        f"store={store_for(session).name} fake latency={latency:g} ms rounds={ROUNDS} per_round={PER_ROUND} "
+        f"prepared statements={prepared}"
+    )
     print(
         "database round trips per heartbeat, enqueue to release (counted by libpq's trace): "
         + ", ".join(f"{kind} {count}" for kind, count in trips.items())
@@ -193,7 +201,7 @@ def main() -> None:
     for label, figures in results.items():
         ours, theirs = figures.engine, figures.bare
         print(
-            f"{label}: engine {ours:.1f}/s, bare SDK {theirs:.1f}/s, ratio {ours / theirs:.2f}"
+            f"{label}: engine {ours:.1f}/s, bare SDK {theirs:.1f}/s, ratio {ours / theirs:.3f}"
             f"{'' if 'floor' in label else goal}, overhead {figures.overhead_ms:.2f} ms/heartbeat"
         )
     turn_1, floor_, young_turns, turn_200 = results.values()
