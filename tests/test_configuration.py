@@ -13,12 +13,28 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_check(tmp_path, **env):
+def clean_environment(**env) -> dict:
+    """This process's environment without any setting of ours, then `env`."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
-    environment.update({"PAPERCLIP_HOME": str(tmp_path), **env})
+    return {**environment, **env}
+
+
+def manage(*args, environment: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "manage.py", "check"], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60
     )
+
+
+def shell_said(script: str, environment: dict) -> str:
+    """The last line `script` printed in `manage.py shell` (Django's shell may first say
+    what it imported)."""
+    result = manage("shell", "-c", script, environment=environment)
+    assert result.stdout.strip(), (result.stdout, result.stderr)
+    return result.stdout.strip().splitlines()[-1]
+
+
+def run_check(tmp_path, **env):
+    return manage("check", environment=clean_environment(PAPERCLIP_HOME=str(tmp_path), **env))
 
 
 @pytest.mark.parametrize(
@@ -83,15 +99,12 @@ def test_secret_key_is_generated_once_in_local_trusted_mode(tmp_path):
 
 
 def test_deploy_checks_are_clean_with_production_settings(tmp_path):
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
-    environment.update(
-        {
-            "PAPERCLIP_HOME": str(tmp_path),
-            "PAPERCLIP_DEPLOYMENT_MODE": "authenticated",
-            "DJANGO_SECRET_KEY": "x" * 20 + "-production-secret-key-with-enough-entropy-0123456789",
-            "DJANGO_ALLOWED_HOSTS": "paperclip.example.com",
-            "PAPERCLIP_PUBLIC_URL": "https://paperclip.example.com",
-        }
+    environment = clean_environment(
+        PAPERCLIP_HOME=str(tmp_path),
+        PAPERCLIP_DEPLOYMENT_MODE="authenticated",
+        DJANGO_SECRET_KEY="x" * 20 + "-production-secret-key-with-enough-entropy-0123456789",
+        DJANGO_ALLOWED_HOSTS="paperclip.example.com",
+        PAPERCLIP_PUBLIC_URL="https://paperclip.example.com",
     )
     result = deploy_check(environment)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -99,26 +112,16 @@ def test_deploy_checks_are_clean_with_production_settings(tmp_path):
 
 
 def deploy_check(environment: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return manage("check", "--deploy", "--fail-level", "WARNING", environment=environment)
 
 
 def test_deploy_checks_say_once_that_plain_http_has_no_https_protections(tmp_path):
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
-    environment.update(
-        {
-            "PAPERCLIP_HOME": str(tmp_path),
-            "PAPERCLIP_DEPLOYMENT_MODE": "authenticated",
-            "DJANGO_SECRET_KEY": "x" * 20 + "-production-secret-key-with-enough-entropy-0123456789",
-            "DJANGO_ALLOWED_HOSTS": "10.0.0.5",
-            "PAPERCLIP_PUBLIC_URL": "http://10.0.0.5:3100",
-        }
+    environment = clean_environment(
+        PAPERCLIP_HOME=str(tmp_path),
+        PAPERCLIP_DEPLOYMENT_MODE="authenticated",
+        DJANGO_SECRET_KEY="x" * 20 + "-production-secret-key-with-enough-entropy-0123456789",
+        DJANGO_ALLOWED_HOSTS="10.0.0.5",
+        PAPERCLIP_PUBLIC_URL="http://10.0.0.5:3100",
     )
     result = deploy_check(environment)
     assert result.returncode == 1
@@ -151,14 +154,11 @@ def transport(tmp_path, **env):
     """How the real settings answer plain HTTP, HTTPS, and HTTP claiming to be forwarded HTTPS."""
     import json
 
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
-    environment.update(
-        {
-            "PAPERCLIP_HOME": str(tmp_path),
-            "PAPERCLIP_DEPLOYMENT_MODE": "authenticated",
-            "DJANGO_SECRET_KEY": "a-test-secret-key-that-is-long-enough-0123456789-abcdefghij",
-            **env,
-        }
+    environment = clean_environment(
+        PAPERCLIP_HOME=str(tmp_path),
+        PAPERCLIP_DEPLOYMENT_MODE="authenticated",
+        DJANGO_SECRET_KEY="a-test-secret-key-that-is-long-enough-0123456789-abcdefghij",
+        **env,
     )
     result = subprocess.run(
         [sys.executable, "-c", TRANSPORT_PROBE],
@@ -213,8 +213,7 @@ def test_a_trusted_proxy_header_marks_forwarded_requests_secure(tmp_path):
     ],
 )
 def test_the_run_command_without_its_database_stops_with_one_clear_line(tmp_path, database_url, mentions):
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
-    environment.update({"PAPERCLIP_HOME": str(tmp_path), "DATABASE_URL": database_url, "PAPERCLIP_PORT": "3499"})
+    environment = clean_environment(PAPERCLIP_HOME=str(tmp_path), DATABASE_URL=database_url, PAPERCLIP_PORT="3499")
     result = subprocess.run(["scripts/run"], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -243,19 +242,9 @@ def test_every_setting_the_code_reads_is_in_the_configuration_reference():
 
 
 def test_the_task_queue_is_named_by_the_setting_so_two_deployments_can_share_a_redis(tmp_path):
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
-    environment.update({"PAPERCLIP_HOME": str(tmp_path), "PAPERCLIP_CLUSTER_NAME": "staging"})
+    environment = clean_environment(PAPERCLIP_HOME=str(tmp_path), PAPERCLIP_CLUSTER_NAME="staging")
     script = "from django_q.conf import Conf; print(Conf.PREFIX, Conf.CLUSTER_NAME)"
-    result = subprocess.run(
-        [sys.executable, "manage.py", "shell", "-c", script],
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    # (Django's shell may first say what it imported.)
-    assert result.stdout.strip().splitlines()[-1].split() == ["staging", "staging"], (result.stdout, result.stderr)
+    assert shell_said(script, environment).split() == ["staging", "staging"]
 
 
 # A statement run six times on one connection, then what that connection has prepared.
@@ -274,14 +263,5 @@ PREPARED_COUNT = (
 def test_prepared_statements_only_when_asked_for(postgres_only, settings, asked, prepared):
     from tests.conftest import database_environment
 
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "PAPERCLIP_", "DJANGO_"))}
-    environment.update(database_environment(settings), PAPERCLIP_PG_PREPARED_STATEMENTS=asked)
-    result = subprocess.run(
-        [sys.executable, "manage.py", "shell", "-c", PREPARED_COUNT],
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.stdout.strip().splitlines()[-1] == f"prepared {prepared}", (result.stdout, result.stderr)
+    environment = clean_environment(**database_environment(settings), PAPERCLIP_PG_PREPARED_STATEMENTS=asked)
+    assert shell_said(PREPARED_COUNT, environment) == f"prepared {prepared}"
