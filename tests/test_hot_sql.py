@@ -7,7 +7,6 @@ connection at its worst moment (PostgreSQL: SQLite runs one writer at a time).""
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import uuid
 from datetime import timedelta
@@ -19,6 +18,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from psycopg import pq
 
+from bench.heartbeat_overhead import round_trips  # the counter the benchmark prints
 from costs_app.models import CostEvent
 from sessions_app.hot_sql import queued_run_insert_locking, rows_insert_ignoring_conflicts
 from sessions_app.maintenance import runs_reap, sessions_expire
@@ -388,22 +388,6 @@ def test_rows_beyond_one_statement_go_in_one_transaction_all_or_nothing(company)
     with pytest.raises(IntegrityError):  # the last batch names a company that does not exist
         rows_insert_ignoring_conflicts(doomed)
     assert ManagedSessionEnd.objects.count() == 3000
-
-
-def round_trips(action) -> int:
-    """The exchanges `action` makes with the server on this thread's connection: each ends
-    with the server's ReadyForQuery, in libpq's own trace of the protocol."""
-    connection.ensure_connection()
-    pgconn = connection.connection.pgconn
-    with tempfile.TemporaryFile(mode="w+") as trace:
-        pgconn.trace(trace.fileno())
-        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-        try:
-            action()
-        finally:
-            pgconn.untrace()
-        trace.seek(0)
-        return sum(1 for line in trace if "\tReadyForQuery\t" in line)
 
 
 @pytest.mark.django_db(transaction=True)
