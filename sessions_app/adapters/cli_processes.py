@@ -260,12 +260,8 @@ class RunProcesses:
         under the CLI (once the CLI exits, init adopts it). Found then, a job that detached
         (`env -i job &`) is found however long the tracker's next poll, or the engine's
         reading of the CLI's messages, waits for the CPU."""
-        if self._tracking:
+        if self.cgroup is None and self._tracker is not None:
             self.scan()
-
-    @property
-    def _tracking(self) -> bool:
-        return self.cgroup is None and self._tracker is not None
 
     def _track(self) -> None:
         while not self._stop.wait(TRACK_EVERY_SECONDS):
