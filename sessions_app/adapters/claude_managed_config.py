@@ -96,7 +96,7 @@ def _environment(config: dict, errors: dict[str, str]) -> dict:
         else:
             return {"networking": networking, "packages": packages}
     errors["environment"] = f"{problem}; got {raw!r}"
-    return raw if isinstance(raw, dict) else {}
+    return {}  # nothing of a refused environment is read further (the authenticated check)
 
 
 def _resources(config: dict, errors: dict[str, str]) -> list[dict]:
@@ -171,15 +171,15 @@ def validate_managed_config(config: dict, errors: dict[str, str]) -> dict:
         clean["approval_timeout_minutes"] = minutes
     if config.get("context_strategy") not in (None, "none"):
         errors["context_strategy"] = "a Managed Agents session manages its own context: leave it unset or 'none'"
-    errors.update(
-        authenticated_problems(
-            clean,
-            mode=settings.PAPERCLIP_DEPLOYMENT_MODE,
-            tools=settings.PAPERCLIP_MANAGED_TOOLS,
-            hosts=settings.PAPERCLIP_MANAGED_HOSTS,
-            files=settings.PAPERCLIP_MANAGED_FILES,
-        )
+    problems = authenticated_problems(
+        clean,
+        mode=settings.PAPERCLIP_DEPLOYMENT_MODE,
+        tools=settings.PAPERCLIP_MANAGED_TOOLS,
+        hosts=settings.PAPERCLIP_MANAGED_HOSTS,
+        files=settings.PAPERCLIP_MANAGED_FILES,
     )
+    for field, problem in problems.items():
+        errors.setdefault(field, problem)  # a setting's own shape is said first
     return clean
 
 

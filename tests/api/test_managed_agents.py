@@ -50,3 +50,19 @@ def test_an_api_key_mounts_only_the_files_the_operator_lists(key_api, company, s
     refused = assert_error(created([{"file_id": "file_allowed"}, {"file_id": "file_secret"}]), 400)
     assert "'file_secret'" in refused["fields"]["adapter_config.resources"]
     assert created([{"file_id": "file_allowed", "mount_path": "/mnt/data/in.csv"}]).status_code == 201
+
+
+@pytest.mark.parametrize("hosts", [5, True, "pypi.org"], ids=["a-number", "a-boolean", "a-string"])
+def test_an_api_key_sending_hosts_that_are_not_a_list_is_told_the_shape_expected(key_api, company, settings, hosts):
+    settings.PAPERCLIP_MANAGED_TOOLS = ("read",)
+    settings.PAPERCLIP_MANAGED_HOSTS = ("pypi.org",)
+    config = {"model": "claude-sonnet-4-5", "tools": ["read"], "environment": {"networking": {"allowed_hosts": hosts}}}
+
+    response = key_api.post(
+        f"/api/companies/{company.id}/agents",
+        {"name": "remote", "adapter_type": "claude-managed", "adapter_config": config},
+    )
+
+    # Not the operator's host list read letter by letter: what the setting must be.
+    problem = assert_error(response, 400)["fields"]["adapter_config.environment"]
+    assert "networking must be 'unrestricted' or {'allowed_hosts': [host, ...]" in problem
