@@ -13,11 +13,13 @@ from sessions_app.api.base import ApiView, error_responses
 from sessions_app.api.exceptions import BadRequest, Conflict, NotFound
 from sessions_app.approvals import MAX_REASON_CHARS, ApprovalRefused, approval_decide
 from sessions_app.models import ApiKey, HeartbeatRun
-from sessions_app.serializers import RunSerializer
+from sessions_app.serializers import NoUnknownFieldsMixin, RunSerializer, StrictCharField
 
 
-class DecisionSerializer(serializers.Serializer):
-    reason = serializers.CharField(
+class DecisionSerializer(NoUnknownFieldsMixin, serializers.Serializer):
+    # Unknown fields are refused: a misspelt reason would never reach the agent, and an
+    # `allow` sent to /deny would be ignored while the path decides.
+    reason = StrictCharField(
         required=False,
         allow_blank=True,
         max_length=MAX_REASON_CHARS,

@@ -147,14 +147,26 @@ def test_a_stateless_agents_session_is_kept_while_it_waits_and_archived_after(ap
     assert fake_managed.sessions[remote["id"]]["archived_at"] is not None
 
 
-def test_a_reason_that_is_not_text_is_a_400_naming_it(api, company, fake_managed):
+@pytest.mark.parametrize(
+    ("decision", "body", "field"),
+    [
+        ("deny", {"reason": "x" * 3000}, "reason"),
+        ("deny", {"reason": 12345}, "reason"),
+        ("deny", {"reasn": "never run rm -rf"}, "reasn"),  # a reason lost to a typo would not reach the agent
+        ("approve", {"allow": False, "reason": "NO"}, "allow"),  # the path decides, and says so
+    ],
+    ids=["too-long", "not-text", "misspelt", "a-decision-in-the-body"],
+)
+def test_a_decision_the_api_cannot_take_as_sent_is_a_400_naming_the_field(
+    api, company, fake_managed, decision, body, field
+):
     agent = asking_agent(company)
     fake_managed.script(None, ASKING)
     waiting = beat(agent, "clean the build")
 
-    error = assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/deny"), {"reason": "x" * 3000}), 400)
+    error = assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/{decision}"), body), 400)
 
-    assert "reason" in str(error)
+    assert field in error["fields"]
     assert HeartbeatRun.objects.get(pk=waiting.pk).status == RunStatus.WAITING_APPROVAL
 
 
