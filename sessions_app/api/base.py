@@ -14,7 +14,7 @@ from sessions_app.api.authentication import ApiKeyAuthentication, ApiKeyRequired
 from sessions_app.api.exceptions import BadRequest, NotFound
 from sessions_app.api.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from sessions_app.api.parsers import StrictJSONParser, check_text
-from sessions_app.models import Agent, AgentStatus, Company
+from sessions_app.models import Agent, AgentStatus, Company, parse_session_id
 from sessions_app.serializers import ErrorSerializer
 
 ERROR_DESCRIPTIONS = {
@@ -129,6 +129,20 @@ class ApiView(APIView):
         value = parse_uuid(raw)
         if value is None:
             raise BadRequest(f"{name} must be a UUID.", code="invalid_parameter", fields={name: raw})
+        return value
+
+    def query_session_id(self, name: str) -> UUID | None:
+        """A session id in the form the API shows it (`sess_` + 32 hex digits) or as the plain UUID."""
+        raw = self.request.query_params.get(name)
+        if raw in (None, ""):
+            return None
+        value = parse_session_id(raw)
+        if value is None:
+            raise BadRequest(
+                f"{name} must be a session id (sess_ + 32 hex digits) or a UUID.",
+                code="invalid_parameter",
+                fields={name: raw},
+            )
         return value
 
     def query_int(self, name: str, *, default: int, minimum: int, maximum: int) -> int:

@@ -20,12 +20,13 @@ from sessions_app.api.base import ApiView, error_responses
 from sessions_app.api.exceptions import NotFound
 from sessions_app.api.pagination import Keyset, parse_limit
 from sessions_app.managed_outputs import output_delete, output_path
-from sessions_app.models import Agent, ManagedOutput
+from sessions_app.models import Agent, ManagedOutput, session_public_id
 
 OUTPUT_ORDER = Keyset("created_at", descending=True)  # managed_outputs_agent_idx
 
 
 class OutputSerializer(serializers.ModelSerializer):
+    session_id = serializers.SerializerMethodField(help_text="`sess_` + 32 hex digits, as the session was shown.")
     stored = serializers.BooleanField(read_only=True, help_text="False when a size limit kept the copy out.")
 
     class Meta:
@@ -44,6 +45,9 @@ class OutputSerializer(serializers.ModelSerializer):
             "created_at",
         ]
 
+    def get_session_id(self, output: ManagedOutput) -> str | None:
+        return session_public_id(output.session_id)
+
 
 class OutputListSerializer(serializers.Serializer):
     outputs = OutputSerializer(many=True)
@@ -54,7 +58,9 @@ class OutputListView(ApiView):
     @extend_schema(
         operation_id="agent_outputs_list",
         parameters=[
-            OpenApiParameter("session_id", OpenApiTypes.UUID, description="Only the outputs of this session."),
+            OpenApiParameter(
+                "session_id", str, description="Only the outputs of this session (`sess_…`, or the plain UUID)."
+            ),
             OpenApiParameter("limit", int),
             OpenApiParameter("next", str),
         ],
@@ -66,7 +72,7 @@ class OutputListView(ApiView):
     def get(self, request, company_id: UUID, agent_id: UUID):
         agent = self.get_agent(company_id, agent_id)
         outputs = ManagedOutput.objects.filter(agent=agent)
-        if (session_id := self.query_uuid("session_id")) is not None:
+        if (session_id := self.query_session_id("session_id")) is not None:
             outputs = outputs.filter(session_id=session_id)
         limit = parse_limit(request.query_params.get("limit"))
         rows, cursor = OUTPUT_ORDER.page(outputs, limit=limit, cursor=request.query_params.get("next"))

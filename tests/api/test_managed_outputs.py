@@ -54,13 +54,19 @@ def test_an_agents_outputs_are_listed_newest_first_a_page_at_a_time_and_by_sessi
     first = key_api.get(agent_url(agent, "/outputs?limit=1")).json()
     second = key_api.get(agent_url(agent, f"/outputs?limit=1&next={first['next']}")).json()
     by_session = key_api.get(agent_url(agent, f"/outputs?session_id={session_id}")).json()
+    # The id as the API shows it (its runs, its sessions, this list) finds the same.
+    by_public_id = key_api.get(agent_url(agent, f"/outputs?session_id=sess_{session_id.hex}")).json()
 
     assert [o["id"] for o in first["outputs"] + second["outputs"]] == [new.pk, old.pk]
     assert second["next"] is None
     (listed,) = by_session["outputs"]
+    assert by_public_id == by_session
+    assert listed["session_id"] == f"sess_{session_id.hex}"
     assert listed["filename"] == "new.txt" and listed["stored"] is True
     assert listed["sha256"] == hashlib.sha256(b"new").hexdigest()
-    assert "invalid_parameter" == assert_error(key_api.get(agent_url(agent, "/outputs?session_id=nope")), 400)["code"]
+    for wrong in ("nope", f"sess_{session_id.hex[:-1]}"):
+        refused = assert_error(key_api.get(agent_url(agent, f"/outputs?session_id={wrong}")), 400)
+        assert (refused["code"], refused["fields"]) == ("invalid_parameter", {"session_id": wrong})
 
 
 def test_an_output_downloads_as_the_exact_bytes_under_its_name_and_is_never_rendered(key_api, agent):
