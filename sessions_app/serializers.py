@@ -258,6 +258,16 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
             return value
         return json_merge_patch(agent.adapter_config, value)
 
+    def validate(self, attrs: dict) -> dict:
+        # A PATCH changing only the adapter type replaces the configuration all the same:
+        # with nothing sent, the new type's defaults (as a PUT leaving it out), never the
+        # old type's keys, which the new one would refuse.
+        agent = self.instance
+        changes_type = agent is not None and attrs.get("adapter_type", agent.adapter_type) != agent.adapter_type
+        if self.partial and changes_type and "adapter_config" not in attrs:
+            attrs["adapter_config"] = Agent._meta.get_field("adapter_config").get_default()
+        return attrs
+
 
 # Sessions
 

@@ -195,6 +195,20 @@ def test_patch_changing_the_adapter_type_replaces_the_configuration(api, persist
     assert persistent_agent.adapter_config.get("model") != "claude-opus-4-5" and not persistent_agent.is_persistent
 
 
+def test_patch_changing_only_the_adapter_type_gives_the_new_type_its_defaults(api, persistent_agent):
+    response = api.patch(agent_url(persistent_agent), {"adapter_type": "claude-managed"})
+
+    # Not a 400 naming the old type's keys, which the caller never sent.
+    assert response.status_code == 200, response.json()
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.adapter_type == "claude-managed"
+    assert "max_tokens" not in persistent_agent.adapter_config and not persistent_agent.is_persistent
+    assert [tool["name"] for tool in persistent_agent.adapter_config["tools"]][:2] == ["bash", "edit"]
+    # A type that cannot run without settings of its own says which.
+    error = assert_error(api.patch(agent_url(persistent_agent), {"adapter_type": "process"}), 400, "invalid")
+    assert list(error["fields"]) == ["adapter_config.command"]
+
+
 def test_put_replaces_the_agent_and_its_whole_adapter_config(api, persistent_agent):
     persistent_agent.adapter_config = {**persistent_agent.adapter_config, "memory": True}
     persistent_agent.save()
