@@ -14,6 +14,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
+from django.db import transaction
 from django.http import Http404, HttpResponseRedirect
 from django.urls import path, reverse
 from django.utils.formats import date_format
@@ -21,6 +22,8 @@ from django.utils.html import format_html, format_html_join
 
 from memory_app.models import MemoryFile, MemoryStore, MemoryStoreShare
 from memory_app.stores import MemoryFault, Mount, Writer, check_content, clean_path, file_write, version_revert
+from sessions_app.adapters.tool_config import STORE_NAME
+from sessions_app.models import Agent, AgentStatus
 from sessions_app.text import holds_unstorable
 
 MAX_DIFF_LINES = 400
@@ -234,8 +237,43 @@ class ShareInline(admin.TabularInline):
     fields = ["agent", "access"]
 
 
+class MemoryStoreForm(forms.ModelForm):
+    """A new store: of its agent's company (shares are checked against it, and an agent
+    mounts only its company's stores), named as an agent's `memory` configuration can name
+    it, for an agent not deleted (whose memory went with it)."""
+
+    class Meta:
+        model = MemoryStore
+        fields = ["company", "agent", "name"]
+
+    def clean_name(self):
+        name = self.cleaned_data["name"]
+        if not STORE_NAME.fullmatch(name):
+            raise forms.ValidationError(
+                "A store name is what an agent's memory configuration lists: lowercase letters, digits, "
+                "'-' and '_', starting with a letter or a digit, at most 64 characters."
+            )
+        return name
+
+    def clean(self):
+        cleaned = super().clean()
+        agent, company = cleaned.get("agent"), cleaned.get("company")
+        if agent is None:
+            return cleaned
+        # Locked until the admin's transaction commits: retiring the agent meanwhile waits,
+        # then deletes this store with the rest of its memory; retired first, it is seen here.
+        with transaction.atomic():
+            current = Agent.objects.select_for_update().filter(pk=agent.pk).values("status", "company_id").first()
+        if current is None or current["status"] == AgentStatus.DELETED:
+            self.add_error("agent", f"The agent {agent} was deleted, and its memory with it.")
+        elif company is not None and company.pk != current["company_id"]:
+            self.add_error("company", f"{agent} is an agent of {agent.company}, not of {company}.")
+        return cleaned
+
+
 @admin.register(MemoryStore)
 class MemoryStoreAdmin(admin.ModelAdmin):
+    form = MemoryStoreForm
     list_display = ["name", "agent", "company", "bytes_used", "files_link"]
     list_filter = ["company"]
     list_select_related = ["agent", "company"]

@@ -47,10 +47,19 @@ FAULT_ERRORS = {
 }
 
 
-def fault_error(fault: MemoryFault, field: str = "path") -> Exception:
+# The request field each 400 fault is about (docs/api.md, "Memory"): a client fixes that one.
+FAULT_FIELDS = {
+    "memory_path_invalid": "path",
+    "memory_content_invalid": "content",
+    "memory_file_too_large": "content",
+}
+
+
+def fault_error(fault: MemoryFault) -> Exception:
     error = FAULT_ERRORS.get(fault.code)
     if error is None:
-        return BadRequest(fault.message, code=fault.code, fields={field: fault.message})
+        field = FAULT_FIELDS.get(fault.code)
+        return BadRequest(fault.message, code=fault.code, fields={field: fault.message} if field else None)
     return error(fault.message, code=fault.code)
 
 
@@ -240,7 +249,7 @@ class MemoryFileView(ApiView):
                 expected_version=body.validated_data.get("version"),
             )
         except MemoryFault as fault:
-            raise fault_error(fault, field="content") from None
+            raise fault_error(fault) from None
         return Response(file_row(mount, found))
 
     @extend_schema(

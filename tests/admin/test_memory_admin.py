@@ -1,17 +1,21 @@
 """Memory in the admin: files with versions and diffs, operator edits as versions, revert,
-deletes as versions, refusals as messages."""
+deletes as versions, refusals as messages; stores added for an agent of their company."""
 
 from __future__ import annotations
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
+from django.utils import timezone
 
-from memory_app.models import MemoryFile, MemoryStore, MemoryWriter
+from memory_app.admin import MemoryStoreForm
+from memory_app.models import MemoryFile, MemoryStore, MemoryStoreShare, MemoryWriter
 from memory_app.stores import Writer, mounts_for
 from memory_app.tool import StoreMemoryTool
-from sessions_app.models import Agent
+from sessions_app.models import Agent, AgentStatus
+from sessions_app.services import agent_delete
+from tests.conftest import Actor, wait_until_blocked
 
 
 @pytest.fixture
@@ -108,3 +112,75 @@ def test_the_bulk_delete_deletes_as_versions(admin_client, memory_agent):
     assert set(MemoryFile.objects.values_list("deleted", flat=True)) == {True}
     assert all(f.versions.order_by("-number").first().operation == "delete" for f in files)
     assert MemoryStore.objects.get(agent=memory_agent).bytes_used == 0
+
+
+STORE_ADD = "admin:memory_app_memorystore_add"
+
+
+def store_form(company, agent, name: str = "team", *, share_with=None) -> dict:
+    data = {"company": str(company.pk), "agent": str(agent.pk), "name": name}
+    shares = [share_with] if share_with is not None else []
+    data.update({"shares-TOTAL_FORMS": str(len(shares)), "shares-INITIAL_FORMS": "0"})
+    for n, reader in enumerate(shares):
+        data.update({f"shares-{n}-agent": str(reader.pk), f"shares-{n}-access": "read"})
+    return data
+
+
+def test_a_new_store_belongs_to_its_agents_company(admin_client, memory_agent, other_company, other_agent):
+    # Filed under the other company, the store would have been listed there, and a share
+    # with that company's agent accepted: a share of another company's memory.
+    response = admin_client.post(reverse(STORE_ADD), store_form(other_company, memory_agent, share_with=other_agent))
+
+    assert response.status_code == 200
+    assert "company" in response.context["adminform"].form.errors
+    assert not MemoryStore.objects.exists() and not MemoryStoreShare.objects.exists()
+
+    response = admin_client.post(reverse(STORE_ADD), store_form(memory_agent.company, memory_agent))
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    assert MemoryStore.objects.get(agent=memory_agent).company_id == memory_agent.company_id
+
+
+@pytest.mark.parametrize("name", ["../../x y", "Team", "team/notes", "-team", "team notes", "équipe"])
+def test_a_new_store_has_a_name_an_agents_configuration_can_list(admin_client, memory_agent, name):
+    response = admin_client.post(reverse(STORE_ADD), store_form(memory_agent.company, memory_agent, name))
+
+    assert response.status_code == 200
+    assert "name" in response.context["adminform"].form.errors
+    assert not MemoryStore.objects.exists()
+
+
+def test_a_store_added_by_name_is_the_one_the_configuration_mounts(admin_client, memory_agent):
+    response = admin_client.post(reverse(STORE_ADD), store_form(memory_agent.company, memory_agent, "team-notes_2"))
+    assert response.status_code == 302, response.context["adminform"].form.errors
+
+    memory_agent.adapter_config = {"memory": ["team-notes_2"]}
+    memory_agent.save()
+
+    assert mounts_for(memory_agent)[1].store == MemoryStore.objects.get(name="team-notes_2")
+
+
+def test_no_store_is_added_for_a_deleted_agent(admin_client, memory_agent):
+    agent_delete(agent=memory_agent, now=timezone.now())
+
+    response = admin_client.post(reverse(STORE_ADD), store_form(memory_agent.company, memory_agent))
+
+    assert response.status_code == 200
+    assert "agent" in response.context["adminform"].form.errors
+    assert not MemoryStore.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retiring_the_agent_while_a_store_is_added_deletes_that_store_too(memory_agent):
+    """The form checked the agent; its retirement, arriving before the store is saved, must
+    not leave a store behind for a deleted agent."""
+    retire = Actor(lambda: agent_delete(agent=Agent.objects.get(pk=memory_agent.pk), now=timezone.now()))
+    with transaction.atomic():  # as the admin's add view: validation and save in one transaction
+        form = MemoryStoreForm(data=store_form(memory_agent.company, memory_agent))
+        assert form.is_valid(), form.errors
+        retire.start()
+        wait_until_blocked(retire)
+        form.save()
+    retire.result()
+
+    assert Agent.objects.get(pk=memory_agent.pk).status == AgentStatus.DELETED
+    assert not MemoryStore.objects.exists()

@@ -105,6 +105,32 @@ def test_bad_writes_are_400s_naming_the_field(api, memory_agent, path, body, sta
     assert not MemoryFile.objects.exists()
 
 
+@pytest.mark.parametrize("path", ["notes/todo.md/more.md", "notes"])
+def test_a_path_refused_while_writing_names_the_path(api, memory_agent, path):
+    # Found under the store's lock (a file below a file, a folder written as a file), after
+    # the path itself was checked: still the path's fault, not the content's.
+    written(memory_agent, "notes/todo.md", "buy milk")
+
+    error = assert_error(api.put(agent_url(memory_agent, f"/memory/{path}"), {"content": "x"}), 400)
+
+    assert error["code"] == "memory_path_invalid"
+    assert list(error["fields"]) == ["path"]
+    assert list(MemoryFile.objects.values_list("path", flat=True)) == ["notes/todo.md"]
+
+
+@pytest.mark.parametrize("path", ["a%0Ab.md", "a.md%0A", "%0Anotes/a.md", "notes%0A/a.md", "a%0Db.md", "a%01b.md"])
+@pytest.mark.parametrize("method", ["get", "put", "delete"])
+def test_a_control_character_in_the_path_is_a_400_naming_the_path(api, memory_agent, method, path):
+    # A newline as much as any other: it must reach the view's path check, not miss the URL.
+    url = agent_url(memory_agent, f"/memory/{path}")
+    response = api.put(url, {"content": "x"}) if method == "put" else getattr(api, method)(url)
+
+    error = assert_error(response, 400, "memory_path_invalid")
+
+    assert list(error["fields"]) == ["path"]
+    assert not MemoryFile.objects.exists()
+
+
 def test_limits_answer_with_their_codes(api, memory_agent, settings):
     settings.PAPERCLIP_MEMORY_MAX_FILE_BYTES = 10
     settings.PAPERCLIP_MEMORY_MAX_STORE_BYTES = 15
