@@ -18,23 +18,24 @@ from costs_app.money import AmountField
 from sessions_app.api.base import PAGE_PARAMETERS, ApiView, error_responses
 from sessions_app.api.exceptions import Conflict, NotFound
 from sessions_app.api.pagination import Keyset, parse_limit
+from sessions_app.serializers import NoUnknownFieldsMixin, StrictBooleanField, StrictCharField
 
 
-class AlertTargetSerializer(serializers.ModelSerializer):
+class AlertTargetSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
     url = serializers.URLField(
         max_length=2000, help_text="http(s) URL that receives a signed JSON POST at each threshold."
     )
-    secret = serializers.CharField(
+    secret = StrictCharField(
         write_only=True,
         min_length=16,
         max_length=200,
         help_text="HMAC-SHA256 key of the X-Paperclip-Signature header. Write-only: never returned.",
     )
-    active = serializers.BooleanField(required=False, default=True)
-    quota_events = serializers.BooleanField(
+    active = StrictBooleanField(required=False, default=True)
+    quota_events = StrictBooleanField(
         required=False, default=False, help_text="Also receive `quota_held` and `quota_released` (docs/operations.md)."
     )
-    health_events = serializers.BooleanField(
+    health_events = StrictBooleanField(
         required=False, default=False, help_text="Also receive `agent_down` and `agent_up` for agents of its scope."
     )
 

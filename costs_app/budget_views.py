@@ -5,7 +5,7 @@ from __future__ import annotations
 from decimal import Decimal
 from uuid import UUID
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
@@ -17,12 +17,20 @@ from costs_app.models import Budget
 from costs_app.money import AmountField, MoneyField
 from costs_app.signals import budget_changed
 from sessions_app.api.base import ApiView, error_responses
+from sessions_app.serializers import NoUnknownFieldsMixin, StrictIntegerField
 
 SET_DESCRIPTION = (
     "Set limits (fields left out keep their value; null removes a limit). Raising a limit resumes "
     "agents that the budget had paused."
 )
-LIMIT = {"max_digits": 12, "decimal_places": 6, "min_value": 0, "allow_null": True, "required": False}
+LIMIT = {
+    "max_digits": 12,
+    "decimal_places": 6,
+    "min_value": 0,
+    "allow_null": True,
+    "required": False,
+    "error_messages": {"blank": 'Must be a decimal, such as "12.50"; null, not a blank string, removes a limit.'},
+}
 
 
 class BudgetUseSerializer(serializers.Serializer):
@@ -45,13 +53,13 @@ class BudgetUseSerializer(serializers.Serializer):
     )
 
 
-class BudgetSerializer(serializers.ModelSerializer):
+class BudgetSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
     monthly_limit_usd = MoneyField(**LIMIT, help_text="UTC calendar month; null = none.")
     lifetime_limit_usd = MoneyField(**LIMIT)
     daily_limit_usd = MoneyField(**LIMIT, help_text="UTC day.")
-    daily_run_limit = serializers.IntegerField(min_value=0, max_value=2_147_483_647, allow_null=True, required=False)
-    warn_percent = serializers.IntegerField(min_value=1, max_value=100, required=False)
-    alert_percent = serializers.IntegerField(
+    daily_run_limit = StrictIntegerField(min_value=0, max_value=2_147_483_647, allow_null=True, required=False)
+    warn_percent = StrictIntegerField(min_value=1, max_value=100, required=False)
+    alert_percent = StrictIntegerField(
         min_value=1, max_value=100, required=False, help_text="Second alert threshold (percent of a limit)."
     )
     session_limit_usd = MoneyField(
@@ -105,6 +113,27 @@ def forecast_fields(forecast: Forecast | None) -> dict:
     return {"daily_rate_usd": forecast.daily_rate_usd, "forecast_date": forecast.date}
 
 
+def budget_set(*, company, agent, values: dict) -> Budget:
+    """Set `values` on the budget of the scope (the company's when `agent` is None), creating
+    it when there is none; fields not in `values` keep theirs (a new budget's defaults)."""
+    with transaction.atomic():
+        budget = Budget.objects.select_for_update().filter(company=company, agent=agent).first()
+        if budget is None:
+            try:
+                with transaction.atomic():
+                    return Budget.objects.create(company=company, agent=agent, **values)
+            except IntegrityError:
+                # No row to lock when we read: another writer created the scope's budget
+                # since (on PostgreSQL this insert waited for its commit). Update that one.
+                budget = Budget.objects.select_for_update().filter(company=company, agent=agent).first()
+                if budget is None:
+                    raise
+        for name, value in values.items():
+            setattr(budget, name, value)
+        budget.save(update_fields=[*values, "updated_at"])
+    return budget
+
+
 class BudgetView(ApiView):
     """Shared by the company budget (`agent_id` absent) and an agent's budget."""
 
@@ -130,11 +159,9 @@ class BudgetView(ApiView):
 
     def put(self, request, company_id: UUID, agent_id: UUID | None = None):
         company, agent = self.scope(company_id, agent_id)
-        with transaction.atomic():
-            budget = Budget.objects.select_for_update().filter(company=company, agent=agent).first()
-            serializer = BudgetSerializer(budget, data=request.data, partial=True)
-            serializer.is_valid(raise_exception=True)
-            budget = serializer.save(company=company, agent=agent)
+        serializer = BudgetSerializer(data=request.data, partial=True)
+        serializer.is_valid(raise_exception=True)
+        budget = budget_set(company=company, agent=agent, values=serializer.validated_data)
         budget_changed.send(sender=Budget, company_id=company.id, now=timezone.now())
         return self.answer(company, agent, budget)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, URLValidator
 from django.db import models
 from django.db.models.functions import Now
@@ -17,6 +18,14 @@ from sessions_app.text import MESSAGE_ID_MAX_LENGTH
 
 MONEY = {"max_digits": 20, "decimal_places": 10}
 PRICE = {"max_digits": 12, "decimal_places": 6}
+# The prices of a ModelPrice, USD per million tokens.
+PRICE_FIELDS = (
+    "input_usd_per_mtok",
+    "output_usd_per_mtok",
+    "cache_write_5m_usd_per_mtok",
+    "cache_write_1h_usd_per_mtok",
+    "cache_read_usd_per_mtok",
+)
 
 
 class ModelPrice(models.Model):
@@ -40,6 +49,17 @@ class ModelPrice(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model} from {self.effective_from}"
+
+    def clean(self) -> None:
+        # Here rather than as validators of the fields: those would need a migration that
+        # changes nothing in the database.
+        errors = {
+            name: "A price cannot be negative."
+            for name in PRICE_FIELDS
+            if getattr(self, name) is not None and getattr(self, name) < 0
+        }
+        if errors:
+            raise ValidationError(errors)
 
     @classmethod
     def from_list_price(cls, model: str, effective_from, input_price: Decimal, output_price: Decimal) -> ModelPrice:
@@ -259,6 +279,10 @@ class CostDay(models.Model):
         return f"{self.day} {self.kind} {self.model} ${self.cost_usd}"
 
 
+# The money limits of a budget (its session limit has a validator of its own: above 0).
+MONEY_LIMITS = ("monthly_limit_usd", "lifetime_limit_usd", "daily_limit_usd")
+
+
 class Budget(models.Model):
     """Spending limits of a company (agent empty) or of one agent. Months are UTC."""
 
@@ -300,6 +324,27 @@ class Budget(models.Model):
 
     def __str__(self) -> str:
         return f"budget of {self.agent or self.company}"
+
+    def clean(self) -> None:
+        # The API's rules (costs_app.budget_views.BudgetSerializer), for the admin's form: the
+        # API takes the company from the URL and the agent from that company. Here rather than
+        # as validators of the fields: those would need a migration that changes nothing in
+        # the database.
+        errors = {
+            name: "A limit cannot be negative (0 stops all spend; leave it empty for no limit)."
+            for name in MONEY_LIMITS
+            if getattr(self, name) is not None and getattr(self, name) < 0
+        }
+        if self.warn_percent is not None and not 1 <= self.warn_percent <= 100:
+            errors["warn_percent"] = "Must be from 1 to 100."
+        if self.agent_id is not None and self.company_id is not None and self.agent.company_id != self.company_id:
+            # Budget checks look an agent's budget up under the agent's own company.
+            errors["agent"] = (
+                f"{self.agent.name} is an agent of {self.agent.company.name}, not of this budget's company: "
+                "its budget would never apply."
+            )
+        if errors:
+            raise ValidationError(errors)
 
 
 class AlertThreshold(models.TextChoices):

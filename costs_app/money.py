@@ -39,12 +39,26 @@ def amount_text(value: Decimal | int, *, count: bool) -> int | str:
 
 
 class MoneyField(serializers.DecimalField):
-    """A DecimalField whose output follows the rule (input is parsed as DRF does)."""
+    """A DecimalField whose output follows the rule. Input is a decimal string ("12.50") or a
+    JSON number, as DRF reads them; a blank string is refused, where DRF would read it as
+    null, and null removes a budget's limit."""
+
+    default_error_messages = {"blank": 'Must be a decimal, such as "12.50", not blank.'}
 
     def __init__(self, **kwargs) -> None:
         kwargs.setdefault("max_digits", 30)
         kwargs.setdefault("decimal_places", 10)
         super().__init__(**kwargs)
+
+    def validate_empty_values(self, data):
+        if isinstance(data, str) and not data.strip():
+            self.fail("blank")
+        return super().validate_empty_values(data)
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool):  # a JSON true is no amount (DRF would say "True" is not a number)
+            self.fail("invalid")
+        return super().to_internal_value(data)
 
     def to_representation(self, value):
         return usd(value)

@@ -7,11 +7,13 @@ import re
 from datetime import date, timedelta
 from decimal import Decimal
 
+import pytest
 from django.urls import reverse
 from django.utils import timezone
 
 from costs_app.admin import GROWTH_MAX_AGENTS
-from costs_app.models import CostEvent, ModelPrice
+from costs_app.budgets import budget_uses
+from costs_app.models import Budget, CostEvent, ModelPrice
 from sessions_app.models import Agent, ApiKey
 from tests.admin.conftest import make_cost, make_run
 from tests.conftest import catalogue_stored
@@ -50,17 +52,33 @@ def test_model_prices_warn_about_unpriced_models_in_use(admin_client, persistent
     assert "claude-opus-4-5" not in warning
 
 
+PRICE_FORM = {
+    "model": "claude-new-1",
+    "effective_from": "2026-01-01",
+    "input_usd_per_mtok": "2",
+    "output_usd_per_mtok": "10",
+    "cache_write_5m_usd_per_mtok": "2.5",
+    "cache_write_1h_usd_per_mtok": "4",
+    "cache_read_usd_per_mtok": "0.2",
+}
+
+
 def test_model_prices_are_editable(admin_client):
-    data = {
-        "model": "claude-new-1",
-        "effective_from": "2026-01-01",
-        "input_usd_per_mtok": "2",
-        "output_usd_per_mtok": "10",
-        "cache_write_5m_usd_per_mtok": "2.5",
-        "cache_write_1h_usd_per_mtok": "4",
-        "cache_read_usd_per_mtok": "0.2",
-    }
-    assert admin_client.post(reverse("admin:costs_app_modelprice_add"), data).status_code == 302
+    assert admin_client.post(reverse("admin:costs_app_modelprice_add"), PRICE_FORM).status_code == 302
+
+
+def test_a_negative_model_price_is_refused_with_a_message_and_a_free_one_is_not(admin_client):
+    add = reverse("admin:costs_app_modelprice_add")
+
+    response = admin_client.post(add, {**PRICE_FORM, "output_usd_per_mtok": "-10", "cache_read_usd_per_mtok": "-0.2"})
+
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors
+    assert sorted(errors) == ["cache_read_usd_per_mtok", "output_usd_per_mtok"]
+    assert "cannot be negative" in errors["output_usd_per_mtok"][0]
+    assert not ModelPrice.objects.exists()
+    assert admin_client.post(add, {**PRICE_FORM, "cache_read_usd_per_mtok": "0"}).status_code == 302
+    assert ModelPrice.objects.get().cache_read_usd_per_mtok == 0
 
 
 def test_api_key_is_shown_once_and_only_its_hash_is_stored(admin_client, company):
@@ -318,6 +336,47 @@ def test_bad_alert_settings_in_the_admin_are_refused_with_a_message(admin_client
         assert field in response.context["adminform"].form.errors
     budget.refresh_from_db()
     assert (budget.alert_percent, budget.session_limit_usd) == (95, None)
+
+
+@pytest.mark.parametrize(
+    ("field", "refused", "accepted"),
+    [
+        ("monthly_limit_usd", "-5", "0"),
+        ("lifetime_limit_usd", "-0.000001", "0"),
+        ("daily_limit_usd", "-1", "0"),
+        ("warn_percent", "0", "1"),
+        ("warn_percent", "5000", "100"),
+    ],
+)
+def test_the_budget_form_refuses_limits_and_percentages_the_api_refuses(
+    admin_client, company, field, refused, accepted
+):
+    add = reverse("admin:costs_app_budget_add")
+
+    response = admin_client.post(add, {**budget_form(Budget(company=company)), field: refused})
+
+    assert response.status_code == 200
+    assert list(response.context["adminform"].form.errors) == [field]
+    assert not Budget.objects.exists()
+    assert admin_client.post(add, {**budget_form(Budget(company=company)), field: accepted}).status_code == 302
+    assert getattr(Budget.objects.get(), field) == Decimal(accepted)
+
+
+def test_the_budget_form_refuses_an_agent_of_another_company(admin_client, company, other_agent):
+    add = reverse("admin:costs_app_budget_add")
+    data = {**budget_form(Budget(company=company)), "agent": str(other_agent.pk), "monthly_limit_usd": "1"}
+
+    response = admin_client.post(add, data)
+
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors
+    assert list(errors) == ["agent"]
+    assert "Foreign is an agent of Globex" in errors["agent"][0]
+    assert not Budget.objects.exists()
+    # Under the agent's own company it is saved, and applies to the agent.
+    assert admin_client.post(add, {**data, "company": str(other_agent.company_id)}).status_code == 302
+    uses = budget_uses(company_id=other_agent.company_id, agent_id=other_agent.id, now=timezone.now())
+    assert [(use.scope, use.period, use.limit) for use in uses] == [("agent", "month", Decimal("1"))]
 
 
 def test_the_model_price_page_shows_the_librarys_price_beside_each_override(admin_client):

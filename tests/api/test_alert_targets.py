@@ -96,12 +96,23 @@ def test_a_listed_host_is_reachable_on_its_schemes_port_or_the_port_listed_with_
         ({"url": "https://alerts.example/hook", "secret": "short"}, "secret"),
         ({"url": "https://alerts.example/hook"}, "secret"),
         ({"url": "https://alerts.example/hook", "secret": SECRET, "active": "maybe"}, "active"),
+        # Strict types: "no" is not false, "yes" not true, a number not a secret.
+        ({"url": "https://alerts.example/hook", "secret": SECRET, "active": "no"}, "active"),
+        ({"url": "https://alerts.example/hook", "secret": SECRET, "active": 0}, "active"),
+        ({"url": "https://alerts.example/hook", "secret": SECRET, "quota_events": "yes"}, "quota_events"),
+        ({"url": "https://alerts.example/hook", "secret": SECRET, "health_events": 1}, "health_events"),
+        ({"url": "https://alerts.example/hook", "secret": 12345678901234567890}, "secret"),
+        # A typo is not ignored: {"activ": false} must not make an active target.
+        ({"url": "https://alerts.example/hook", "secret": SECRET, "activ": False}, "activ"),
+        ({"url": "https://alerts.example/hook", "secret": SECRET, "health_event": True}, "health_event"),
+        ({"url": "https://alerts.example/hook", "secret": SECRET, "id": 7}, "id"),
     ],
 )
 def test_bad_targets_are_a_400_naming_the_field(api, company, budget, body, field):
     response = api.post(targets_url(company), body)
     assert response.status_code == 400
-    assert field in response.json()["error"]["fields"]
+    error = response.json()["error"]
+    assert (error["code"], list(error["fields"])) == ("invalid", [field])
     assert not AlertTarget.objects.exists()
 
 

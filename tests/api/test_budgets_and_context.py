@@ -5,10 +5,14 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
+import pytest
+from django.db import connection
+
 from costs_app.models import Budget, CostEvent
 from sessions_app.models import Agent, AgentSession, AgentStatus
 from sessions_app.services import agent_pause
-from tests.conftest import agent_on_unknown_model, beat
+from tests.api.conftest import Api
+from tests.conftest import Actor, WriteGate, agent_on_unknown_model, beat, wait_until_blocked
 
 
 def test_company_budget_is_read_set_and_reported_with_its_use(client, company, persistent_agent):
@@ -52,6 +56,92 @@ def test_budget_validation_names_the_field(client, company):
     )
     assert response.status_code == 400
     assert "monthly_limit_usd" in response.json()["error"]["fields"]
+
+
+SET = {"monthly_limit_usd": "10.00", "daily_limit_usd": "3.00", "daily_run_limit": 5, "warn_percent": 80}
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        # Only null removes a limit: a blank string is a mistake, not "none".
+        ({"monthly_limit_usd": ""}, "monthly_limit_usd"),
+        ({"daily_limit_usd": "   "}, "daily_limit_usd"),
+        ({"session_limit_usd": ""}, "session_limit_usd"),
+        ({"daily_limit_usd": True}, "daily_limit_usd"),
+        ({"monthly_limit_usd": 1.0000001}, "monthly_limit_usd"),  # more places than a limit keeps
+        ({"warn_percent": "50"}, "warn_percent"),
+        ({"alert_percent": 90.0}, "alert_percent"),
+        ({"daily_run_limit": 7.0}, "daily_run_limit"),
+        ({"daily_run_limit": True}, "daily_run_limit"),
+        ({"monthly_limt_usd": "1.00"}, "monthly_limt_usd"),
+        ({"updated_at": "2026-01-01T00:00:00Z"}, "updated_at"),
+    ],
+)
+def test_a_budget_put_is_strict_and_a_refused_one_changes_nothing(client, company, body, field):
+    url = f"/api/companies/{company.id}/budget"
+    assert client.put(url, SET, content_type="application/json").status_code == 200
+
+    response = client.put(url, body, content_type="application/json")
+
+    assert response.status_code == 400, response.json()
+    error = response.json()["error"]
+    assert (error["code"], list(error["fields"])) == ("invalid", [field])
+    budget = client.get(url).json()["budget"]
+    assert {name: budget[name] for name in SET} == SET
+
+
+def test_money_may_be_sent_as_a_json_number_and_is_answered_as_a_decimal_string(client, company):
+    url = f"/api/companies/{company.id}/budget"
+
+    response = client.put(url, {"monthly_limit_usd": 12.5, "lifetime_limit_usd": 5}, content_type="application/json")
+
+    assert response.status_code == 200, response.json()
+    budget = response.json()["budget"]
+    assert (budget["monthly_limit_usd"], budget["lifetime_limit_usd"]) == ("12.50", "5.00")
+
+
+def test_null_removes_a_limit(client, company):
+    url = f"/api/companies/{company.id}/budget"
+    assert client.put(url, SET, content_type="application/json").status_code == 200
+
+    response = client.put(url, {"monthly_limit_usd": None, "daily_run_limit": None}, content_type="application/json")
+
+    assert response.status_code == 200, response.json()
+    budget = response.json()["budget"]
+    assert (budget["monthly_limit_usd"], budget["daily_run_limit"], budget["daily_limit_usd"]) == (None, None, "3.00")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("scope", ["company", "agent"])
+def test_two_first_puts_of_a_budget_at_once_both_set_the_one_budget(company, persistent_agent, scope):
+    agent = persistent_agent if scope == "agent" else None
+    url = f"/api/companies/{company.id}" + (f"/agents/{agent.id}" if agent else "") + "/budget"
+
+    # The first is held at its insert, after it found no budget (and so no row to lock).
+    with WriteGate("budgets", event="INSERT", when="NEW.monthly_limit_usd IS NOT NULL") as gate:
+        first = Actor(lambda: Api().put(url, {"monthly_limit_usd": "1"}))
+        first.start()
+        gate.wait_entered()
+        second = Actor(lambda: Api().put(url, {"daily_limit_usd": "2"}))
+        second.start()
+        if connection.vendor == "postgresql":
+            # Nothing holds the second: it creates the budget while the first waits to insert
+            # its own, which the unique constraint then refuses.
+            assert second.result().status_code == 200
+        else:
+            # SQLite's IMMEDIATE transaction makes the second wait for the first's.
+            wait_until_blocked(second)
+        gate.open()
+        responses = [first.result(), second.result()]
+
+    assert [response.status_code for response in responses] == [200, 200], [r.content[:300] for r in responses]
+    budget = Budget.objects.get()
+    assert (budget.agent_id, budget.monthly_limit_usd, budget.daily_limit_usd) == (
+        agent.id if agent else None,
+        Decimal("1"),
+        Decimal("2"),
+    )
 
 
 def test_raising_an_agent_budget_resumes_the_agent(client, company, persistent_agent):
