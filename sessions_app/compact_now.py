@@ -27,7 +27,7 @@ from paperclip.errors import RunFailure
 from sessions_app.adapters import get_adapter
 from sessions_app.adapters.base import QuotaRefused
 from sessions_app.compaction import compaction_commit, compaction_refused, summary_call, summary_not_shrinking
-from sessions_app.context import choose_split, estimate_tokens, summary_pair
+from sessions_app.context import choose_split, estimate_tokens, history_problem, summary_pair
 from sessions_app.errors import StepFailed
 from sessions_app.heartbeat import ClaimedRun, Reservation, RunClock
 from sessions_app.metering import alone_seconds, session_run_time_record
@@ -220,6 +220,9 @@ def compact(
     if seen is not None and session_counts(session) != seen:
         raise SessionMoved()
     history = store_for(session).read(session)
+    if problem := history_problem(history):
+        # Refused before any model call: every step below reads the history turn by turn.
+        raise CompactRefused("history_malformed", f"The session's history cannot be compacted: {problem}.")
     keep = keep_recent_turns or beat.settings_.keep_recent_turns
     split = choose_split(history, keep)
     if split is None:

@@ -230,8 +230,31 @@ def choose_split(history: list, keep_recent_turns: int) -> int | None:
     return split
 
 
+TURN_ROLES = ("user", "assistant")
+JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", type(None): "null"}
+
+
+def history_problem(history: list) -> str | None:
+    """Why a stored history cannot be read as turns (`HistoryMessage`: an object with a
+    role and a content), naming its first entry that is not one, numbered from 1 as the
+    session's page numbers its turns; None when every entry is one. A damaged or hand-edited
+    history can hold any JSON: what reads it turn by turn refuses it by this, up front."""
+    for number, message in enumerate(history, start=1):
+        if not isinstance(message, dict):
+            why = f"a JSON {JSON_TYPES.get(type(message), 'value')}, not an object"
+        elif message.get("role") not in TURN_ROLES:
+            why = "its role is not 'user' or 'assistant'"
+        elif not isinstance(message.get("content"), (str, list)):
+            why = "its content is not a text or a list of blocks"
+        else:
+            continue
+        return f"entry {number} is not a turn ({why})"
+    return None
+
+
 def summary_input_text(messages: list) -> str:
-    """The turns a summary replaces, as the text the summary model reads."""
+    """The turns a summary replaces, as the text the summary model reads (turns as
+    `history_problem` accepts them; a block that is not a readable text goes as JSON)."""
     lines = []
     for message in messages:
         content = message["content"]
@@ -240,9 +263,10 @@ def summary_input_text(messages: list) -> str:
         else:
             parts = []
             for block in content:
-                if block.get("type") == "text":
+                kind = block.get("type") if isinstance(block, dict) else None
+                if kind == "text" and isinstance(block.get("text"), str):
                     parts.append(block["text"])
-                elif block.get("type") == "compaction":
+                elif kind == "compaction" and isinstance(block.get("content") or "", str):
                     parts.append(block.get("content") or "")
                 else:
                     parts.append(json.dumps(block, ensure_ascii=False))

@@ -13,11 +13,20 @@ from costs_app.models import CostEvent, CostKind
 from paperclip.errors import RunFailure
 from sessions_app.compact_now import COMPACT_TASK, session_compact
 from sessions_app.heartbeat import heartbeat_execute
-from sessions_app.models import AgentSession, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.models import AgentSession, HeartbeatRun, RunStatus, RunTrigger, SessionStatus
 from sessions_app.run_queue import claim_run, heartbeat_enqueue
 from sessions_app.stores import store_for
 from sessions_app.tasks import scheduled_heartbeat
-from tests.conftest import beat, compacting_agent, context_agent, on_own_connection, user_turns
+from tests.admin.conftest import conversation, make_session
+from tests.conftest import (
+    beat,
+    compacting_agent,
+    context_agent,
+    is_summary_request,
+    on_own_connection,
+    summary_text,
+    user_turns,
+)
 from tests.fake_anthropic import Reply
 from tests.live.server import wait_until
 
@@ -205,3 +214,50 @@ def backend_running(statement_like: str) -> bool:
             [statement_like],
         )
         return cursor.fetchone() is not None
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        (42, "a JSON number, not an object"),
+        ("turn", "a JSON string, not an object"),
+        (None, "a JSON null, not an object"),
+        ([1, "str", None], "a JSON array, not an object"),
+        ({"role": "system", "content": "Be brief."}, "its role is not 'user' or 'assistant'"),
+        ({"role": "user", "content": 7}, "its content is not a text or a list of blocks"),
+    ],
+    ids=["number", "string", "null", "array", "role", "content"],
+)
+def test_compact_now_refuses_a_history_with_an_entry_that_is_not_a_turn_before_any_call(
+    company, fake_anthropic, entry, why
+):
+    agent = context_agent(company, keep_recent_turns=1)
+    history = conversation(12)
+    history.insert(3, entry)  # as a damaged or hand-edited history holds it
+    session = make_session(agent, history=history, status=SessionStatus.ACTIVE)
+
+    with pytest.raises(RunFailure) as refused:
+        session_compact(session=session, now=timezone.now())
+
+    assert (refused.value.code, refused.value.message) == (
+        "history_malformed",
+        f"The session's history cannot be compacted: entry 4 is not a turn ({why}).",
+    )
+    assert fake_anthropic.message_requests == []  # nothing paid for
+    run = HeartbeatRun.objects.get(agent=agent)
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "history_malformed")
+    session.refresh_from_db()
+    assert (session.compaction_count, store_for(session).read(session)) == (0, history)
+
+
+def test_compact_now_sends_blocks_it_cannot_read_as_text_as_json(company, fake_anthropic):
+    agent = context_agent(company, keep_recent_turns=1)
+    odd = {"role": "assistant", "content": [5, {"type": "text", "text": ["not text"]}, {"type": "compaction"}]}
+    session = make_session(agent, history=[*conversation(3), odd, *conversation(2)], status=SessionStatus.ACTIVE)
+
+    record = session_compact(session=session, now=timezone.now())
+
+    (request,) = [body for body in fake_anthropic.message_requests if is_summary_request(body)]
+    # The compaction block without content reads as an empty line.
+    assert summary_text(request).endswith('[assistant]\n5\n{"type": "text", "text": ["not text"]}\n')
+    assert record.messages_before == 6

@@ -439,3 +439,31 @@ def test_compact_now_action_takes_a_place_under_the_cap_or_names_the_refusal(
     HeartbeatRun.objects.filter(pk=busy.pk).update(status=RunStatus.SUCCEEDED)
     page = admin_client.post(reverse(CHANGELIST), data, follow=True).content.decode()
     assert "Compacted 2 session(s)." in page  # one at a time: each took the free place and gave it back
+
+
+def test_compact_now_action_names_a_session_whose_history_is_not_turns_and_compacts_the_others(
+    admin_client, company, fake_anthropic
+):
+    from tests.conftest import beat, context_agent
+
+    talkative = context_agent(company, keep_recent_turns=1)
+    for i in range(3):
+        beat(talkative, f"step {i}: " + "x" * 400)
+    history = conversation(12)
+    history.insert(3, 42)  # the session's page shows it as an unreadable turn
+    damaged = make_session(context_agent(company), history=history, status=SessionStatus.ACTIVE)
+    sessions = [damaged, AgentSession.objects.get(agent=talkative)]
+    assert "unreadable turn" in admin_client.get(change_url(damaged)).content.decode()
+    data = {"action": "compact_now", "_selected_action": [str(s.pk) for s in sessions]}
+
+    response = admin_client.post(reverse(CHANGELIST), data, follow=True)
+
+    assert [(m.level_tag, str(m)) for m in response.context["messages"]] == [
+        (
+            "warning",
+            f"Session {damaged.public_id}: history_malformed: The session's history cannot be compacted: "
+            "entry 4 is not a turn (a JSON number, not an object).",
+        ),
+        ("success", "Compacted 1 session(s)."),
+    ]
+    assert [AgentSession.objects.get(pk=s.pk).compaction_count for s in sessions] == [0, 1]
