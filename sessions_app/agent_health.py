@@ -6,7 +6,10 @@ next cron wake, times its back-off) after the last one; past it the agent is `la
 the grace too (`health_grace_minutes`, one interval by default) it is `down`. An agent whose
 last N runs failed (`health_failing_after_runs`, PAPERCLIP_HEALTH_FAILING_AFTER_RUNS) is
 `failing`. Paused agents, and agents whose credential a provider's quota holds
-(`sessions_app.quota`), are never late: they are not expected to run.
+(`sessions_app.quota`), are never late: they are not expected to run. An active agent whose
+stored configuration no longer validates where health reads it (`config_problem`: a time
+zone a tzdata upgrade removed, a value written by SQL) is `down`, with the problem as the
+reason: it will not wake as its schedule says until an operator corrects it.
 
 1. `agent_health(facts, now=...)`: the state, from `HealthFacts` (the agent's fields and
    two of its runs' facts, annotated by `with_health_facts` in one query for a whole list);
@@ -26,12 +29,15 @@ from django.db.models import Count, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
 from sessions_app.adapters import adapter_for
+from sessions_app.adapters.base import validate_common
 from sessions_app.models import Agent, AgentStatus, HealthState, HeartbeatRun, RunStatus
-from sessions_app.wakes import HeartbeatPlan
-from sessions_app.work_checks import agent_backoff
+from sessions_app.wakes import HeartbeatPlan, schedule_problem
+from sessions_app.work_checks import agent_backoff, validate_work_settings
 
 DOWN_STATES = (HealthState.DOWN, HealthState.FAILING)
 EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+# What health reads of a configuration besides the schedule (`config_problem`).
+HEALTH_SETTINGS = ("backoff_after_runs", "backoff_max_factor", "health_grace_minutes", "health_failing_after_runs")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class Health:
     reason: str
     due_at: datetime | None = None  # when the next successful run is expected by
     down_at: datetime | None = None  # and when, without one, the agent is down
+    config_invalid: bool = False  # the reason is the stored configuration's, for an operator to correct
 
     def as_json(self) -> dict:
         return {
@@ -66,10 +73,30 @@ def failing_after(config: dict) -> int:
     return int(config.get("health_failing_after_runs") or settings.PAPERCLIP_HEALTH_FAILING_AFTER_RUNS)
 
 
+def config_problem(config: object) -> str | None:
+    """Why health cannot be read from an agent's stored configuration, or None: it is not
+    a JSON object, its schedule cannot be followed (`wakes.schedule_problem`), or a setting
+    health reads fails validation's own rule for it."""
+    if not isinstance(config, dict):
+        return "invalid configuration: not a JSON object"
+    if problem := schedule_problem(config):
+        return f"invalid schedule: {problem}"
+    read = {key: config[key] for key in HEALTH_SETTINGS if key in config}
+    errors: dict[str, str] = {}
+    validate_common(read, errors)
+    validate_work_settings(read, errors, {})
+    if errors:
+        key, message = min(errors.items())
+        return f"invalid configuration: {key} {message}"
+    return None
+
+
 def agent_health(facts: HealthFacts, *, now: datetime) -> Health:
     """The agent's state at `now` (module docstring): failing, down, late or ok."""
     if facts.status != AgentStatus.ACTIVE:
         return Health(HealthState.OK, f"{facts.status}: not expected to run")
+    if problem := config_problem(facts.config):
+        return Health(HealthState.DOWN, problem, config_invalid=True)
     threshold = failing_after(facts.config)
     if facts.failed_in_a_row >= threshold:
         return Health(HealthState.FAILING, f"its last {facts.failed_in_a_row} runs failed (failing after {threshold})")
@@ -142,7 +169,9 @@ def facts_of(agent: Agent, *, held_credentials: frozenset[str] = frozenset()) ->
     last_ok = getattr(agent, "health_last_ok", None)
     since = max(last_ok, agent.updated_at) if last_ok is not None else agent.updated_at
     adapter = adapter_for(agent.adapter_type, agent.adapter_config)
-    credential = adapter.credential(agent.adapter_config) if adapter is not None else None
+    # A configuration that is not an object names no credential (`agent_health` says what it is).
+    readable = adapter is not None and isinstance(agent.adapter_config, dict)
+    credential = adapter.credential(agent.adapter_config) if readable else None
     return HealthFacts(
         status=agent.status,
         config=agent.adapter_config or {},

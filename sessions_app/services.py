@@ -102,16 +102,26 @@ def session_clear_history(*, session: AgentSession) -> None:
     staged.publish()
 
 
-def agent_pause(*, agent: Agent, reason: str = PausedReason.MANUAL) -> None:
-    Agent.objects.filter(pk=agent.pk, status=AgentStatus.ACTIVE).update(status=AgentStatus.PAUSED, paused_reason=reason)
+def agent_pause(*, agent: Agent, reason: str = PausedReason.MANUAL) -> bool:
+    """Pause the agent if it is active. True when this paused it; an agent paused already,
+    or retired, is left as it is."""
+    paused = Agent.objects.filter(pk=agent.pk, status=AgentStatus.ACTIVE).update(
+        status=AgentStatus.PAUSED, paused_reason=reason
+    )
     agent.refresh_from_db(fields=["status", "paused_reason"])
     agent_schedule_sync(agent=agent)
+    return bool(paused)
 
 
-def agent_resume(*, agent: Agent) -> None:
-    Agent.objects.filter(pk=agent.pk, status=AgentStatus.PAUSED).update(status=AgentStatus.ACTIVE, paused_reason="")
+def agent_resume(*, agent: Agent) -> bool:
+    """Resume the agent if it is paused. True when this resumed it; an agent active
+    already, or retired, is left as it is."""
+    resumed = Agent.objects.filter(pk=agent.pk, status=AgentStatus.PAUSED).update(
+        status=AgentStatus.ACTIVE, paused_reason=""
+    )
     agent.refresh_from_db(fields=["status", "paused_reason"])
     agent_schedule_sync(agent=agent)
+    return bool(resumed)
 
 
 def budgets_enforce(*, agent: Agent, now: datetime) -> bool:

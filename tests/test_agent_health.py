@@ -102,6 +102,33 @@ def test_paused_agents_and_agents_held_by_a_quota_are_not_late():
     assert state(every_15, late, held=True) == "ok"
 
 
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        (
+            {"heartbeat_cron": "0 9 * * 1-5", "heartbeat_timezone": "Nowhere/Gone"},
+            "invalid schedule: unknown time zone 'Nowhere/Gone'",
+        ),
+        ({"heartbeat_cron": "0 9 * *"}, "invalid schedule: heartbeat_cron must have 5 fields"),
+        ({"heartbeat_interval_minutes": "often"}, "invalid schedule: heartbeat_interval_minutes must be a whole"),
+        (
+            {"heartbeat_interval_minutes": 15, "backoff_max_factor": "x"},
+            "invalid configuration: backoff_max_factor must be a whole number in 1..1024 or null, got 'x'",
+        ),
+        ({"health_grace_minutes": -5}, "invalid configuration: health_grace_minutes must be a whole number"),
+        ([1], "invalid configuration: not a JSON object"),
+    ],
+    ids=["zone-gone", "cron", "interval", "backoff", "grace", "not-an-object"],
+)
+def test_an_active_agent_whose_stored_configuration_no_longer_validates_is_down_saying_why(config, reason):
+    health = agent_health(facts(config), now=T)
+    assert (health.state, health.config_invalid) == ("down", True)
+    assert health.reason.startswith(reason), health.reason
+    assert health.as_json()["reason"] == health.reason
+    # A paused agent is not expected to run, whatever its configuration.
+    assert state(config, T, status=AgentStatus.PAUSED) == "ok"
+
+
 # The facts from the database, and the transitions.
 
 
@@ -133,6 +160,23 @@ def test_the_facts_are_the_last_successful_run_and_the_failures_since(company, d
     found = facts_of(agents[0])
     assert (found.since, found.failed_in_a_row) == (T - timedelta(hours=2), 3)
     assert agent_health(found, now=T).state == "failing"
+
+
+@pytest.mark.django_db
+def test_the_maintenance_pass_stores_the_health_of_every_agent_past_one_whose_configuration_is_stale(company):
+    healthy = scheduled_agent(company)
+    Agent.objects.filter(pk=healthy.pk).update(updated_at=T)
+    stale = []
+    for config in ({"heartbeat_cron": "0 9 * * *", "heartbeat_timezone": "Nowhere/Gone"}, [1]):
+        agent = scheduled_agent(company)
+        # As a tzdata upgrade that dropped the zone, or SQL, leaves the row.
+        Agent.objects.filter(pk=agent.pk).update(adapter_config=config, updated_at=T)
+        stale.append(agent)
+
+    agents_health_check(now=T + timedelta(minutes=5))
+
+    states = dict(Agent.objects.values_list("pk", "health_state"))
+    assert (states[healthy.pk], states[stale[0].pk], states[stale[1].pk]) == ("ok", "down", "down")
 
 
 @pytest.fixture

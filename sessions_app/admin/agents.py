@@ -5,6 +5,7 @@ takes on them (pause, resume, retire, delete, a heartbeat now).
 from __future__ import annotations
 
 import json
+import sys
 from contextvars import ContextVar
 from zoneinfo import ZoneInfo
 
@@ -39,7 +40,7 @@ from sessions_app.admin.common import (
     money_column,
     short_text,
 )
-from sessions_app.agent_health import agent_health, facts_of, with_health_facts
+from sessions_app.agent_health import agent_health, config_problem, facts_of, with_health_facts
 from sessions_app.keep_warm import keep_warm_report, keep_warm_summary
 from sessions_app.model_checks import agent_model_info, model_warning
 from sessions_app.models import (
@@ -57,27 +58,51 @@ from sessions_app.models import (
 from sessions_app.quota import holds_now
 from sessions_app.schedules import agent_next_wakes, agent_schedule_sync
 from sessions_app.text import holds_unstorable
-from sessions_app.wakes import HeartbeatPlan
+from sessions_app.wakes import HeartbeatPlan, schedule_problem
 from sessions_app.work_checks import agent_backoff
 
 DEFAULT_HEARTBEAT_TASK = "Heartbeat started by an operator from the admin."
+# Listed by name in an action's message up to this many; the rest are counted.
+NAMED_IN_MESSAGES = 10
+
+
+def config_unreadable(agent: Agent) -> bool:
+    """A stored configuration that is not a JSON object (written by SQL or an older
+    version). Agent's properties and the schedule's sync read it with .get(), so the pages
+    show it without them and the actions that run through them skip the agent: an operator
+    corrects it on the agent's page (validation refuses it there) or deletes the agent."""
+    return not isinstance(agent.adapter_config, dict)
+
+
+def named(agents: list[Agent], *, with_status: bool = False) -> str:
+    shown = [f"{agent.name} ({agent.status})" if with_status else agent.name for agent in agents[:NAMED_IN_MESSAGES]]
+    more = len(agents) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
 
 
 class PrettyJSONField(forms.JSONField):
     """A JSON object edited as indented text, so a configuration reads like the docs."""
 
     # Django catches JSONDecodeError only; JSON nested past the parser's depth raises
-    # RecursionError, which would be a 500.
+    # RecursionError, and an integer longer than Python converts (sys.get_int_max_str_digits,
+    # 4300 digits) a plain ValueError: either would be a 500.
     def to_python(self, value):
         try:
             return super().to_python(value)
         except RecursionError:
             raise ValidationError(self.error_messages["invalid"], code="invalid", params={"value": value}) from None
+        except ValueError:
+            # json.loads raises no other ValueError than JSONDecodeError (caught by Django).
+            raise ValidationError(
+                "Enter a valid JSON: a number has more than %(digits)s digits.",
+                code="invalid",
+                params={"value": value, "digits": sys.get_int_max_str_digits()},
+            ) from None
 
     def bound_data(self, data, initial):
         try:
             return super().bound_data(data, initial)
-        except RecursionError:
+        except (RecursionError, ValueError):
             return InvalidJSONInput(data)
 
     def prepare_value(self, value):
@@ -218,7 +243,7 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
         fields = ["company", "name", "system_prompt", "adapter_type", "adapter_config"]
         if obj is None:
             return fields
-        workspace = ["workspace_files"] if obj.runs_claude_code_cli else []
+        workspace = ["workspace_files"] if not config_unreadable(obj) and obj.runs_claude_code_cli else []
         return [
             "id",
             *fields,
@@ -306,6 +331,8 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
 
     @admin.display(description="next wakes")
     def next_wakes(self, obj: Agent) -> str:
+        if problem := config_problem(obj.adapter_config):
+            return f"unknown: {problem}"
         now = timezone.now()
         wakes = agent_next_wakes(agent=obj, now=now, count=5)
         if not wakes:
@@ -334,6 +361,8 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
     @admin.display(description="back-off", ordering="idle_streak")
     def backoff(self, obj: Agent) -> str:
         """The schedule's back-off, from the row alone (no query per agent in the list)."""
+        if config_problem(obj.adapter_config):  # the health column says what it is
+            return self.get_empty_value_display()
         factor = agent_backoff(obj.adapter_config, obj.idle_streak)
         streak = f"{obj.idle_streak} run(s) in a row without work"
         if factor == 1:
@@ -355,7 +384,7 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
     # method and left the column empty, headed "Agent".
     @admin.display(description="model")
     def agent_model(self, obj: Agent) -> str:
-        return obj.model_name
+        return self.get_empty_value_display() if config_unreadable(obj) else obj.model_name
 
     def get_queryset(self, request):
         # The health column's facts, for the whole page in the list's own query.
@@ -374,6 +403,11 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
     @admin.display(description="health", ordering="health_state")
     def health(self, obj: Agent) -> str:
         found = agent_health(facts_of(obj, held_credentials=HELD_CREDENTIALS.get()), now=timezone.now())
+        if found.config_invalid:
+            # Said in the list itself: only an operator's correction brings the agent back.
+            return format_html(
+                '<strong class="config-invalid" style="color:#ba2121">{}: {}</strong>', found.state, found.reason
+            )
         if found.state in (HealthState.DOWN, HealthState.FAILING):
             return format_html('<strong style="color:#ba2121" title="{}">{}</strong>', found.reason, found.state)
         return format_html('<span title="{}">{}</span>', found.reason, found.state)
@@ -391,7 +425,7 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
 
     @admin.display(description="session mode")
     def session_mode(self, obj: Agent) -> str:
-        return obj.session_mode
+        return self.get_empty_value_display() if config_unreadable(obj) else obj.session_mode
 
     def get_urls(self):
         urls = [
@@ -416,6 +450,13 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
         # A deprecated or retired model is said at the top of the agent's page too.
         if obj is not None and request.method == "GET" and (warning := model_warning(obj.adapter_config)):
             self.message_user(request, warning, messages.WARNING)
+        if obj is not None and request.method == "GET" and (problem := config_problem(obj.adapter_config)):
+            self.message_user(
+                request,
+                f"The stored configuration of this agent no longer validates ({problem}): "
+                "correct it below and save, or delete the agent.",
+                messages.WARNING,
+            )
         return super().render_change_form(request, context, add, change, form_url, obj)
 
     def save_model(self, request, obj, form, change):
@@ -444,15 +485,47 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
 
     @admin.action(description="Pause selected agents", permissions=["change"])
     def pause_agents(self, request, queryset):
-        for agent in queryset:
-            services.agent_pause(agent=agent)
-        self.message_user(request, f"Paused {queryset.count()} agent(s).", messages.SUCCESS)
+        self.change_each(request, queryset, services.agent_pause, verb="paused", unless="active")
 
     @admin.action(description="Resume selected agents", permissions=["change"])
     def resume_agents(self, request, queryset):
+        resumed = self.change_each(request, queryset, services.agent_resume, verb="resumed", unless="paused")
+        if stuck := [agent for agent in resumed if schedule_problem(agent.adapter_config)]:
+            self.message_user(
+                request,
+                f"Resumed, but not woken by their schedule until it is corrected: {named(stuck)}.",
+                messages.WARNING,
+            )
+
+    def change_each(self, request, queryset, change, *, verb: str, unless: str) -> list[Agent]:
+        """`change` (a service that says whether it changed the agent: only an agent that
+        was `unless`) on each selected agent: the ones it changed are counted, the others
+        named with their status. Returns the ones changed."""
+        changed, unchanged, unreadable = [], [], []
         for agent in queryset:
-            services.agent_resume(agent=agent)
-        self.message_user(request, f"Resumed {queryset.count()} agent(s).", messages.SUCCESS)
+            if config_unreadable(agent):
+                unreadable.append(agent)
+            elif change(agent=agent):
+                changed.append(agent)
+            else:
+                unchanged.append(agent)
+        if changed or not (unchanged or unreadable):
+            self.message_user(request, f"{verb.capitalize()} {len(changed)} agent(s).", messages.SUCCESS)
+        if unchanged:
+            self.message_user(
+                request, f"Not {verb}, as not {unless}: {named(unchanged, with_status=True)}.", messages.WARNING
+            )
+        self.say_unreadable(request, unreadable, verb=verb)
+        return changed
+
+    def say_unreadable(self, request, agents: list[Agent], *, verb: str) -> None:
+        if agents:
+            self.message_user(
+                request,
+                f"Not {verb}, as their stored configuration is not a JSON object (correct it on the "
+                f"agent's page, or delete the agent): {named(agents)}.",
+                messages.ERROR,
+            )
 
     @admin.action(
         description="Retire selected agents (as the API's DELETE: keep runs and costs)", permissions=["change"]
@@ -460,10 +533,15 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
     def retire_agents(self, request, queryset):
         now = timezone.now()
         count = 0
+        unreadable = []
         for agent in queryset.exclude(status=AgentStatus.DELETED):
+            if config_unreadable(agent):
+                unreadable.append(agent)
+                continue
             services.agent_delete(agent=agent, now=now)
             count += 1
         self.message_user(request, f"Retired {count} agent(s); their sessions were deleted.", messages.SUCCESS)
+        self.say_unreadable(request, unreadable, verb="retired")
 
     @admin.action(description="Run a heartbeat now", permissions=["change"])
     def run_heartbeat_now(self, request, queryset):
@@ -474,6 +552,9 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
         from sessions_app.errors import HeartbeatRefused
         from sessions_app.heartbeat import heartbeat_start
 
+        if config_unreadable(agent):
+            self.say_unreadable(request, [agent], verb="started")
+            return None
         try:
             with transaction.atomic():
                 run, _ = heartbeat_start(
@@ -499,6 +580,10 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
             raise Http404("No such agent.")
         if not self.has_change_permission(request, agent):
             raise PermissionDenied
+        if config_unreadable(agent):
+            # The page describes the agent by its configuration: the agent's page shows the problem.
+            self.say_unreadable(request, [agent], verb="started")
+            return HttpResponseRedirect(reverse("admin:sessions_app_agent_change", args=[agent.pk]))
         form = HeartbeatForm(request.POST or None)
         if request.method == "POST" and form.is_valid():
             run = self.start_heartbeat(request, agent=agent, task=form.cleaned_data["task"])

@@ -463,3 +463,146 @@ def test_the_agent_page_shows_run_costs_and_session_totals_by_one_rule(admin_cli
     assert page.count("<p>0.0123</p>") == 2, re.findall(r"<p>[0-9.]+</p>", page)
     assert "<p>0.00004</p>" in page
     assert "0.0123000000" not in page
+
+
+@pytest.mark.parametrize("view", ["add", "change"])
+def test_a_json_integer_longer_than_python_converts_is_a_field_error_not_a_500(admin_client, persistent_agent, view):
+    # 4300 digits is Python's limit for int(str) (sys.get_int_max_str_digits).
+    config = '{"session_ttl_hours": ' + "9" * 4301 + "}"
+    url = reverse(ADD) if view == "add" else reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+    response = admin_client.post(url, agent_form(persistent_agent.company, adapter_config=config))
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors["adapter_config"]
+    assert errors == ["Enter a valid JSON: a number has more than 4300 digits."]
+    assert "9" * 4301 in response.content.decode()  # the text comes back as typed, to correct
+    assert Agent.objects.count() == 1
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.adapter_config["session_ttl_hours"] == 24
+
+
+def messages_of(response) -> list[tuple[str, str]]:
+    return [(message.level_tag, str(message)) for message in response.context["messages"]]
+
+
+def test_pause_and_resume_report_only_the_agents_they_changed(admin_client, company, persistent_agent, stateless_agent):
+    retired = Agent.objects.create(company=company, name="Retired", adapter_config={})
+    services.agent_delete(agent=retired, now=timezone.now())
+    paused = Agent.objects.create(company=company, name="Resting", adapter_config={})
+    services.agent_pause(agent=paused)
+    everyone = [str(agent.pk) for agent in (persistent_agent, stateless_agent, retired, paused)]
+
+    response = admin_client.post(
+        reverse(CHANGELIST), {"action": "pause_agents", "_selected_action": everyone}, follow=True
+    )
+    assert messages_of(response) == [
+        ("success", "Paused 2 agent(s)."),
+        ("warning", "Not paused, as not active: Resting (paused), Retired (deleted)."),
+    ]
+
+    response = admin_client.post(
+        reverse(CHANGELIST), {"action": "resume_agents", "_selected_action": everyone}, follow=True
+    )
+    assert messages_of(response) == [
+        ("success", "Resumed 3 agent(s)."),
+        ("warning", "Not resumed, as not paused: Retired (deleted)."),
+    ]
+    # Nothing changed: no count of agents that were not paused at all.
+    response = admin_client.post(
+        reverse(CHANGELIST), {"action": "pause_agents", "_selected_action": [str(retired.pk)]}, follow=True
+    )
+    assert messages_of(response) == [("warning", "Not paused, as not active: Retired (deleted).")]
+    assert Agent.objects.get(pk=retired.pk).status == AgentStatus.DELETED
+
+
+def agent_with_stored_config(company, config, *, name: str = "Stale") -> Agent:
+    """An agent saved valid whose row now holds `config`, as a tzdata upgrade that dropped
+    its zone, SQL or an older version leaves it: validation would refuse it now."""
+    agent = Agent.objects.create(company=company, name=name, adapter_config={"model": "claude-opus-4-5"})
+    Agent.objects.filter(pk=agent.pk).update(adapter_config=config)
+    agent.refresh_from_db()
+    return agent
+
+
+def page_text(response) -> str:
+    return response.content.decode().replace("&#x27;", "'")
+
+
+def test_an_agent_whose_zone_is_gone_shows_the_problem_in_the_list_and_on_its_page(admin_client, persistent_agent):
+    gone = agent_with_stored_config(
+        persistent_agent.company, {"heartbeat_cron": "0 9 * * 1-5", "heartbeat_timezone": "Nowhere/Gone"}
+    )
+    problem = "invalid schedule: unknown time zone 'Nowhere/Gone'"
+
+    listing = admin_client.get(reverse(CHANGELIST))
+    assert listing.status_code == 200
+    assert f'<strong class="config-invalid" style="color:#ba2121">down: {problem}</strong>' in page_text(listing)
+    assert '<td class="field-agent_model">claude-opus-4-5</td>' in listing.content.decode()  # the others listed
+
+    url = reverse("admin:sessions_app_agent_change", args=[gone.pk])
+    page = admin_client.get(url)
+    assert page.status_code == 200
+    assert f"unknown: {problem}" in page_text(page)
+    assert (
+        "warning",
+        f"The stored configuration of this agent no longer validates ({problem}): "
+        "correct it below and save, or delete the agent.",
+    ) in messages_of(page)
+
+    # Paused and resumed as any agent; resumed, it says it will not wake.
+    selected = {"_selected_action": [str(gone.pk)]}
+    admin_client.post(reverse(CHANGELIST), {"action": "pause_agents", **selected})
+    response = admin_client.post(reverse(CHANGELIST), {"action": "resume_agents", **selected}, follow=True)
+    assert messages_of(response)[-1] == (
+        "warning",
+        "Resumed, but not woken by their schedule until it is corrected: Stale.",
+    )
+    assert Agent.objects.get(pk=gone.pk).status == AgentStatus.ACTIVE
+    assert not Schedule.objects.filter(name=schedule_name(gone.pk)).exists()
+
+    # The operator corrects it on its page, and it is scheduled again.
+    corrected = '{"model": "claude-opus-4-5", "heartbeat_cron": "0 9 * * 1-5", "heartbeat_timezone": "Europe/Berlin"}'
+    response = admin_client.post(url, agent_form(gone.company, name="Stale", adapter_config=corrected))
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    assert Schedule.objects.filter(name=schedule_name(gone.pk)).count() == 1
+    assert "config-invalid" not in admin_client.get(reverse(CHANGELIST)).content.decode()
+
+
+def test_an_agent_whose_configuration_is_not_an_object_can_be_seen_corrected_and_deleted(
+    admin_client, persistent_agent, django_capture_on_commit_callbacks
+):
+    broken = agent_with_stored_config(persistent_agent.company, [1])
+    url = reverse("admin:sessions_app_agent_change", args=[broken.pk])
+    not_acted = (
+        "error",
+        "Not {}, as their stored configuration is not a JSON object (correct it on the agent's page, "
+        "or delete the agent): Stale.",
+    )
+
+    listing = admin_client.get(reverse(CHANGELIST))
+    assert listing.status_code == 200
+    assert "down: invalid configuration: not a JSON object" in page_text(listing)
+    page = admin_client.get(url)
+    assert page.status_code == 200
+    assert "unknown: invalid configuration: not a JSON object" in page_text(page)
+
+    heartbeat = admin_client.get(reverse("admin:sessions_app_agent_heartbeat", args=[broken.pk]), follow=True)
+    assert heartbeat.redirect_chain[-1][0] == url
+    assert (not_acted[0], not_acted[1].format("started")) in messages_of(heartbeat)
+    for action, verb in [("pause_agents", "paused"), ("retire_agents", "retired"), ("run_heartbeat_now", "started")]:
+        response = admin_client.post(
+            reverse(CHANGELIST), {"action": action, "_selected_action": [str(broken.pk)]}, follow=True
+        )
+        assert (not_acted[0], not_acted[1].format(verb)) in messages_of(response)
+    assert Agent.objects.get(pk=broken.pk).status == AgentStatus.ACTIVE
+    assert not HeartbeatRun.objects.exists()
+
+    response = admin_client.post(url, agent_form(broken.company, name="Stale"))
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    assert Agent.objects.get(pk=broken.pk).adapter_config["session_mode"] == "persistent"
+
+    Agent.objects.filter(pk=broken.pk).update(adapter_config="not an object")
+    data = {"action": "delete_selected", "_selected_action": [str(broken.pk)]}
+    assert admin_client.post(reverse(CHANGELIST), data).status_code == 200  # the confirmation
+    with django_capture_on_commit_callbacks(execute=True):
+        assert admin_client.post(reverse(CHANGELIST), {**data, "post": "yes"}).status_code == 302
+    assert not Agent.objects.filter(pk=broken.pk).exists()
