@@ -430,7 +430,8 @@ class SessionCompactView(SessionLookup):
         description="Summarise the session's older turns now, keeping the last `keep_recent_turns` verbatim "
         "(same rules, record, ledger row and budget reservation as a heartbeat's compaction). 409: "
         "`session_busy` (a heartbeat is running), `nothing_to_compact`, `session_not_live`, "
-        "`compaction_not_shrinking`, `compaction_not_supported`, `agent_paused`; 429 `budget_exceeded`, "
+        "`compaction_not_shrinking`, `compaction_not_supported`, `history_malformed` (an entry of the history is "
+        "not a turn), `agent_paused`; 429 `budget_exceeded`, "
         "`run_cap_reached` (PAPERCLIP_MAX_CONCURRENT_RUNS runs in progress or waiting for a place).",
     )
     def post(self, request, company_id: UUID, agent_id: UUID, session_id: str):

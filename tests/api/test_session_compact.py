@@ -107,6 +107,17 @@ def test_a_session_with_nothing_to_compact_is_409(api, company, fake_anthropic):
     assert (run.status, run.error_code) == (RunStatus.FAILED, "nothing_to_compact")
 
 
+def test_a_history_with_an_entry_that_is_not_a_turn_is_409_naming_it(api, company, fake_anthropic):
+    agent = context_agent(company, keep_recent_turns=1)
+    session = make_session(agent, messages=8)
+    damaged = [*session.history[:2], 42, *session.history[2:]]  # as a hand-edited history may hold
+    AgentSession.objects.filter(pk=session.pk).update(history=damaged, message_count=len(damaged))
+
+    error = assert_error(api.post(compact_url(agent, session)), 409, "history_malformed")
+
+    assert "entry 3 is not a turn" in error["message"]
+
+
 def test_an_ended_session_is_409(api, persistent_agent):
     session = make_session(persistent_agent, messages=8, status="ended")
     assert_error(api.post(compact_url(persistent_agent, session)), 409, "session_not_live")
