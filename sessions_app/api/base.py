@@ -123,26 +123,19 @@ class ApiView(APIView):
         return value
 
     def query_uuid(self, name: str) -> UUID | None:
-        raw = self.request.query_params.get(name)
-        if raw in (None, ""):
-            return None
-        value = parse_uuid(raw)
-        if value is None:
-            raise BadRequest(f"{name} must be a UUID.", code="invalid_parameter", fields={name: raw})
-        return value
+        return self._query_id(name, parse_uuid, expected="a UUID")
 
     def query_session_id(self, name: str) -> UUID | None:
         """A session id in the form the API shows it (`sess_` + 32 hex digits) or as the plain UUID."""
+        return self._query_id(name, parse_session_id, expected="a session id (sess_ + 32 hex digits) or a UUID")
+
+    def _query_id(self, name: str, parse, *, expected: str) -> UUID | None:
         raw = self.request.query_params.get(name)
         if raw in (None, ""):
             return None
-        value = parse_session_id(raw)
+        value = parse(raw)
         if value is None:
-            raise BadRequest(
-                f"{name} must be a session id (sess_ + 32 hex digits) or a UUID.",
-                code="invalid_parameter",
-                fields={name: raw},
-            )
+            raise BadRequest(f"{name} must be {expected}.", code="invalid_parameter", fields={name: raw})
         return value
 
     def query_int(self, name: str, *, default: int, minimum: int, maximum: int) -> int:
