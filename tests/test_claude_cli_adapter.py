@@ -21,7 +21,7 @@ from django.utils import timezone
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import call_price, library_table
 from sessions_app.adapters import AgentConfigError, get_adapter
-from sessions_app.adapters.claude_cli import cli_environment, config_dir, workspace_for, workspace_listing
+from sessions_app.adapters.claude_cli import cli_binary, cli_environment, config_dir, workspace_for, workspace_listing
 from sessions_app.adapters.cli_home import agent_home
 from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
@@ -168,6 +168,46 @@ def test_the_cli_sees_no_secret_of_the_service(company, fake_anthropic, monkeypa
         assert secret not in output
     assert f"CLAUDE_CONFIG_DIR={config_dir(agent.id)}" in output
     assert second["thinking"] == {"type": "disabled"}  # the agent's thinking setting reached the API
+
+
+class CommandLines(threading.Thread):
+    """Reads every process's command line (/proc/<pid>/cmdline, which any local user can
+    read, as `ps` does) over and over until stopped: whether `needle` ever stood in one, and
+    whether `present` did (so that the reader was seen to be reading while it mattered)."""
+
+    def __init__(self, *, needle: str, present: str) -> None:
+        super().__init__(daemon=True)
+        self.needle, self.present = needle.encode(), present.encode()
+        self.leaked, self.saw_present, self.stopped = [], False, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            for entry in Path("/proc").iterdir():
+                try:
+                    line = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+                except OSError:
+                    continue
+                self.saw_present |= self.present in line
+                if self.needle in line:
+                    self.leaked.append(line.replace(b"\0", b" ")[:200])
+
+
+def test_the_api_key_never_stands_on_a_command_line(company, fake_anthropic, monkeypatch):
+    key = f"sk-ant-cmdline-canary-{secrets.token_hex(8)}"
+    monkeypatch.setenv("ANTHROPIC_API_KEY", key)
+    agent = cli_agent(company)
+    reader = CommandLines(needle=key, present=str(cli_binary()))
+    reader.start()
+    try:
+        run = beat(agent, "say hi")
+    finally:
+        reader.stopped.set()
+        reader.join()
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    assert fake_anthropic.message_requests, "the CLI made no request: it did not get the key"
+    assert reader.saw_present  # the CLI's own command line was read while it ran
+    assert reader.leaked == []
 
 
 def test_persistent_sessions_resume_from_the_store_after_the_local_copy_is_gone(company, fake_anthropic):

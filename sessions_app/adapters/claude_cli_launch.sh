@@ -19,27 +19,28 @@ if [ ! -x "$PAPERCLIP_CLI_BIN" ]; then
     echo "Claude Code is not an executable file: $PAPERCLIP_CLI_BIN" >&2
     exit 127
 fi
-set -- "$PAPERCLIP_CLI_BIN" "$@"
 for name in $PAPERCLIP_CLI_ENV; do
     case $name in
         '' | [0-9]* | *[!A-Za-z0-9_]*) echo "bad variable name: $name" >&2; exit 64 ;;
     esac
-    if eval "[ -n \"\${$name+set}\" ]"; then
-        eval "set -- \"$name=\${$name}\" \"\$@\""
-    fi
 done
-# This shell is not a process group leader (the SDK does not start one), so setsid makes
-# the new session in place and the recorded pid is the group's id. The subreaper flag
-# (prctl PR_SET_CHILD_SUBREAPER) survives the exec into the CLI.
-if [ -x "$PAPERCLIP_CLI_PYTHON" ]; then
-    exec "$PAPERCLIP_CLI_PYTHON" -I -S -c '
+if [ ! -x "$PAPERCLIP_CLI_PYTHON" ]; then
+    echo "No Python to start Claude Code with: $PAPERCLIP_CLI_PYTHON" >&2
+    exit 127
+fi
+# The CLI's environment is built by the exec itself, never passed as NAME=value arguments:
+# a command line is readable by every local user (/proc/<pid>/cmdline, ps), and these
+# values hold the API key. This shell is not a process group leader (the SDK does not start
+# one), so setsid makes the new session in place and the recorded pid is the group's id.
+# The subreaper flag (prctl PR_SET_CHILD_SUBREAPER) survives the exec into the CLI.
+exec "$PAPERCLIP_CLI_PYTHON" -I -S -c '
 import ctypes, os, sys
 try:
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
 except (OSError, AttributeError):
     pass
 os.setsid()
-os.execvp("env", ["env", "-i", *sys.argv[1:]])
+kept = {name: os.environ[name] for name in os.environ["PAPERCLIP_CLI_ENV"].split() if name in os.environ}
+cli = os.environ["PAPERCLIP_CLI_BIN"]
+os.execve(cli, [cli, *sys.argv[1:]], kept)
 ' "$@"
-fi
-exec setsid env -i "$@"
