@@ -125,3 +125,21 @@ def test_an_agent_mounting_a_file_the_operator_no_longer_lists_does_not_reach_th
     assert (run.status, run.error_code) == (RunStatus.FAILED, "managed_not_allowed")
     assert "adapter_config.resources" in run.error and "'file_0001'" in run.error
     assert fake_managed.requests == []
+
+
+def test_an_agent_reaching_package_registries_the_operator_no_longer_allows_does_not_reach_the_provider(
+    company, fake_managed, settings
+):
+    registries = {"networking": {"allowed_hosts": [], "allow_package_managers": True}, "packages": {"pip": ["x"]}}
+    agent = managed_agent(company, tools=["read"], environment=registries)
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_MANAGED_TOOLS = ("read",)
+    settings.PAPERCLIP_MANAGED_HOSTS = ("pypi.org",)
+
+    run = beat(agent, "install and run")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "managed_not_allowed")
+    assert "package registries" in run.error
+    assert fake_managed.requests == []
+    settings.PAPERCLIP_MANAGED_HOSTS = ("*",)  # the operator allows any host: registries too
+    assert beat(agent, "install and run").status == RunStatus.SUCCEEDED

@@ -217,6 +217,13 @@ def authenticated_problems(config: dict, *, mode: str, tools: tuple, hosts: tupl
                 f"hosts {', '.join(map(repr, refused))} may not be reached in authenticated mode; "
                 f"PAPERCLIP_MANAGED_HOSTS permits {listed}"
             )
+        elif networking.get("allow_package_managers") and "*" not in hosts:
+            # The registries (PyPI, npm, ...) are hosts the operator did not list, and the
+            # packages installed from them run in the container.
+            problems["environment"] = (
+                "allow_package_managers (and packages) reach the package registries: in authenticated mode "
+                "only with '*' in PAPERCLIP_MANAGED_HOSTS"
+            )
     return problems
 
 

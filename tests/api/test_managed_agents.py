@@ -29,6 +29,9 @@ def test_an_api_key_gets_only_the_tools_and_hosts_the_operator_lists(key_api, co
         {"tools": ["read"], "environment": {"networking": {"allowed_hosts": ["evil.example"]}}}
     )
     assert "adapter_config.environment" in refused({"tools": ["read"], "environment": {"networking": "unrestricted"}})
+    # The package registries are hosts too, and what is installed from them runs there.
+    registries = {"networking": {"allowed_hosts": [], "allow_package_managers": True}, "packages": {"pip": ["x"]}}
+    assert "package registries" in refused({"tools": ["read"], "environment": registries})["adapter_config.environment"]
     allowed = {"tools": ["read", "grep"], "environment": {"networking": {"allowed_hosts": ["pypi.org"]}}}
     body = {
         "name": "remote",
