@@ -143,3 +143,19 @@ def test_an_agent_reaching_package_registries_the_operator_no_longer_allows_does
     assert fake_managed.requests == []
     settings.PAPERCLIP_MANAGED_HOSTS = ("*",)  # the operator allows any host: registries too
     assert beat(agent, "install and run").status == RunStatus.SUCCEEDED
+
+
+def test_a_system_check_names_managed_agents_that_authenticated_mode_no_longer_allows(company, settings):
+    from sessions_app.checks import check_managed_rules
+
+    registries = {"networking": {"allowed_hosts": [], "allow_package_managers": True}, "packages": {"pip": ["x"]}}
+    installing = managed_agent(company, tools=["read"], environment=registries)
+    managed_agent(company, tools=["read"])
+    assert check_managed_rules(None) == []  # local_trusted allows both
+
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_MANAGED_TOOLS = ("read",)
+
+    (warning,) = check_managed_rules(None)
+    assert warning.id == "paperclip.W007"
+    assert str(installing.id) in warning.msg and "adapter_config.environment" in warning.msg
