@@ -31,13 +31,22 @@ from django.db.models.functions import Coalesce
 from sessions_app.adapters import adapter_for
 from sessions_app.adapters.base import validate_common
 from sessions_app.models import Agent, AgentStatus, HealthState, HeartbeatRun, RunStatus
-from sessions_app.wakes import HeartbeatPlan, schedule_problem
+from sessions_app.wakes import HeartbeatPlan
 from sessions_app.work_checks import agent_backoff, validate_work_settings
 
 DOWN_STATES = (HealthState.DOWN, HealthState.FAILING)
 EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
-# What health reads of a configuration besides the schedule (`config_problem`).
-HEALTH_SETTINGS = ("backoff_after_runs", "backoff_max_factor", "health_grace_minutes", "health_failing_after_runs")
+# What health reads of a configuration: the schedule and its back-off, the grace and the
+# failure threshold (`config_problem`).
+HEALTH_SETTINGS = (
+    "heartbeat_interval_minutes",
+    "heartbeat_cron",
+    "heartbeat_timezone",
+    "backoff_after_runs",
+    "backoff_max_factor",
+    "health_grace_minutes",
+    "health_failing_after_runs",
+)
 
 
 @dataclass(frozen=True)
@@ -74,13 +83,11 @@ def failing_after(config: dict) -> int:
 
 
 def config_problem(config: object) -> str | None:
-    """Why health cannot be read from an agent's stored configuration, or None: it is not
-    a JSON object, its schedule cannot be followed (`wakes.schedule_problem`), or a setting
-    health reads fails validation's own rule for it."""
+    """Why health cannot be read from an agent's stored configuration, or None: it is not a
+    JSON object, or a setting health reads fails the validation of a save (a time zone a
+    tzdata upgrade removed, a value written by SQL or an older version)."""
     if not isinstance(config, dict):
         return "invalid configuration: not a JSON object"
-    if problem := schedule_problem(config):
-        return f"invalid schedule: {problem}"
     read = {key: config[key] for key in HEALTH_SETTINGS if key in config}
     errors: dict[str, str] = {}
     validate_common(read, errors)

@@ -17,8 +17,6 @@ from cronsim import CronSim, CronSimError
 
 DEFAULT_TIMEZONE = "UTC"
 MAX_CRON_CHARS = 200
-# Validation's bound (sessions_app.adapters.base): a month.
-MAX_INTERVAL_MINUTES = 60 * 24 * 31
 
 
 @functools.cache
@@ -39,6 +37,13 @@ def cron_error(expression: object) -> str | None:
     """Why `expression` is not a 5-field cron expression that fires, or None."""
     if not isinstance(expression, str) or len(expression) > MAX_CRON_CHARS:
         return f"must be a 5-field cron expression such as '0 9 * * 1-5', got {expression!r}"
+    return _cron_text_error(expression)
+
+
+# Cached: an agent's health and its wakes check its stored expression again on every read
+# (each row of a list), and parsing one costs about 30 microseconds.
+@functools.lru_cache(maxsize=1024)
+def _cron_text_error(expression: str) -> str | None:
     if len(expression.split()) != 5:
         return f"must have 5 fields (minute hour day-of-month month day-of-week), got {expression!r}"
     try:
@@ -63,33 +68,6 @@ def _day_no_month_has(expression: str) -> int | None:
     return min(every_month.days)
 
 
-def schedule_problem(config: dict) -> str | None:
-    """Why the schedule a stored configuration names cannot be followed, or None: what
-    `HeartbeatPlan.of` and its wakes would fail on, read as they read it.
-
-    Validation refuses all of these when an agent is saved, but a row can hold them still:
-    a zone that a tzdata upgrade removed or renamed, a value written by SQL or by an older
-    version."""
-    if config.get("heartbeat_cron"):
-        cron = config["heartbeat_cron"]
-        if message := cron_error(cron):
-            return f"heartbeat_cron {message}"
-        zone = config.get("heartbeat_timezone") or DEFAULT_TIMEZONE
-        if zone_error(zone):
-            return f"unknown time zone {zone!r}"
-        return None
-    interval = config.get("heartbeat_interval_minutes")
-    if not interval:
-        return None
-    try:
-        minutes = int(interval)
-    except (TypeError, ValueError, OverflowError):
-        minutes = 0
-    if not 1 <= minutes <= MAX_INTERVAL_MINUTES:
-        return f"heartbeat_interval_minutes must be a whole number of minutes (1..{MAX_INTERVAL_MINUTES}), got {interval!r}"
-    return None
-
-
 def cron_wakes(*, expression: str, zone_name: str, after: datetime, count: int) -> list[datetime]:
     """The next `count` wake times strictly after `after`, in the agent's zone.
 
@@ -97,9 +75,9 @@ def cron_wakes(*, expression: str, zone_name: str, after: datetime, count: int) 
     the first minute that exists (02:30 -> 03:00 in Berlin), a time repeated in autumn runs
     once (its first, summer-time instance).
 
-    No wakes for a stored expression or zone that cannot be read (`schedule_problem` says why,
-    and the agent's health): its schedule is disarmed as one with no wake left, rather than
-    failing every save, resume and fire of the agent.
+    No wakes for a stored expression or zone that cannot be read (the agent's health says
+    why: `agent_health.config_problem`): its schedule is disarmed as one with no wake left,
+    rather than failing every save, resume and fire of the agent.
     """
     if zone_error(zone_name) or cron_error(expression):
         return []

@@ -107,10 +107,11 @@ def test_paused_agents_and_agents_held_by_a_quota_are_not_late():
     [
         (
             {"heartbeat_cron": "0 9 * * 1-5", "heartbeat_timezone": "Nowhere/Gone"},
-            "invalid schedule: unknown time zone 'Nowhere/Gone'",
+            "invalid configuration: heartbeat_timezone must be an IANA time zone name such as 'Europe/Berlin' "
+            "or 'UTC', got 'Nowhere/Gone'",
         ),
-        ({"heartbeat_cron": "0 9 * *"}, "invalid schedule: heartbeat_cron must have 5 fields"),
-        ({"heartbeat_interval_minutes": "often"}, "invalid schedule: heartbeat_interval_minutes must be a whole"),
+        ({"heartbeat_cron": "0 9 * *"}, "invalid configuration: heartbeat_cron must have 5 fields"),
+        ({"heartbeat_interval_minutes": "often"}, "invalid configuration: heartbeat_interval_minutes must be a whole"),
         (
             {"heartbeat_interval_minutes": 15, "backoff_max_factor": "x"},
             "invalid configuration: backoff_max_factor must be a whole number in 1..1024 or null, got 'x'",

@@ -58,7 +58,7 @@ from sessions_app.models import (
 from sessions_app.quota import holds_now
 from sessions_app.schedules import agent_next_wakes, agent_schedule_sync
 from sessions_app.text import holds_unstorable
-from sessions_app.wakes import HeartbeatPlan, schedule_problem
+from sessions_app.wakes import HeartbeatPlan
 from sessions_app.work_checks import agent_backoff
 
 DEFAULT_HEARTBEAT_TASK = "Heartbeat started by an operator from the admin."
@@ -490,10 +490,10 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
     @admin.action(description="Resume selected agents", permissions=["change"])
     def resume_agents(self, request, queryset):
         resumed = self.change_each(request, queryset, services.agent_resume, verb="resumed", unless="paused")
-        if stuck := [agent for agent in resumed if schedule_problem(agent.adapter_config)]:
+        if stuck := [agent for agent in resumed if config_problem(agent.adapter_config)]:
             self.message_user(
                 request,
-                f"Resumed, but not woken by their schedule until it is corrected: {named(stuck)}.",
+                f"Resumed, but not woken by their schedule until their configuration is corrected: {named(stuck)}.",
                 messages.WARNING,
             )
 

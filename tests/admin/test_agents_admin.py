@@ -531,7 +531,10 @@ def test_an_agent_whose_zone_is_gone_shows_the_problem_in_the_list_and_on_its_pa
     gone = agent_with_stored_config(
         persistent_agent.company, {"heartbeat_cron": "0 9 * * 1-5", "heartbeat_timezone": "Nowhere/Gone"}
     )
-    problem = "invalid schedule: unknown time zone 'Nowhere/Gone'"
+    problem = (
+        "invalid configuration: heartbeat_timezone must be an IANA time zone name such as 'Europe/Berlin' "
+        "or 'UTC', got 'Nowhere/Gone'"
+    )
 
     listing = admin_client.get(reverse(CHANGELIST))
     assert listing.status_code == 200
@@ -554,7 +557,7 @@ def test_an_agent_whose_zone_is_gone_shows_the_problem_in_the_list_and_on_its_pa
     response = admin_client.post(reverse(CHANGELIST), {"action": "resume_agents", **selected}, follow=True)
     assert messages_of(response)[-1] == (
         "warning",
-        "Resumed, but not woken by their schedule until it is corrected: Stale.",
+        "Resumed, but not woken by their schedule until their configuration is corrected: Stale.",
     )
     assert Agent.objects.get(pk=gone.pk).status == AgentStatus.ACTIVE
     assert not Schedule.objects.filter(name=schedule_name(gone.pk)).exists()
