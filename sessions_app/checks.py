@@ -124,20 +124,14 @@ def check_managed_rules(app_configs, **kwargs):
     """Managed Agents agents whose tools, hosts, package registries or mounted files
     authenticated mode no longer allows (PAPERCLIP_MANAGED_TOOLS, _HOSTS, _FILES or the mode
     changed): their runs fail managed_not_allowed."""
-    from sessions_app.adapters.claude_managed_config import authenticated_problems
+    from sessions_app.adapters.claude_managed_config import problems_here
     from sessions_app.models import Agent
 
-    mode = settings.PAPERCLIP_DEPLOYMENT_MODE
-    if mode != "authenticated":
+    if settings.PAPERCLIP_DEPLOYMENT_MODE != "authenticated":
         return []
-    allowed = {
-        "tools": settings.PAPERCLIP_MANAGED_TOOLS,
-        "hosts": settings.PAPERCLIP_MANAGED_HOSTS,
-        "files": settings.PAPERCLIP_MANAGED_FILES,
-    }
     return agents_that_may_not_run(
         Agent.objects.filter(adapter_type="claude-managed"),
-        lambda config: authenticated_problems(config, mode=mode, **allowed),
+        problems_here,
         what="run on Managed Agents as configured",
         hint="List what it needs in PAPERCLIP_MANAGED_TOOLS, PAPERCLIP_MANAGED_HOSTS or PAPERCLIP_MANAGED_FILES, "
         "or narrow the agent's configuration; until then its runs fail managed_not_allowed.",

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Protocol
 
-from django.conf import settings
-
 from sessions_app.adapters.base import (
     Adapter,
     AdapterError,
@@ -40,9 +38,9 @@ from sessions_app.adapters.claude_managed_config import (
     CONFIG_KEYS,
     DEFAULT_TIMEOUT_SECONDS,
     RemoteAgent,
-    authenticated_problems,
     budget_cents,
     digest,
+    problems_here,
     remote_sync,
     session_resources,
     validate_managed_config,
@@ -220,13 +218,7 @@ class ClaudeManagedAdapter(Adapter):
     def call(self, request: AdapterRequest) -> AdapterReply:
         # Checked again here, with this worker's mode and lists: the row may predate them,
         # or have been written around validation.
-        problems = authenticated_problems(
-            request.config,
-            mode=settings.PAPERCLIP_DEPLOYMENT_MODE,
-            tools=settings.PAPERCLIP_MANAGED_TOOLS,
-            hosts=settings.PAPERCLIP_MANAGED_HOSTS,
-            files=settings.PAPERCLIP_MANAGED_FILES,
-        )
+        problems = problems_here(request.config)
         if problems:
             detail = "; ".join(f"adapter_config.{key}: {message}" for key, message in problems.items())
             raise AdapterError(

@@ -171,16 +171,21 @@ def validate_managed_config(config: dict, errors: dict[str, str]) -> dict:
         clean["approval_timeout_minutes"] = minutes
     if config.get("context_strategy") not in (None, "none"):
         errors["context_strategy"] = "a Managed Agents session manages its own context: leave it unset or 'none'"
-    problems = authenticated_problems(
-        clean,
+    for field, problem in problems_here(clean).items():
+        errors.setdefault(field, problem)  # a setting's own shape is said first
+    return clean
+
+
+def problems_here(config: dict) -> dict[str, str]:
+    """`authenticated_problems` with this process's mode and the operator's lists: on save,
+    when a run starts, and in `manage.py check`."""
+    return authenticated_problems(
+        config,
         mode=settings.PAPERCLIP_DEPLOYMENT_MODE,
         tools=settings.PAPERCLIP_MANAGED_TOOLS,
         hosts=settings.PAPERCLIP_MANAGED_HOSTS,
         files=settings.PAPERCLIP_MANAGED_FILES,
     )
-    for field, problem in problems.items():
-        errors.setdefault(field, problem)  # a setting's own shape is said first
-    return clean
 
 
 def authenticated_problems(config: dict, *, mode: str, tools: tuple, hosts: tuple, files: tuple) -> dict[str, str]:
