@@ -99,31 +99,25 @@ def test_secret_key_is_generated_once_in_local_trusted_mode(tmp_path):
 
 
 def test_deploy_checks_are_clean_with_production_settings(tmp_path):
-    environment = clean_environment(
-        PAPERCLIP_HOME=str(tmp_path),
-        PAPERCLIP_DEPLOYMENT_MODE="authenticated",
-        DJANGO_SECRET_KEY="x" * 20 + "-production-secret-key-with-enough-entropy-0123456789",
-        DJANGO_ALLOWED_HOSTS="paperclip.example.com",
-        PAPERCLIP_PUBLIC_URL="https://paperclip.example.com",
-    )
-    result = deploy_check(environment)
+    result = deploy_check(tmp_path, host="paperclip.example.com", public_url="https://paperclip.example.com")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no issues" in result.stdout
 
 
-def deploy_check(environment: dict) -> subprocess.CompletedProcess:
+def deploy_check(home, *, host: str, public_url: str) -> subprocess.CompletedProcess:
+    """`check --deploy` of an authenticated deployment served at `public_url`."""
+    environment = clean_environment(
+        PAPERCLIP_HOME=str(home),
+        PAPERCLIP_DEPLOYMENT_MODE="authenticated",
+        DJANGO_SECRET_KEY="x" * 20 + "-production-secret-key-with-enough-entropy-0123456789",
+        DJANGO_ALLOWED_HOSTS=host,
+        PAPERCLIP_PUBLIC_URL=public_url,
+    )
     return manage("check", "--deploy", "--fail-level", "WARNING", environment=environment)
 
 
 def test_deploy_checks_say_once_that_plain_http_has_no_https_protections(tmp_path):
-    environment = clean_environment(
-        PAPERCLIP_HOME=str(tmp_path),
-        PAPERCLIP_DEPLOYMENT_MODE="authenticated",
-        DJANGO_SECRET_KEY="x" * 20 + "-production-secret-key-with-enough-entropy-0123456789",
-        DJANGO_ALLOWED_HOSTS="10.0.0.5",
-        PAPERCLIP_PUBLIC_URL="http://10.0.0.5:3100",
-    )
-    result = deploy_check(environment)
+    result = deploy_check(tmp_path, host="10.0.0.5", public_url="http://10.0.0.5:3100")
     assert result.returncode == 1
     output = result.stdout + result.stderr
     assert "paperclip.W003" in output and "no HTTPS redirect" in output
