@@ -28,6 +28,7 @@ from sessions_app.context import (
     build_request,
     choose_split,
     estimate_tokens,
+    history_problem,
     model_window,
     request_size,
     summary_input_text,
@@ -35,7 +36,7 @@ from sessions_app.context import (
     summary_request,
 )
 from sessions_app.context_defaults import effective_settings
-from sessions_app.errors import StepFailed
+from sessions_app.errors import HistoryUnavailable, StepFailed
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     Agent,
@@ -90,6 +91,11 @@ def write_handoff(
     returned plan starts the new session with it."""
     predecessor = plan.retire
     old_history = store_for(predecessor).read(predecessor)
+    if problem := history_problem(old_history):
+        # Refused before the note is paid for: reading it back takes the turns one by one.
+        raise HistoryUnavailable(
+            "history_malformed", f"The session's history cannot be summarised into a handoff note: {problem}."
+        )
     pins = pinned_texts(agent)
     request = summary_request(
         agent=agent,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -26,6 +28,7 @@ from django.utils import timezone
 
 from costs_app.catalogue import catalogue
 from sessions_app.adapters import AdapterError, AdapterRequest
+from sessions_app.errors import HistoryUnavailable
 from sessions_app.models import Agent, AgentSession
 
 # The context window of a model the catalogue does not know (or gives none for); the
@@ -250,6 +253,21 @@ def history_problem(history: list) -> str | None:
             continue
         return f"entry {number} is not a turn ({why})"
     return None
+
+
+@contextmanager
+def read_as_turns(history: list, *, to: str) -> Iterator[None]:
+    """Runs a step that reads `history` turn by turn, and names the entry that is not a turn
+    (`history_malformed`) when the step trips over one. A damaged or hand-edited history is
+    diagnosed only once it fails: checking every entry of a long history up front would cost
+    each heartbeat more than the rest of its request's building."""
+    try:
+        yield
+    except (AttributeError, KeyError, TypeError) as exc:
+        problem = history_problem(history)
+        if problem is None:
+            raise  # a well-formed history: the error is ours, and stays `internal_error`
+        raise HistoryUnavailable("history_malformed", f"The session's history cannot be {to}: {problem}.") from exc
 
 
 def summary_input_text(messages: list) -> str:

@@ -57,6 +57,7 @@ from sessions_app.context import (
     context_settings,
     input_tokens_bound,
     manifest_merge,
+    read_as_turns,
     reported_artifacts,
     summary_pair,
     user_turn_content,
@@ -424,16 +425,17 @@ class ReplayedHistory:
         )
 
     def fit(self, beat: ClaimedRun, plan: Plan, user_content, *, reserve: BeforeCall) -> tuple[Plan, AdapterRequest]:
-        return fit_budget(
-            agent=beat.agent,
-            adapter=beat.calls,
-            run=beat.run,
-            plan=plan,
-            user_content=user_content,
-            settings_=beat.settings_,
-            now=beat.now,
-            before_call=reserve,
-        )
+        with read_as_turns(plan.history, to="replayed"):
+            return fit_budget(
+                agent=beat.agent,
+                adapter=beat.calls,
+                run=beat.run,
+                plan=plan,
+                user_content=user_content,
+                settings_=beat.settings_,
+                now=beat.now,
+                before_call=reserve,
+            )
 
 
 class OwnSession:

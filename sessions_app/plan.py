@@ -16,7 +16,7 @@ from django.db.models import Exists
 
 from costs_app.budgets import session_limit_reached
 from sessions_app.adapters import AdapterReply
-from sessions_app.context import SUMMARY_KINDS, ContextSettings, rotation_due
+from sessions_app.context import SUMMARY_KINDS, ContextSettings, read_as_turns, rotation_due
 from sessions_app.hot_sql import CompiledLookup, session_take_update
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -163,13 +163,15 @@ def _take_session(
     session; a sweep that ended it before the link makes the conditional update below find
     nothing, and the run starts a fresh session instead of resurrecting it.
     """
+    with read_as_turns(history, to="replayed"):  # before the take: a history that fails leaves it as it was
+        repairs = _repairs(live, agent=agent, history=history)
     fields = {
         "last_used": now,
         "expires_at": max(now + agent.session_ttl, live.expires_at or now),
         "status": SessionStatus.ACTIVE,
         "paused_at": None,
         "pause_at": now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS) + idle_pause(agent),
-        **_repairs(live, agent=agent, history=history),
+        **repairs,
     }
     still_live = AgentSession.objects.filter(pk=live.pk, status__in=LIVE_SESSION_STATUSES)
     if connection.vendor == "postgresql":

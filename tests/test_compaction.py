@@ -20,6 +20,7 @@ from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus, SessionCompaction, SessionStatus
 from sessions_app.services import session_delete
 from sessions_app.stores import store_for
+from tests.admin.conftest import conversation, make_session
 from tests.conftest import (
     beat,
     compacting_agent,
@@ -294,6 +295,27 @@ def test_rotation_starts_a_linked_session_with_a_handoff_note(company, fake_anth
     assert len(request) == 3
     handoff = SessionCompaction.objects.get(session=second)
     assert handoff.kind == "handoff" and handoff.cost_usd > 0
+
+
+def test_a_rotation_from_a_history_with_an_entry_that_is_not_a_turn_fails_before_the_note_is_paid_for(
+    company, fake_anthropic
+):
+    agent = context_agent(company, rotate_after_turns=3)
+    history = [*conversation(6), {"role": "user", "content": 7}]  # as a hand-edited history holds it
+    session = make_session(agent, history=history, status=SessionStatus.ACTIVE, turn_count=3)
+
+    run = beat(agent, "turn 3")
+
+    assert (run.status, run.error_code, run.error) == (
+        RunStatus.FAILED,
+        "history_malformed",
+        "The session's history cannot be summarised into a handoff note: "
+        "entry 7 is not a turn (its content is not a text or a list of blocks).",
+    )
+    assert fake_anthropic.message_requests == []
+    session.refresh_from_db()
+    assert (session.status, store_for(session).read(session)) == (SessionStatus.ACTIVE, history)
+    assert not AgentSession.objects.exclude(pk=session.pk).exists()
 
 
 def test_server_strategy_sends_the_compaction_edit_and_round_trips_the_block(settings, company, fake_anthropic):

@@ -16,14 +16,16 @@ from sessions_app.adapters.base import Adapter
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_start, heartbeat_wait
 from sessions_app.maintenance import runs_reap
-from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, RunTrigger, SessionStatus
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.services import agent_delete, agent_pause
 from sessions_app.stores import store_for
+from tests.admin.conftest import conversation, make_session
 from tests.conftest import (
     Actor,
     WriteGate,
     beat,
+    context_agent,
     failing_once,
     on_own_connection,
     refuse_writes,
@@ -639,3 +641,41 @@ def test_the_maintenance_pass_wakes_waiting_runs_oldest_first_within_the_cap(
     with django_capture_on_commit_callbacks(execute=True):
         assert queues_unstick() == 2
     assert dispatched_run_ids() == [str(waiting[1].id), str(waiting[2].id)]
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        (5, "a JSON number, not an object"),
+        ("hello", "a JSON string, not an object"),
+        (None, "a JSON null, not an object"),
+        ([1], "a JSON array, not an object"),
+        ({"role": "user", "content": 7}, "its content is not a text or a list of blocks"),
+        ({"role": "user"}, "its content is not a text or a list of blocks"),
+        ({"content": "hi"}, "its role is not 'user' or 'assistant'"),
+    ],
+    ids=["number", "string", "null", "array", "content", "no-content", "no-role"],
+)
+def test_a_history_with_an_entry_that_is_not_a_turn_fails_the_run_naming_it_before_any_call(
+    company, fake_anthropic, entry, why
+):
+    agent = context_agent(company)
+    history = conversation(6)
+    history.insert(3, entry)  # as a damaged or hand-edited history holds it
+    session = make_session(agent, history=history, status=SessionStatus.ACTIVE)
+
+    run = beat(agent, "next")
+
+    assert (run.status, run.error_code, run.error) == (
+        RunStatus.FAILED,
+        "history_malformed",
+        f"The session's history cannot be replayed: entry 4 is not a turn ({why}).",
+    )
+    assert fake_anthropic.message_requests == []
+    session.refresh_from_db()
+    assert (session.status, session.message_count, store_for(session).read(session)) == (
+        SessionStatus.ACTIVE,
+        7,
+        history,
+    )
+    assert beat(agent, "start over", force_fresh=True).status == RunStatus.SUCCEEDED  # the way out docs give
