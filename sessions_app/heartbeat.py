@@ -33,6 +33,7 @@ from costs_app.budgets import (
     call_cost_bound,
 )
 from costs_app.ledger import run_calls_join_session
+from costs_app.money import usd
 from costs_app.pricing import token_counts
 from paperclip.long_lived import long_lived_objects_freeze
 from paperclip.telemetry import step, traced_heartbeat
@@ -723,7 +724,7 @@ def _stage_turns(
             "seq": session.next_seq + 1 + len(reply.exchanges),
             "message_id": reply.message_id,
             "usage": counts.__dict__ if counts else None,
-            "cost_usd": str(reply.cost_usd) if reply.cost_usd is not None else None,
+            "cost_usd": usd(reply.cost_usd) if reply.cost_usd is not None else None,
         },
     ]
     turns = plan.history + new_turns

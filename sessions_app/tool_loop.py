@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from costs_app.money import usd
 from costs_app.pricing import token_counts
 from memory_app.models import RunToolLoop
 from memory_app.stores import Writer, memory_store_names, mounts_for
@@ -119,7 +120,7 @@ class ToolLoop:
                 "run_id": run_id,
                 "message_id": reply.message_id,
                 "usage": counts.__dict__ if counts else None,
-                "cost_usd": str(reply.cost_usd) if reply.cost_usd is not None else None,
+                "cost_usd": usd(reply.cost_usd) if reply.cost_usd is not None else None,
             },
             {"role": "user", "content": results, "at": at, "run_id": run_id},
         ]

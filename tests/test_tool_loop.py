@@ -13,6 +13,7 @@ from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import Budget, CostEvent
+from costs_app.money import usd
 from memory_app.models import (
     MemoryAccess,
     MemoryFile,
@@ -455,3 +456,11 @@ def test_memory_is_a_claude_code_setting_only():
     with pytest.raises(AgentConfigError) as refused:
         validate_agent_config("process", {"command": ["true"], "memory": True})
     assert "adapter_config.memory" in refused.value.fields
+
+
+def test_a_tool_rounds_cost_in_the_history_is_money_by_the_one_rule(company, fake_anthropic):
+    agent = memory_agent(company, session_mode="persistent")
+    beat(agent, FACT)
+    costs = [turn["cost_usd"] for turn in history(agent) if turn["role"] == "assistant"]
+    assert len(costs) == 2
+    assert costs == [usd(Decimal(cost)) for cost in costs]

@@ -3,15 +3,18 @@ from __future__ import annotations
 import re
 import uuid
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from costs_app.money import usd
 from sessions_app.models import AgentSession
 from sessions_app.stores import STORES
 from tests.api.conftest import agent_url, assert_error, make_session
+from tests.fake_anthropic import Reply
 
 pytestmark = pytest.mark.django_db
 
@@ -247,3 +250,13 @@ def test_a_session_whose_summary_did_not_shrink_it_says_so(api, persistent_agent
     healthy_session = make_session(persistent_agent, status="ended")
     healthy = api.get(agent_url(persistent_agent, f"/sessions/{healthy_session.public_id}")).json()
     assert (healthy["compaction_error"], healthy["compaction_error_at"]) == ("", None)
+
+
+def test_a_turns_cost_in_the_history_is_money_by_the_one_rule(api, persistent_agent, fake_anthropic):
+    # The ledger keeps 10 places; the turn once showed them all ("0.0001500000").
+    fake_anthropic.push(Reply.message("Done.", usage={"input_tokens": 30, "output_tokens": 4}))
+    run = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi", "wait": True}).json()
+    body = api.get(agent_url(persistent_agent, f"/sessions/{run['session_id']}")).json()
+    answer = body["history"][-1]
+    assert answer["cost_usd"] == run["cost_usd"] == usd(Decimal(run["cost_usd"]))
+    assert not answer["cost_usd"].endswith("0")
