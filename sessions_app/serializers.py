@@ -437,9 +437,10 @@ class ToolLoopSerializer(serializers.Serializer):
 
 class RuntimeReportField(serializers.JSONField):
     """A runtime's report as stored, its cost figures as money by the one rule (Claude Code
-    reports its own as a float: 0.07438860000000001 is "0.0743886")."""
+    reports its own as a float: 0.07438860000000001 is "0.0743886"; Managed Agents report
+    cents, so 30 cents is stored as "0.3")."""
 
-    MONEY_KEYS = ("cli_total_cost_usd", "ledger_cost_usd")
+    MONEY_KEYS = ("cli_total_cost_usd", "list_cost_usd", "list_cost_turn_usd", "ledger_cost_usd")
 
     def to_representation(self, value):
         if not isinstance(value, dict):

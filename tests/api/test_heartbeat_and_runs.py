@@ -212,6 +212,24 @@ def test_a_runs_money_is_a_decimal_string_by_one_rule_claude_codes_float_include
     }
 
 
+def test_a_managed_runs_list_costs_are_money_by_the_one_rule(api, persistent_agent):
+    # The service reports cents: 300 and 30 cents divided by 100 read "3" and "0.3".
+    report = {"managed_session_id": "sesn_1", "model_requests": 1, "list_cost_usd": "3", "list_cost_turn_usd": "0.3"}
+    run = make_run(persistent_agent, runtime_report={**report, "ledger_cost_usd": "0.3000000000"})
+    body = api.get(agent_url(persistent_agent, f"/runs/{run.id}")).json()
+    assert body["runtime_report"] == {
+        **report,
+        "list_cost_usd": "3.00",
+        "list_cost_turn_usd": "0.30",
+        "ledger_cost_usd": "0.30",
+    }
+    unreported = make_run(
+        persistent_agent, runtime_report={**report, "list_cost_usd": None, "list_cost_turn_usd": None}
+    )
+    body = api.get(agent_url(persistent_agent, f"/runs/{unreported.id}")).json()
+    assert (body["runtime_report"]["list_cost_usd"], body["runtime_report"]["list_cost_turn_usd"]) == (None, None)
+
+
 def test_run_of_another_agent_is_404(api, persistent_agent, stateless_agent):
     run = make_run(stateless_agent)
     assert_error(api.get(agent_url(persistent_agent, f"/runs/{run.id}")), 404)
