@@ -272,7 +272,7 @@ def compact(
                 session_id=session.pk,
                 started=started,
                 finished=finished,
-                expires_at=finished + beat.agent.session_ttl,
+                ttl=beat.agent.session_ttl,
                 active_seconds=alone_seconds(
                     run_id=beat.run.id, session_id=session.pk, started=started, finished=finished
                 )

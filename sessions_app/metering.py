@@ -7,7 +7,7 @@ PAPERCLIP_SESSION_HOUR_USD per hour (0 turns metering off).
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db import transaction
 from django.db.models import Case, F, Value, When
@@ -47,20 +47,23 @@ def session_hours_bill(*, session_ids, now: datetime, statuses=None) -> int:
 
 
 def session_run_time_record(
-    *, session_id, started: datetime, finished: datetime, expires_at: datetime, active_seconds: float | None = None
+    *, session_id, started: datetime, finished: datetime, ttl: timedelta, active_seconds: float | None = None
 ) -> None:
     """A run of the session ended without a turn to record (it failed, was reaped, or was a
     compaction): the time it was in progress is active time, billed with the rest when the
-    session pauses or ends (an ended session's by the maintenance pass); a live session
-    expires no sooner than `expires_at` (its TTL counted from the end of the run). Called by
-    whoever ended the run, once (`run_fail` and the compaction decide by a conditional
+    session pauses or ends (an ended session's by the maintenance pass); a live session was
+    used until the end of the run, so its TTL counts from there (`expires_at = last_used +
+    ttl`, never moved back: a turn committed after this run's end stays the last use). Called
+    by whoever ended the run, once (`run_fail` and the compaction decide by a conditional
     update of the run). `active_seconds`: the provider's own measure, when it has one."""
     seconds = max((finished - started).total_seconds(), 0.0) if active_seconds is None else active_seconds
+    used_later = When(status__in=LIVE_SESSION_STATUSES, expires_at__lt=finished + ttl, then=Value(finished))
     AgentSession.objects.filter(pk=session_id).update(
         active_seconds=F("active_seconds") + seconds,
         unbilled_active_seconds=F("unbilled_active_seconds") + seconds,
+        last_used=Case(used_later, default=F("last_used")),
         expires_at=Case(
-            When(status__in=LIVE_SESSION_STATUSES, expires_at__lt=expires_at, then=Value(expires_at)),
+            When(status__in=LIVE_SESSION_STATUSES, expires_at__lt=finished + ttl, then=Value(finished + ttl)),
             default=F("expires_at"),
         ),
     )

@@ -662,6 +662,6 @@ def ended_run_session_record(
             session_id=ended["session_id"],
             started=started,
             finished=now,
-            expires_at=now + ttl,
+            ttl=ttl,
             active_seconds=active_seconds,
         )

@@ -238,6 +238,7 @@ def test_a_failed_run_leaves_its_session_a_full_ttl_from_its_end(company, fake_a
     assert (second.status, second.session_id) == (RunStatus.FAILED, first.session_id)
     session = AgentSession.objects.get(id=first.session_id)
     assert session.expires_at == second.finished_at + timedelta(hours=0.05)
+    assert session.expires_at == session.last_used + timedelta(hours=0.05)  # the contract's formula
     assert sessions_expire(now=second.finished_at + timedelta(minutes=2)) == 0
 
 
@@ -266,7 +267,7 @@ def test_a_reaped_run_restarts_its_sessions_ttl_from_its_end_and_its_time_is_act
     assert maintenance_pass(now=reaped)["reaped_agents"] == 1
 
     session = AgentSession.objects.get(id=first.session_id)
-    assert session.expires_at == reaped + timedelta(hours=0.05)
+    assert (session.last_used, session.expires_at) == (reaped, reaped + timedelta(hours=0.05))
     assert session.active_seconds == pytest.approx(active + 41 * 60)
     assert maintenance_pass(now=reaped + timedelta(minutes=2))["expired"] == 0
     assert maintenance_pass(now=reaped + timedelta(minutes=4))["expired"] == 1
