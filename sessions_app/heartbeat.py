@@ -96,7 +96,7 @@ from sessions_app.run_queue import (
 )
 from sessions_app.services import budgets_enforce
 from sessions_app.stores import NOTHING_STAGED, StagedHistory, configured_store_name, store_for
-from sessions_app.tool_loop import call_with_tools
+from sessions_app.tool_loop import call_with_tools, memory_tool_for, offering
 from sessions_app.work_checks import is_nothing_to_do
 
 logger = logging.getLogger(__name__)
@@ -218,9 +218,11 @@ def _run_claimed(run: HeartbeatRun, *, now: datetime, clock: RunClock) -> bool:
         with step("fit", **ids):
             plan, request = _fit(beat, plan, user_content, reserve=reserve)  # 4
         with step("reserve", **ids):
+            tool = memory_tool_for(beat)
+            request = offering(request, tool)
             reserve(request, delivery=beat.calls.batch.delivery_for(request))  # 5
         with step("call", **ids):
-            reply = _call(beat, plan, request, reserve=reserve)  # 6
+            reply = _call(beat, plan, request, tool=tool, reserve=reserve)  # 6
     except RunFailure as exc:
         _fail(beat, exc)
         return False
@@ -311,10 +313,10 @@ def _fit(beat: ClaimedRun, plan: Plan, user_content, *, reserve: Reservation) ->
     return plan, replace(request, metadata={"run_id": str(beat.run.id), "agent_id": str(beat.agent.id)})
 
 
-def _call(beat: ClaimedRun, plan: Plan, request: AdapterRequest, *, reserve: Reservation) -> AdapterReply:
+def _call(beat: ClaimedRun, plan: Plan, request: AdapterRequest, *, tool, reserve: Reservation) -> AdapterReply:
     """6. call: the model, outside any transaction (an `AdapterError` when it fails); with
     tools, until its final answer, each call reserved and billed (`sessions_app.tool_loop`)."""
-    return call_with_tools(beat, request, reserve=reserve)
+    return call_with_tools(beat, request, tool=tool, reserve=reserve)
 
 
 def _fail(beat: ClaimedRun, failure: RunFailure) -> None:

@@ -70,7 +70,6 @@ class ToolLoop:
     def run(self, request: AdapterRequest, tool: StoreMemoryTool) -> AdapterReply:
         limit = int(self.beat.agent.adapter_config.get("max_tool_rounds", DEFAULT_MAX_TOOL_ROUNDS))
         base = request.messages
-        request = replace(request, tools=[tool.to_dict()])
         try:
             while True:
                 reply = self.beat.calls.call(request)
@@ -155,10 +154,16 @@ class ToolLoop:
         )
 
 
-def call_with_tools(beat, request: AdapterRequest, *, reserve) -> AdapterReply:
-    """The model's final answer to `request`, tools carried out on the way. Without tools,
-    exactly one call, as before."""
-    tool = memory_tool_for(beat)
+def offering(request: AdapterRequest, tool: StoreMemoryTool | None) -> AdapterRequest:
+    """The request as it is sent: with the tool's definition when the run has one. The
+    first call is reserved on this request, since the definition is input and a request
+    with tools can only go direct (tools are a beta the Batches API is not sent)."""
+    return request if tool is None else replace(request, tools=[tool.to_dict()])
+
+
+def call_with_tools(beat, request: AdapterRequest, *, tool: StoreMemoryTool | None, reserve) -> AdapterReply:
+    """The model's final answer to `request` (`offering` the tool), tools carried out on
+    the way. Without tools, exactly one call, as before."""
     loop = ToolLoop(beat, reserve=reserve)
     if tool is not None:
         return loop.run(request, tool)

@@ -464,3 +464,14 @@ def test_a_tool_rounds_cost_in_the_history_is_money_by_the_one_rule(company, fak
     costs = [turn["cost_usd"] for turn in history(agent) if turn["role"] == "assistant"]
     assert len(costs) == 2
     assert costs == [usd(Decimal(cost)) for cost in costs]
+
+
+def test_a_batch_run_with_tools_is_reserved_at_the_direct_price_it_is_billed_at(company, fake_anthropic):
+    # Tools are a beta the Batches API is not sent: the call goes direct, so its
+    # reservation must hold the direct price (twice the batch one), tools included.
+    agent = memory_agent(company, max_tokens=1000)
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("0.02"))
+    fake_anthropic.push(Reply.message("done", usage={"input_tokens": 10, "output_tokens": 1000}))
+    run = beat(agent, "note nothing", delivery="batch")
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded")
+    assert fake_anthropic.message_requests == [] and not CostEvent.objects.exists()
