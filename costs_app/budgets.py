@@ -26,7 +26,7 @@ from django.db.models.functions import Coalesce
 from costs_app.alerts import budget_alerts_fire
 from costs_app.models import MONEY, Budget, CostEvent, Delivery
 from costs_app.money import amount_text, usd
-from costs_app.pricing import MILLION, price_table
+from costs_app.pricing import MILLION, dearest_geo, price_table
 from paperclip.errors import RunFailure
 from sessions_app.models import Company, HeartbeatRun, RunStatus
 
@@ -282,12 +282,13 @@ def call_cost_bound(
     Every token at the tier a prompt of that many input tokens is billed at (the highest
     its prompt can reach: no more tokens than that); each input token at the dearest rate
     it can be billed at (plain input, or a cache write of a lifetime the request's markers
-    ask for); batch and geo as the request asks. `samplings` is how many times the model
+    ask for); batch as the request asks; the geo it names, or, naming none, the dearest
+    (the workspace's default geo is billed as the answer reports it). `samplings` is how many times the model
     may read the input and write up to max_output_tokens in this one call: 2 under server
     compaction, whose summarising pass reads the whole input before the answer reads the
     compacted one.
     """
-    table = price_table(model=model, at=at, delivery=delivery, inference_geo=inference_geo)
+    table = price_table(model=model, at=at, delivery=delivery, inference_geo=inference_geo or dearest_geo())
     if table is None:
         return None
 

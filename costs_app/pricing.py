@@ -427,6 +427,14 @@ def geo_factor(inference_geo: str | None) -> Decimal:
     return settings.PAPERCLIP_INFERENCE_GEO_MULTIPLIERS.get(inference_geo, Decimal(1))
 
 
+def dearest_geo() -> str | None:
+    """The geo with the highest multiplier (None when none is above 1): a request naming no
+    `inference_geo` runs in the workspace's default geo, which its answer may report as
+    this one, so a reservation holds its price."""
+    dearest = max(settings.PAPERCLIP_INFERENCE_GEO_MULTIPLIERS.items(), key=lambda item: item[1], default=None)
+    return dearest[0] if dearest is not None and dearest[1] > 1 else None
+
+
 def price_table(
     *, model: str, at: datetime, delivery: str = Delivery.DIRECT, inference_geo: str | None = None
 ) -> PriceTable | None:

@@ -122,6 +122,26 @@ def test_server_compaction_is_reserved_as_two_readings_of_the_input(settings, co
     assert spent() == before <= limit
 
 
+def test_an_agent_that_names_no_geo_is_reserved_at_the_dearest_geo_it_may_be_billed_in(company, fake_anthropic):
+    # Unset, the geo is the workspace's default, which the answer may report as `us`:
+    # billed at 1.1x, so the reservation holds 1.1x.
+    agent = Agent.objects.create(
+        company=company, name="default geo", adapter_config={"model": "claude-opus-5-5", "max_tokens": 1000}
+    )
+    usage = {"input_tokens": 10, "output_tokens": 1000, "inference_geo": "us"}
+    rates = price_table(model="claude-opus-5-5", at=timezone.now()).rates()
+    billed = Decimal("1.1") * (10 * rates.input + 1000 * rates.output) / MILLION
+    Budget.objects.create(
+        company=company, agent=agent, monthly_limit_usd=(billed * Decimal("0.99")).quantize(Decimal("0.0001"))
+    )
+    fake_anthropic.push(Reply.message("done", usage=usage))
+
+    run = beat(agent, "go")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded"), run.error
+    assert fake_anthropic.message_requests == [] and spent() == 0
+
+
 def test_a_budgeted_agent_on_an_unpriced_model_is_refused_before_any_call(company, fake_anthropic):
     agent = agent_on_unknown_model(company, "claude-future-9")
     run, _ = heartbeat_enqueue(agent=agent, task="queued before the budget", now=timezone.now())

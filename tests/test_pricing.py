@@ -212,12 +212,14 @@ def test_each_compaction_pass_is_priced_at_its_own_tier(db):
 
 
 def test_the_reservation_bound_of_a_haiku_request_that_could_pass_100k_prices_the_high_tier(db):
-    bound = call_cost_bound(model="claude-haiku-5-5", max_output_tokens=4096, at=NOW)
+    bound = call_cost_bound(model="claude-haiku-5-5", max_output_tokens=4096, at=NOW, inference_geo="global")
     # A prompt that may be 150,000 tokens is held at the long-prompt tier, every token.
     assert bound(150_000) == (150_000 * Decimal("0.5") + 4096 * Decimal("2.5")) / MTOK
     assert bound(100_000) == (100_000 * Decimal("0.1") + 4096 * Decimal("0.5")) / MTOK
     # The dearest cache write its markers ask for, at the tier.
-    hour = call_cost_bound(model="claude-haiku-5-5", max_output_tokens=0, at=NOW, cache_lifetimes=frozenset({"1h"}))
+    hour = call_cost_bound(
+        model="claude-haiku-5-5", max_output_tokens=0, at=NOW, cache_lifetimes=frozenset({"1h"}), inference_geo="global"
+    )
     assert hour(150_000) == 150_000 * Decimal("1") / MTOK
     batch_us = call_cost_bound(
         model="claude-haiku-5-5", max_output_tokens=0, at=NOW, delivery="batch", inference_geo="us"
