@@ -140,6 +140,12 @@ def _where(*, agent_id=None, since=None) -> Q | None:
     return condition or None
 
 
+# The runs whose calls may still be billed hold their reservation: a run submitted in a
+# batch until its result is billed, and a Managed Agents turn whose worker died, which goes
+# on at the provider until the next worker continues it (`sessions_app.managed_resume`).
+HOLDING_STATUSES = (RunStatus.RUNNING, RunStatus.SUBMITTED, RunStatus.RESUMING)
+
+
 def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> list[BudgetUse]:
     """Every limit that applies to an agent (or, with agent_id None, its company), and its use.
 
@@ -160,10 +166,7 @@ def budget_uses(*, company_id, agent_id, now: datetime, exclude_run_id=None) -> 
             lambda condition: Coalesce(Sum("cost_usd", filter=condition), ZERO),
             {(scope, period): _where(agent_id=scope, since=since[period]) for scope in scopes for period in periods},
         )
-        # A run submitted in a batch holds its reservation until its result is billed.
-        running = _other_than(
-            HeartbeatRun.objects.filter(status__in=[RunStatus.RUNNING, RunStatus.SUBMITTED]), exclude_run_id
-        )
+        running = _other_than(HeartbeatRun.objects.filter(status__in=HOLDING_STATUSES), exclude_run_id)
         reserved = _totals(
             _scoped(running, company_id=company_id, scopes=scopes),
             lambda condition: Coalesce(Sum("reserved_usd", filter=condition), ZERO),

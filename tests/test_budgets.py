@@ -20,11 +20,12 @@ from costs_app.pricing import MILLION, price_table
 from sessions_app.context import build_request, context_settings, estimate_tokens
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_wait
+from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.services import budgets_release
 from sessions_app.stores import store_for
-from tests.conftest import agent_on_unknown_model, beat, context_agent
+from tests.conftest import agent_on_unknown_model, beat, context_agent, managed_agent
 from tests.fake_anthropic import Reply, dense_tokens
 
 
@@ -140,6 +141,33 @@ def test_an_agent_that_names_no_geo_is_reserved_at_the_dearest_geo_it_may_be_bil
 
     assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded"), run.error
     assert fake_anthropic.message_requests == [] and spent() == 0
+
+
+def test_a_managed_turn_resuming_after_its_worker_died_still_holds_its_reservation(company, fake_anthropic):
+    # Its turn goes on at the provider while no worker holds it: what it may still spend
+    # stays held, or another agent's call could take the same room.
+    remote = managed_agent(company)
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("1.01"))
+    run, _ = heartbeat_enqueue(agent=remote, task="the long task", now=timezone.now())
+    now = run.created_at
+    HeartbeatRun.objects.filter(pk=run.pk).update(
+        status=RunStatus.RUNNING,
+        started_at=now,
+        deadline_at=now,
+        reserved_usd=Decimal("1"),
+        managed_session_id="sesn_remote",
+        managed_turn={"cursor": "", "opening": []},
+    )
+    runs_reap(now=now + timedelta(seconds=1))
+    assert HeartbeatRun.objects.get(pk=run.pk).status == RunStatus.RESUMING
+    local = Agent.objects.create(
+        company=company, name="local", adapter_config={"model": "claude-opus-4-5", "max_tokens": 1000}
+    )
+
+    refused = beat(local, "go")
+
+    assert (refused.status, refused.error_code) == (RunStatus.FAILED, "budget_exceeded"), refused.error
+    assert fake_anthropic.message_requests == []
 
 
 def test_a_budgeted_agent_on_an_unpriced_model_is_refused_before_any_call(company, fake_anthropic):
