@@ -8,7 +8,7 @@ from io import StringIO
 
 import pytest
 
-from sessions_app.management.commands.serve import Command
+from sessions_app.management.commands.serve import Command, serving_line
 
 
 def preparation() -> tuple[Command, StringIO]:
@@ -63,3 +63,12 @@ def test_the_cache_table_is_created_when_it_is_missing(transactional_db, setting
     command.create_cache_table()
     assert "creating the cache table" in out.getvalue()
     assert settings.CACHES["default"]["LOCATION"] in connection.introspection.table_names()
+
+
+def test_the_serving_line_names_what_ctrl_c_stops():
+    assert serving_line("http://localhost:3100", cluster_workers=None, seconds=1.24) == (
+        "serving http://localhost:3100, started in 1.2 s; Ctrl-C stops it"
+    )
+    assert serving_line("http://localhost:3100", cluster_workers=4, seconds=3.0) == (
+        "serving http://localhost:3100 and the task cluster (4 workers), started in 3.0 s; Ctrl-C stops both"
+    )

@@ -110,8 +110,8 @@ class Command(BaseCommand):
         if not no_cluster:
             children["cluster"] = self.fork(self.cluster)
         url = f"http://{'localhost' if is_loopback(host) else host}:{port}"
-        cluster = "" if no_cluster else f" and the task cluster ({settings.Q_CLUSTER['workers']} workers)"
-        self.say(f"serving {url}{cluster}, started in {time.monotonic() - started:.1f} s; Ctrl-C stops both")
+        workers = None if no_cluster else settings.Q_CLUSTER["workers"]
+        self.say(serving_line(url, cluster_workers=workers, seconds=time.monotonic() - started))
         self.supervise(children)
 
     # 1-4. Preparation, each step only when needed.
@@ -286,3 +286,12 @@ class Command(BaseCommand):
             if pid not in exited:
                 os.waitpid(pid, 0)
         self.stdout.write("Stopped.")
+
+
+def serving_line(url: str, *, cluster_workers: int | None, seconds: float) -> str:
+    """What the operator reads once everything answers (`cluster_workers`: None with `--no-cluster`)."""
+    if cluster_workers is None:
+        return f"serving {url}, started in {seconds:.1f} s; Ctrl-C stops it"
+    return (
+        f"serving {url} and the task cluster ({cluster_workers} workers), started in {seconds:.1f} s; Ctrl-C stops both"
+    )
