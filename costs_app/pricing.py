@@ -39,6 +39,7 @@ from genai_prices import data_snapshot
 from genai_prices import types as library_types
 
 from costs_app.models import CostEvent, Delivery, ModelPrice, PriceOverridesRevision
+from costs_app.money import usd
 
 MILLION = Decimal(1_000_000)
 THOUSAND = Decimal(1000)
@@ -410,12 +411,12 @@ class PriceTable:
 
 
 def rates_text(rates: Rates) -> str:
-    def usd(value: Decimal) -> str:
-        return f"${value.normalize():f}"
+    def price(value: Decimal) -> str:
+        return f"${usd(value)}"  # money by the one rule, as the admin and commands show it everywhere
 
     return (
-        f"{usd(rates.input)} in / {usd(rates.output)} out, cache writes {usd(rates.cache_write_5m)} (5m) / "
-        f"{usd(rates.cache_write_1h)} (1h), reads {usd(rates.cache_read)} per MTok"
+        f"{price(rates.input)} in / {price(rates.output)} out, cache writes {price(rates.cache_write_5m)} (5m) / "
+        f"{price(rates.cache_write_1h)} (1h), reads {price(rates.cache_read)} per MTok"
     )
 
 

@@ -35,13 +35,13 @@ def test_every_model_is_listed_with_its_price_and_source(db):
 
     library = f"library {genai_prices.__version__}"
     assert line_of(output, "claude-haiku-5-5") == (
-        f"claude-haiku-5-5 (active): {library}: $0.1 in / $0.5 out, cache writes $0.125 (5m) / $0.2 (1h), "
-        "reads $0.01 per MTok; prompts over 100,000 tokens: $0.5 in / $2.5 out, cache writes $0.625 (5m) / "
-        "$1 (1h), reads $0.05 per MTok"
+        f"claude-haiku-5-5 (active): {library}: $0.10 in / $0.50 out, cache writes $0.125 (5m) / $0.20 (1h), "
+        "reads $0.01 per MTok; prompts over 100,000 tokens: $0.50 in / $2.50 out, cache writes $0.625 (5m) / "
+        "$1.00 (1h), reads $0.05 per MTok"
     )
-    assert line_of(output, "claude-sonnet-5-5").startswith("claude-sonnet-5-5 (active): override: $1.5 in / $8 out")
+    assert line_of(output, "claude-sonnet-5-5").startswith("claude-sonnet-5-5 (active): override: $1.50 in / $8.00 out")
     assert line_of(output, "claude-opus-4-5").startswith("claude-opus-4-5 (deprecated, retires 2027-02-01): library")
-    assert line_of(output, "acme-finetune-1").startswith("acme-finetune-1 (not in the catalogue): override: $1 in")
+    assert line_of(output, "acme-finetune-1").startswith("acme-finetune-1 (not in the catalogue): override: $1.00 in")
     assert line_of(output, "claude-future-9") == "claude-future-9 (active): unpriced (add a model price)"
     assert f"genai-prices {genai_prices.__version__} (upgrading the package updates them)" in output
     # Before the override's day, the library's price.

@@ -387,7 +387,7 @@ def test_the_model_price_page_shows_the_librarys_price_beside_each_override(admi
     page = admin_client.get(reverse("admin:costs_app_modelprice_changelist")).content.decode()
     change = admin_client.get(reverse("admin:costs_app_modelprice_change", args=[override.pk])).content.decode()
 
-    library = "$2 in / $10 out, cache writes $2.5 (5m) / $4 (1h), reads $0.1 per MTok (library"
+    library = "$2.00 in / $10.00 out, cache writes $2.50 (5m) / $4.00 (1h), reads $0.10 per MTok (library"
     assert library in page and library in change
     assert "none: the price library does not know this model" in page
 
@@ -397,5 +397,5 @@ def test_the_catalogue_page_lists_the_models_with_their_lifecycle_and_price(admi
     ModelPrice.from_list_price("claude-opus-5-5", date(2026, 1, 1), Decimal("3"), Decimal("15")).save()
     page = admin_client.get(reverse("admin:costs_app_cataloguemodel_changelist")).content.decode()
     assert "claude-haiku-5-5" in page and "retired" in page
-    assert "prompts over 100,000 tokens: $0.5 in / $2.5 out" in page
+    assert "prompts over 100,000 tokens: $0.50 in / $2.50 out" in page
     assert "overridden (Costs &gt; Model prices)" in page
