@@ -7,7 +7,9 @@ or recorded as skipped. A failure to copy leaves the end pending, retried with t
 
 Each file is written under `PAPERCLIP_HOME/outputs/{agent_id}/{remote_session_id}/` to a
 temporary name, flushed to disk and renamed before its row is written: a row always has its
-file; a file left without a row (a crash between the two) is overwritten by the retry. A
+file; a file left without a row (a crash between the two) is overwritten by the retry. The
+row is written under the agent's row lock, so an agent deleted during the download (its
+outputs' rows and folder gone) gets no row and its copy is removed. A
 file over `PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES`, or past the session's
 `PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES`, gets a row saying so and no copy.
 """
@@ -25,7 +27,7 @@ from django.conf import settings
 from django.db import transaction
 
 from sessions_app.adapters.claude_managed import remote_file_chunks, remote_session_files
-from sessions_app.models import ManagedOutput, ManagedSessionEnd
+from sessions_app.models import Agent, AgentStatus, ManagedOutput, ManagedSessionEnd
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,8 @@ def output_path(output: ManagedOutput) -> Path:
 def outputs_extract(end: ManagedSessionEnd) -> int:
     """Copy the files of the ended remote session that are not copied yet; returns how many
     rows it wrote. Raises OutputsUnavailable when the provider fails to list or serve one."""
-    if end.agent_id is None:
-        return 0
+    if end.agent_id is None or _agent_gone(end.agent_id):
+        return 0  # its deletion took its outputs: nothing is kept for it
     files = remote_session_files(end.remote_session_id)
     known = set(ManagedOutput.objects.filter(remote_session_id=end.remote_session_id).values_list("file_id", flat=True))
     total = sum(
@@ -74,11 +76,50 @@ def outputs_extract(end: ManagedSessionEnd) -> int:
                 output.sha256, output.size_bytes = _copy(output, limit=min(_largest(), _session_largest() - total))
             except OutputTooLarge as refusal:
                 output.skipped = str(refusal)
+            except OSError:
+                if not _agent_gone(end.agent_id):
+                    raise
+                # Its deletion removed the folder under the download: nothing to keep.
+                _copy_remove(output)
+                return written
             else:
                 total += output.size_bytes
-        ManagedOutput.objects.bulk_create([output], ignore_conflicts=True)
+        if not _output_insert(output):
+            _copy_remove(output)
+            return written
         written += 1
     return written
+
+
+def _agent_gone(agent_id, *, lock: bool = False) -> bool:
+    agents = Agent.objects.filter(pk=agent_id)
+    if lock:
+        agents = agents.select_for_update(no_key=True)
+    return agents.values_list("status", flat=True).first() in (None, AgentStatus.DELETED)
+
+
+def _output_insert(output: ManagedOutput) -> bool:
+    """Insert the copied file's row, unless its agent was deleted during the download: under
+    the agent's row lock, which a deletion takes first, so the deletion either committed
+    before (False: the caller removes the copy its folder's removal missed) or waits and
+    removes this row and file with the agent's others."""
+    with transaction.atomic():
+        if _agent_gone(output.agent_id, lock=True):
+            return False
+        ManagedOutput.objects.bulk_create([output], ignore_conflicts=True)
+    return True
+
+
+def _copy_remove(output: ManagedOutput) -> None:
+    """The copy of a deleted agent's output, and the folders the copy made again."""
+    path = output_path(output)
+    try:
+        path.unlink(missing_ok=True)
+        path.with_name(f".{path.name}.partial").unlink(missing_ok=True)
+        for folder in (path.parent, path.parent.parent):
+            folder.rmdir()
+    except OSError:
+        pass  # a folder holding other copies, or gone already
 
 
 def safe_filename(name: str, *, fallback: str) -> str:

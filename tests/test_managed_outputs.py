@@ -10,12 +10,12 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from sessions_app.managed_outputs import output_path
+from sessions_app.managed_outputs import output_path, outputs_root
 from sessions_app.managed_sessions import managed_ends_process
-from sessions_app.models import ManagedOutput, ManagedSessionEnd, RunStatus
-from sessions_app.services import agent_delete, session_delete, session_expire
+from sessions_app.models import Agent, ManagedOutput, ManagedSessionEnd, RunStatus
+from sessions_app.services import agent_delete, agents_hard_delete, session_delete, session_expire
 from tests.api.conftest import make_session
-from tests.conftest import beat, managed_agent, run_queued_tasks
+from tests.conftest import beat, managed_agent, on_own_connection, run_queued_tasks
 from tests.test_managed_sessions import remote_session
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -164,3 +164,29 @@ def test_a_name_from_the_provider_is_only_a_name(company, fake_managed):
     (output,) = ManagedOutput.objects.filter(agent=agent)
     assert output.filename == "passwd.txt"
     assert output_path(output).parent.parent.parent.name == "outputs"
+
+
+@pytest.mark.parametrize("deletion", ["retire", "remove"])
+def test_an_agent_deleted_while_its_files_are_copied_keeps_no_output_row_or_file(company, fake_managed, deletion):
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id)
+    produced = fake_managed.add_file(remote_id, "notes.txt", b"notes", "text/plain")
+
+    def delete_agent():
+        if deletion == "retire":
+            agent_delete(agent=agent, now=timezone.now())
+        else:
+            agents_hard_delete(agents=Agent.objects.filter(pk=agent.pk), now=timezone.now())
+
+    # The worst moment: the copy has listed the files and is downloading one when the
+    # agent's deletion commits (its own connection), removing its outputs' rows and folder.
+    fake_managed.before_next("GET", f"/v1/files/{produced['id']}/content", on_own_connection(delete_agent))
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+
+    assert not ManagedOutput.objects.filter(agent_id=agent.pk).exists()
+    folder = outputs_root() / str(agent.pk)
+    assert not folder.exists() or not any(path.is_file() for path in folder.rglob("*"))
+    ends = ManagedSessionEnd.objects.filter(remote_session_id=remote_id)
+    assert ends.exists() and not ends.filter(done_at__isnull=True).exists()  # the remote session still ends
