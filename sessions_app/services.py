@@ -54,7 +54,10 @@ def _delete_history_files(rows: list[tuple]) -> None:
 def sessions_delete(*, sessions: QuerySet[AgentSession], now: datetime) -> int:
     """Delete sessions and their histories (rows, and files after the commit)."""
     with transaction.atomic():
-        rows = list(sessions.values_list("id", "agent_id", "store", "cli_session_id"))
+        # Locked first: a heartbeat committing its turn holds the row, and the transcript
+        # lines it writes are read (and deleted) only once it has committed.
+        locked = AgentSession.objects.select_for_update().filter(id__in=sessions.values("id")).order_by("pk")
+        rows = list(locked.values_list("id", "agent_id", "store", "cli_session_id"))
         # Claude Code transcripts: their rows go with this transaction, files after it.
         cli_sessions_delete([(agent_id, cli_id) for _, agent_id, _, cli_id in rows])
         # Managed Agents sessions: deleted at the provider after this commit, retried until done.

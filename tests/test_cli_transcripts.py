@@ -8,6 +8,8 @@ import pytest
 from asgiref.sync import async_to_sync
 from claude_agent_sdk.testing import run_session_store_conformance
 
+from sessions_app.adapters import AdapterReply
+from sessions_app.adapters.base import Adapter
 from sessions_app.cli_transcripts import DatabaseTranscripts, FileTranscripts, RunTranscript, StagedTranscript
 from sessions_app.models import AgentSession
 
@@ -186,3 +188,75 @@ def test_a_write_that_fails_half_way_is_cut_back_by_the_failed_heartbeat():
 
     assert failure.value.code == "history_unwritable"
     assert store.session_entries("s") == {"": [{"type": "a"}]}
+
+
+class TranscriptKeepingAdapter(Adapter):
+    """Claude Code's runtime without the CLI (whose start alone takes seconds): it keeps
+    its session in the engine's transcript stores, each call appending one line to the
+    transcript it resumes."""
+
+    type_name = "claude-code"
+    keeps_own_session = True
+    own_session_store = "cli_transcripts"
+    config_keys = frozenset({"model", "runtime"})
+
+    def validate_config(self, config, errors):
+        return {"model": config["model"], "runtime": "cli"}
+
+    def for_config(self, config):
+        return self
+
+    def call_seconds(self, config) -> float:
+        return 5
+
+    def call(self, request):
+        own = request.own_session
+        cli_id = own.resumed_id or str(uuid.uuid4())
+        transcript = own.run_transcript()
+        line = {"type": "user", "uuid": str(uuid.uuid4()), "text": request.messages[-1]["content"]}
+        async_to_sync(transcript.append)({"project_key": "p", "session_id": cli_id}, [line])
+        return AdapterReply(
+            text="done",
+            content="done",
+            model=request.model,
+            usage={"input_tokens": 7, "output_tokens": 3},
+            on_commit=own.on_commit(transcript, session_id=cli_id, report={}),
+        )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_session_deleted_while_a_heartbeat_commits_its_transcript_keeps_no_line(company, monkeypatch, settings):
+    from django.utils import timezone
+
+    from sessions_app.adapters import ADAPTERS
+    from sessions_app.models import Agent, CliTranscriptEntry, RunStatus
+    from sessions_app.services import session_delete
+    from tests.conftest import Actor, WriteGate, beat, wait_until_blocked
+
+    settings.PAPERCLIP_SESSION_STORE = "database"  # the file store deletes after the COMMIT
+    adapter = TranscriptKeepingAdapter()
+    monkeypatch.setitem(ADAPTERS, adapter.type_name, adapter)
+    agent = Agent.objects.create(
+        company=company,
+        name="Coder",
+        adapter_type=adapter.type_name,
+        adapter_config={"runtime": "cli", "session_mode": "persistent", "model": "claude-haiku-4-5"},
+    )
+    assert beat(agent, "first").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+
+    # The worst moment: the second heartbeat's commit has locked the session and written
+    # its transcript line, and its COMMIT is held, when the session's deletion begins.
+    with WriteGate("heartbeat_runs", event="UPDATE", when="NEW.status = 'succeeded'") as gate:
+        heartbeat = Actor(lambda: beat(agent, "second"))
+        heartbeat.start()
+        gate.wait_entered()
+        deletion = Actor(lambda: session_delete(session=session, now=timezone.now()))
+        deletion.start()
+        wait_until_blocked(deletion)
+        gate.open()
+        assert heartbeat.result().status == RunStatus.SUCCEEDED
+        deletion.result()
+
+    assert not AgentSession.objects.filter(agent=agent).exists()
+    assert not CliTranscriptEntry.objects.filter(scope=agent.id).exists()  # the second run's line too
