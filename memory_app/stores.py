@@ -29,7 +29,7 @@ from memory_app.models import (
     MemoryWriter,
 )
 from sessions_app.errors import RunAbandoned
-from sessions_app.models import Agent, HeartbeatRun, RunStatus
+from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus
 from sessions_app.text import is_storable
 
 ROOT = "/memories"
@@ -219,20 +219,40 @@ def file_write(
     if not path:
         raise MemoryFault("memory_path_invalid", f"{ROOT} is a directory; name a file below it.")
     with transaction.atomic():
-        store = MemoryStore.objects.select_for_update().get(pk=mount.store.pk)
-        _writer_check(writer)
+        store = _store_locked(mount, writer)
         return _write_locked(store, path, change, operation=operation, writer=writer, expected=expected_version)
 
 
+def _store_locked(mount: Mount, writer: Writer) -> MemoryStore:
+    """The mount's store, locked for a write, once the writer may write to it. An agent's
+    deletion removes its stores: one that committed first leaves no store (or, for a store
+    made as it ran, an owner deleted), and nothing is written; one still open waits for
+    this write's lock on the store and then removes what it wrote."""
+    store = MemoryStore.objects.select_for_update(of=("self",)).select_related("agent").filter(pk=mount.store.pk)
+    store = store.first()
+    _writer_check(writer)
+    if store is None or store.agent.status == AgentStatus.DELETED:
+        raise MemoryFault("agent_deleted", "The agent was deleted, and its memory with it.")
+    return store
+
+
 def _writer_check(writer: Writer) -> None:
-    """A run writes only while it is running: a reaped run commits nothing. Its row stays
-    locked until the write commits, so the reaper (an UPDATE of that row) waits for a
-    write that found the run running, and a write after the reaper's COMMIT sees it failed."""
+    """A run writes only while it is running and its agent is not deleted: a reaped run, or
+    one whose agent went while the model answered, commits nothing. Its row stays locked
+    until the write commits, so the reaper (an UPDATE of that row) waits for a write that
+    found the run running, and a write after the reaper's COMMIT sees it failed."""
     if writer.run_id is None:
         return
-    running = HeartbeatRun.objects.select_for_update(no_key=True).filter(id=writer.run_id, status=RunStatus.RUNNING)
-    if not running.exists():
+    running = HeartbeatRun.objects.select_for_update(no_key=True, of=("self",)).filter(
+        id=writer.run_id, status=RunStatus.RUNNING
+    )
+    agent_status = running.values_list("agent__status", flat=True).first()
+    if agent_status is None:
         raise RunAbandoned("run_timeout", "The run was reaped as timed out; its memory write was not made.")
+    if agent_status == AgentStatus.DELETED:
+        raise RunAbandoned(
+            "agent_deleted", "The agent was deleted while the model answered; its memory write was not made."
+        )
 
 
 def _write_locked(store, path, change, *, operation, writer, expected) -> MemoryFile:
@@ -352,8 +372,7 @@ def tree_rename(mount: Mount, old: str, new: str, *, writer: Writer) -> int:
     if new == old or new.startswith(old + "/"):
         raise MemoryFault("memory_path_invalid", "A path cannot be moved into itself.")
     with transaction.atomic():
-        store = MemoryStore.objects.select_for_update().get(pk=mount.store.pk)
-        _writer_check(writer)
+        store = _store_locked(mount, writer)
         paths = _paths_at(store, old)
         moves = [(each, new + each[len(old) :]) for each in paths]
         for _, target in moves:

@@ -40,6 +40,7 @@ MAX_LISTED = 1000
 FAULT_ERRORS = {
     "memory_not_found": NotFound,
     "memory_not_configured": NotFound,
+    "agent_deleted": NotFound,  # deleted while the write was on its way
     "memory_store_full": Conflict,
     "memory_version_conflict": Conflict,
     "memory_exists": Conflict,

@@ -475,3 +475,28 @@ def test_a_batch_run_with_tools_is_reserved_at_the_direct_price_it_is_billed_at(
     run = beat(agent, "note nothing", delivery="batch")
     assert (run.status, run.error_code) == (RunStatus.FAILED, "budget_exceeded")
     assert fake_anthropic.message_requests == [] and not CostEvent.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_deleted_as_its_tool_call_arrives_gains_no_memory(company, fake_anthropic):
+    """The agent is deleted (its own connection) while the model's answer asking to write
+    memory is on its way: its deletion took its memory, and the run writes none back."""
+    from memory_app.models import MemoryStore
+    from sessions_app.services import agent_delete
+
+    agent = memory_agent(company)
+    fake_anthropic.push(
+        Reply.tool_calls(
+            {"command": "create", "path": "/memories/late.md", "file_text": "late"},
+            before=on_own_connection(lambda: agent_delete(agent=agent, now=timezone.now())),
+        )
+    )
+
+    run = beat(agent, "write it down")
+
+    assert fake_anthropic.action_errors == []
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "agent_deleted"), run.error
+    assert not MemoryStore.objects.filter(agent=agent).exists()
+    assert not MemoryFile.objects.exists()
+    assert len(fake_anthropic.message_requests) == 1  # and no further call
+    assert CostEvent.objects.filter(run=run).count() == 1  # the call made is billed
