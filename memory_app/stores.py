@@ -417,5 +417,9 @@ def agent_memory_delete(*, agent_ids) -> int:
     (and shares of those stores with other agents). Returns how many stores went."""
     agent_ids = list(agent_ids)
     MemoryStoreShare.objects.filter(agent_id__in=agent_ids).delete()
+    # The stores first, as every write locks them before their files: a write under way
+    # commits before its files are deleted, and a later one finds its store gone.
+    stores = MemoryStore.objects.select_for_update().filter(agent_id__in=agent_ids).order_by("pk")
+    list(stores.values_list("pk", flat=True))
     _, deleted = MemoryStore.objects.filter(agent_id__in=agent_ids).delete()
     return deleted.get("memory_app.MemoryStore", 0)

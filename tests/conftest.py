@@ -363,7 +363,7 @@ class WriteGate:
                 cursor.execute("SELECT pg_advisory_lock(%s)", [self.KEY])
                 cursor.execute(
                     "CREATE FUNCTION paperclip_test_gate() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                    f"PERFORM pg_advisory_lock({self.KEY}); PERFORM pg_advisory_unlock({self.KEY}); RETURN NEW; END $$"
+                    f"PERFORM pg_advisory_lock({self.KEY}); PERFORM pg_advisory_unlock({self.KEY}); RETURN COALESCE(NEW, OLD); END $$"
                 )
                 cursor.execute(
                     f"CREATE TRIGGER paperclip_test_gate BEFORE {self.event} ON {self.table} FOR EACH ROW "

@@ -206,3 +206,31 @@ def test_config_validation_names_the_field(api, company):
         },
     )
     assert ok.status_code == 201, ok.content
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_write_arriving_while_the_agent_is_deleted_waits_for_the_deletion_and_answers_404(api, memory_agent):
+    from django.utils import timezone
+
+    from sessions_app.services import agent_delete
+    from tests.conftest import Actor, WriteGate, wait_until_blocked
+
+    written(memory_agent, "notes.md", "v1")
+    url = agent_url(memory_agent, "/memory/notes.md")
+
+    # The worst moment: the deletion is removing the agent's memory files (held at the
+    # first, its transaction open) when the operator's write of one of them arrives.
+    with WriteGate("memory_files", event="DELETE") as gate:
+        deletion = Actor(lambda: agent_delete(agent=memory_agent, now=timezone.now()))
+        deletion.start()
+        gate.wait_entered()
+        write = Actor(lambda: api.put(url, {"content": "v2"}))
+        write.start()
+        wait_until_blocked(write)
+        gate.open()
+        deletion.result()
+        response = write.result()
+
+    assert_error(response, 404, "agent_deleted")
+    assert not MemoryStore.objects.filter(agent=memory_agent).exists()
+    assert not MemoryFile.objects.exists()
