@@ -503,3 +503,42 @@ def test_the_migration_marks_the_runs_that_asked_for_batch_before_the_column(com
 
     assert [HeartbeatRun.objects.get(id=r.id).delivery for r in marked] == ["batch"] * 3
     assert [HeartbeatRun.objects.get(id=r.id).delivery for r in left] == ["direct"] * 3
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["delete", "expire"])
+def test_a_session_ended_while_its_turn_is_in_a_batch_gets_no_answer_and_the_run_goes_direct(
+    company, fake_anthropic, change
+):
+    from sessions_app.services import session_delete, session_expire
+    from tests.conftest import on_own_connection
+
+    agent = batch_agent(company, session_mode="persistent")
+    first = tick(agent)
+    batches_poll(now=timezone.now())
+    session = AgentSession.objects.get(agent=agent)
+    second = tick(agent)
+    assert second.status == RunStatus.SUBMITTED and second.session_id == session.id
+
+    def operator():
+        if change == "delete":
+            session_delete(session=session, now=timezone.now())
+        else:
+            assert session_expire(session=session, now=timezone.now())
+
+    # The worst moment: the request holding the session's history is at the provider.
+    fake_anthropic.batch_before = on_own_connection(operator)
+    batches_poll(now=timezone.now())
+    if HeartbeatRun.objects.get(id=second.id).status == RunStatus.QUEUED:
+        run_dispatched(agent)  # sent direct, as the cluster runs it
+    second.refresh_from_db()
+
+    assert fake_anthropic.action_errors == []
+    assert second.status == RunStatus.SUCCEEDED, (second.error_code, second.error)
+    assert second.session_id not in (None, session.id)
+    assert CostEvent.objects.filter(run_id=second.id).count() == 2  # the batch's answer stays billed
+    kept = AgentSession.objects.filter(pk=session.pk).first()
+    if kept is not None:
+        assert [t["run_id"] for t in store_for(kept).read(kept)] == [str(first.id)] * 2
+    fresh = AgentSession.objects.get(agent=agent, status="active")
+    assert [t["run_id"] for t in store_for(fresh).read(fresh)] == [str(second.id)] * 2
