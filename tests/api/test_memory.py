@@ -234,3 +234,31 @@ def test_a_write_arriving_while_the_agent_is_deleted_waits_for_the_deletion_and_
     assert_error(response, 404, "agent_deleted")
     assert not MemoryStore.objects.filter(agent=memory_agent).exists()
     assert not MemoryFile.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_first_write_whose_agent_is_deleted_as_its_store_is_made_leaves_no_store(api, memory_agent):
+    from django.utils import timezone
+
+    from sessions_app.services import agent_delete
+    from tests.conftest import Actor, WriteGate, wait_until_blocked
+
+    url = agent_url(memory_agent, "/memory/notes.md")
+
+    # The worst moment: the operator's first write is making the agent's store (its insert
+    # held at a gate, uncommitted) when the agent's deletion runs.
+    with WriteGate("memory_stores", event="INSERT") as gate:
+        write = Actor(lambda: api.put(url, {"content": "v1"}))
+        write.start()
+        gate.wait_entered()
+        deletion = Actor(lambda: agent_delete(agent=memory_agent, now=timezone.now()))
+        deletion.start()
+        wait_until_blocked(deletion)  # before: it did not wait, and missed the store being made
+        gate.open()
+        deletion.result()
+        response = write.result()
+
+    # Written before the deletion committed (then deleted with the rest), or refused after it.
+    assert response.status_code == 200 or assert_error(response, 404, "agent_deleted")
+    assert not MemoryStore.objects.filter(agent=memory_agent).exists()
+    assert not MemoryFile.objects.exists()
