@@ -500,3 +500,26 @@ def test_an_agent_deleted_as_its_tool_call_arrives_gains_no_memory(company, fake
     assert not MemoryFile.objects.exists()
     assert len(fake_anthropic.message_requests) == 1  # and no further call
     assert CostEvent.objects.filter(run=run).count() == 1  # the call made is billed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_whose_agent_was_deleted_before_its_memory_is_mounted_fails_agent_deleted(company):
+    """The deletion commits between the run's claim and the mount of its memory, whose
+    default store is made on first use: no store is made, and the run fails as deleted."""
+    from types import SimpleNamespace
+
+    from memory_app.models import MemoryStore
+    from sessions_app.errors import RunAbandoned
+    from sessions_app.services import agent_delete
+    from sessions_app.tool_loop import memory_tool_for
+
+    agent = memory_agent(company)
+    run, _ = heartbeat_enqueue(agent=agent, task="write", now=timezone.now())
+    claimed = Agent.objects.get(pk=agent.pk)  # as the claim read it
+    agent_delete(agent=agent, now=timezone.now())
+
+    with pytest.raises(RunAbandoned) as abandoned:
+        memory_tool_for(SimpleNamespace(agent=claimed, run=run))
+
+    assert abandoned.value.code == "agent_deleted"
+    assert not MemoryStore.objects.filter(agent=agent).exists()
