@@ -2,6 +2,7 @@
 
 - `HeartbeatRefused`: the heartbeat is not queued (bad input, agent state, full queue);
   its code maps to an API status in `sessions_app.views`.
+- `RunRemoved`: the run's row is gone, with its agent removed entirely (the admin).
 - `QueueUnavailable`: the run is queued but could not be handed to the task queue.
 - `HistoryUnavailable`: a session's history cannot be read or written (`stores`).
 - `StepFailed`: a compaction or handoff step failed (`compaction`).
@@ -20,12 +21,27 @@ __all__ = [
     "QueueUnavailable",
     "RunAbandoned",
     "RunFailure",
+    "RunRemoved",
     "StepFailed",
 ]
 
 
 class HeartbeatRefused(RunFailure):
     """The heartbeat cannot be queued. `code` maps to an API status."""
+
+
+class RunRemoved(HeartbeatRefused):
+    """The run's row is gone: its agent was removed entirely (the admin's delete), which
+    takes its runs with it, while the run waited or ran. The calls it made are in the
+    ledger, which keeps no link to the run that is enforced. Answers as a refusal would:
+    `agent_deleted`."""
+
+    def __init__(self, run_id) -> None:
+        super().__init__(
+            "agent_deleted",
+            f"Run {run_id} is gone: its agent was removed while the run waited or ran; "
+            "the calls it made are in the ledger.",
+        )
 
 
 class QueueUnavailable(RunFailure):

@@ -63,7 +63,7 @@ from sessions_app.context import (
     summary_pair,
     user_turn_content,
 )
-from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure
+from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure, RunRemoved
 from sessions_app.hot_sql import agent_not_deleted_locked, turn_and_outcome_update
 from sessions_app.keep_warm import keep_warm_arm
 from sessions_app.managed_health import lost_session_note
@@ -179,7 +179,10 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     """
     now = now or timezone.now()
     with step("claim", run_id=run_id):
-        run, claimed = claim_run(run_id=run_id, now=now)  # 1
+        try:
+            run, claimed = claim_run(run_id=run_id, now=now)  # 1
+        except HeartbeatRun.DoesNotExist:
+            raise RunRemoved(run_id) from None
     if not claimed:
         return run
     clock = RunClock(now=now, started=time.monotonic())
@@ -391,7 +394,10 @@ def _release(run: HeartbeatRun, *, current: bool, now: datetime) -> HeartbeatRun
     session was given its time and TTL by `run_fail`). Returns the run as its row says."""
     dispatch_after_run(agent_id=run.agent_id)
     if not current:
-        run.refresh_from_db()
+        try:
+            run.refresh_from_db()
+        except HeartbeatRun.DoesNotExist:
+            raise RunRemoved(run.id) from None
     return run
 
 

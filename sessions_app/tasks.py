@@ -6,7 +6,7 @@ from datetime import datetime
 
 from django.utils import timezone
 
-from sessions_app.errors import HeartbeatRefused
+from sessions_app.errors import HeartbeatRefused, RunRemoved
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_start
 from sessions_app.models import Agent, AgentStatus, RunTrigger
 from sessions_app.schedules import agent_schedule_sync
@@ -16,7 +16,10 @@ DEFAULT_SCHEDULED_TASK = "Heartbeat: review your assigned work and continue wher
 
 
 def execute_run(run_id: str) -> str:
-    return heartbeat_execute(run_id=run_id).status
+    try:
+        return heartbeat_execute(run_id=run_id).status
+    except RunRemoved as exc:
+        return f"skipped: {exc.code}"  # removed with its agent: nothing is left to run or record
 
 
 def scheduled_heartbeat(agent_id: str, wake_at: str | None = None, step_minutes: int | None = None) -> str:

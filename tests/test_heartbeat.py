@@ -13,12 +13,12 @@ from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
 from sessions_app.adapters.base import Adapter
-from sessions_app.errors import HeartbeatRefused
+from sessions_app.errors import HeartbeatRefused, RunRemoved
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_start, heartbeat_wait
 from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, RunStatus, RunTrigger, SessionStatus
 from sessions_app.run_queue import heartbeat_enqueue
-from sessions_app.services import agent_delete, agent_pause
+from sessions_app.services import agent_delete, agent_pause, agents_hard_delete
 from sessions_app.stores import store_for
 from tests.admin.conftest import conversation, make_session
 from tests.conftest import (
@@ -679,3 +679,25 @@ def test_a_history_with_an_entry_that_is_not_a_turn_fails_the_run_naming_it_befo
         history,
     )
     assert beat(agent, "start over", force_fresh=True).status == RunStatus.SUCCEEDED  # the way out docs give
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_removed_entirely_while_the_model_answers_keeps_the_call_in_the_ledger_and_answers_agent_deleted(
+    company, fake_anthropic
+):
+    """The admin's delete takes the agent's runs with it (its own connection, from inside
+    the fake API's answer): the worker finds its run gone, says so as a refusal would, and
+    the answered call stays billed."""
+    agent = context_agent(company)
+    beat(agent, "one")
+    remove = on_own_connection(lambda: agents_hard_delete(agents=Agent.objects.filter(pk=agent.pk), now=timezone.now()))
+    fake_anthropic.push(Reply.during(remove))
+
+    with pytest.raises(RunRemoved) as removed:
+        beat(agent, "two")
+
+    assert fake_anthropic.action_errors == []
+    assert removed.value.code == "agent_deleted"
+    assert not HeartbeatRun.objects.exists() and not AgentSession.objects.exists()
+    billed = CostEvent.objects.filter(agent_id=agent.id, kind=CostKind.MESSAGE)
+    assert billed.count() == 2  # both answered calls, the second's run gone

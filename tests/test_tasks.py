@@ -9,9 +9,10 @@ from django.db import connection
 from django.utils import timezone
 
 from sessions_app import run_queue
-from sessions_app.models import HeartbeatRun, RunStatus
+from sessions_app.models import Agent, HeartbeatRun, RunStatus
 from sessions_app.run_queue import heartbeat_enqueue
-from sessions_app.tasks import scheduled_heartbeat
+from sessions_app.services import agents_hard_delete
+from sessions_app.tasks import execute_run, scheduled_heartbeat
 from tests.conftest import Actor, wait_until_blocked
 from tests.fake_anthropic import Reply
 
@@ -133,3 +134,11 @@ def test_a_run_that_finishes_while_a_tick_counts_itself_on_it_is_not_counted(per
         assert busy.merged_ticks == 0
     else:
         assert (created, run.id, busy.merged_ticks) == (False, busy.id, 1)
+
+
+def test_a_queued_run_whose_agent_was_removed_entirely_is_skipped_not_a_failed_task(persistent_agent, fake_anthropic):
+    run, _ = heartbeat_enqueue(agent=persistent_agent, task="go", now=timezone.now())
+    agents_hard_delete(agents=Agent.objects.filter(pk=persistent_agent.pk), now=timezone.now())
+
+    assert execute_run(str(run.id)) == "skipped: agent_deleted"
+    assert fake_anthropic.message_requests == []

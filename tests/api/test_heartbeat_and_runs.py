@@ -14,8 +14,10 @@ from costs_app.models import CostEvent
 from sessions_app.api_keys import api_key_create
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus
+from sessions_app.services import agents_hard_delete
 from sessions_app.views import refusal_error, seconds_until_next_utc_month
 from tests.api.conftest import Api, agent_url, assert_error, make_run
+from tests.conftest import on_own_connection
 from tests.fake_anthropic import Reply, canonical_content
 from tests.live.server import wait_until
 
@@ -117,6 +119,21 @@ def test_heartbeat_of_a_deleted_agent_is_404(api, persistent_agent):
     persistent_agent.status = AgentStatus.DELETED
     persistent_agent.save()
     assert_error(api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"}), 404)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_waiting_heartbeat_whose_agent_is_removed_entirely_meanwhile_is_404_agent_deleted(
+    api, persistent_agent, fake_anthropic
+):
+    remove = on_own_connection(
+        lambda: agents_hard_delete(agents=Agent.objects.filter(pk=persistent_agent.pk), now=timezone.now())
+    )
+    fake_anthropic.push(Reply.during(remove))
+
+    response = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi", "wait": True})
+
+    assert_error(response, 404, "agent_deleted")
+    assert CostEvent.objects.filter(agent_id=persistent_agent.id).count() == 1  # the answered call
 
 
 def test_task_over_the_limit_is_400(api, persistent_agent, settings):

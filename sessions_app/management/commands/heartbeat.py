@@ -39,11 +39,11 @@ class Command(BaseCommand):
                 idempotency_key=idempotency_key,
                 force_fresh=force_fresh,
             )
+            if not created:
+                # A repeated key names an earlier run: the command sees that run through.
+                run = heartbeat_wait(run_id=run.id, timeout_seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
         except HeartbeatRefused as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from None
-        if not created:
-            # A repeated key names an earlier run: the command sees that run through.
-            run = heartbeat_wait(run_id=run.id, timeout_seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
         usage = {
             "input_tokens": run.input_tokens,
             "output_tokens": run.output_tokens,
