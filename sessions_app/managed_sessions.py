@@ -232,18 +232,20 @@ def managed_ends_process(*, now: datetime) -> int:
     )
     done = 0
     for end_id, seen in due:
+        lease = now + CLAIM_LEASE
         if not ManagedSessionEnd.objects.filter(id=end_id, next_attempt_at=seen, done_at__isnull=True).update(
-            next_attempt_at=now + CLAIM_LEASE
+            next_attempt_at=lease
         ):
             continue  # another worker has it
         end = ManagedSessionEnd.objects.get(id=end_id)
-        done += managed_end_carry_out(end, now=now)
+        done += managed_end_carry_out(end, now=now, lease=lease)
     return done
 
 
-def managed_end_carry_out(end: ManagedSessionEnd, *, now: datetime) -> int:
+def managed_end_carry_out(end: ManagedSessionEnd, *, now: datetime, lease: datetime) -> int:
     """Copy the session's outputs here, then archive or delete it: a session whose files
-    could not all be read is not ended (its files would go with it)."""
+    could not all be read is not ended (its files would go with it). Each write is made
+    only while the claim (`lease`, the attempt time it set) is still this worker's."""
     from sessions_app.adapters.claude_managed import remote_session_end
 
     try:
@@ -251,16 +253,26 @@ def managed_end_carry_out(end: ManagedSessionEnd, *, now: datetime) -> int:
     except (OutputsUnavailable, OSError) as unavailable:  # the provider, or our disk
         problem = str(unavailable)
     else:
+        # A long copy can outlast the lease, and another worker then claims the end and
+        # carries it out: renewed only if still ours, or the end is left to that worker.
+        if (lease := _lease_renew(end.id, lease=lease, now=now)) is None:
+            return 0
         problem = remote_session_end(end.remote_session_id, action=end.action)
+    ours = ManagedSessionEnd.objects.filter(id=end.id, next_attempt_at=lease, done_at__isnull=True)
     if problem is None:
-        ManagedSessionEnd.objects.filter(id=end.id).update(done_at=now, attempts=end.attempts + 1, last_error="")
-        return 1
+        return ours.update(done_at=now, attempts=end.attempts + 1, last_error="")
     wait = min(timedelta(minutes=2**end.attempts), MAX_RETRY_WAIT)
-    ManagedSessionEnd.objects.filter(id=end.id).update(
-        attempts=end.attempts + 1, last_error=problem[:2000], next_attempt_at=now + wait
-    )
+    ours.update(attempts=end.attempts + 1, last_error=problem[:2000], next_attempt_at=now + wait)
     logger.warning("Could not %s Managed Agents session %s: %s", end.action, end.remote_session_id, problem)
     return 0
+
+
+def _lease_renew(end_id, *, lease: datetime, now: datetime) -> datetime | None:
+    """The claim's new attempt time, a lease from now; None when the claim is no longer this
+    worker's (another claimed the end after the lease ran out)."""
+    renewed = max(now, timezone.now()) + CLAIM_LEASE
+    claim = ManagedSessionEnd.objects.filter(id=end_id, next_attempt_at=lease, done_at__isnull=True)
+    return renewed if claim.update(next_attempt_at=renewed) else None
 
 
 def managed_orphans_end(*, now: datetime) -> int:

@@ -13,10 +13,10 @@ from django.utils import timezone
 
 from sessions_app.maintenance import maintenance_pass, sessions_expire
 from sessions_app.managed_sessions import managed_ends_process, managed_orphans_end
-from sessions_app.models import AgentSession, ManagedSessionEnd, RunStatus
+from sessions_app.models import AgentSession, ManagedOutput, ManagedSessionEnd, RunStatus
 from sessions_app.services import session_delete, session_expire
 from tests.api.conftest import make_run, make_session
-from tests.conftest import FAKE_API_KEY, managed_agent, run_queued_tasks
+from tests.conftest import FAKE_API_KEY, managed_agent, on_own_connection, run_queued_tasks
 
 pytestmark = pytest.mark.django_db
 
@@ -108,6 +108,37 @@ def test_an_end_another_worker_claimed_is_left_to_it(company, fake_managed):
     assert managed_ends_process(now=now) == 0
     assert fake_managed.sessions[remote_id]["archived_at"] is None
     assert ("POST", f"/v1/sessions/{remote_id}/archive") not in fake_managed.requests
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_end_whose_lease_ran_out_during_its_copy_is_carried_out_once_by_the_worker_that_took_it(
+    company, fake_managed
+):
+    """Worker A's copy outlasts its claim's lease: worker B (its own connection, a pass six
+    minutes on) claims the end while A downloads a file, copies it and archives the session.
+    A then finds the claim no longer its own: it sends no second archive and writes nothing
+    over B's record."""
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    produced = fake_managed.add_file(remote_id, "notes.txt", b"notes", "text/plain")
+    end = ManagedSessionEnd.objects.create(
+        remote_session_id=remote_id, action="archive", company=company, agent_id=agent.pk
+    )
+    now = timezone.now()
+    later = []
+    fake_managed.before_next(
+        "GET",
+        f"/v1/files/{produced['id']}/content",
+        on_own_connection(lambda: later.append(managed_ends_process(now=now + timedelta(minutes=6)))),
+    )
+
+    assert managed_ends_process(now=now) == 0
+
+    assert later == [1]
+    assert fake_managed.requests.count(("POST", f"/v1/sessions/{remote_id}/archive")) == 1
+    end.refresh_from_db()
+    assert (end.done_at, end.attempts, end.last_error) == (now + timedelta(minutes=6), 1, "")
+    assert ManagedOutput.objects.filter(remote_session_id=remote_id).count() == 1
 
 
 def test_a_session_the_provider_no_longer_knows_is_ended(company, fake_managed):
