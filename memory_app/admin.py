@@ -15,6 +15,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
+from django.forms.models import BaseInlineFormSet
 from django.http import Http404, HttpResponseRedirect
 from django.urls import path, reverse
 from django.utils.formats import date_format
@@ -230,11 +231,33 @@ class MemoryFileAdmin(admin.ModelAdmin):
             )
 
 
+class ShareFormSet(BaseInlineFormSet):
+    """The store's shares. Each form's agent is a choice among the store's company's agents
+    (a share with any other would never be mounted), read once for the page: left to each
+    form, the list was read again for every share, and listed every company's agents."""
+
+    agent_choices: list | None = None
+
+    def add_fields(self, form, index):
+        super().add_fields(form, index)
+        field = form.fields["agent"]
+        if self.instance.company_id is not None:
+            field.queryset = field.queryset.filter(company_id=self.instance.company_id)
+        if self.agent_choices is None:
+            self.agent_choices = list(field.choices)
+        field.choices = self.agent_choices
+
+
 class ShareInline(admin.TabularInline):
     model = MemoryStoreShare
+    formset = ShareFormSet
     extra = 0
     autocomplete_fields = []
     fields = ["agent", "access"]
+
+    def get_queryset(self, request):
+        # A share's name is its store's (the row's title in the table).
+        return super().get_queryset(request).select_related("store")
 
 
 class MemoryStoreForm(forms.ModelForm):

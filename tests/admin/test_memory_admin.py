@@ -184,3 +184,30 @@ def test_retiring_the_agent_while_a_store_is_added_deletes_that_store_too(memory
 
     assert Agent.objects.get(pk=memory_agent.pk).status == AgentStatus.DELETED
     assert not MemoryStore.objects.exists()
+
+
+def test_the_store_page_costs_the_same_queries_however_many_shares(admin_client, memory_agent, other_agent):
+    store = mounts_for(memory_agent)[0].store
+    url = reverse("admin:memory_app_memorystore_change", args=[store.pk])
+
+    def share_with(count: int) -> None:
+        start = MemoryStoreShare.objects.count()
+        for n in range(start, start + count):
+            reader = Agent.objects.create(company=memory_agent.company, name=f"reader {n}")
+            MemoryStoreShare.objects.create(store=store, agent=reader)
+
+    def queries() -> tuple[int, str]:
+        with CaptureQueriesContext(connection) as captured:
+            response = admin_client.get(url)
+        assert response.status_code == 200
+        return len(captured), response.content.decode()
+
+    share_with(2)
+    queries()  # warm the per-process caches (content types)
+    few, _ = queries()
+    share_with(10)
+    many, page = queries()
+    assert many == few
+    assert page.count("selected>reader ") == 12
+    # Each share's agent is chosen among the store's company's agents only.
+    assert "reader 11" in page and other_agent.name not in page
