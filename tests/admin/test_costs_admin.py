@@ -399,3 +399,42 @@ def test_the_catalogue_page_lists_the_models_with_their_lifecycle_and_price(admi
     assert "claude-haiku-5-5" in page and "retired" in page
     assert "prompts over 100,000 tokens: $0.50 in / $2.50 out" in page
     assert "overridden (Costs &gt; Model prices)" in page
+
+
+def test_the_budget_delete_page_counts_its_alerts_in_a_fixed_number_of_queries(admin_client, company, persistent_agent):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, BudgetAlert
+
+    def alerted(budget: Budget, days: range, target: AlertTarget | None = None) -> None:
+        for day in days:
+            alert = BudgetAlert.objects.create(
+                budget=budget, period="day", period_key=f"2026-01-{day:02d}", threshold="soft", percent=80,
+                limit=Decimal("5"), spent=Decimal("4.5"),
+            )  # fmt: skip
+            if target is not None:
+                delivery = AlertDelivery.objects.create(alert=alert, target=target, attempts=1)
+                AlertAttempt.objects.create(delivery=delivery, number=1, at=timezone.now(), duration_ms=3)
+
+    def page(budget: Budget) -> tuple[int, str]:
+        with CaptureQueriesContext(connection) as captured:
+            response = admin_client.get(reverse("admin:costs_app_budget_delete", args=[budget.pk]))
+        assert response.status_code == 200
+        return len(captured), response.content.decode()
+
+    delivered = Budget.objects.create(company=company, daily_limit_usd=Decimal("5"))
+    target = AlertTarget.objects.create(budget=delivered, url="https://alerts.example/hook", secret="s" * 32)
+    alerted(delivered, range(1, 3), target)
+    page(delivered)  # warm the per-process caches (content types)
+    few, _ = page(delivered)
+    alerted(delivered, range(3, 13), target)
+    many, text = page(delivered)
+    assert many == few
+    # Deliveries are records operators cannot delete, so the page refuses (as before).
+    assert "Cannot delete budget" in text and "alert delivery" in text
+
+    undelivered = Budget.objects.create(company=company, agent=persistent_agent, monthly_limit_usd=Decimal("50"))
+    alerted(undelivered, range(1, 13))
+    assert page(undelivered)[0] == few
+    assert "12 budget alerts" in page(undelivered)[1]
