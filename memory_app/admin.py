@@ -21,9 +21,10 @@ from django.urls import path, reverse
 from django.utils.formats import date_format
 from django.utils.html import format_html, format_html_join
 
-from memory_app.models import MemoryFile, MemoryStore, MemoryStoreShare
+from memory_app.models import MemoryFile, MemoryStore, MemoryStoreShare, MemoryVersion
 from memory_app.stores import MemoryFault, Mount, Writer, check_content, clean_path, file_write, version_revert
 from sessions_app.adapters.tool_config import STORE_NAME
+from sessions_app.admin.common import deletion_summary
 from sessions_app.models import Agent, AgentStatus
 from sessions_app.text import holds_unstorable
 
@@ -211,6 +212,10 @@ class MemoryFileAdmin(admin.ModelAdmin):
             name = "change" if object_id else "add"
             return HttpResponseRedirect(reverse(f"admin:memory_app_memoryfile_{name}", args=target))
 
+    def get_deleted_objects(self, objs, request):
+        # A deletion is a version (below): the files' versions stay, so none is read or listed.
+        return deletion_summary(self, objs, request, [])
+
     def delete_model(self, request, obj):
         self._delete(request, [obj])
 
@@ -307,6 +312,20 @@ class MemoryStoreAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request, obj=None):
         return ["company", "agent", "name", "bytes_used"] if obj is not None else ["bytes_used"]
+
+    def get_deleted_objects(self, objs, request):
+        # Counted: Django's default loads every file and every version, contents and all.
+        ids = [obj.pk for obj in objs]
+        return deletion_summary(
+            self,
+            objs,
+            request,
+            [
+                MemoryFile.objects.filter(store_id__in=ids),
+                MemoryVersion.objects.filter(file__store_id__in=ids),
+                MemoryStoreShare.objects.filter(store_id__in=ids),
+            ],
+        )
 
     @admin.display(description="files")
     def files_link(self, obj: MemoryStore):

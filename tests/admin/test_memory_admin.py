@@ -211,3 +211,35 @@ def test_the_store_page_costs_the_same_queries_however_many_shares(admin_client,
     assert page.count("selected>reader ") == 12
     # Each share's agent is chosen among the store's company's agents only.
     assert "reader 11" in page and other_agent.name not in page
+
+
+def page_queries(client, url: str) -> tuple[list[str], str]:
+    with CaptureQueriesContext(connection) as captured:
+        response = client.get(url)
+    assert response.status_code == 200
+    return [query["sql"] for query in captured], response.content.decode()
+
+
+def test_the_store_delete_page_counts_files_and_versions_without_reading_them(admin_client, memory_agent):
+    for n in range(2):
+        write(memory_agent, f"f{n}.md", "x" * 1000)
+    store = mounts_for(memory_agent)[0].store
+    url = reverse("admin:memory_app_memorystore_delete", args=[store.pk])
+    page_queries(admin_client, url)  # warm the per-process caches (content types)
+    few, _ = page_queries(admin_client, url)
+    for n in range(2, 12):
+        write(memory_agent, f"f{n}.md", "x" * 1000)
+    many, page = page_queries(admin_client, url)
+    assert len(many) == len(few)
+    assert not [sql for sql in many if '"content"' in sql.split(" FROM ")[0]]
+    assert "12 memory files" in page and "12 memory versions" in page
+
+
+def test_the_file_delete_page_reads_no_version_it_keeps(admin_client, memory_agent):
+    found = write(memory_agent, "notes.md", "one")
+    for text in ("two", "three", "four"):
+        found = write(memory_agent, "notes.md", text)
+    queries, page = page_queries(admin_client, reverse("admin:memory_app_memoryfile_delete", args=[found.pk]))
+    # A deletion is a version: the file's versions stay, so they are neither read nor listed.
+    assert not [sql for sql in queries if 'FROM "memory_versions"' in sql]
+    assert "version 1" not in page and "notes.md" in page
