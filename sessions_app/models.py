@@ -519,6 +519,12 @@ class RunTrigger(models.TextChoices):
     CACHE_REFRESH = "cache_refresh"  # a read that keeps the cached prefix warm (`cache_refresh`)
 
 
+# A batch run's request (its whole history, while it is parked or in a batch) and its
+# answer until committed: read by the batch machinery only. Every list and page of runs
+# leaves them out.
+RUN_BATCH_COLUMNS = ("batch_request", "batch_answer")
+
+
 class HeartbeatRun(models.Model):
     # Not a column: its agent's last runs' creation, newest first, when the claim read them
     # (`sessions_app.run_queue.claim_run`); None elsewhere, where they are read when needed.

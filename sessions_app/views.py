@@ -34,6 +34,7 @@ from sessions_app.api.session_list import SESSION_ORDER, session_list_page
 from sessions_app.compact_now import session_compact
 from sessions_app.errors import HeartbeatRefused, HistoryUnavailable, QueueUnavailable, RunFailure
 from sessions_app.models import (
+    RUN_BATCH_COLUMNS,
     Agent,
     AgentSession,
     AgentStatus,
@@ -280,7 +281,7 @@ class RunListView(ApiView):
         agent = self.get_agent(company_id, agent_id)
         limit = parse_limit(request.query_params.get("limit"))
         wanted = self.query_choice("status", RunStatus.values)
-        runs = HeartbeatRun.objects.filter(agent=agent).select_related("tool_loop")
+        runs = HeartbeatRun.objects.filter(agent=agent).select_related("tool_loop").defer(*RUN_BATCH_COLUMNS)
         if wanted:
             runs = runs.filter(status=wanted)
         rows, cursor = RUN_ORDER.page(runs, limit=limit, cursor=request.query_params.get("next"))
@@ -291,7 +292,12 @@ class RunDetailView(ApiView):
     @extend_schema(operation_id="run_retrieve", responses={200: RunSerializer, **error_responses()})
     def get(self, request, company_id: UUID, agent_id: UUID, run_id: UUID):
         agent = self.get_agent(company_id, agent_id)
-        run = HeartbeatRun.objects.filter(pk=run_id, agent=agent).select_related("tool_loop").first()
+        run = (
+            HeartbeatRun.objects.filter(pk=run_id, agent=agent)
+            .select_related("tool_loop")
+            .defer(*RUN_BATCH_COLUMNS)
+            .first()
+        )
         if run is None:
             raise NotFound("No such run.")
         return Response(RunSerializer(run).data)

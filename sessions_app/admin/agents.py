@@ -210,7 +210,9 @@ class RecentRunsInline(ReadOnlyInline):
     cost = money_column("cost_usd", "cost (USD)")
 
     def get_queryset(self, request):
-        return self.recent(request, super().get_queryset(request).defer("task", "output"))
+        # The columns shown, and nothing of the long texts or a batch run's whole request.
+        shown = [name for name in self.fields if name != "cost"] + ["id", "agent_id", "cost_usd"]
+        return self.recent(request, super().get_queryset(request).only(*shown))
 
 
 HELD_CREDENTIALS: ContextVar[frozenset] = ContextVar("held_credentials", default=frozenset())

@@ -18,7 +18,7 @@ from sessions_app.admin.common import (
     tokens_in_out,
 )
 from sessions_app.approvals import ApprovalRefused, approval_decide, approval_pending
-from sessions_app.models import HeartbeatRun, parse_session_id, session_public_id
+from sessions_app.models import RUN_BATCH_COLUMNS, HeartbeatRun, parse_session_id, session_public_id
 
 
 @admin.register(HeartbeatRun)
@@ -81,9 +81,9 @@ class HeartbeatRunAdmin(ApiIdsInUrls, LargeTableAdmin):
 
     def get_queryset(self, request):
         queryset = super().get_queryset(request).select_related("agent", "company")
-        queryset = queryset.defer("agent__system_prompt", "agent__adapter_config")
+        queryset = queryset.defer("agent__system_prompt", "agent__adapter_config", *RUN_BATCH_COLUMNS)
         # The list shows none of the long texts; the run's own page shows them all.
-        long_texts = ("task", "output", "error", "warning", "work_check_output")
+        long_texts = ("task", "output", "error", "warning", "work_check_output", "managed_turn")
         return queryset.defer(*long_texts) if is_changelist(request) else queryset
 
     def get_search_results(self, request, queryset, search_term):

@@ -23,3 +23,32 @@ def test_run_triggers_read_as_words_an_operator_uses(admin_client, persistent_ag
     page = admin_client.get(reverse("admin:sessions_app_heartbeatrun_changelist")).content.decode()
     assert re.search(r'<td class="field-trigger">API</td>', page)
     assert ">Api<" not in page
+
+
+def selected_columns(client, url: str) -> str:
+    """The column lists of every SELECT the page ran."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connection) as queries:
+        assert client.get(url).status_code == 200
+    return "\n".join(query["sql"].split(" FROM ")[0] for query in queries)
+
+
+@pytest.mark.parametrize("page", ["changelist", "change", "agent"])
+def test_run_pages_never_read_a_parked_batch_request(admin_client, persistent_agent, page):
+    from sessions_app.models import HeartbeatRun, RunStatus
+
+    # A run parked for a batch keeps its whole request (history included) until answered.
+    run = make_run(persistent_agent, status=RunStatus.SUBMITTED, delivery="batch", batch_state="parked")
+    history = [{"role": "user", "content": "x" * 1000}] * 50
+    HeartbeatRun.objects.filter(pk=run.pk).update(batch_request={"messages": history}, batch_answer={"message": {}})
+    url = {
+        "changelist": reverse("admin:sessions_app_heartbeatrun_changelist"),
+        "change": reverse("admin:sessions_app_heartbeatrun_change", args=[run.pk]),
+        "agent": reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk]),
+    }[page]
+    columns = selected_columns(admin_client, url)
+    assert "batch_request" not in columns and "batch_answer" not in columns
+    if page != "change":  # only the run's own page shows an approval
+        assert "managed_turn" not in columns

@@ -202,6 +202,22 @@ def test_runs_list_queries_do_not_grow_with_runs(api, persistent_agent, django_a
     assert len(response.json()["runs"]) == 40
 
 
+def test_runs_list_and_detail_never_read_a_parked_batch_request(api, persistent_agent):
+    from django.test.utils import CaptureQueriesContext
+
+    # A run parked for a batch keeps its whole request (history included) until answered.
+    parked = make_run(persistent_agent, status=RunStatus.SUBMITTED, delivery="batch", batch_state="parked")
+    history = [{"role": "user", "content": "x" * 1000}] * 50
+    HeartbeatRun.objects.filter(pk=parked.pk).update(batch_request={"messages": history}, batch_answer={"message": {}})
+    for path in ("/runs", f"/runs/{parked.id}"):
+        with CaptureQueriesContext(connection) as queries:
+            response = api.get(agent_url(persistent_agent, path))
+        assert response.status_code == 200
+        assert str(parked.id) in response.content.decode()
+        selects = [query["sql"].split(" FROM ")[0] for query in queries]
+        assert not [sql for sql in selects if "batch_request" in sql or "batch_answer" in sql], path
+
+
 def test_run_detail(api, persistent_agent):
     run = make_run(persistent_agent, output="hello", input_tokens=5, merged_ticks=3)
     body = api.get(agent_url(persistent_agent, f"/runs/{run.id}")).json()
