@@ -24,7 +24,7 @@ from django.utils.html import format_html, format_html_join
 from memory_app.models import MemoryFile, MemoryStore, MemoryStoreShare, MemoryVersion
 from memory_app.stores import MemoryFault, Mount, Writer, check_content, clean_path, file_write, version_revert
 from sessions_app.adapters.tool_config import STORE_NAME
-from sessions_app.admin.common import deletion_summary
+from sessions_app.admin.common import deletion_summary, is_changelist
 from sessions_app.models import Agent, AgentStatus
 from sessions_app.text import holds_unstorable
 
@@ -102,7 +102,10 @@ class MemoryFileAdmin(admin.ModelAdmin):
     ordering = ["store__agent__name", "store__name", "path"]
 
     def get_queryset(self, request):
-        return super().get_queryset(request).select_related("store__agent")
+        queryset = super().get_queryset(request).select_related("store__agent")
+        queryset = queryset.defer("store__agent__system_prompt", "store__agent__adapter_config")
+        # The list shows no content: a page of 100 files is not 100 files' contents.
+        return queryset.defer("content") if is_changelist(request) else queryset
 
     def get_fields(self, request, obj=None):
         if obj is None:
@@ -130,7 +133,7 @@ class MemoryFileAdmin(admin.ModelAdmin):
 
     @admin.display(description="versions (newest first)")
     def versions(self, obj: MemoryFile):
-        versions = list(obj.versions.select_related("run").order_by("-number"))
+        versions = list(obj.versions.order_by("-number"))
         rows = []
         for index, version in enumerate(versions):
             previous = versions[index + 1].content if index + 1 < len(versions) else None

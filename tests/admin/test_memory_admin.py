@@ -243,3 +243,22 @@ def test_the_file_delete_page_reads_no_version_it_keeps(admin_client, memory_age
     # A deletion is a version: the file's versions stay, so they are neither read nor listed.
     assert not [sql for sql in queries if 'FROM "memory_versions"' in sql]
     assert "version 1" not in page and "notes.md" in page
+
+
+def test_the_file_list_reads_no_content_and_the_file_page_no_run(admin_client, memory_agent):
+    from sessions_app.models import HeartbeatRun, RunStatus
+    from tests.admin.conftest import make_run
+
+    run = make_run(memory_agent, status=RunStatus.RUNNING, task="t" * 5000)
+    found = write(memory_agent, "notes.md", "x" * 5000, run_id=run.id)
+    HeartbeatRun.objects.filter(pk=run.pk).update(status=RunStatus.SUCCEEDED, output="o" * 5000)
+    _, page = page_queries(admin_client, reverse("admin:memory_app_memoryfile_changelist"))
+    listing, _ = page_queries(admin_client, reverse("admin:memory_app_memoryfile_changelist"))
+    assert "notes.md" in page
+    assert not [sql for sql in listing if '"content"' in sql.split(" FROM ")[0]]
+    file_page, page = page_queries(admin_client, change_url(found))
+    assert f"run {run.id}" in page
+    # The versions name their run by id: its task and output are never read.
+    assert not [
+        sql for sql in file_page if 'FROM "heartbeat_runs"' in sql or "heartbeat_runs" in sql.split(" FROM ")[0]
+    ]
