@@ -62,11 +62,17 @@ class AlertTargets(ApiView):
         return Budget.objects.filter(company=company, agent=agent).first()
 
 
+TARGET_ORDER = Keyset("created_at", descending=False)
+
+
 class AlertTargetsView(AlertTargets):
     def get(self, request, company_id: UUID, agent_id: UUID | None = None):
+        # Paged as every list is: nothing bounds how many targets a budget is given.
         budget = self.budget(company_id, agent_id)
+        limit = parse_limit(request.query_params.get("limit"))
         targets = AlertTarget.objects.filter(budget=budget) if budget else AlertTarget.objects.none()
-        return Response({"targets": AlertTargetSerializer(targets, many=True).data})
+        rows, cursor = TARGET_ORDER.page(targets, limit=limit, cursor=request.query_params.get("next"))
+        return Response({"targets": AlertTargetSerializer(rows, many=True).data, "next": cursor})
 
     def post(self, request, company_id: UUID, agent_id: UUID | None = None):
         budget = self.budget(company_id, agent_id)
@@ -177,9 +183,14 @@ class AlertTargetView(AlertTargets):
 
 class TargetListSerializer(serializers.Serializer):
     targets = AlertTargetSerializer(many=True)
+    next = serializers.CharField(allow_null=True, help_text="Cursor of the next page; null on the last page.")
 
 
-LIST = {"responses": {200: TargetListSerializer, **error_responses()}}
+LIST = {
+    "parameters": PAGE_PARAMETERS,
+    "responses": {200: TargetListSerializer, **error_responses(400)},
+    "description": "The budget's alert targets, oldest first.",
+}
 CREATE = {
     "request": AlertTargetSerializer,
     "responses": {201: AlertTargetSerializer, **error_responses(400, 409)},

@@ -32,7 +32,7 @@ def test_a_target_is_created_listed_and_deleted_and_its_secret_never_returned(ap
     assert set(created) == {"id", "url", "active", "quota_events", "health_events", "created_at"}
     assert AlertTarget.objects.get().secret == SECRET
     listed = api.get(targets_url(company))
-    assert listed.json() == {"targets": [created]}
+    assert listed.json() == {"targets": [created], "next": None}
     assert SECRET not in listed.content.decode() and SECRET not in response.content.decode()
 
     assert api.delete(f"{targets_url(company)}/{created['id']}").status_code == 204
@@ -40,12 +40,28 @@ def test_a_target_is_created_listed_and_deleted_and_its_secret_never_returned(ap
     assert not AlertTarget.objects.exists()
 
 
+def test_targets_page_oldest_first_with_a_cursor_in_a_fixed_number_of_queries(
+    api, company, budget, django_assert_max_num_queries
+):
+    for n in range(12):
+        AlertTarget.objects.create(budget=budget, url=f"https://alerts.example/{n}", secret=SECRET)
+    with django_assert_max_num_queries(3):
+        first = api.get(targets_url(company), {"limit": 5}).json()
+    rest = api.get(targets_url(company), {"limit": 200, "next": first["next"]}).json()
+
+    urls = [target["url"] for target in first["targets"] + rest["targets"]]
+    assert urls == [f"https://alerts.example/{n}" for n in range(12)]
+    assert rest["next"] is None
+    assert len(api.get(targets_url(company)).json()["targets"]) == 12
+    assert api.get(targets_url(company), {"limit": 201}).status_code == 400
+
+
 def test_an_agent_budget_has_its_own_targets(api, company, persistent_agent):
     Budget.objects.create(company=company, agent=persistent_agent, daily_limit_usd=Decimal("1"))
     response = api.post(targets_url(company, persistent_agent), {"url": "http://127.0.0.1:9/hook", "secret": SECRET})
     assert response.status_code == 201, response.json()
     assert AlertTarget.objects.get().budget.agent_id == persistent_agent.id
-    assert api.get(targets_url(company)).json() == {"targets": []}
+    assert api.get(targets_url(company)).json() == {"targets": [], "next": None}
 
 
 def test_in_authenticated_mode_a_target_must_name_a_host_the_operator_listed(key_api, company, budget, settings):
