@@ -421,9 +421,10 @@ class ReadOnlyRecords:
 
 
 @admin.register(AlertDelivery)
-class AlertDeliveryAdmin(ReadOnlyRecords, admin.ModelAdmin):
+class AlertDeliveryAdmin(ReadOnlyRecords, LargeTableAdmin):
     """Every budget alert sent to every target, with each HTTP attempt. Read-only: the
-    record of what was told to whom."""
+    record of what was told to whom. It grows with every alert and event, so its list
+    never counts the whole table."""
 
     # The columns an operator decides on, inside a 1366-pixel screen beside the filters
     # (tests/admin/test_browser.py): long text is cut, whole on the delivery's page.
@@ -454,6 +455,17 @@ class AlertDeliveryAdmin(ReadOnlyRecords, admin.ModelAdmin):
         "finished_at",
     ]
     readonly_fields = fields
+
+    def get_queryset(self, request):
+        queryset = super().get_queryset(request)
+        if not is_changelist(request):
+            return queryset
+        # The list shows an event's kind and an agent's name: not the event's payload, nor
+        # the agent's prompt and configuration, joined on every row.
+        agent = "target__budget__agent__"
+        return queryset.defer(
+            "event__payload", f"{agent}system_prompt", f"{agent}adapter_config", f"{agent}managed_remote"
+        )
 
     @admin.display(description="alert", ordering="alert__created_at")
     def alert_label(self, obj: AlertDelivery) -> str:

@@ -438,3 +438,25 @@ def test_the_budget_delete_page_counts_its_alerts_in_a_fixed_number_of_queries(a
     alerted(undelivered, range(1, 13))
     assert page(undelivered)[0] == few
     assert "12 budget alerts" in page(undelivered)[1]
+
+
+def test_the_deliveries_list_reads_no_payload_or_prompt_and_never_counts_the_table(
+    admin_client, company, persistent_agent
+):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tests.admin.conftest import budget_alert_delivered, hold_and_event
+
+    budget = Budget.objects.create(company=company, agent=persistent_agent, monthly_limit_usd=Decimal("100"))
+    budget_alert_delivered(budget)
+    hold_and_event(budget, now=timezone.now())
+    with CaptureQueriesContext(connection) as queries:
+        page = admin_client.get(reverse("admin:costs_app_alertdelivery_changelist")).content.decode()
+    assert "quota_held" in page and "agent Persistent" in page
+    for query in queries:
+        sql = query["sql"]
+        columns = sql.split(" FROM ")[0]
+        assert '"payload"' not in columns and '"system_prompt"' not in columns, sql
+        if "COUNT(" in sql.upper() and 'FROM "budget_alert_deliveries"' in sql:
+            assert "LIMIT" in sql.upper(), sql  # the capped count, never a full COUNT(*)
