@@ -7,11 +7,13 @@ import json
 from django.contrib import admin, messages
 from django.utils import timezone
 
+from memory_app.models import RunToolLoop
 from sessions_app.admin.common import (
     ApiIdsInUrls,
     LargeTableAdmin,
     admin_link,
     admin_time,
+    deletion_summary,
     is_changelist,
     money_column,
     short_text,
@@ -85,6 +87,12 @@ class HeartbeatRunAdmin(ApiIdsInUrls, LargeTableAdmin):
         # The list shows none of the long texts; the run's own page shows them all.
         long_texts = ("task", "output", "error", "warning", "work_check_output", "managed_turn")
         return queryset.defer(*long_texts) if is_changelist(request) else queryset
+
+    def get_deleted_objects(self, objs, request):
+        # Counted: Django's default joins each tool loop to its run and reads the run's every
+        # column, a batch run's whole request included, to list it again.
+        ids = [obj.pk for obj in objs]
+        return deletion_summary(self, objs, request, [RunToolLoop.objects.filter(run_id__in=ids)])
 
     def get_search_results(self, request, queryset, search_term):
         object_id = parse_session_id(search_term)

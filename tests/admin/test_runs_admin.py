@@ -52,3 +52,24 @@ def test_run_pages_never_read_a_parked_batch_request(admin_client, persistent_ag
     assert "batch_request" not in columns and "batch_answer" not in columns
     if page != "change":  # only the run's own page shows an approval
         assert "managed_turn" not in columns
+
+
+def test_the_runs_delete_confirmation_never_reads_a_runs_whole_row(admin_client, persistent_agent):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from memory_app.models import RunToolLoop
+    from sessions_app.models import HeartbeatRun
+
+    runs = [make_run(persistent_agent, output="o" * 5000) for _ in range(3)]
+    for run in runs:
+        RunToolLoop.objects.create(run=run, rounds=2, tool_calls=3)
+    HeartbeatRun.objects.update(batch_answer={"message": {"content": "x" * 5000}})
+    selected = {"action": "delete_selected", "_selected_action": [str(run.pk) for run in runs]}
+    with CaptureQueriesContext(connection) as queries:
+        response = admin_client.post(reverse("admin:sessions_app_heartbeatrun_changelist"), selected)
+    page = response.content.decode()
+    assert response.status_code == 200 and "Are you sure" in page
+    assert "3 run tool loops" in page
+    columns = "\n".join(query["sql"].split(" FROM ")[0] for query in queries)
+    assert "batch_answer" not in columns and '"output"' not in columns
