@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from memory_app.models import RunToolLoop
 from sessions_app.admin.common import (
+    AgentFilter,
     ApiIdsInUrls,
     LargeTableAdmin,
     admin_link,
@@ -38,7 +39,7 @@ class HeartbeatRunAdmin(ApiIdsInUrls, LargeTableAdmin):
         "error_code",
     ]
     list_display_links = ["run_id"]
-    list_filter = ["status", "nothing_to_do", "trigger", "company", "agent"]
+    list_filter = ["status", "nothing_to_do", "trigger", "company", ("agent", AgentFilter)]
     search_fields = ["agent__name"]
     search_help_text = "A run id, a session id (sess_… or UUID), or an agent name."
     date_hierarchy = "created_at"

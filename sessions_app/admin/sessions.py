@@ -18,6 +18,7 @@ from django.utils.html import format_html
 from costs_app.models import CostEvent
 from sessions_app import services
 from sessions_app.admin.common import (
+    AgentFilter,
     ApiIdsInUrls,
     LargeTableAdmin,
     ModelNameFilter,
@@ -99,7 +100,7 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
         "expires",
     ]
     list_display_links = ["short_session_id"]
-    list_filter = ["status", "company", "agent", AdapterTypeFilter, ModelNameFilter, RemoteHealthFilter]
+    list_filter = ["status", "company", ("agent", AgentFilter), AdapterTypeFilter, ModelNameFilter, RemoteHealthFilter]
     search_fields = ["agent__name"]
     search_help_text = "A session id (sess_… or UUID) or an agent name."
     date_hierarchy = "last_used"

@@ -106,6 +106,23 @@ def test_session_changelist_never_reads_history_or_counts_the_table(admin_client
             assert "LIMIT" in sql.upper(), sql  # the capped count, never a full COUNT(*)
 
 
+@pytest.mark.parametrize(
+    "changelist",
+    [CHANGELIST, "admin:sessions_app_heartbeatrun_changelist", "admin:memory_app_memoryfile_changelist"],
+)
+def test_the_agent_filter_reads_agents_names_not_their_prompts(admin_client, company, changelist):
+    agents = [
+        Agent.objects.create(company=company, name=f"agent {n}", system_prompt="You are thorough. " * 500)
+        for n in range(3)
+    ]
+    make_run(agents[0])
+    with CaptureQueriesContext(connection) as queries:
+        page = admin_client.get(reverse(changelist)).content.decode()
+    assert all(agent.name in page for agent in agents)  # each one offered in the sidebar
+    for query in queries:
+        assert '"system_prompt"' not in query["sql"].split(" FROM ")[0], query["sql"]
+
+
 def test_runs_and_ledger_changelists_query_count_does_not_grow(
     admin_client, persistent_agent, stateless_agent, django_assert_max_num_queries
 ):
