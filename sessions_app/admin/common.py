@@ -238,6 +238,10 @@ def adapter_choices() -> list[tuple[str, str]]:
     return [(name, name) for name in sorted(ADAPTERS)]
 
 
+# An agent's columns a list that names the agent never shows: each may be kilobytes.
+AGENT_LONG_COLUMNS = ("system_prompt", "adapter_config", "managed_remote")
+
+
 class AgentFilter(admin.RelatedFieldListFilter):
     """The agents of a list's sidebar by id and name: Django's default reads every agent's
     whole row (its prompt, configuration and Managed Agents state) on every page."""

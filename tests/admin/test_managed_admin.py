@@ -118,3 +118,19 @@ def test_a_lost_remote_session_is_shown_on_its_page_and_found_by_the_filter(admi
     assert [session.pk for session in found] == [lost.pk]
     found = admin_client.get(listing, {"remote": "unreachable"}).context["cl"].result_list
     assert [session.pk for session in found] == [unreachable.pk]
+
+
+def test_the_outputs_list_reads_its_agents_names_not_their_prompts(admin_client, persistent_agent):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tests.api.test_managed_outputs import stored_output
+
+    persistent_agent.system_prompt = "You are thorough. " * 500
+    persistent_agent.save()
+    stored_output(persistent_agent, "report.csv", b"a,b\n")
+    with CaptureQueriesContext(connection) as queries:
+        page = admin_client.get(reverse("admin:sessions_app_managedoutput_changelist")).content.decode()
+    assert "report.csv" in page and persistent_agent.name in page
+    for query in queries:
+        assert '"system_prompt"' not in query["sql"].split(" FROM ")[0], query["sql"]

@@ -262,3 +262,12 @@ def test_the_file_list_reads_no_content_and_the_file_page_no_run(admin_client, m
     assert not [
         sql for sql in file_page if 'FROM "heartbeat_runs"' in sql or "heartbeat_runs" in sql.split(" FROM ")[0]
     ]
+
+
+def test_the_store_list_reads_its_agents_names_not_their_prompts(admin_client, memory_agent):
+    memory_agent.system_prompt = "You are thorough. " * 500
+    memory_agent.save()
+    write(memory_agent, "notes.md", "x")
+    queries, page = page_queries(admin_client, reverse("admin:memory_app_memorystore_changelist"))
+    assert memory_agent.name in page
+    assert not [sql for sql in queries if '"system_prompt"' in sql.split(" FROM ")[0]]
