@@ -53,6 +53,9 @@ from sessions_app.stores import store_for
 SHORT_ID_CHARS = 14
 # The raw JSON toggle shows at most this much; the export has the whole history.
 RAW_HISTORY_MAX_CHARS = 500_000
+# A session that never rotates gathers compactions, each holding every turn it replaced:
+# its page shows the newest ones; the API's archive lists them from the oldest.
+SESSION_PAGE_COMPACTIONS = 20
 
 
 class AdapterTypeFilter(admin.SimpleListFilter):
@@ -325,17 +328,21 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
         }
         raw = json.dumps(history, indent=2, ensure_ascii=False, default=str) if not history_error else ""
         # Compacted turns were moved, verbatim, to the session's compactions: shown apart,
-        # marked as archived, in the order they happened (one query).
+        # marked as archived, in the order they happened (one query; a count past the cap).
+        recorded = SessionCompaction.objects.filter(session_id=session.pk)
+        newest = list(recorded.order_by("-created_at")[: SESSION_PAGE_COMPACTIONS + 1])
+        compaction_total = recorded.count() if len(newest) > SESSION_PAGE_COMPACTIONS else len(newest)
         compactions = [
             {
                 "record": compaction,
                 "turns": transcript(compaction.archived_messages or [], run_costs=run_costs),
                 "facts_passed": sum(1 for fact in compaction.facts or [] if fact.get("passed")),
             }
-            for compaction in SessionCompaction.objects.filter(session_id=session.pk).order_by("created_at")
+            for compaction in reversed(newest[:SESSION_PAGE_COMPACTIONS])
         ]
         return {
             "compactions": compactions,
+            "compaction_total": compaction_total,
             "session": session,
             "turns": transcript(history, run_costs=run_costs),
             "history_error": history_error,

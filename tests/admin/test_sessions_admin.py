@@ -433,6 +433,33 @@ def test_a_compaction_shows_each_fact_it_checked_with_pass_or_fail(admin_client,
     assert "https://ci.example.com/&lt;b&gt;" in page
 
 
+def test_a_session_page_shows_its_newest_compactions_however_many_it_has(admin_client, persistent_agent):
+    from datetime import timedelta
+
+    from sessions_app.models import SessionCompaction
+
+    session = make_session(persistent_agent, history=conversation(1))
+    start = timezone.now() - timedelta(days=1)
+    shown = 20  # docs/operations.md
+    SessionCompaction.objects.bulk_create(
+        SessionCompaction(
+            session=session,
+            kind="summarize",
+            created_at=start + timedelta(minutes=n),
+            summary=f"Summary number {n}.",
+            archived_messages=conversation(2, text=f"archived {n}"),
+        )
+        for n in range(shown + 5)
+    )
+    with CaptureQueriesContext(connection) as queries:
+        page = admin_client.get(change_url(session)).content.decode()
+    assert f"the newest {shown} of {shown + 5}" in page
+    assert f"Summary number {shown + 4}." in page and "Summary number 5." in page
+    assert "Summary number 4." not in page and "archived 4 " not in page
+    reads = [query["sql"] for query in queries if '"session_compactions"."archived_messages"' in query["sql"]]
+    assert len(reads) == 1 and "LIMIT" in reads[0]
+
+
 def test_compact_now_action_takes_a_place_under_the_cap_or_names_the_refusal(
     admin_client, settings, company, fake_anthropic
 ):
