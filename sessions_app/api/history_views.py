@@ -14,8 +14,9 @@ from costs_app.money import MoneyField
 from costs_app.reports import daily_input_growth, input_growth
 from sessions_app.api.base import ApiView, error_responses
 from sessions_app.api.exceptions import NotFound
+from sessions_app.api.pagination import Keyset
 from sessions_app.context_defaults import growth_advice, growth_ceiling, growth_flag
-from sessions_app.models import AgentSession, SessionCompaction, parse_session_id
+from sessions_app.models import AgentSession, SessionCompaction, parse_session_id, session_public_id
 
 MAX_COMPACTIONS = 100
 
@@ -59,6 +60,10 @@ class ArchiveSerializer(serializers.Serializer):
     compaction_count = serializers.IntegerField()
     predecessor_id = serializers.CharField(allow_null=True)
     compactions = CompactionSerializer(many=True)
+    next = serializers.CharField(allow_null=True, help_text="Cursor of the next page; null on the last page.")
+
+
+ARCHIVE_ORDER = Keyset("created_at", descending=False)  # compactions_session_idx
 
 
 class SessionArchiveView(ApiView):
@@ -67,6 +72,7 @@ class SessionArchiveView(ApiView):
         parameters=[
             OpenApiParameter("messages", bool, required=False, description="Include the archived turns verbatim."),
             OpenApiParameter("limit", int, required=False, description=f"1..{MAX_COMPACTIONS}, default 20."),
+            OpenApiParameter("next", str, required=False, description="The `next` cursor of the previous page."),
         ],
         responses={200: ArchiveSerializer, **error_responses(400)},
         description="The compactions of a session, oldest first: what each replaced, its summary and cost. "
@@ -84,13 +90,15 @@ class SessionArchiveView(ApiView):
         if not with_messages:
             compactions = compactions.defer("archived_messages")
         serializer = CompactionSerializer if with_messages else CompactionSummarySerializer
-        rows = [serializer(compaction).data for compaction in compactions[:limit]]
+        page, cursor = ARCHIVE_ORDER.page(compactions, limit=limit, cursor=self.request.query_params.get("next"))
         body = {
             "session_id": session.public_id,
             "archived_message_count": session.archived_message_count,
             "compaction_count": session.compaction_count,
-            "predecessor_id": session.predecessor.public_id if session.predecessor_id else None,
-            "compactions": rows,
+            # By id: the predecessor's row would bring its whole history along.
+            "predecessor_id": session_public_id(session.predecessor_id),
+            "compactions": [serializer(compaction).data for compaction in page],
+            "next": cursor,
         }
         return Response(body)
 

@@ -224,3 +224,34 @@ def test_a_heartbeat_of_a_budgeted_agent_on_an_unpriced_model_is_409(client, com
     error = response.json()["error"]
     assert error["code"] == "model_unpriced"
     assert "claude-future-9" in error["message"]
+
+
+def test_session_archive_pages_every_compaction_and_never_reads_a_history(client, company, persistent_agent):
+    from datetime import timedelta
+
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from sessions_app.models import SessionCompaction
+    from tests.admin.conftest import conversation, make_session
+
+    predecessor = make_session(persistent_agent, history=conversation(40), store="database")
+    session = make_session(persistent_agent, history=conversation(2), store="database", predecessor=predecessor)
+    start = timezone.now() - timedelta(days=1)
+    SessionCompaction.objects.bulk_create(
+        SessionCompaction(session=session, kind="summarize", created_at=start + timedelta(minutes=n), summary=f"s{n}")
+        for n in range(25)
+    )
+    url = f"/api/companies/{company.id}/agents/{persistent_agent.id}/sessions/{session.public_id}/archive"
+
+    summaries, cursor, pages = [], None, 0
+    with CaptureQueriesContext(connection) as queries:
+        while True:
+            body = client.get(url, {"limit": 10, **({"next": cursor} if cursor else {})}).json()
+            summaries += [compaction["summary"] for compaction in body["compactions"]]
+            pages, cursor = pages + 1, body["next"]
+            if cursor is None:
+                break
+    assert summaries == [f"s{n}" for n in range(25)] and pages == 3
+    assert body["predecessor_id"] == predecessor.public_id
+    assert not [query for query in queries if '"agent_sessions"."history"' in query["sql"]]
