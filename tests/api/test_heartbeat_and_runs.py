@@ -294,15 +294,20 @@ def stateless_agents(company, count: int) -> list[Agent]:
 def test_sequential_waiting_heartbeats_from_one_client_are_never_throttled(
     settings, mode, company, stateless_agent, fake_anthropic
 ):
-    """300 `"wait": true` heartbeats one after another, on one agent and then over 300
-    agents, with the default rate setting: each waited for its answer, so none is a 429."""
+    """`"wait": true` heartbeats one after another, on one agent and then over as many
+    agents, five times the key's ceiling: each waited for its answer, so none is a 429
+    (the ceiling is live: a queued heartbeat after them is one)."""
     settings.PAPERCLIP_DEPLOYMENT_MODE = mode
+    settings.PAPERCLIP_HEARTBEAT_RATE = "4/min"
     client = Api(api_key_create(company=company)[1] if mode == "authenticated" else None)
-    one_agent = [stateless_agent] * SEQUENTIAL_HEARTBEATS
-    for agent in one_agent + stateless_agents(company, SEQUENTIAL_HEARTBEATS):
+    one_agent = [stateless_agent] * 10
+    for agent in one_agent + stateless_agents(company, 10):
         response = client.post(agent_url(agent, "/heartbeat"), {"task": "hi", "wait": True})
         assert response.status_code == 200, response.json()
-    assert HeartbeatRun.objects.filter(status=RunStatus.SUCCEEDED).count() == 2 * SEQUENTIAL_HEARTBEATS
+    assert HeartbeatRun.objects.filter(status=RunStatus.SUCCEEDED).count() == 20
+    queued = [client.post(agent_url(stateless_agent, "/heartbeat"), {"task": "later"}) for _ in range(5)]
+    expected = [202] * 5 if mode == "local_trusted" else [202] * 4 + [429]
+    assert [response.status_code for response in queued] == expected
 
 
 @pytest.mark.parametrize("mode", ["local_trusted", "authenticated"])
