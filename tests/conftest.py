@@ -640,11 +640,17 @@ def run_queued_tasks() -> list[str]:
     from django_q.brokers import get_broker
     from django_q.signing import SignedPackage
 
-    broker = get_broker()
     results = []
-    while tasks := broker.dequeue():
-        for ack_id, payload in tasks:
-            task = SignedPackage.loads(payload)
-            results.append(import_string(task["func"])(*task["args"], **task["kwargs"]))
-            broker.acknowledge(ack_id)
+    broker = get_broker()
+    for ack_id, payload in dequeued(broker):
+        task = SignedPackage.loads(payload)
+        results.append(import_string(task["func"])(*task["args"], **task["kwargs"]))
+        broker.acknowledge(ack_id)
     return results
+
+
+def dequeued(broker):
+    """Each task the broker holds, as (ack id, payload), until it holds none: asked by its
+    size, since the database broker sleeps its poll interval on an empty queue."""
+    while broker.queue_size():
+        yield from broker.dequeue() or []

@@ -27,6 +27,7 @@ from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.schedules import agent_schedule_sync, schedule_name
 from sessions_app.stores import store_for
 from tests.api.conftest import Api, agent_url
+from tests.conftest import dequeued
 from tests.fake_anthropic import Reply
 
 PROMPT = "You keep the team's release notes. " * 400  # a prefix worth keeping
@@ -70,12 +71,11 @@ def queued_refreshes() -> list[str]:
     """The refreshes the maintenance pass handed to the cluster (dequeued)."""
     broker = get_broker()
     sessions = []
-    while tasks := broker.dequeue():
-        for ack_id, payload in tasks:
-            task = SignedPackage.loads(payload)
-            assert import_string(task["func"]).__module__ == "sessions_app.tasks" and task["func"] == TASK
-            sessions.extend(task["args"])
-            broker.acknowledge(ack_id)
+    for ack_id, payload in dequeued(broker):
+        task = SignedPackage.loads(payload)
+        assert import_string(task["func"]).__module__ == "sessions_app.tasks" and task["func"] == TASK
+        sessions.extend(task["args"])
+        broker.acknowledge(ack_id)
     return sessions
 
 
