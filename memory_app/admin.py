@@ -24,7 +24,7 @@ from django.utils.html import format_html, format_html_join
 from memory_app.models import MemoryFile, MemoryStore, MemoryStoreShare, MemoryVersion
 from memory_app.stores import MemoryFault, Mount, Writer, check_content, clean_path, file_write, version_revert
 from sessions_app.adapters.tool_config import STORE_NAME
-from sessions_app.admin.common import AGENT_LONG_COLUMNS, AgentFilter, deletion_summary, is_changelist
+from sessions_app.admin.common import AgentFilter, agent_long_columns, deletion_summary, is_changelist
 from sessions_app.models import Agent, AgentStatus
 from sessions_app.text import holds_unstorable
 
@@ -103,7 +103,7 @@ class MemoryFileAdmin(admin.ModelAdmin):
 
     def get_queryset(self, request):
         queryset = super().get_queryset(request).select_related("store__agent")
-        queryset = queryset.defer(*(f"store__agent__{name}" for name in AGENT_LONG_COLUMNS))
+        queryset = queryset.defer(*agent_long_columns("store__agent"))
         # The list shows no content: a page of 100 files is not 100 files' contents.
         return queryset.defer("content") if is_changelist(request) else queryset
 
@@ -316,9 +316,7 @@ class MemoryStoreAdmin(admin.ModelAdmin):
     def get_queryset(self, request):
         # The list names each store's agent: never the agent's prompt and configuration.
         queryset = super().get_queryset(request)
-        return (
-            queryset.defer(*(f"agent__{name}" for name in AGENT_LONG_COLUMNS)) if is_changelist(request) else queryset
-        )
+        return queryset.defer(*agent_long_columns()) if is_changelist(request) else queryset
 
     def get_readonly_fields(self, request, obj=None):
         return ["company", "agent", "name", "bytes_used"] if obj is not None else ["bytes_used"]

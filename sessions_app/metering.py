@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from django.db import transaction
-from django.db.models import Case, F, Value, When
+from django.db.models import Case, F, Q, Value, When
 
 from costs_app.ledger import session_hours_record
 from costs_app.pricing import session_hour_rate, session_hours_cost
@@ -57,15 +57,13 @@ def session_run_time_record(
     by whoever ended the run, once (`run_fail` and the compaction decide by a conditional
     update of the run). `active_seconds`: the provider's own measure, when it has one."""
     seconds = max((finished - started).total_seconds(), 0.0) if active_seconds is None else active_seconds
-    used_later = When(status__in=LIVE_SESSION_STATUSES, expires_at__lt=finished + ttl, then=Value(finished))
+    # Both clocks move together, judged on the row as it was: expires_at = last_used + ttl.
+    moves_forward = Q(status__in=LIVE_SESSION_STATUSES, expires_at__lt=finished + ttl)
     AgentSession.objects.filter(pk=session_id).update(
         active_seconds=F("active_seconds") + seconds,
         unbilled_active_seconds=F("unbilled_active_seconds") + seconds,
-        last_used=Case(used_later, default=F("last_used")),
-        expires_at=Case(
-            When(status__in=LIVE_SESSION_STATUSES, expires_at__lt=finished + ttl, then=Value(finished + ttl)),
-            default=F("expires_at"),
-        ),
+        last_used=Case(When(moves_forward, then=Value(finished)), default=F("last_used")),
+        expires_at=Case(When(moves_forward, then=Value(finished + ttl)), default=F("expires_at")),
     )
 
 

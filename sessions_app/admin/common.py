@@ -242,6 +242,11 @@ def adapter_choices() -> list[tuple[str, str]]:
 AGENT_LONG_COLUMNS = ("system_prompt", "adapter_config", "managed_remote")
 
 
+def agent_long_columns(path: str = "agent") -> list[str]:
+    """`AGENT_LONG_COLUMNS` as reached from a list's model (`defer(*agent_long_columns())`)."""
+    return [f"{path}__{name}" for name in AGENT_LONG_COLUMNS]
+
+
 class AgentFilter(admin.RelatedFieldListFilter):
     """The agents of a list's sidebar by id and name: Django's default reads every agent's
     whole row (its prompt, configuration and Managed Agents state) on every page."""

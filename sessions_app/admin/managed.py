@@ -12,7 +12,7 @@ from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
-from sessions_app.admin.common import AGENT_LONG_COLUMNS, LargeTableAdmin, admin_link, admin_time, short_text
+from sessions_app.admin.common import LargeTableAdmin, admin_link, admin_time, agent_long_columns, short_text
 from sessions_app.managed_outputs import output_delete, output_path
 from sessions_app.models import ManagedOutput, ManagedSessionEnd
 
@@ -112,7 +112,7 @@ class ManagedOutputAdmin(LargeTableAdmin):
     def get_queryset(self, request):
         # The list names each output's agent: never the agent's prompt and configuration.
         queryset = super().get_queryset(request).select_related("agent")
-        queryset = queryset.defer(*(f"agent__{name}" for name in AGENT_LONG_COLUMNS))
+        queryset = queryset.defer(*agent_long_columns())
         if session_id := request.GET.get("session_id"):
             queryset = queryset.filter(session_id=session_id)
         return queryset

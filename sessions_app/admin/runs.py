@@ -14,6 +14,7 @@ from sessions_app.admin.common import (
     LargeTableAdmin,
     admin_link,
     admin_time,
+    agent_long_columns,
     deletion_summary,
     is_changelist,
     money_column,
@@ -84,7 +85,7 @@ class HeartbeatRunAdmin(ApiIdsInUrls, LargeTableAdmin):
 
     def get_queryset(self, request):
         queryset = super().get_queryset(request).select_related("agent", "company")
-        queryset = queryset.defer("agent__system_prompt", "agent__adapter_config", *RUN_BATCH_COLUMNS)
+        queryset = queryset.defer(*agent_long_columns(), *RUN_BATCH_COLUMNS)
         # The list shows none of the long texts; the run's own page shows them all.
         long_texts = ("task", "output", "error", "warning", "work_check_output", "managed_turn")
         return queryset.defer(*long_texts) if is_changelist(request) else queryset

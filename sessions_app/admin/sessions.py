@@ -25,6 +25,7 @@ from sessions_app.admin.common import (
     adapter_choices,
     admin_link,
     admin_time,
+    agent_long_columns,
     changelist_url,
     deletion_summary,
     humane_expiry,
@@ -200,12 +201,7 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
     def get_queryset(self, request):
         # Never the history (it can be megabytes per row); the agent and company come in
         # the same query, so a page costs the same whatever its length.
-        return (
-            super()
-            .get_queryset(request)
-            .select_related("agent", "company")
-            .defer("history", "agent__system_prompt", "agent__adapter_config")
-        )
+        return super().get_queryset(request).select_related("agent", "company").defer("history", *agent_long_columns())
 
     def parse_api_id(self, object_id: str):
         return parse_session_id(object_id)
