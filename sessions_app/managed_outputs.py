@@ -11,7 +11,9 @@ file; a file left without a row (a crash between the two) is overwritten by the 
 row is written under the agent's row lock, so an agent deleted during the download (its
 outputs' rows and folder gone) gets no row and its copy is removed. A
 file over `PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES`, or past the session's
-`PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES`, gets a row saying so and no copy.
+`PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES`, gets a row saying so and no copy. A copy an
+operator deletes leaves a tombstone (`DeletedManagedOutput`): the file is still at the
+provider while its session lives, and a later extraction must not bring it back.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from django.conf import settings
 from django.db import transaction
 
 from sessions_app.adapters.claude_managed import remote_file_chunks, remote_session_files
-from sessions_app.models import Agent, AgentStatus, ManagedOutput, ManagedSessionEnd
+from sessions_app.models import Agent, AgentStatus, DeletedManagedOutput, ManagedOutput, ManagedSessionEnd
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ def outputs_extract(end: ManagedSessionEnd) -> int:
     if end.agent_id is None or _agent_gone(end.agent_id):
         return 0  # its deletion took its outputs: nothing is kept for it
     files = remote_session_files(end.remote_session_id)
-    known = set(ManagedOutput.objects.filter(remote_session_id=end.remote_session_id).values_list("file_id", flat=True))
+    known = _known_file_ids(end.remote_session_id)
     total = sum(
         ManagedOutput.objects.filter(remote_session_id=end.remote_session_id, skipped="").values_list(
             "size_bytes", flat=True
@@ -89,6 +91,15 @@ def outputs_extract(end: ManagedSessionEnd) -> int:
             return written
         written += 1
     return written
+
+
+def _known_file_ids(remote_session_id: str) -> set[str]:
+    """The files copied (or skipped) and the copies an operator deleted since. One statement,
+    so one snapshot: a deletion committing meanwhile is seen either as its row or as its
+    tombstone, never as neither."""
+    copied = ManagedOutput.objects.filter(remote_session_id=remote_session_id).order_by().values_list("file_id")
+    deleted = DeletedManagedOutput.objects.filter(remote_session_id=remote_session_id).order_by().values_list("file_id")
+    return {file_id for (file_id,) in copied.union(deleted)}
 
 
 def _agent_gone(agent_id, *, lock: bool = False) -> bool:
@@ -173,15 +184,25 @@ def outputs_delete(*, agent_ids: Iterable) -> int:
     rows now, the files once the transaction commits (a rollback keeps both)."""
     agent_ids = list(agent_ids)
     count, _ = ManagedOutput.objects.filter(agent_id__in=agent_ids).delete()
+    DeletedManagedOutput.objects.filter(agent_id__in=agent_ids).delete()  # no extraction serves them any more
     transaction.on_commit(lambda: _folders_remove(agent_ids))
     return count
 
 
 def output_delete(output: ManagedOutput) -> None:
-    """One output, its row and then (after the commit) its file."""
+    """One output, its row and then (after the commit) its file, with a tombstone that keeps
+    a later extraction of its remote session from copying it back."""
     path = output_path(output)
     with transaction.atomic():
-        ManagedOutput.objects.filter(pk=output.pk).delete()
+        if ManagedOutput.objects.filter(pk=output.pk).delete()[0]:
+            DeletedManagedOutput.objects.bulk_create(
+                [
+                    DeletedManagedOutput(
+                        agent_id=output.agent_id, remote_session_id=output.remote_session_id, file_id=output.file_id
+                    )
+                ],
+                ignore_conflicts=True,
+            )
         transaction.on_commit(lambda: path.unlink(missing_ok=True))
 
 

@@ -939,3 +939,26 @@ class ManagedOutput(models.Model):
     @property
     def stored(self) -> bool:
         return not self.skipped
+
+
+class DeletedManagedOutput(models.Model):
+    """A copied output an operator deleted. Its file stays at the provider while its remote
+    session lives, and that session can be extracted again (an end retried, or its deletion
+    after its archive): this row keeps the file from being copied back. Goes with the agent."""
+
+    id = models.BigAutoField(primary_key=True)
+    agent = models.ForeignKey("Agent", on_delete=models.CASCADE, related_name="+")
+    remote_session_id = models.CharField(max_length=128)
+    file_id = models.CharField(max_length=128)
+    deleted_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        db_table = "managed_outputs_deleted"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["remote_session_id", "file_id"], name="managed_outputs_deleted_one_per_file"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.remote_session_id}/{self.file_id}"

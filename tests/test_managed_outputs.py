@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from sessions_app.managed_outputs import output_path, outputs_root
+from sessions_app.managed_outputs import output_delete, output_path, outputs_root
 from sessions_app.managed_sessions import managed_ends_process
-from sessions_app.models import Agent, ManagedOutput, ManagedSessionEnd, RunStatus
+from sessions_app.models import Agent, DeletedManagedOutput, ManagedOutput, ManagedSessionEnd, RunStatus
 from sessions_app.services import agent_delete, agents_hard_delete, session_delete, session_expire
 from tests.api.conftest import make_session
 from tests.conftest import beat, managed_agent, on_own_connection, run_queued_tasks
@@ -190,3 +190,57 @@ def test_an_agent_deleted_while_its_files_are_copied_keeps_no_output_row_or_file
     assert not folder.exists() or not any(path.is_file() for path in folder.rglob("*"))
     ends = ManagedSessionEnd.objects.filter(remote_session_id=remote_id)
     assert ends.exists() and not ends.filter(done_at__isnull=True).exists()  # the remote session still ends
+
+
+def test_an_output_deleted_while_its_end_is_retried_is_not_copied_back(company, fake_managed):
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id)
+    failing = fake_managed.add_file(remote_id, "failing.txt", b"fail", "text/plain")
+    fake_managed.add_file(remote_id, "secret.txt", b"secret", "text/plain")
+    fake_managed.fail_next(500, times=10, path_prefix=f"/v1/files/{failing['id']}/content")
+    session_delete(session=session, now=timezone.now())
+    run_queued_tasks()
+    (secret,) = ManagedOutput.objects.filter(agent=agent)  # copied before the other file failed
+    path = output_path(secret)
+
+    output_delete(secret)  # an operator deletes it while the end waits for its retry
+    fake_managed.recover()
+    assert managed_ends_process(now=timezone.now() + timedelta(hours=2)) == 1
+
+    assert remote_id not in fake_managed.sessions  # the end completed...
+    assert list(ManagedOutput.objects.filter(agent=agent).values_list("filename", flat=True)) == ["failing.txt"]
+    assert not path.exists()  # ...without bringing the deleted copy back
+
+
+def test_an_output_deleted_after_its_sessions_archive_stays_deleted_when_the_session_is_deleted(company, fake_managed):
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id)
+    fake_managed.add_file(remote_id, "notes.txt", b"notes", "text/plain")
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+    (output,) = ManagedOutput.objects.filter(agent=agent)
+    output_delete(output)
+
+    session_delete(session=session, now=timezone.now())  # the archived remote session, and its file, go now
+    run_queued_tasks()
+
+    assert remote_id not in fake_managed.sessions
+    assert not ManagedOutput.objects.filter(agent=agent).exists()
+    assert not output_path(output).exists()
+
+
+def test_an_agents_deletion_takes_the_tombstones_of_its_deleted_outputs(company, fake_managed):
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    session = make_session(agent, managed_session_id=remote_id)
+    fake_managed.add_file(remote_id, "notes.txt", b"notes", "text/plain")
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+    output_delete(ManagedOutput.objects.get(agent=agent))
+    assert DeletedManagedOutput.objects.filter(agent=agent).exists()
+
+    agent_delete(agent=agent, now=timezone.now())
+
+    assert not DeletedManagedOutput.objects.filter(agent=agent).exists()
