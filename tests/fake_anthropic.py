@@ -22,7 +22,9 @@ Tools: a request offering the memory tool (`memory_20250818`) gets scripted tool
 default, so that the engine's tool loop runs for real: a task saying "remember" is answered
 with a `create` of /memories/facts/<digest>.md holding the task; a task saying "recall" with
 a `view` of /memories/facts, then a `view` of every file the listing shows; a request ending
-in tool results is answered with text. Tool definitions count as input tokens. The
+in tool results is answered with text. Tool definitions count as input tokens, and so does
+the tool-use system prompt the API adds to any request offering tools
+(`fake.tool_prompt_tokens`), in usage and count_tokens alike. The
 `clear_tool_uses_20250919` edit clears the oldest tool results past its trigger and reports
 it in `context_management`, as the API does. As the API does, it refuses (400) a tool_use
 not answered by a tool_result in the next message.
@@ -339,6 +341,11 @@ class FakeAnthropic:
         self.latency = latency
         # How the fake counts tokens, for usage and count_tokens alike.
         self.tokens: Callable[[Any], int] = estimate_tokens
+        # The tool-use system prompt the API adds to a request offering tools: billed as
+        # input (and counted by count_tokens) but never in the request's bytes. Anthropic's
+        # table lists 290-804 tokens by model and tool_choice; this is Claude Opus 4.6's
+        # `auto` figure.
+        self.tool_prompt_tokens = 497
         self.requests: list[dict] = []
         self.scripted: list[Reply] = []
         self.lock = threading.Lock()
@@ -456,9 +463,7 @@ class FakeAnthropic:
         sizes = [self.tokens(strip_markers(segment)) for segment in segments]
         # The cache compares content as the API reads it: a string is its one text block.
         keys = [segment if segment is system else canonical_message(segment) for segment in segments]
-        total = self.tokens({"system": system, "messages": messages})
-        if body.get("tools"):
-            total += self.tokens(body["tools"])
+        total = self.tokens({"system": system, "messages": messages}) + self.tools_tokens(body)
         breakpoints = [i for i, segment in enumerate(segments) if has_marker(segment)]
         read = 0
         written_by_ttl = {"5m": 0, "1h": 0}
@@ -494,6 +499,11 @@ class FakeAnthropic:
             },
             "cache_read_input_tokens": read,
         }
+
+    def tools_tokens(self, body: dict) -> int:
+        """The input a request's tools add: their definitions and the hidden tool-use prompt."""
+        tools = body.get("tools")
+        return self.tokens(tools) + self.tool_prompt_tokens if tools else 0
 
     def server_compaction(self, body: dict) -> tuple[list, dict] | None:
         """The `compact_20260112` edit: past the trigger, summarise and answer after it."""
@@ -785,6 +795,7 @@ class FakeAnthropic:
                     fake.requests.append(record)
                 if path == "/v1/messages/count_tokens":
                     size = fake.tokens({"system": body.get("system"), "messages": body.get("messages")})
+                    size += fake.tools_tokens(body)
                     self._send_json(200, {"input_tokens": size})
                     return
                 if path.startswith("/v1/messages/batches"):
