@@ -118,6 +118,35 @@ def input_tokens_bound(payload: object) -> int:
     return len(json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 
 
+# Input the API bills for a request that offers tools but that is not in its bytes, so no
+# byte bound covers it. A tool-use system prompt comes with any tool: Anthropic's tool-use
+# pricing table (platform.claude.com/docs/en/agents-and-tools/tool-use/overview#pricing)
+# lists 290 to 804 tokens by model and tool_choice, the most Claude Opus 4.7's 804 with
+# `any`/`tool`. Rounded up: each model family has moved it (Opus 4.6 497 -> 4.7 675 with
+# `auto`), and a family newer than the table must not be under-held by a few tokens.
+TOOL_USE_SYSTEM_PROMPT_TOKENS = 1_000
+# An Anthropic-defined tool (one with a `type`, as the memory tool `memory_20250818`) is
+# sent as its name; the API adds its schema and instructions. Published figures: the text
+# editor 700 tokens, computer use 735 plus a 466-499 token system prompt. The memory tool
+# has none published; its six commands outnumber the text editor's and the API adds its
+# memory protocol to the system prompt, so it is held at well above the largest figure.
+ANTHROPIC_TOOL_TOKENS = 2_000
+
+
+def hidden_tool_tokens(tools: list[dict] | None) -> int:
+    """The most input tokens the API adds, unseen in the request, for offering `tools`."""
+    if not tools:
+        return 0
+    defined = sum(1 for tool in tools if tool.get("type") not in (None, "custom"))
+    return TOOL_USE_SYSTEM_PROMPT_TOKENS + defined * ANTHROPIC_TOOL_TOKENS
+
+
+def request_tokens_bound(request: AdapterRequest) -> int:
+    """The most input tokens `request` can be billed: its bytes and what its tools add."""
+    sent = {"system": request.system_blocks or request.system, "messages": request.messages, "tools": request.tools}
+    return input_tokens_bound(sent) + hidden_tool_tokens(request.tools)
+
+
 def request_size(adapter, request: AdapterRequest, budget: int) -> int:
     estimate = estimate_tokens({"system": request.system_blocks or request.system, "messages": request.messages})
     if estimate < MEASURE_ABOVE * budget or not adapter.counts_tokens:

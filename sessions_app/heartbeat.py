@@ -56,10 +56,10 @@ from sessions_app.context import (
     ContextSettings,
     build_request,
     context_settings,
-    input_tokens_bound,
     manifest_merge,
     read_as_turns,
     reported_artifacts,
+    request_tokens_bound,
     summary_pair,
     user_turn_content,
 )
@@ -506,7 +506,8 @@ def reserve_budget(
 ) -> None:
     """Refuse before the call when it could cross a hard limit; hold its most possible cost.
 
-    The input is sized by its byte bound (no token is shorter than a byte), so what is held
+    The input is sized by its byte bound (no token is shorter than a byte) plus the input
+    the API adds unseen for the tools it offers (`request_tokens_bound`), so what is held
     is never less than what the call can cost, whatever the text's language. When that
     bound comes near the money left, the input is measured with count_tokens instead, so
     a call that fits is not refused on the bound alone; a call far under every limit, or
@@ -518,9 +519,7 @@ def reserve_budget(
             HeartbeatRun.objects.filter(id=run.id).update(warning=warning[:2000])
         return
     max_output = request.max_tokens or int(agent.adapter_config.get("max_tokens") or 4096)
-    size = input_tokens_bound(
-        {"system": request.system_blocks or request.system, "messages": request.messages, "tools": request.tools}
-    )
+    size = request_tokens_bound(request)
     cost = call_cost_bound(
         model=request.model,
         max_output_tokens=max_output,

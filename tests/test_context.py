@@ -3,13 +3,24 @@ requests, caching markers, the artifact manifest, empty answers replayed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from decimal import Decimal
 
 import pytest
 from django.utils import timezone
 
 from costs_app.models import CostEvent
-from sessions_app.context import context_settings, estimate_tokens, model_window, summary_input_chars
+from sessions_app.adapters import AdapterRequest
+from sessions_app.context import (
+    ANTHROPIC_TOOL_TOKENS,
+    TOOL_USE_SYSTEM_PROMPT_TOKENS,
+    context_settings,
+    estimate_tokens,
+    input_tokens_bound,
+    model_window,
+    request_tokens_bound,
+    summary_input_chars,
+)
 from sessions_app.context_defaults import budget_ceiling
 from sessions_app.models import Agent, AgentSession, RunStatus, SessionCompaction
 from tests.conftest import beat, catalogue_stored, context_agent, is_summary_request, summary_text
@@ -181,3 +192,23 @@ def test_summaries_are_written_by_the_cheapest_active_model_of_the_agents_line(c
 def test_a_1m_token_summary_model_reads_half_its_window(company, fake_anthropic):
     agent = context_agent(company, model="claude-opus-5-5", context_budget_tokens=1000)
     assert summary_input_chars(context_settings(agent)) == 1_000_000 * 2  # Haiku 5.5: 1M tokens
+
+
+def test_the_input_bound_holds_what_the_api_adds_for_the_tools_offered():
+    # The largest tool-use system prompt Anthropic publishes (Claude Opus 4.7, any/tool).
+    assert TOOL_USE_SYSTEM_PROMPT_TOKENS >= 804
+    # Above the largest Anthropic-defined tool figure published (computer use, 735 + 499).
+    assert ANTHROPIC_TOOL_TOKENS >= 735 + 499
+    plain = AdapterRequest(model="claude-opus-4-5", system="s", messages=[{"role": "user", "content": "hi"}], config={})
+    custom = {"name": "lookup", "input_schema": {"type": "object"}}
+    memory = {"type": "memory_20250818", "name": "memory"}
+
+    def sent(tools):
+        return input_tokens_bound({"system": "s", "messages": plain.messages, "tools": tools})
+
+    assert request_tokens_bound(plain) == sent(None)
+    assert request_tokens_bound(replace(plain, tools=[custom])) == sent([custom]) + TOOL_USE_SYSTEM_PROMPT_TOKENS
+    assert (
+        request_tokens_bound(replace(plain, tools=[memory]))
+        == sent([memory]) + TOOL_USE_SYSTEM_PROMPT_TOKENS + ANTHROPIC_TOOL_TOKENS
+    )

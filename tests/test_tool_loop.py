@@ -170,6 +170,27 @@ def test_each_call_of_the_loop_is_reserved_against_the_budget(company, fake_anth
     assert 0 < spent <= Decimal("0.10")
 
 
+@pytest.mark.django_db(transaction=True)
+def test_each_call_offering_the_tool_holds_at_least_what_it_is_billed(company, fake_anthropic):
+    """The API adds a tool-use system prompt to every request that offers tools, billed as
+    input but absent from the request's bytes: each call of the loop must hold it too."""
+    fake_anthropic.tool_prompt_tokens = 804  # the largest figure Anthropic publishes
+    agent = memory_agent(company, max_tokens=16)  # a small answer: the input decides
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("100"))  # far: held by the byte bound
+    held = []
+
+    def look():
+        held.append(HeartbeatRun.objects.get(agent=agent, status=RunStatus.RUNNING).reserved_usd)
+
+    fake_anthropic.push(*[Reply.during(on_own_connection(look)) for _ in range(2)])
+    run = beat(agent, "remember: the tea is green")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert fake_anthropic.action_errors == []
+    billed = list(CostEvent.objects.filter(run=run).order_by("call_number").values_list("cost_usd", flat=True))
+    assert len(billed) == len(held) == 2  # the memory write, then the answer
+    assert all(hold >= cost for hold, cost in zip(held, billed, strict=True)), (held, billed)
+
+
 @pytest.mark.parametrize("ending", ["force_fresh", "expiry", "rotation", "deletion"])
 def test_memory_outlives_the_session(company, fake_anthropic, ending):
     agent = memory_agent(company, session_mode="persistent", session_ttl_hours=1, rotate_after_turns=5)
