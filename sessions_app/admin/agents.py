@@ -28,6 +28,7 @@ from memory_app.admin import agent_memory_link
 from sessions_app import services
 from sessions_app.adapters.claude_cli import workspace_listing
 from sessions_app.admin.common import (
+    AGENT_LONG_COLUMNS,
     RECENT_INLINE_ROWS,
     ApiIdsInUrls,
     ReadOnlyInline,
@@ -37,6 +38,7 @@ from sessions_app.admin.common import (
     changelist_url,
     deletion_summary,
     humane_expiry,
+    is_changelist,
     money_column,
     short_text,
 )
@@ -64,6 +66,9 @@ from sessions_app.work_checks import agent_backoff
 DEFAULT_HEARTBEAT_TASK = "Heartbeat started by an operator from the admin."
 # Listed by name in an action's message up to this many; the rest are counted.
 NAMED_IN_MESSAGES = 10
+# The list's model, session mode, back-off and health columns are read from the
+# configuration; the other long columns are shown on the agent's page only.
+LIST_DEFERRED_COLUMNS = [name for name in AGENT_LONG_COLUMNS if name != "adapter_config"]
 
 
 def config_unreadable(agent: Agent) -> bool:
@@ -390,7 +395,8 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
 
     def get_queryset(self, request):
         # The health column's facts, for the whole page in the list's own query.
-        return with_health_facts(super().get_queryset(request))
+        queryset = with_health_facts(super().get_queryset(request))
+        return queryset.defer(*LIST_DEFERRED_COLUMNS) if is_changelist(request) else queryset
 
     def changelist_view(self, request, extra_context=None):
         # The credentials held, read once for the page (the admin is shared by threads:

@@ -609,3 +609,40 @@ def test_an_agent_whose_configuration_is_not_an_object_can_be_seen_corrected_and
     with django_capture_on_commit_callbacks(execute=True):
         assert admin_client.post(reverse(CHANGELIST), {**data, "post": "yes"}).status_code == 302
     assert not Agent.objects.filter(pk=broken.pk).exists()
+
+
+def test_the_agent_list_never_reads_the_columns_it_does_not_show(admin_client, company, django_assert_max_num_queries):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    def page_queries(params=None) -> list[str]:
+        with CaptureQueriesContext(connection) as captured:
+            page = admin_client.get(reverse(CHANGELIST), params or {})
+        assert page.status_code == 200
+        return [query["sql"] for query in captured]
+
+    prompt = "You are thorough. " * 500
+    for n in range(3):
+        Agent.objects.create(company=company, name=f"agent {n}", system_prompt=prompt, adapter_config={})
+    page_queries()  # warm the per-process caches
+    few = len(page_queries())
+    for n in range(3, 20):
+        Agent.objects.create(company=company, name=f"agent {n}", system_prompt=prompt, adapter_config={})
+    # A deferred column read for each row would be one query more per agent.
+    with django_assert_max_num_queries(few):
+        admin_client.get(reverse(CHANGELIST))
+    for sql in page_queries() + page_queries({"q": "agent 1"}):
+        columns = sql.split(" FROM ")[0]
+        assert '"system_prompt"' not in columns and '"managed_remote"' not in columns, sql
+
+
+def test_the_agent_page_still_shows_and_saves_the_prompt(admin_client, persistent_agent):
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+    assert "You remember." in admin_client.get(url).content.decode()
+    config = '{"model": "claude-opus-4-5", "session_mode": "persistent"}'
+    form = agent_form(
+        persistent_agent.company, name="Persistent", system_prompt="Remember more.", adapter_config=config
+    )
+    assert admin_client.post(url, form).status_code == 302
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.system_prompt == "Remember more."
