@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import quote, unquote
 from django.core.paginator import Paginator
 from django.db import connection
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponseRedirect
+from django.http import HttpRequest, HttpResponseRedirect, QueryDict
 from django.urls import reverse
 from django.utils.formats import date_format
 from django.utils.functional import cached_property
@@ -247,13 +248,97 @@ def agent_long_columns(path: str = "agent") -> list[str]:
     return [f"{path}__{name}" for name in AGENT_LONG_COLUMNS]
 
 
+# A sidebar lists this many agents at most: thousands would be read and rendered on every page.
+AGENT_CHOICES_CAP = 50
+
+
 class AgentFilter(admin.RelatedFieldListFilter):
-    """The agents of a list's sidebar by id and name: Django's default reads every agent's
-    whole row (its prompt, configuration and Managed Agents state) on every page."""
+    """The agents of a list's sidebar by id and name, at most AGENT_CHOICES_CAP of them.
+
+    Django's default reads every agent's whole row on every page. Up to the cap (counted in
+    the company filtered, if one is) every agent is listed, by name; past it the newest are,
+    with a box that filters by any agent's id (`?agent_id=`). The agent's page links with
+    `?agent=`: all three spellings filter, and the agent chosen shows as selected.
+    """
+
+    template = "admin/agent_filter.html"
+    cap = AGENT_CHOICES_CAP
+
+    def __init__(self, field, request, params, model, model_admin, field_path):
+        self.id_parameter = f"{field_path}_id"
+        self.aliases = [field_path, self.id_parameter]
+        lookup_kwarg = f"{field_path}__{field.target_field.name}__exact"
+        given = [value for name in (lookup_kwarg, *self.aliases) for value in params.pop(name, [])]
+        if chosen := agent_ids(request, given):
+            params[lookup_kwarg] = chosen
+        self.more_agents = False
+        self.hidden_params: list[tuple[str, str]] = []
+        super().__init__(field, request, params, model, model_admin, field_path)
+
+    @property
+    def chosen_id(self) -> str:
+        return self.lookup_val[0] if self.lookup_val else ""
+
+    def has_output(self) -> bool:
+        # A chosen agent filters even where there is no choice to offer (one agent).
+        return bool(self.lookup_val) or self.more_agents or super().has_output()
 
     def field_choices(self, field, request, model_admin):
-        agents = field.related_model._default_manager.order_by("name", "pk").values_list("pk", "name")
-        return list(agents)
+        agents = field.related_model._default_manager.order_by("-created_at", "-pk")
+        if company_id := self.company_filtered(request):
+            agents = agents.filter(company_id=company_id)
+        newest = list(agents.values_list("pk", "name")[: self.cap + 1])
+        self.more_agents = len(newest) > self.cap
+        listed = sorted(newest[: self.cap], key=lambda choice: (choice[1].casefold(), choice[1], str(choice[0])))
+        return listed + self.chosen_unlisted(field, listed)
+
+    def chosen_unlisted(self, field, listed) -> list[tuple]:
+        """The chosen agents the capped list left out, so that they show as selected."""
+        missing = set(self.lookup_val or ()) - {str(pk) for pk, _ in listed}
+        if not missing:
+            return []
+        return list(field.related_model._default_manager.filter(pk__in=missing).values_list("pk", "name"))
+
+    def company_filtered(self, request: HttpRequest):
+        prefix = self.field_path.removesuffix("agent")
+        values = request.GET.getlist(f"{prefix}company__id__exact") or request.GET.getlist(f"{prefix}company")
+        return parse_uuid(values[0]) if len(values) == 1 else None
+
+    def choices(self, changelist):
+        # Any link of the filter replaces the agent chosen, however it was spelled.
+        changelist = AliasesRemoved(changelist, self.aliases)
+        kept = changelist.get_query_string(remove=[self.lookup_kwarg, self.lookup_kwarg_isnull])
+        self.hidden_params = [(name, value) for name, values in QueryDict(kept[1:]).lists() for value in values]
+        yield from super().choices(changelist)
+
+
+class AliasesRemoved:
+    """A changelist whose query strings also drop the given parameters."""
+
+    def __init__(self, changelist, names: list[str]) -> None:
+        self.changelist, self.names = changelist, names
+
+    def __getattr__(self, name):
+        return getattr(self.changelist, name)
+
+    def get_query_string(self, new_params=None, remove=None) -> str:
+        return self.changelist.get_query_string(new_params, [*(remove or []), *self.names])
+
+
+def agent_ids(request: HttpRequest, values: list[str]) -> list[str]:
+    """The agent ids given to a filter, as the database stores them. One that is no UUID
+    is said in a message; the list is then shown whole (Django's redirect to `?e=1`)."""
+    ids = []
+    for value in filter(None, (value.strip() for value in values)):
+        parsed = parse_uuid(value)
+        if parsed is None:
+            messages.error(
+                request,
+                f"The agent filter takes an agent's id (a UUID): “{value[:80]}” is not one. Showing the whole list.",
+            )
+            raise IncorrectLookupParameters(value)
+        ids.append(str(parsed))
+    return list(dict.fromkeys(ids))
 
 
 class ModelNameFilter(admin.SimpleListFilter):
