@@ -48,7 +48,7 @@ from costs_app.money import amount_text, usd
 from costs_app.pricing import LIBRARY_SOURCE, is_priced, library_table
 from costs_app.reports import daily_costs_by_agent, input_growth, window_start
 from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist, money_column
-from sessions_app.admin.common import admin_time, deletion_summary, short_text, tokens_in_out
+from sessions_app.admin.common import AgentFilter, admin_time, deletion_summary, short_text, tokens_in_out
 from sessions_app.context_defaults import growth_advice, growth_flag
 from sessions_app.models import Agent, Company, session_public_id
 from sessions_app.text import is_storable
@@ -520,7 +520,7 @@ class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
         "unpriced",
     ]
     cost = money_column("cost_usd", "cost (USD)")
-    list_filter = ["kind", "unpriced", ModelNameFilter, "company"]
+    list_filter = ["kind", "unpriced", ModelNameFilter, "company", ("agent", AgentFilter)]
     date_hierarchy = "created_at"
     actions = None
 

@@ -16,13 +16,14 @@ from django.utils import timezone
 
 from sessions_app.admin.common import AGENT_CHOICES_CAP
 from sessions_app.models import Agent
-from tests.admin.conftest import make_run, make_session
+from tests.admin.conftest import make_cost, make_run, make_session
 
 SESSIONS = "admin:sessions_app_agentsession_changelist"
 RUNS = "admin:sessions_app_heartbeatrun_changelist"
 MEMORY_FILES = "admin:memory_app_memoryfile_changelist"
+COSTS = "admin:costs_app_costevent_changelist"
 # Each list and the name its agent filter's id box takes.
-LISTS = [(SESSIONS, "agent_id"), (RUNS, "agent_id"), (MEMORY_FILES, "store__agent_id")]
+LISTS = [(SESSIONS, "agent_id"), (RUNS, "agent_id"), (MEMORY_FILES, "store__agent_id"), (COSTS, "agent_id")]
 
 
 def agents_created(company, count: int, *, name: str, days_ago: int = 0) -> list[Agent]:
@@ -157,3 +158,14 @@ def test_an_empty_id_box_lists_every_agents_rows(admin_client, crowd):
     page, _ = get(admin_client, SESSIONS, {"agent_id": ""})
     assert "2 agent sessions" in page
     assert selected(agent_sidebar(page)) == ["All"]
+
+
+def test_the_ledger_filtered_from_an_agents_page_shows_that_agent_chosen(admin_client, crowd):
+    veteran, recruit = crowd["old"][0], crowd["new"][0]
+    make_cost(veteran, model="claude-veteran-1")
+    make_cost(recruit, model="claude-recruit-1")
+    agent_page = admin_client.get(reverse("admin:sessions_app_agent_change", args=[veteran.pk])).content.decode()
+    costs_url = re.search(r'href="([^"]*/costs_app/costevent/\?agent=[^"]*)"', agent_page).group(1)
+    page = admin_client.get(costs_url.replace("&amp;", "&")).content.decode()
+    assert "claude-veteran-1" in page and "claude-recruit-1" not in page
+    assert selected(agent_sidebar(page)) == [veteran.name]
