@@ -351,9 +351,10 @@ class ModelNameFilter(admin.SimpleListFilter):
         from costs_app.models import ModelPrice
 
         names = set(ModelPrice.objects.order_by().values_list("model", flat=True).distinct())
-        names |= {
-            name for name in Agent.objects.values_list("adapter_config__model", flat=True) if isinstance(name, str)
-        }
+        # One row per model, not per agent (nor sorted by the agents' names): the sidebar of
+        # every sessions and ledger page runs this.
+        models = Agent.objects.order_by().values_list("adapter_config__model", flat=True).distinct()
+        names |= {name for name in models if isinstance(name, str)}
         return [(name, name) for name in sorted(names) if name]
 
     def queryset(self, request, queryset):

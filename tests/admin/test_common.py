@@ -169,3 +169,14 @@ def test_the_ledger_filtered_from_an_agents_page_shows_that_agent_chosen(admin_c
     page = admin_client.get(costs_url.replace("&amp;", "&")).content.decode()
     assert "claude-veteran-1" in page and "claude-recruit-1" not in page
     assert selected(agent_sidebar(page)) == [veteran.name]
+
+
+@pytest.mark.parametrize("url_name", [SESSIONS, COSTS])
+def test_the_model_filter_reads_one_row_per_model_not_per_agent(admin_client, company, url_name):
+    crew = agents_created(company, 3, name="crew")
+    for agent, model in zip(crew, ["claude-opus-4-5", "claude-opus-4-5", "claude-haiku-4-5"], strict=True):
+        Agent.objects.filter(pk=agent.pk).update(adapter_config={"model": model})
+    page, queries = get(admin_client, url_name)
+    assert "claude-opus-4-5" in page and "claude-haiku-4-5" in page
+    models = [sql for sql in queries if "adapter_config" in sql.split(" FROM ")[0] and 'FROM "agents"' in sql]
+    assert len(models) == 1 and "DISTINCT" in models[0] and "ORDER BY" not in models[0], models
