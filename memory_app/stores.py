@@ -121,10 +121,8 @@ def store_own(agent: Agent, name: str = DEFAULT_STORE) -> MemoryStore:
         return store
     try:
         with transaction.atomic():
-            # Under the agent's row lock, which its deletion takes first: a deletion either
-            # committed before (no store is made) or waits and deletes this one too.
-            agents = Agent.objects.select_for_update(no_key=True).filter(pk=agent.pk)
-            if agents.values_list("status", flat=True).first() in (None, AgentStatus.DELETED):
+            # Made under the agent's row lock: never for an agent whose deletion committed.
+            if Agent.is_gone(agent.pk, lock=True):
                 raise MemoryFault("agent_deleted", "The agent was deleted, and its memory with it.")
             return MemoryStore.objects.create(agent=agent, company_id=agent.company_id, name=name)
     except IntegrityError:  # a concurrent first use created it

@@ -29,7 +29,7 @@ from django.conf import settings
 from django.db import transaction
 
 from sessions_app.adapters.claude_managed import remote_file_chunks, remote_session_files
-from sessions_app.models import Agent, AgentStatus, DeletedManagedOutput, ManagedOutput, ManagedSessionEnd
+from sessions_app.models import Agent, DeletedManagedOutput, ManagedOutput, ManagedSessionEnd
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def output_path(output: ManagedOutput) -> Path:
 def outputs_extract(end: ManagedSessionEnd) -> int:
     """Copy the files of the ended remote session that are not copied yet; returns how many
     rows it wrote. Raises OutputsUnavailable when the provider fails to list or serve one."""
-    if end.agent_id is None or _agent_gone(end.agent_id):
+    if end.agent_id is None or Agent.is_gone(end.agent_id):
         return 0  # its deletion took its outputs: nothing is kept for it
     files = remote_session_files(end.remote_session_id)
     known = _known_file_ids(end.remote_session_id)
@@ -79,7 +79,7 @@ def outputs_extract(end: ManagedSessionEnd) -> int:
             except OutputTooLarge as refusal:
                 output.skipped = str(refusal)
             except OSError:
-                if not _agent_gone(end.agent_id):
+                if not Agent.is_gone(end.agent_id):
                     raise
                 # Its deletion removed the folder under the download: nothing to keep.
                 _copy_remove(output)
@@ -102,20 +102,13 @@ def _known_file_ids(remote_session_id: str) -> set[str]:
     return {file_id for (file_id,) in copied.union(deleted)}
 
 
-def _agent_gone(agent_id, *, lock: bool = False) -> bool:
-    agents = Agent.objects.filter(pk=agent_id)
-    if lock:
-        agents = agents.select_for_update(no_key=True)
-    return agents.values_list("status", flat=True).first() in (None, AgentStatus.DELETED)
-
-
 def _output_insert(output: ManagedOutput) -> bool:
     """Insert the copied file's row, unless its agent was deleted during the download: under
     the agent's row lock, which a deletion takes first, so the deletion either committed
     before (False: the caller removes the copy its folder's removal missed) or waits and
     removes this row and file with the agent's others."""
     with transaction.atomic():
-        if _agent_gone(output.agent_id, lock=True):
+        if Agent.is_gone(output.agent_id, lock=True):
             return False
         ManagedOutput.objects.bulk_create([output], ignore_conflicts=True)
     return True

@@ -142,6 +142,17 @@ class Agent(models.Model):
         if fields is None or "adapter_config" in fields:
             self._stored_config = self.__dict__.get("adapter_config")
 
+    @classmethod
+    def is_gone(cls, agent_id, *, lock: bool = False) -> bool:
+        """Whether the agent was deleted or removed. With `lock` (inside a transaction), its
+        row stays locked until the COMMIT, and every deletion locks that row first: a
+        deletion either committed before (True) or waits for what the caller writes next,
+        and then deletes it with the agent's other rows."""
+        agents = cls.objects.filter(pk=agent_id)
+        if lock:
+            agents = agents.select_for_update(no_key=True)
+        return agents.values_list("status", flat=True).first() in (None, AgentStatus.DELETED)
+
     def clean(self) -> None:
         config = validate_agent_config(self.adapter_type, with_default_model(self.adapter_type, self.adapter_config))
         stored = None
