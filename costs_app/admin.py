@@ -48,7 +48,7 @@ from costs_app.money import amount_text, usd
 from costs_app.pricing import LIBRARY_SOURCE, is_priced, library_table
 from costs_app.reports import daily_costs_by_agent, input_growth, window_start
 from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist, money_column
-from sessions_app.admin.common import AgentFilter, admin_time, deletion_summary, short_text, tokens_in_out
+from sessions_app.admin.common import AgentFilter, CountedDeletion, admin_time, short_text, tokens_in_out
 from sessions_app.context_defaults import growth_advice, growth_flag
 from sessions_app.models import Agent, Company, session_public_id
 from sessions_app.text import is_storable
@@ -253,7 +253,7 @@ def forecast_text(forecast: Forecast | None) -> str:
 
 
 @admin.register(Budget)
-class BudgetAdmin(admin.ModelAdmin):
+class BudgetAdmin(CountedDeletion, admin.ModelAdmin):
     """Limits checked before every model call (costs_app.budgets), the webhooks told when
     they near, and when each will be crossed at the current rate (costs_app.forecast)."""
 
@@ -378,22 +378,16 @@ class BudgetAdmin(admin.ModelAdmin):
             kwargs["queryset"] = Agent.objects.select_related("company").only("id", "name", "company__name")
         return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
-    def get_deleted_objects(self, objs, request):
+    def deleted_with(self, ids):
         # A daily budget gathers alerts every day, each with its deliveries and attempts:
         # counted, never each loaded and listed (Django's default, one query per alert).
-        ids = [obj.pk for obj in objs]
         deliveries = AlertDelivery.objects.filter(Q(target__budget_id__in=ids) | Q(alert__budget_id__in=ids))
-        return deletion_summary(
-            self,
-            objs,
-            request,
-            [
-                AlertTarget.objects.filter(budget_id__in=ids),
-                BudgetAlert.objects.filter(budget_id__in=ids),
-                deliveries,
-                AlertAttempt.objects.filter(delivery__in=deliveries),
-            ],
-        )
+        return [
+            AlertTarget.objects.filter(budget_id__in=ids),
+            BudgetAlert.objects.filter(budget_id__in=ids),
+            deliveries,
+            AlertAttempt.objects.filter(delivery__in=deliveries),
+        ]
 
 
 class AlertAttemptInline(admin.TabularInline):

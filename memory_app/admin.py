@@ -24,7 +24,7 @@ from django.utils.html import format_html, format_html_join
 from memory_app.models import MemoryFile, MemoryStore, MemoryStoreShare, MemoryVersion
 from memory_app.stores import MemoryFault, Mount, Writer, check_content, clean_path, file_write, version_revert
 from sessions_app.adapters.tool_config import STORE_NAME
-from sessions_app.admin.common import AgentFilter, agent_long_columns, deletion_summary, is_changelist
+from sessions_app.admin.common import AgentFilter, CountedDeletion, agent_long_columns, is_changelist
 from sessions_app.models import Agent, AgentStatus
 from sessions_app.text import holds_unstorable
 
@@ -93,7 +93,7 @@ class MemoryFileForm(forms.ModelForm):
 
 
 @admin.register(MemoryFile)
-class MemoryFileAdmin(admin.ModelAdmin):
+class MemoryFileAdmin(CountedDeletion, admin.ModelAdmin):
     form = MemoryFileForm
     list_display = ["path", "store_name", "agent", "size", "version", "deleted", "updated_at"]
     list_filter = ["deleted", "store__company", ("store__agent", AgentFilter)]
@@ -215,9 +215,8 @@ class MemoryFileAdmin(admin.ModelAdmin):
             name = "change" if object_id else "add"
             return HttpResponseRedirect(reverse(f"admin:memory_app_memoryfile_{name}", args=target))
 
-    def get_deleted_objects(self, objs, request):
-        # A deletion is a version (below): the files' versions stay, so none is read or listed.
-        return deletion_summary(self, objs, request, [])
+    # A deletion is a version (below): the files' versions stay, so none is read or listed,
+    # and the confirmation names only the files (`CountedDeletion` with nothing deleted with them).
 
     def delete_model(self, request, obj):
         self._delete(request, [obj])
@@ -303,7 +302,7 @@ class MemoryStoreForm(forms.ModelForm):
 
 
 @admin.register(MemoryStore)
-class MemoryStoreAdmin(admin.ModelAdmin):
+class MemoryStoreAdmin(CountedDeletion, admin.ModelAdmin):
     form = MemoryStoreForm
     list_display = ["name", "agent", "company", "bytes_used", "files_link"]
     list_filter = ["company"]
@@ -321,19 +320,13 @@ class MemoryStoreAdmin(admin.ModelAdmin):
     def get_readonly_fields(self, request, obj=None):
         return ["company", "agent", "name", "bytes_used"] if obj is not None else ["bytes_used"]
 
-    def get_deleted_objects(self, objs, request):
+    def deleted_with(self, ids):
         # Counted: Django's default loads every file and every version, contents and all.
-        ids = [obj.pk for obj in objs]
-        return deletion_summary(
-            self,
-            objs,
-            request,
-            [
-                MemoryFile.objects.filter(store_id__in=ids),
-                MemoryVersion.objects.filter(file__store_id__in=ids),
-                MemoryStoreShare.objects.filter(store_id__in=ids),
-            ],
-        )
+        return [
+            MemoryFile.objects.filter(store_id__in=ids),
+            MemoryVersion.objects.filter(file__store_id__in=ids),
+            MemoryStoreShare.objects.filter(store_id__in=ids),
+        ]
 
     @admin.display(description="files")
     def files_link(self, obj: MemoryStore):

@@ -31,12 +31,12 @@ from sessions_app.admin.common import (
     AGENT_LONG_COLUMNS,
     RECENT_INLINE_ROWS,
     ApiIdsInUrls,
+    CountedDeletion,
     ReadOnlyInline,
     adapter_choices,
     admin_link,
     admin_time,
     changelist_url,
-    deletion_summary,
     humane_expiry,
     is_changelist,
     money_column,
@@ -224,7 +224,7 @@ HELD_CREDENTIALS: ContextVar[frozenset] = ContextVar("held_credentials", default
 
 
 @admin.register(Agent)
-class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
+class AgentAdmin(CountedDeletion, ApiIdsInUrls, admin.ModelAdmin):
     form = AgentAdminForm
     list_display = [
         "name",
@@ -472,18 +472,12 @@ class AgentAdmin(ApiIdsInUrls, admin.ModelAdmin):
         # A changed heartbeat_interval_minutes or heartbeat_cron moves the django-q2 schedule with it.
         agent_schedule_sync(agent=obj)
 
-    def get_deleted_objects(self, objs, request):
-        ids = [obj.pk for obj in objs]
-        return deletion_summary(
-            self,
-            objs,
-            request,
-            [
-                AgentSession.objects.filter(agent_id__in=ids),
-                SessionCompaction.objects.filter(session__agent_id__in=ids),
-                HeartbeatRun.objects.filter(agent_id__in=ids),
-            ],
-        )
+    def deleted_with(self, ids):
+        return [
+            AgentSession.objects.filter(agent_id__in=ids),
+            SessionCompaction.objects.filter(session__agent_id__in=ids),
+            HeartbeatRun.objects.filter(agent_id__in=ids),
+        ]
 
     def delete_model(self, request, obj):
         services.agents_hard_delete(agents=Agent.objects.filter(pk=obj.pk), now=timezone.now())

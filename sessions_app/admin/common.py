@@ -204,6 +204,18 @@ def deletion_summary(model_admin: admin.ModelAdmin, objs, request: HttpRequest, 
     return to_delete, counts, perms_needed, []
 
 
+class CountedDeletion:
+    """A delete confirmation by counts (`deletion_summary`) instead of Django's listing of
+    every cascaded row. `deleted_with`: what goes with the selected rows, one query each."""
+
+    def deleted_with(self, ids: list) -> list[QuerySet]:
+        return []
+
+    def get_deleted_objects(self, objs, request):
+        objs = list(objs)
+        return deletion_summary(self, objs, request, self.deleted_with([obj.pk for obj in objs]))
+
+
 class ReadOnlyInline(admin.TabularInline):
     """The newest rows of a related list, for reading; the full list is one link away."""
 

@@ -8,12 +8,12 @@ from django.db.models import Count
 from django.utils import timezone
 
 from sessions_app import services
-from sessions_app.admin.common import ApiIdsInUrls, deletion_summary
+from sessions_app.admin.common import ApiIdsInUrls, CountedDeletion
 from sessions_app.models import Agent, AgentSession, ApiKey, Company, HeartbeatRun, SessionCompaction
 
 
 @admin.register(Company)
-class CompanyAdmin(ApiIdsInUrls, admin.ModelAdmin):
+class CompanyAdmin(CountedDeletion, ApiIdsInUrls, admin.ModelAdmin):
     list_display = ["name", "id", "agent_count", "created_at"]
     search_fields = ["name", "=id"]
     readonly_fields = ["id", "created_at"]
@@ -25,20 +25,14 @@ class CompanyAdmin(ApiIdsInUrls, admin.ModelAdmin):
     def agent_count(self, obj: Company) -> int:
         return obj.agent_total
 
-    def get_deleted_objects(self, objs, request):
-        ids = [obj.pk for obj in objs]
-        return deletion_summary(
-            self,
-            objs,
-            request,
-            [
-                Agent.objects.filter(company_id__in=ids),
-                AgentSession.objects.filter(company_id__in=ids),
-                SessionCompaction.objects.filter(session__company_id__in=ids),
-                HeartbeatRun.objects.filter(company_id__in=ids),
-                ApiKey.objects.filter(company_id__in=ids),
-            ],
-        )
+    def deleted_with(self, ids):
+        return [
+            Agent.objects.filter(company_id__in=ids),
+            AgentSession.objects.filter(company_id__in=ids),
+            SessionCompaction.objects.filter(session__company_id__in=ids),
+            HeartbeatRun.objects.filter(company_id__in=ids),
+            ApiKey.objects.filter(company_id__in=ids),
+        ]
 
     def delete_model(self, request, obj):
         self.delete_queryset(request, Company.objects.filter(pk=obj.pk))

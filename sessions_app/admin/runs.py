@@ -11,11 +11,11 @@ from memory_app.models import RunToolLoop
 from sessions_app.admin.common import (
     AgentFilter,
     ApiIdsInUrls,
+    CountedDeletion,
     LargeTableAdmin,
     admin_link,
     admin_time,
     agent_long_columns,
-    deletion_summary,
     is_changelist,
     money_column,
     short_text,
@@ -26,7 +26,7 @@ from sessions_app.models import RUN_BATCH_COLUMNS, HeartbeatRun, parse_session_i
 
 
 @admin.register(HeartbeatRun)
-class HeartbeatRunAdmin(ApiIdsInUrls, LargeTableAdmin):
+class HeartbeatRunAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
     # The columns an operator decides on, inside a 1366-pixel screen beside the filters
     # (tests/admin/test_browser.py); the company, session and times are on the run's page.
     list_display = [
@@ -90,11 +90,10 @@ class HeartbeatRunAdmin(ApiIdsInUrls, LargeTableAdmin):
         long_texts = ("task", "output", "error", "warning", "work_check_output", "managed_turn")
         return queryset.defer(*long_texts) if is_changelist(request) else queryset
 
-    def get_deleted_objects(self, objs, request):
+    def deleted_with(self, ids):
         # Counted: Django's default joins each tool loop to its run and reads the run's every
         # column, a batch run's whole request included, to list it again.
-        ids = [obj.pk for obj in objs]
-        return deletion_summary(self, objs, request, [RunToolLoop.objects.filter(run_id__in=ids)])
+        return [RunToolLoop.objects.filter(run_id__in=ids)]
 
     def get_search_results(self, request, queryset, search_term):
         object_id = parse_session_id(search_term)

@@ -20,6 +20,7 @@ from sessions_app import services
 from sessions_app.admin.common import (
     AgentFilter,
     ApiIdsInUrls,
+    CountedDeletion,
     LargeTableAdmin,
     ModelNameFilter,
     adapter_choices,
@@ -27,7 +28,6 @@ from sessions_app.admin.common import (
     admin_time,
     agent_long_columns,
     changelist_url,
-    deletion_summary,
     humane_expiry,
     money_column,
     short_text,
@@ -90,7 +90,7 @@ class RemoteHealthFilter(admin.SimpleListFilter):
 
 
 @admin.register(AgentSession)
-class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
+class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
     # The columns an operator decides on, inside a 1366-pixel screen beside the filters
     # (tests/admin/test_browser.py); the company is a filter, the rest is on the row's page.
     list_display = [
@@ -396,9 +396,8 @@ class AgentSessionAdmin(ApiIdsInUrls, LargeTableAdmin):
         self.message_user(request, f"History of session {session.public_id} cleared.", messages.SUCCESS)
         return HttpResponseRedirect(reverse("admin:sessions_app_agentsession_change", args=[session.pk]))
 
-    def get_deleted_objects(self, objs, request):
-        ids = [obj.pk for obj in objs]
-        return deletion_summary(self, objs, request, [SessionCompaction.objects.filter(session_id__in=ids)])
+    def deleted_with(self, ids):
+        return [SessionCompaction.objects.filter(session_id__in=ids)]
 
     def delete_model(self, request, obj):
         services.session_delete(session=obj, now=timezone.now())
