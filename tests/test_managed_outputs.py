@@ -23,15 +23,31 @@ pytestmark = pytest.mark.django_db(transaction=True)
 REPORT = b"region,total\nnorth,12\nsouth,30\n"
 
 
+def managed_session(company, fake_managed):
+    """A Managed Agents agent, a remote session at the fake and the session row naming it."""
+    agent = managed_agent(company)
+    remote_id = remote_session(fake_managed)
+    return agent, remote_id, make_session(agent, managed_session_id=remote_id)
+
+
+def archived_then_deleted_output(company, fake_managed):
+    """An agent whose session was archived with one file copied, that copy deleted since."""
+    agent, remote_id, session = managed_session(company, fake_managed)
+    fake_managed.add_file(remote_id, "notes.txt", b"notes", "text/plain")
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+    output = ManagedOutput.objects.get(agent=agent)
+    output_delete(output)
+    return agent, remote_id, session, output
+
+
 def requested(fake_managed, method: str, path: str) -> int:
     """Where in the fake's request log a request was made (it must have been)."""
     return fake_managed.requests.index((method, path))
 
 
 def test_a_deleted_sessions_files_are_copied_before_the_remote_session_is_deleted(company, fake_managed):
-    agent = managed_agent(company)
-    remote_id = remote_session(fake_managed)
-    session = make_session(agent, managed_session_id=remote_id)
+    agent, remote_id, session = managed_session(company, fake_managed)
     produced = fake_managed.add_file(remote_id, "report.csv", REPORT, "text/csv")
 
     session_delete(session=session, now=timezone.now())
@@ -48,9 +64,7 @@ def test_a_deleted_sessions_files_are_copied_before_the_remote_session_is_delete
 
 
 def test_a_session_expired_by_its_ttl_has_its_files_copied_before_it_is_archived(company, fake_managed):
-    agent = managed_agent(company)
-    remote_id = remote_session(fake_managed)
-    session = make_session(agent, managed_session_id=remote_id)
+    agent, remote_id, session = managed_session(company, fake_managed)
     produced = [fake_managed.add_file(remote_id, f"part-{n}.txt", b"x" * n, "text/plain") for n in (1, 2, 3)]
 
     session_expire(session=session, now=timezone.now())
@@ -88,9 +102,7 @@ def test_a_stateless_runs_files_are_copied_when_its_session_ends_with_it(company
 def test_a_file_over_a_limit_is_listed_as_skipped_and_never_silently_dropped(company, fake_managed, settings):
     settings.PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES = 10
     settings.PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES = 15
-    agent = managed_agent(company)
-    remote_id = remote_session(fake_managed)
-    session = make_session(agent, managed_session_id=remote_id)
+    agent, remote_id, session = managed_session(company, fake_managed)
     for name, size in (("big.bin", 11), ("first.txt", 9), ("second.txt", 9)):
         fake_managed.add_file(remote_id, name, b"z" * size, "application/octet-stream")
 
@@ -109,9 +121,7 @@ def test_a_file_over_a_limit_is_listed_as_skipped_and_never_silently_dropped(com
 
 
 def test_a_failed_download_ends_nothing_and_the_retry_copies_each_file_once(company, fake_managed):
-    agent = managed_agent(company)
-    remote_id = remote_session(fake_managed)
-    session = make_session(agent, managed_session_id=remote_id)
+    agent, remote_id, session = managed_session(company, fake_managed)
     kept = fake_managed.add_file(remote_id, "kept.txt", b"kept", "text/plain")
     fake_managed.add_file(remote_id, "late.txt", b"late", "text/plain")
     fake_managed.fail_next(500, times=10, path_prefix=f"/v1/files/{kept['id']}/content")
@@ -136,9 +146,7 @@ def test_a_failed_download_ends_nothing_and_the_retry_copies_each_file_once(comp
 
 
 def test_a_deleted_agent_takes_its_outputs_and_their_files_with_it(company, fake_managed):
-    agent = managed_agent(company)
-    remote_id = remote_session(fake_managed)
-    session = make_session(agent, managed_session_id=remote_id)
+    agent, remote_id, session = managed_session(company, fake_managed)
     fake_managed.add_file(remote_id, "notes.txt", b"notes", "text/plain")
     session_expire(session=session, now=timezone.now())
     run_queued_tasks()
@@ -153,9 +161,7 @@ def test_a_deleted_agent_takes_its_outputs_and_their_files_with_it(company, fake
 
 
 def test_a_name_from_the_provider_is_only_a_name(company, fake_managed):
-    agent = managed_agent(company)
-    remote_id = remote_session(fake_managed)
-    session = make_session(agent, managed_session_id=remote_id)
+    agent, remote_id, session = managed_session(company, fake_managed)
     fake_managed.add_file(remote_id, "../../etc/passwd\x00.txt", b"data", "text/plain")
 
     session_expire(session=session, now=timezone.now())
@@ -168,9 +174,7 @@ def test_a_name_from_the_provider_is_only_a_name(company, fake_managed):
 
 @pytest.mark.parametrize("deletion", ["retire", "remove"])
 def test_an_agent_deleted_while_its_files_are_copied_keeps_no_output_row_or_file(company, fake_managed, deletion):
-    agent = managed_agent(company)
-    remote_id = remote_session(fake_managed)
-    session = make_session(agent, managed_session_id=remote_id)
+    agent, remote_id, session = managed_session(company, fake_managed)
     produced = fake_managed.add_file(remote_id, "notes.txt", b"notes", "text/plain")
 
     def delete_agent():
@@ -192,10 +196,9 @@ def test_an_agent_deleted_while_its_files_are_copied_keeps_no_output_row_or_file
     assert ends.exists() and not ends.filter(done_at__isnull=True).exists()  # the remote session still ends
 
 
-def test_an_output_deleted_while_its_end_is_retried_is_not_copied_back(company, fake_managed):
-    agent = managed_agent(company)
-    remote_id = remote_session(fake_managed)
-    session = make_session(agent, managed_session_id=remote_id)
+@pytest.mark.parametrize("moment", ["before the retry", "as the retry lists the files"])
+def test_an_output_deleted_while_its_end_is_retried_is_not_copied_back(company, fake_managed, moment):
+    agent, remote_id, session = managed_session(company, fake_managed)
     failing = fake_managed.add_file(remote_id, "failing.txt", b"fail", "text/plain")
     fake_managed.add_file(remote_id, "secret.txt", b"secret", "text/plain")
     fake_managed.fail_next(500, times=10, path_prefix=f"/v1/files/{failing['id']}/content")
@@ -204,7 +207,12 @@ def test_an_output_deleted_while_its_end_is_retried_is_not_copied_back(company, 
     (secret,) = ManagedOutput.objects.filter(agent=agent)  # copied before the other file failed
     path = output_path(secret)
 
-    output_delete(secret)  # an operator deletes it while the end waits for its retry
+    # An operator deletes the copy while the end waits for its retry, or (its own connection)
+    # once the retry has listed the files at the provider and not yet read what is copied.
+    if moment == "before the retry":
+        output_delete(secret)
+    else:
+        fake_managed.before_next("GET", "/v1/files", on_own_connection(lambda: output_delete(secret)))
     fake_managed.recover()
     assert managed_ends_process(now=timezone.now() + timedelta(hours=2)) == 1
 
@@ -214,14 +222,7 @@ def test_an_output_deleted_while_its_end_is_retried_is_not_copied_back(company, 
 
 
 def test_an_output_deleted_after_its_sessions_archive_stays_deleted_when_the_session_is_deleted(company, fake_managed):
-    agent = managed_agent(company)
-    remote_id = remote_session(fake_managed)
-    session = make_session(agent, managed_session_id=remote_id)
-    fake_managed.add_file(remote_id, "notes.txt", b"notes", "text/plain")
-    session_expire(session=session, now=timezone.now())
-    run_queued_tasks()
-    (output,) = ManagedOutput.objects.filter(agent=agent)
-    output_delete(output)
+    agent, remote_id, session, output = archived_then_deleted_output(company, fake_managed)
 
     session_delete(session=session, now=timezone.now())  # the archived remote session, and its file, go now
     run_queued_tasks()
@@ -232,13 +233,7 @@ def test_an_output_deleted_after_its_sessions_archive_stays_deleted_when_the_ses
 
 
 def test_an_agents_deletion_takes_the_tombstones_of_its_deleted_outputs(company, fake_managed):
-    agent = managed_agent(company)
-    remote_id = remote_session(fake_managed)
-    session = make_session(agent, managed_session_id=remote_id)
-    fake_managed.add_file(remote_id, "notes.txt", b"notes", "text/plain")
-    session_expire(session=session, now=timezone.now())
-    run_queued_tasks()
-    output_delete(ManagedOutput.objects.get(agent=agent))
+    agent, *_ = archived_then_deleted_output(company, fake_managed)
     assert DeletedManagedOutput.objects.filter(agent=agent).exists()
 
     agent_delete(agent=agent, now=timezone.now())
