@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import quote, unquote
+from django.contrib.auth import get_permission_codename
 from django.core.paginator import Paginator
 from django.db import connection
 from django.db.models import QuerySet
@@ -194,8 +195,12 @@ def deletion_summary(model_admin: admin.ModelAdmin, objs, request: HttpRequest, 
             continue
         counts[related_opts.verbose_name_plural] = count
         lines.append(f"{count} {related_opts.verbose_name if count == 1 else related_opts.verbose_name_plural}")
-        related_admin = model_admin.admin_site._registry.get(queryset.model)
-        if related_admin is not None and not related_admin.has_delete_permission(request):
+        if model_admin.admin_site.is_registered(queryset.model) and not request.user.has_perm(
+            f"{related_opts.app_label}.{get_permission_codename('delete', related_opts)}"
+        ):
+            # The model permission, not the related admin's: a read-only admin (alert
+            # deliveries) refuses deleting a record from its own list, not with its parent,
+            # as the API's DELETE of the parent removes it too.
             perms_needed.add(related_opts.verbose_name)
     to_delete = []
     for obj in objs:

@@ -431,8 +431,8 @@ def test_the_budget_delete_page_counts_its_alerts_in_a_fixed_number_of_queries(a
     alerted(delivered, range(3, 13), target)
     many, text = page(delivered)
     assert many == few
-    # Deliveries are records operators cannot delete, so the page refuses (as before).
-    assert "Cannot delete budget" in text and "alert delivery" in text
+    # Deliveries go with their budget, as the API's DELETE takes them.
+    assert "Cannot delete budget" not in text and "12 alert deliveries" in text
 
     undelivered = Budget.objects.create(company=company, agent=persistent_agent, monthly_limit_usd=Decimal("50"))
     alerted(undelivered, range(1, 13))
@@ -460,3 +460,42 @@ def test_the_deliveries_list_reads_no_payload_or_prompt_and_never_counts_the_tab
         assert '"payload"' not in columns and '"system_prompt"' not in columns, sql
         if "COUNT(" in sql.upper() and 'FROM "budget_alert_deliveries"' in sql:
             assert "LIMIT" in sql.upper(), sql  # the capped count, never a full COUNT(*)
+
+
+def test_a_budget_with_alert_deliveries_is_deleted_with_them_by_an_operator_allowed_to(
+    admin_client, client, company
+):
+    from django.contrib.auth.models import Permission, User
+
+    from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, BudgetAlert
+
+    def delivered_budget() -> Budget:
+        budget = Budget.objects.create(company=company, daily_limit_usd=Decimal("5"))
+        target = AlertTarget.objects.create(budget=budget, url="https://alerts.example/hook", secret="s" * 32)
+        alert = BudgetAlert.objects.create(
+            budget=budget, period="day", period_key="2026-01-01", threshold="soft", percent=80,
+            limit=Decimal("5"), spent=Decimal("4.5"),
+        )  # fmt: skip
+        delivery = AlertDelivery.objects.create(alert=alert, target=target, attempts=1)
+        AlertAttempt.objects.create(delivery=delivery, number=1, at=timezone.now(), duration_ms=3)
+        return budget
+
+    budget = delivered_budget()
+    url = reverse("admin:costs_app_budget_delete", args=[budget.pk])
+    response = admin_client.post(url, {"post": "yes"})
+    assert response.status_code == 302
+    assert not Budget.objects.filter(pk=budget.pk).exists()
+    assert not AlertDelivery.objects.exists() and not AlertAttempt.objects.exists()
+
+    # Django's model permissions still decide: an operator who may delete budgets but not
+    # alert deliveries is told so, and nothing is deleted.
+    kept = delivered_budget()
+    operator = User.objects.create_user("operator", password="pw", is_staff=True)
+    operator.user_permissions.set(
+        Permission.objects.filter(content_type__app_label="costs_app", codename__in=["view_budget", "delete_budget"])
+    )
+    client.force_login(operator)
+    url = reverse("admin:costs_app_budget_delete", args=[kept.pk])
+    assert "alert delivery" in client.get(url).content.decode()
+    assert client.post(url, {"post": "yes"}).status_code == 403
+    assert Budget.objects.filter(pk=kept.pk).exists() and AlertDelivery.objects.count() == 1
