@@ -6,8 +6,9 @@ first copies them, and archives or deletes the remote session only once every fi
 or recorded as skipped. A failure to copy leaves the end pending, retried with the end.
 
 Each file is written under `PAPERCLIP_HOME/outputs/{agent_id}/{remote_session_id}/` to a
-temporary name, flushed to disk and renamed before its row is written: a row always has its
-file; a file left without a row (a crash between the two) is overwritten by the retry. The
+temporary name of its own, flushed to disk and renamed before its row is written: a row always
+has its file; a file left without a row (a crash between the two) is overwritten by the retry,
+which also removes the temporary files of copies its claim outlived. The
 row is written under the agent's row lock, so an agent deleted during the download (its
 outputs' rows and folder gone) gets no row and its copy is removed. A
 file over `PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES`, or past the session's
@@ -18,10 +19,12 @@ provider while its session lives, and a later extraction must not bring it back.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
 import shutil
+import uuid
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
@@ -119,7 +122,8 @@ def _copy_remove(output: ManagedOutput) -> None:
     path = output_path(output)
     try:
         path.unlink(missing_ok=True)
-        path.with_name(f".{path.name}.partial").unlink(missing_ok=True)
+        for partial in _partials(path):
+            partial.unlink(missing_ok=True)
         for folder in (path.parent, path.parent.parent):
             folder.rmdir()
     except OSError:
@@ -153,7 +157,13 @@ def _copy(output: ManagedOutput, *, limit: int) -> tuple[str, int]:
     past `limit` as it arrives, whatever its listing said, is refused)."""
     target = output_path(output)
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.partial")
+    # A worker whose claim on the end ran out may still be copying this file: sharing one
+    # temporary file, its copy and this one could leave a hole in the file renamed into
+    # place. Each copy has its own; the others' are those of workers that lost the claim
+    # (or died), whose rename then fails, as their claim's writes do.
+    for stale in _partials(target):
+        stale.unlink(missing_ok=True)
+    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
     digest, size = hashlib.sha256(), 0
     try:
         with partial.open("wb") as handle:
@@ -170,6 +180,11 @@ def _copy(output: ManagedOutput, *, limit: int) -> tuple[str, int]:
         partial.unlink(missing_ok=True)
         raise
     return digest.hexdigest(), size
+
+
+def _partials(target: Path) -> list[Path]:
+    """The temporary files of copies of `target` under way, or left by a killed worker."""
+    return list(target.parent.glob(f".{glob.escape(target.name)}.*.partial"))
 
 
 def outputs_delete(*, agent_ids: Iterable) -> int:

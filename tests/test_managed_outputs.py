@@ -239,3 +239,30 @@ def test_an_agents_deletion_takes_the_tombstones_of_its_deleted_outputs(company,
     agent_delete(agent=agent, now=timezone.now())
 
     assert not DeletedManagedOutput.objects.filter(agent=agent).exists()
+
+
+def test_a_copy_its_claim_outlived_neither_mixes_into_the_next_copy_nor_is_left_behind(company, fake_managed):
+    agent, remote_id, session = managed_session(company, fake_managed)
+    produced = fake_managed.add_file(remote_id, "report.csv", REPORT, "text/csv")
+    folder = outputs_root() / str(agent.pk) / remote_id
+    folder.mkdir(parents=True)
+    killed = folder / f".{produced['id']}.{'1' * 32}.partial"
+    killed.write_bytes(REPORT[:5])  # a worker killed mid-download
+    # A worker whose claim ran out, still downloading the same file: it writes on while the
+    # worker now holding the end copies it.
+    with (folder / f".{produced['id']}.{'2' * 32}.partial").open("wb") as outlived:
+        outlived.write(REPORT[:10])
+        outlived.flush()
+
+        def outlived_writes_on():
+            outlived.write(b"garbage" * 1000)
+            outlived.flush()
+
+        fake_managed.before_next("GET", f"/v1/files/{produced['id']}/content", outlived_writes_on)
+        session_expire(session=session, now=timezone.now())
+        run_queued_tasks()
+
+    output = ManagedOutput.objects.get(agent=agent)
+    assert output_path(output).read_bytes() == REPORT
+    assert output.sha256 == hashlib.sha256(REPORT).hexdigest()
+    assert [path.name for path in folder.iterdir()] == [produced["id"]]
