@@ -44,3 +44,17 @@ def test_each_documented_key_is_one_its_runtime_takes(heading, adapter_type, bas
     assert unknown_key_message(adapter_type, {**base, key: "x"}, key) is None, (
         f"docs/runtimes.md lists `{key}` under {heading!r}, but that runtime refuses it as unknown"
     )
+
+
+def test_session_ttl_hours_takes_the_range_the_page_states():
+    """The contract's "positive number": fractions too, up to the stated ceiling."""
+    text = (ROOT / "docs" / "runtimes.md").read_text()
+    stated = re.search(r"`session_ttl_hours`\s+\(a positive number of hours, fractions allowed, at most (\d+)", text)
+    assert stated, "docs/runtimes.md no longer states the range of session_ttl_hours"
+    ceiling = int(stated.group(1))
+    for accepted in (0.5, 1, 24, ceiling):
+        assert validate_agent_config("claude-code", {"session_ttl_hours": accepted})["session_ttl_hours"] == accepted
+    for refused in (0, -1, ceiling + 0.5, "24", True):
+        with pytest.raises(AgentConfigError) as refusal:
+            validate_agent_config("claude-code", {"session_ttl_hours": refused})
+        assert set(refusal.value.fields) == {"adapter_config.session_ttl_hours"}
