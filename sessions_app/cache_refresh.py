@@ -83,7 +83,7 @@ def session_cache_refresh(*, session_id, now: datetime | None = None) -> str:
     if session is None or session.status not in LIVE_SESSION_STATUSES or not session.keep_warm:
         return "skipped: the session ended"
     agent = session.agent
-    if (session.expires_at and session.expires_at <= now) or not keep_warm_applies(
+    if not session.is_live_at(now, ttl=agent.session_ttl) or not keep_warm_applies(
         agent.adapter_config, persistent=agent.is_persistent
     ):
         return "skipped: keep-warm no longer applies"

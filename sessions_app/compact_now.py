@@ -32,7 +32,6 @@ from sessions_app.errors import StepFailed
 from sessions_app.heartbeat import ClaimedRun, Reservation, RunClock
 from sessions_app.metering import alone_seconds, session_run_time_record
 from sessions_app.models import (
-    LIVE_SESSION_STATUSES,
     Agent,
     AgentSession,
     BesideState,
@@ -140,7 +139,7 @@ def session_counts(session: AgentSession) -> tuple[int, int]:
 def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:
     if refusal := session.agent.refusal():
         raise CompactRefused(*refusal)
-    if session.status not in LIVE_SESSION_STATUSES or (session.expires_at and session.expires_at <= now):
+    if not session.is_live_at(now, ttl=session.agent.session_ttl):
         raise CompactRefused("session_not_live", "The session has ended or expired; only a live session is compacted.")
     if get_adapter(session.agent.adapter_type, session.agent.adapter_config).keeps_own_session:
         raise CompactRefused(

@@ -860,7 +860,7 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
     if not agent.is_persistent:
         return None
     if plan.retire is not None:
-        _session_retire(plan, now=now)
+        _session_retire(plan, now=now, ttl=agent.session_ttl)
     if plan.new_session:
         return AgentSession.objects.create(
             agent=agent,
@@ -887,9 +887,9 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
     return session
 
 
-def _session_retire(plan: Plan, *, now: datetime) -> None:
+def _session_retire(plan: Plan, *, now: datetime, ttl: timedelta) -> None:
     end_status = SessionStatus.EXPIRED if plan.retire_reason == "expired" else SessionStatus.ENDED
-    ended_at = min(now, plan.retire.expires_at) if plan.retire_reason == "expired" else now
+    ended_at = min(now, plan.retire.expiry(ttl)) if plan.retire_reason == "expired" else now
     retired = AgentSession.objects.filter(pk=plan.retire.pk, status__in=LIVE_SESSION_STATUSES).update(
         status=end_status, ended_at=ended_at, end_reason=plan.retire_reason
     )

@@ -66,6 +66,18 @@ def in_use():
     return HeartbeatRun.objects.filter(status__in=IN_FLIGHT_RUN_STATUSES, session__isnull=False).values("session_id")
 
 
+def sessions_expiry_set(*, now: datetime) -> int:
+    """Live sessions inserted without `expires_at` (raw SQL) get it: their agent's TTL after
+    their last use, so that the sweep expires them as any other. One UPDATE per agent with
+    such rows; a heartbeat that took one meanwhile set it, and is left as it set it."""
+    unset = AgentSession.objects.filter(status__in=LIVE_SESSION_STATUSES, expires_at__isnull=True)
+    agent_ids = list(unset.order_by().values_list("agent_id", flat=True).distinct()[:BATCH])
+    agents = Agent.objects.filter(pk__in=agent_ids).only("id", "adapter_config")
+    return sum(
+        unset.filter(agent_id=agent.pk).update(expires_at=F("last_used") + agent.session_ttl) for agent in agents
+    )
+
+
 def sessions_expire(*, now: datetime) -> int:
     """End live sessions unused past their TTL, and bill their active time. A session with
     a run in progress is never expired: its TTL counts from the end of the run."""
@@ -226,6 +238,7 @@ def models_refresh(*, now: datetime) -> int | None:
 
 
 MAINTENANCE_STEPS = {
+    "expiry_set": sessions_expiry_set,
     "paused": sessions_pause_idle,
     "expired": sessions_expire,
     "billed": sessions_bill_ended,

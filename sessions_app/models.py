@@ -392,10 +392,13 @@ class AgentSession(models.Model):
     def public_id(self) -> str:
         return session_public_id(self.id)
 
-    def is_live_at(self, now: datetime) -> bool:
-        if self.status not in LIVE_SESSION_STATUSES:
-            return False
-        return self.expires_at is None or self.expires_at > now
+    def expiry(self, ttl: timedelta) -> datetime:
+        """When the session expires: `expires_at`, or for a row inserted without it (raw
+        SQL), `ttl` after its last use, as for any session."""
+        return self.expires_at if self.expires_at is not None else self.last_used + ttl
+
+    def is_live_at(self, now: datetime, *, ttl: timedelta) -> bool:
+        return self.status in LIVE_SESSION_STATUSES and self.expiry(ttl) > now
 
     def record_turn(self, **turn) -> None:
         """A heartbeat's answer, committed to this session and saved (`turn_changes`).

@@ -107,7 +107,7 @@ def retire_reason(
 ) -> str:
     """Why the live session cannot take this run ("" when it can). A session inserted by
     raw SQL names no model or adapter: it continues with the agent's."""
-    if not live.is_live_at(now):
+    if not live.is_live_at(now, ttl=agent.session_ttl):
         return "expired"
     if live.managed_lost_at is not None:
         return "remote_lost"  # its remote session ended at the provider (`sessions_app.managed_health`)

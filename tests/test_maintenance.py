@@ -126,6 +126,7 @@ def test_retention_purges_history_of_long_ended_sessions_only(settings, persiste
 def test_maintenance_pass_runs_everything(persistent_agent):
     result = maintenance_pass(now=timezone.now())
     assert set(result) == {
+        "expiry_set",
         "paused",
         "expired",
         "billed",

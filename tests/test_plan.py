@@ -15,8 +15,8 @@ from django.utils import timezone
 
 from costs_app.budgets import session_limit_reached
 from costs_app.models import Budget, CostEvent, CostKind
-from sessions_app.maintenance import sessions_expire
-from sessions_app.models import AgentSession, RunStatus, SessionStatus
+from sessions_app.maintenance import sessions_expire, sessions_expiry_set
+from sessions_app.models import Agent, AgentSession, RunStatus, SessionStatus
 from sessions_app.services import session_delete, session_expire
 from sessions_app.stores import STORES, store_for
 from tests.conftest import beat
@@ -157,6 +157,56 @@ def test_a_session_inserted_by_raw_sql_is_continued(persistent_agent, fake_anthr
     assert [m.get("seq") for m in store_for(session).read(session)[2:]] == [2, 3]
     assert CostEvent.objects.count() == costs + 1
     assert beat(persistent_agent, "and again?").session_id == session.id
+
+
+def session_inserted_without_expiry(agent, *, last_used, history: list) -> uuid.UUID:
+    """A session a raw INSERT made, naming when it was last used but not when it expires."""
+    session_id = uuid.uuid4()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO agent_sessions (id, agent_id, company_id, history, last_used) VALUES (%s, %s, %s, %s, %s)",
+            [session_id.hex, agent.id.hex, agent.company_id.hex, json.dumps(history), last_used],
+        )
+    return session_id
+
+
+@pytest.mark.parametrize(("idle", "resumed"), [(timedelta(hours=23), True), (timedelta(hours=24, minutes=1), False)])
+def test_a_session_inserted_without_expires_at_expires_its_ttl_after_its_last_use(
+    persistent_agent, fake_anthropic, idle, resumed
+):
+    history = [text_turn("user", "remember 42"), text_turn("assistant", "noted: 42")]
+    now = timezone.now()
+    inserted = session_inserted_without_expiry(persistent_agent, last_used=now - idle, history=history)
+
+    run = beat(persistent_agent, "what did I say?", now=now)
+
+    assert (run.status, run.session_id == inserted) == (RunStatus.SUCCEEDED, resumed)
+    sent = plain_messages(fake_anthropic.message_requests[-1])
+    assert sent == [*(history if resumed else []), text_turn("user", "what did I say?")]
+    if not resumed:  # before: a row without expires_at never expired, and was resumed
+        assert AgentSession.objects.get(pk=inserted).status == SessionStatus.EXPIRED
+
+
+def test_the_maintenance_pass_expires_a_session_inserted_without_expires_at_ttl_after_its_last_use(
+    company, persistent_agent
+):
+    now = timezone.now()
+    stale = session_inserted_without_expiry(persistent_agent, last_used=now - timedelta(hours=25), history=[])
+    other = Agent.objects.create(
+        company=company,
+        name="Longer TTL",
+        adapter_config={**persistent_agent.adapter_config, "session_ttl_hours": 48},
+    )
+    kept = session_inserted_without_expiry(other, last_used=now - timedelta(hours=25), history=[])
+
+    assert sessions_expiry_set(now=now) == 2
+    assert sessions_expire(now=now) == 1
+
+    expired, live = AgentSession.objects.get(pk=stale), AgentSession.objects.get(pk=kept)
+    assert (expired.status, expired.end_reason) == (SessionStatus.EXPIRED, "ttl")
+    assert expired.ended_at == expired.expires_at == expired.last_used + timedelta(hours=24)
+    assert (live.status, live.expires_at) == (SessionStatus.ACTIVE, live.last_used + timedelta(hours=48))
+    assert sessions_expiry_set(now=now) == 0  # set once; a heartbeat's own expires_at is never touched
 
 
 def session_spend(session: AgentSession) -> Decimal:

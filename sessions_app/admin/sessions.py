@@ -234,7 +234,9 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
 
     @admin.display(description="status", ordering="status")
     def status_now(self, obj: AgentSession) -> str:
-        if obj.status in LIVE_SESSION_STATUSES and not obj.is_live_at(timezone.now()):
+        # A row inserted without expires_at gets it from the next maintenance pass; its
+        # agent's TTL is not read here, one query per row of the list.
+        if obj.status in LIVE_SESSION_STATUSES and obj.expires_at is not None and obj.expires_at <= timezone.now():
             return "expired (not yet swept)"
         if obj.status in LIVE_SESSION_STATUSES and obj.managed_lost_at is not None:
             return f"{obj.status} (remote session lost)"
