@@ -269,13 +269,17 @@ class FileStore(HistoryBackend):
             ) from None
         try:
             document = history_loads(raw)
-            if not isinstance(document["messages"], list):
-                raise TypeError("messages is not a list")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise HistoryUnavailable(
-                "history_corrupt", f"History file of session {session.public_id} is corrupt ({exc})."
-            ) from None
+        except ValueError as exc:
+            raise self._corrupt(session, f"it is not JSON: {exc}") from None
+        if not isinstance(document, dict) or not isinstance(document.get("messages"), list):
+            raise self._corrupt(session, 'it holds no "messages" list')
         return document
+
+    @staticmethod
+    def _corrupt(session: AgentSession, problem: str) -> HistoryUnavailable:
+        return HistoryUnavailable(
+            "history_corrupt", f"History file of session {session.public_id} is corrupt: {problem}."
+        )
 
     def _repair(self, session: AgentSession, current: dict | None) -> list[HistoryMessage] | None:
         """The history the row names when the file does not hold it, put back in place;

@@ -432,8 +432,23 @@ def test_corrupt_history_file_fails_the_heartbeat_clearly_without_calling_the_mo
 
     assert failed.status == RunStatus.FAILED
     assert failed.error_code == "history_corrupt"
-    assert session.public_id in failed.error
+    assert failed.error.startswith(f"History file of session {session.public_id} is corrupt: it is not JSON")
     assert fake_anthropic.message_requests == []
+
+
+@pytest.mark.parametrize("document", ["null", "[]", '{"version": 1}', '{"messages": {}}'])
+def test_a_history_file_of_json_without_its_messages_list_is_said_to_be_so(
+    settings, persistent_agent, fake_anthropic, document
+):
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    session = AgentSession.objects.get(id=beat(persistent_agent, "one").session_id)
+    store_for(session).path_for(session).write_text(document)
+
+    failed = beat(persistent_agent, "two")
+
+    # Before: the exception's own text ("'NoneType' object is not subscriptable", "'messages'").
+    assert (failed.status, failed.error_code) == (RunStatus.FAILED, "history_corrupt")
+    assert failed.error == f'History file of session {session.public_id} is corrupt: it holds no "messages" list.'
 
 
 def test_missing_history_file_is_an_error_not_an_empty_history(settings, persistent_agent, fake_anthropic):
