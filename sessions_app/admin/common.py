@@ -269,26 +269,35 @@ def agent_long_columns(path: str = "agent") -> list[str]:
 AGENT_CHOICES_CAP = 50
 
 
-class AgentFilter(admin.RelatedFieldListFilter):
-    """The agents of a list's sidebar by id and name, at most AGENT_CHOICES_CAP of them.
+def filter_spellings(field_path: str, target: str = "id") -> list[str]:
+    """The parameters that choose a row of a capped filter: Django's own, the relation's name
+    (what the admin's links write) and the id box's."""
+    return [f"{field_path}__{target}__exact", field_path, f"{field_path}_id"]
 
-    Django's default reads every agent's whole row on every page. Up to the cap (counted in
-    the company filtered, if one is) every agent is listed, by name; past it the newest are,
-    with a box that filters by any agent's id (`?agent_id=`). The agent's page links with
-    `?agent=`: all three spellings filter, and the agent chosen shows as selected.
+
+class CappedRelatedFilter(admin.RelatedFieldListFilter):
+    """The rows of a related table in a list's sidebar by id and name, at most `cap` of them.
+
+    Django's default reads every row of the related table, whole, on every page. Up to the
+    cap every row is listed, by name; past it the newest are, with a box that filters by any
+    row's id (`?{field_path}_id=`). The relation's name (`?{field_path}=`) filters too, and
+    the row chosen shows as selected however it was spelled. The related model needs
+    `created_at` and `name`; `noun` names it in the box and in the message a malformed id
+    gets.
     """
 
-    template = "admin/agent_filter.html"
-    cap = AGENT_CHOICES_CAP
+    template = "admin/capped_filter.html"
+    cap: int
+    noun: str
+    article = "a"
 
     def __init__(self, field, request, params, model, model_admin, field_path):
-        self.id_parameter = f"{field_path}_id"
-        self.aliases = [field_path, self.id_parameter]
-        lookup_kwarg = f"{field_path}__{field.target_field.name}__exact"
+        lookup_kwarg, relation, self.id_parameter = filter_spellings(field_path, field.target_field.name)
+        self.aliases = [relation, self.id_parameter]
         given = [value for name in (lookup_kwarg, *self.aliases) for value in params.pop(name, [])]
-        if chosen := agent_ids(request, given):
+        if chosen := self.ids_given(request, given):
             params[lookup_kwarg] = chosen
-        self.more_agents = False
+        self.more_rows = False
         self.hidden_params: list[tuple[str, str]] = []
         super().__init__(field, request, params, model, model_admin, field_path)
 
@@ -297,36 +306,67 @@ class AgentFilter(admin.RelatedFieldListFilter):
         return self.lookup_val[0] if self.lookup_val else ""
 
     def has_output(self) -> bool:
-        # A chosen agent filters even where there is no choice to offer (one agent).
-        return bool(self.lookup_val) or self.more_agents or super().has_output()
+        # A chosen row filters even where there is no choice to offer (one row).
+        return bool(self.lookup_val) or self.more_rows or super().has_output()
+
+    def scoped(self, request: HttpRequest, rows: QuerySet) -> QuerySet:
+        """The rows the sidebar chooses among: all of them unless a subclass narrows them."""
+        return rows
 
     def field_choices(self, field, request, model_admin):
-        agents = field.related_model._default_manager.order_by("-created_at", "-pk")
-        if company_id := self.company_filtered(request):
-            agents = agents.filter(company_id=company_id)
-        newest = list(agents.values_list("pk", "name")[: self.cap + 1])
-        self.more_agents = len(newest) > self.cap
+        rows = self.scoped(request, field.related_model._default_manager.order_by("-created_at", "-pk"))
+        newest = list(rows.values_list("pk", "name")[: self.cap + 1])
+        self.more_rows = len(newest) > self.cap
         listed = sorted(newest[: self.cap], key=lambda choice: (choice[1].casefold(), choice[1], str(choice[0])))
         return listed + self.chosen_unlisted(field, listed)
 
     def chosen_unlisted(self, field, listed) -> list[tuple]:
-        """The chosen agents the capped list left out, so that they show as selected."""
+        """The chosen rows the capped list left out, so that they show as selected."""
         missing = set(self.lookup_val or ()) - {str(pk) for pk, _ in listed}
         if not missing:
             return []
         return list(field.related_model._default_manager.filter(pk__in=missing).values_list("pk", "name"))
 
-    def company_filtered(self, request: HttpRequest):
-        prefix = self.field_path.removesuffix("agent")
-        values = request.GET.getlist(f"{prefix}company__id__exact") or request.GET.getlist(f"{prefix}company")
-        return parse_uuid(values[0]) if len(values) == 1 else None
-
     def choices(self, changelist):
-        # Any link of the filter replaces the agent chosen, however it was spelled.
+        # Any link of the filter replaces the row chosen, however it was spelled.
         changelist = AliasesRemoved(changelist, self.aliases)
         kept = changelist.get_query_string(remove=[self.lookup_kwarg, self.lookup_kwarg_isnull])
         self.hidden_params = [(name, value) for name, values in QueryDict(kept[1:]).lists() for value in values]
         yield from super().choices(changelist)
+
+    def ids_given(self, request: HttpRequest, values: list[str]) -> list[str]:
+        """The ids given to the filter, as the database stores them. One that is no UUID is
+        said in a message; the list is then shown whole (Django's redirect to `?e=1`)."""
+        ids = []
+        for value in filter(None, (value.strip() for value in values)):
+            parsed = parse_uuid(value)
+            if parsed is None:
+                messages.error(
+                    request,
+                    f"The {self.noun} filter takes {self.article} {self.noun}'s id (a UUID): "
+                    f"“{value[:80]}” is not one. Showing the whole list.",
+                )
+                raise IncorrectLookupParameters(value)
+            ids.append(str(parsed))
+        return list(dict.fromkeys(ids))
+
+
+class AgentFilter(CappedRelatedFilter):
+    """The agents of a list's sidebar (CappedRelatedFilter), counted and listed in the company
+    filtered, if one is. The agent's page links with `?agent=`."""
+
+    cap = AGENT_CHOICES_CAP
+    noun = "agent"
+    article = "an"
+
+    def scoped(self, request, rows):
+        company_id = self.company_filtered(request)
+        return rows.filter(company_id=company_id) if company_id else rows
+
+    def company_filtered(self, request: HttpRequest):
+        prefix = self.field_path.removesuffix("agent")
+        values = request.GET.getlist(f"{prefix}company__id__exact") or request.GET.getlist(f"{prefix}company")
+        return parse_uuid(values[0]) if len(values) == 1 else None
 
 
 class AliasesRemoved:
@@ -340,22 +380,6 @@ class AliasesRemoved:
 
     def get_query_string(self, new_params=None, remove=None) -> str:
         return self.changelist.get_query_string(new_params, [*(remove or []), *self.names])
-
-
-def agent_ids(request: HttpRequest, values: list[str]) -> list[str]:
-    """The agent ids given to a filter, as the database stores them. One that is no UUID
-    is said in a message; the list is then shown whole (Django's redirect to `?e=1`)."""
-    ids = []
-    for value in filter(None, (value.strip() for value in values)):
-        parsed = parse_uuid(value)
-        if parsed is None:
-            messages.error(
-                request,
-                f"The agent filter takes an agent's id (a UUID): “{value[:80]}” is not one. Showing the whole list.",
-            )
-            raise IncorrectLookupParameters(value)
-        ids.append(str(parsed))
-    return list(dict.fromkeys(ids))
 
 
 class ModelNameFilter(admin.SimpleListFilter):
