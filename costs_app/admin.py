@@ -48,7 +48,7 @@ from costs_app.money import amount_text, usd
 from costs_app.pricing import LIBRARY_SOURCE, is_priced, library_table
 from costs_app.reports import daily_costs_by_agent, input_growth, window_start
 from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist, money_column
-from sessions_app.admin.common import AgentFilter, CountedDeletion, admin_time, short_text, tokens_in_out
+from sessions_app.admin.common import AgentFilter, CompanyFilter, CountedDeletion, admin_time, short_text, tokens_in_out
 from sessions_app.context_defaults import growth_advice, growth_flag
 from sessions_app.models import Agent, Company, session_public_id
 from sessions_app.text import is_storable
@@ -268,7 +268,7 @@ class BudgetAdmin(CountedDeletion, admin.ModelAdmin):
         "forecast",
         "other_limits",
     ]
-    list_filter = ["company"]
+    list_filter = [("company", CompanyFilter)]
     list_select_related = ["company", "agent"]
     search_fields = ["company__name", "agent__name"]
     readonly_fields = ["current_use", "updated_at"]
@@ -514,7 +514,7 @@ class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
         "unpriced",
     ]
     cost = money_column("cost_usd", "cost (USD)")
-    list_filter = ["kind", "unpriced", ModelNameFilter, "company", ("agent", AgentFilter)]
+    list_filter = ["kind", "unpriced", ModelNameFilter, ("company", CompanyFilter), ("agent", AgentFilter)]
     date_hierarchy = "created_at"
     actions = None
 

@@ -24,7 +24,7 @@ from django.utils.html import format_html, format_html_join
 from memory_app.models import MemoryFile, MemoryStore, MemoryStoreShare, MemoryVersion
 from memory_app.stores import MemoryFault, Mount, Writer, check_content, clean_path, file_write, version_revert
 from sessions_app.adapters.tool_config import STORE_NAME
-from sessions_app.admin.common import AgentFilter, CountedDeletion, agent_long_columns, is_changelist
+from sessions_app.admin.common import AgentFilter, CompanyFilter, CountedDeletion, agent_long_columns, is_changelist
 from sessions_app.models import Agent, AgentStatus
 from sessions_app.text import holds_unstorable
 
@@ -96,7 +96,7 @@ class MemoryFileForm(forms.ModelForm):
 class MemoryFileAdmin(CountedDeletion, admin.ModelAdmin):
     form = MemoryFileForm
     list_display = ["path", "store_name", "agent", "size", "version", "deleted", "updated_at"]
-    list_filter = ["deleted", "store__company", ("store__agent", AgentFilter)]
+    list_filter = ["deleted", ("store__company", CompanyFilter), ("store__agent", AgentFilter)]
     list_select_related = ["store__agent"]
     search_fields = ["path", "store__agent__name"]
     ordering = ["store__agent__name", "store__name", "path"]
@@ -305,7 +305,7 @@ class MemoryStoreForm(forms.ModelForm):
 class MemoryStoreAdmin(CountedDeletion, admin.ModelAdmin):
     form = MemoryStoreForm
     list_display = ["name", "agent", "company", "bytes_used", "files_link"]
-    list_filter = ["company"]
+    list_filter = [("company", CompanyFilter)]
     list_select_related = ["agent", "company"]
     search_fields = ["name", "agent__name"]
     fields = ["company", "agent", "name", "bytes_used"]

@@ -31,6 +31,7 @@ from sessions_app.admin.common import (
     AGENT_LONG_COLUMNS,
     RECENT_INLINE_ROWS,
     ApiIdsInUrls,
+    CompanyFilter,
     CountedDeletion,
     ReadOnlyInline,
     adapter_choices,
@@ -237,7 +238,7 @@ class AgentAdmin(CountedDeletion, ApiIdsInUrls, admin.ModelAdmin):
         "backoff",
         "updated_at",
     ]
-    list_filter = ["status", "paused_reason", "adapter_type", "company"]
+    list_filter = ["status", "paused_reason", "adapter_type", ("company", CompanyFilter)]
     list_select_related = ["company"]
     search_fields = ["name", "=id"]
     search_help_text = "Agent name, or its exact id."

@@ -265,8 +265,10 @@ def agent_long_columns(path: str = "agent") -> list[str]:
     return [f"{path}__{name}" for name in AGENT_LONG_COLUMNS]
 
 
-# A sidebar lists this many agents at most: thousands would be read and rendered on every page.
+# A sidebar lists this many agents (companies) at most: thousands would be read and rendered
+# on every page.
 AGENT_CHOICES_CAP = 50
+COMPANY_CHOICES_CAP = 50
 
 
 def filter_spellings(field_path: str, target: str = "id") -> list[str]:
@@ -367,6 +369,13 @@ class AgentFilter(CappedRelatedFilter):
         prefix = self.field_path.removesuffix("agent")
         values = request.GET.getlist(f"{prefix}company__id__exact") or request.GET.getlist(f"{prefix}company")
         return parse_uuid(values[0]) if len(values) == 1 else None
+
+
+class CompanyFilter(CappedRelatedFilter):
+    """The companies of a list's sidebar (CappedRelatedFilter)."""
+
+    cap = COMPANY_CHOICES_CAP
+    noun = "company"
 
 
 class AliasesRemoved:

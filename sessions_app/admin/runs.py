@@ -11,6 +11,7 @@ from memory_app.models import RunToolLoop
 from sessions_app.admin.common import (
     AgentFilter,
     ApiIdsInUrls,
+    CompanyFilter,
     CountedDeletion,
     LargeTableAdmin,
     admin_link,
@@ -40,7 +41,7 @@ class HeartbeatRunAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
         "error_code",
     ]
     list_display_links = ["run_id"]
-    list_filter = ["status", "nothing_to_do", "trigger", "company", ("agent", AgentFilter)]
+    list_filter = ["status", "nothing_to_do", "trigger", ("company", CompanyFilter), ("agent", AgentFilter)]
     search_fields = ["agent__name"]
     search_help_text = "A run id, a session id (sess_… or UUID), or an agent name."
     date_hierarchy = "created_at"

@@ -20,6 +20,7 @@ from sessions_app import services
 from sessions_app.admin.common import (
     AgentFilter,
     ApiIdsInUrls,
+    CompanyFilter,
     CountedDeletion,
     LargeTableAdmin,
     ModelNameFilter,
@@ -104,7 +105,14 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
         "expires",
     ]
     list_display_links = ["short_session_id"]
-    list_filter = ["status", "company", ("agent", AgentFilter), AdapterTypeFilter, ModelNameFilter, RemoteHealthFilter]
+    list_filter = [
+        "status",
+        ("company", CompanyFilter),
+        ("agent", AgentFilter),
+        AdapterTypeFilter,
+        ModelNameFilter,
+        RemoteHealthFilter,
+    ]
     search_fields = ["agent__name"]
     search_help_text = "A session id (sess_… or UUID) or an agent name."
     date_hierarchy = "last_used"
