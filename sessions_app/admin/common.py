@@ -366,9 +366,12 @@ class AgentFilter(CappedRelatedFilter):
         return rows.filter(company_id=company_id) if company_id else rows
 
     def company_filtered(self, request: HttpRequest):
-        prefix = self.field_path.removesuffix("agent")
-        values = request.GET.getlist(f"{prefix}company__id__exact") or request.GET.getlist(f"{prefix}company")
-        return parse_uuid(values[0]) if len(values) == 1 else None
+        # Read from the query string, however the company filter's spellings chose it: that
+        # filter has taken its parameters from the changelist's by now, or is not on the list.
+        company_path = f"{self.field_path.removesuffix('agent')}company"
+        given = [value for name in filter_spellings(company_path) for value in request.GET.getlist(name)]
+        chosen = {parse_uuid(value) for value in given if value.strip()}
+        return chosen.pop() if len(chosen) == 1 else None
 
 
 class CompanyFilter(CappedRelatedFilter):
