@@ -24,7 +24,14 @@ from django.utils.html import format_html, format_html_join
 from memory_app.models import MemoryFile, MemoryStore, MemoryStoreShare, MemoryVersion
 from memory_app.stores import MemoryFault, Mount, Writer, check_content, clean_path, file_write, version_revert
 from sessions_app.adapters.tool_config import STORE_NAME
-from sessions_app.admin.common import AgentFilter, CompanyFilter, CountedDeletion, agent_long_columns, is_changelist
+from sessions_app.admin.common import (
+    AgentFilter,
+    CappedFilterIds,
+    CompanyFilter,
+    CountedDeletion,
+    agent_long_columns,
+    is_changelist,
+)
 from sessions_app.models import Agent, AgentStatus
 from sessions_app.text import holds_unstorable
 
@@ -93,7 +100,7 @@ class MemoryFileForm(forms.ModelForm):
 
 
 @admin.register(MemoryFile)
-class MemoryFileAdmin(CountedDeletion, admin.ModelAdmin):
+class MemoryFileAdmin(CappedFilterIds, CountedDeletion, admin.ModelAdmin):
     form = MemoryFileForm
     list_display = ["path", "store_name", "agent", "size", "version", "deleted", "updated_at"]
     list_filter = ["deleted", ("store__company", CompanyFilter), ("store__agent", AgentFilter)]

@@ -381,6 +381,20 @@ class CompanyFilter(CappedRelatedFilter):
     noun = "company"
 
 
+class CappedFilterIds:
+    """A ModelAdmin whose capped filters reach across a relation (`store__agent`). Django
+    refuses a lookup through two relations that list_filter does not name, with a 400 before
+    any filter sees the parameters: the id box's `?store__agent_id=` among them."""
+
+    def lookup_allowed(self, lookup, value, request=None) -> bool:
+        id_boxes = {
+            filter_spellings(entry[0])[-1]
+            for entry in self.list_filter
+            if isinstance(entry, tuple) and issubclass(entry[1], CappedRelatedFilter)
+        }
+        return lookup in id_boxes or super().lookup_allowed(lookup, value, request)
+
+
 class AliasesRemoved:
     """A changelist whose query strings also drop the given parameters."""
 
