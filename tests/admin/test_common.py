@@ -1,11 +1,13 @@
-"""What the admin's lists share (sessions_app/admin/common.py): the agent filter of their
-sidebars, bounded however many agents there are."""
+"""What the admin's lists share (sessions_app/admin/common.py): the agent and company filters
+of their sidebars, bounded however many agents and companies there are."""
 
 from __future__ import annotations
 
+import html
 import re
 import uuid
 from datetime import timedelta
+from decimal import Decimal
 from urllib.parse import parse_qs
 
 import pytest
@@ -14,8 +16,10 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from sessions_app.admin.common import AGENT_CHOICES_CAP
-from sessions_app.models import Agent
+from costs_app.models import Budget
+from memory_app.models import MemoryFile, MemoryStore
+from sessions_app.admin.common import AGENT_CHOICES_CAP, COMPANY_CHOICES_CAP
+from sessions_app.models import Agent, ApiKey, Company
 from tests.admin.conftest import make_cost, make_run, make_session
 
 SESSIONS = "admin:sessions_app_agentsession_changelist"
@@ -43,8 +47,12 @@ def crowd(company):
 
 
 def agent_sidebar(page: str) -> str:
-    found = re.search(r'<details data-filter-title="agent".*?</details>', page, re.S)
-    assert found, "no agent filter in the sidebar"
+    return sidebar_of(page, "agent")
+
+
+def sidebar_of(page: str, title: str) -> str:
+    found = re.search(rf'<details data-filter-title="{title}".*?</details>', page, re.S)
+    assert found, f"no {title} filter in the sidebar"
     return found.group(0)
 
 
@@ -189,3 +197,158 @@ def test_the_model_filter_reads_one_row_per_model_not_per_agent(admin_client, co
     assert "claude-opus-4-5" in page and "claude-haiku-4-5" in page
     models = [sql for sql in queries if "adapter_config" in sql.split(" FROM ")[0] and 'FROM "agents"' in sql]
     assert len(models) == 1 and "DISTINCT" in models[0] and "ORDER BY" not in models[0], models
+
+
+# The company filter (CompanyFilter): every list with one, and the name its id box takes.
+AGENTS = "admin:sessions_app_agent_changelist"
+API_KEYS = "admin:sessions_app_apikey_changelist"
+BUDGETS = "admin:costs_app_budget_changelist"
+MEMORY_STORES = "admin:memory_app_memorystore_changelist"
+COMPANY_LISTS = [
+    (SESSIONS, "company_id"),
+    (RUNS, "company_id"),
+    (AGENTS, "company_id"),
+    (API_KEYS, "company_id"),
+    (BUDGETS, "company_id"),
+    (COSTS, "company_id"),
+    (MEMORY_FILES, "store__company_id"),
+    (MEMORY_STORES, "company_id"),
+]
+
+
+def companies_created(count: int, *, name: str) -> list[Company]:
+    return Company.objects.bulk_create(Company(name=f"{name} {n:03}") for n in range(count))
+
+
+def rows_of(company: Company) -> dict[str, object]:
+    """One row of `company` in each list with a company filter: its primary key by list."""
+    agent = Agent.objects.create(
+        company=company, name=f"{company.name} agent", adapter_config={"model": "claude-opus-4-5"}
+    )
+    session = make_session(agent, history=[])
+    store = MemoryStore.objects.create(company=company, agent=agent, name="default")
+    key = ApiKey.objects.create(company=company, name="ci", prefix="pc_abcde", key_hash=uuid.uuid4().hex * 2)
+    return {
+        SESSIONS: session.pk,
+        RUNS: make_run(agent, session=session).pk,
+        AGENTS: agent.pk,
+        API_KEYS: key.pk,
+        BUDGETS: Budget.objects.create(company=company, monthly_limit_usd=Decimal("100")).pk,
+        COSTS: make_cost(agent, session=session).pk,
+        MEMORY_FILES: MemoryFile.objects.create(store=store, path="notes.md", content="Friday.", size=7).pk,
+        MEMORY_STORES: store.pk,
+    }
+
+
+def shown(client, url_name: str, params) -> tuple[list, str]:
+    """The primary keys of the rows a list shows, and its page."""
+    response = client.get(reverse(url_name), params)
+    assert response.status_code == 200
+    return [row.pk for row in response.context["cl"].result_list], response.content.decode()
+
+
+@pytest.fixture
+def companies(company):
+    """More companies than the filter lists: `company` the oldest, then the cap's worth of newer ones."""
+    Company.objects.filter(pk=company.pk).update(created_at=timezone.now() - timedelta(days=30))
+    return companies_created(COMPANY_CHOICES_CAP, name="newco")
+
+
+@pytest.mark.parametrize(("url_name", "id_parameter"), COMPANY_LISTS)
+def test_the_page_costs_the_same_queries_with_a_few_companies_or_hundreds(
+    admin_client, company, url_name, id_parameter
+):
+    rows_of(company)
+    companies_created(2, name="few")
+    get(admin_client, url_name)  # warm the per-process caches
+    page, few = get(admin_client, url_name)
+    assert f'name="{id_parameter}"' not in sidebar_of(page, "company")
+    companies_created(200, name="many")
+    page, many = get(admin_client, url_name)
+    assert len(many) == len(few), "\n".join(many)
+    sidebar = sidebar_of(page, "company")
+    assert len(listed(sidebar)) == COMPANY_CHOICES_CAP
+    assert f'name="{id_parameter}"' in sidebar and "Any company by its id" in sidebar
+
+
+@pytest.mark.parametrize(("url_name", "id_parameter"), COMPANY_LISTS)
+def test_the_companies_are_read_in_one_limited_query_of_their_ids_and_names(
+    admin_client, companies, url_name, id_parameter
+):
+    _, queries = get(admin_client, url_name)
+    named = [sql for sql in queries if re.match(r'SELECT "companies"\."id"( AS "pk")?, "companies"\."name"', sql)]
+    assert len(named) == 1 and f"LIMIT {COMPANY_CHOICES_CAP + 1}" in named[0], named
+    # The newest first (SQLite names the id by its place in the SELECT).
+    assert re.search(r'ORDER BY "companies"\."created_at" DESC, ("companies"\."id"|1) DESC', named[0]), named[0]
+    unbounded = [sql for sql in queries if re.search(r'^SELECT .*? FROM "companies"', sql) and "LIMIT" not in sql]
+    assert not unbounded, unbounded
+
+
+@pytest.mark.parametrize(("url_name", "id_parameter"), COMPANY_LISTS)
+def test_a_company_past_the_cap_filters_by_its_id_and_shows_as_selected(
+    admin_client, company, companies, other_company, url_name, id_parameter
+):
+    mine, theirs = rows_of(company), rows_of(other_company)
+    # As an operator pastes it from a log: no dashes, capitals.
+    rows, page = shown(admin_client, url_name, {id_parameter: company.pk.hex.upper()})
+    assert rows == [mine[url_name]] and theirs[url_name] not in rows
+    sidebar = sidebar_of(page, "company")
+    assert selected(sidebar) == [company.name]
+    assert f'value="{company.pk}"' in sidebar  # the box says which
+    assert len(listed(sidebar)) == COMPANY_CHOICES_CAP + 1  # the newest, and the one chosen
+
+
+@pytest.mark.parametrize("spelling", ["company_id", "company", "company__id__exact"])
+def test_a_company_chosen_any_way_is_the_one_link_choosing_another_replaces(admin_client, company, companies, spelling):
+    page, _ = get(admin_client, SESSIONS, {spelling: str(company.pk), "status__exact": "ended"})
+    sidebar = sidebar_of(page, "company")
+    assert selected(sidebar) == [company.name]
+    links = [parse_qs(html.unescape(link)[1:]) for link in re.findall(r'href="(\?[^"]*)"', sidebar)]
+    assert len(links) == COMPANY_CHOICES_CAP + 2  # All, the newest, and the one chosen
+    for link in links:
+        assert set(link) <= {"company__id__exact", "status__exact"} and link["status__exact"] == ["ended"]
+        assert len(link.get("company__id__exact", [])) <= 1
+
+
+@pytest.mark.parametrize(
+    ("url_name", "spelling"),
+    [(SESSIONS, "company_id"), (SESSIONS, "company"), (SESSIONS, "company__id__exact"), (COSTS, "company_id")]
+    + [(MEMORY_FILES, "store__company_id"), (MEMORY_FILES, "store__company")],
+)
+def test_the_agent_filter_lists_the_agents_of_the_company_chosen_however_spelled(
+    admin_client, crowd, companies, other_company, url_name, spelling
+):
+    theirs = agents_created(other_company, 2, name="foreign")
+    page, _ = get(admin_client, url_name, {spelling: other_company.pk.hex})
+    sidebar = agent_sidebar(page)
+    assert listed(sidebar) == [agent.name for agent in theirs]
+    assert 'agent_id"' not in sidebar  # two agents: no box
+
+
+def test_a_small_install_lists_every_company_by_name_without_a_box(admin_client, company):
+    for name in ["bravo", "Charlie", "alpha co"]:
+        Company.objects.create(name=name)
+    sidebar = sidebar_of(get(admin_client, SESSIONS)[0], "company")
+    assert listed(sidebar) == ["Acme", "alpha co", "bravo", "Charlie"]
+    assert 'name="company_id"' not in sidebar
+
+
+@pytest.mark.parametrize(
+    ("url_name", "spelling"),
+    [(SESSIONS, "company_id"), (SESSIONS, "company"), (SESSIONS, "company__id__exact")]
+    + [(COSTS, "company_id"), (MEMORY_FILES, "store__company_id"), (MEMORY_STORES, "company")],
+)
+@pytest.mark.parametrize("value", ["not-a-company", "0" * 31, "\x00"])
+def test_a_malformed_company_id_is_a_message_not_a_500(admin_client, companies, url_name, spelling, value):
+    response = admin_client.get(reverse(url_name), {spelling: value}, follow=True)
+    assert response.status_code == 200
+    assert response.redirect_chain and response.redirect_chain[-1][0].endswith("?e=1")
+    said = [str(message) for message in response.context["messages"]]
+    assert len(said) == 1 and "The company filter takes a company's id" in said[0], said
+
+
+def test_an_empty_company_box_lists_every_companys_rows(admin_client, company, companies, other_company):
+    mine, theirs = rows_of(company), rows_of(other_company)
+    rows, page = shown(admin_client, SESSIONS, {"company_id": ""})
+    assert sorted(rows) == sorted([mine[SESSIONS], theirs[SESSIONS]])
+    assert selected(sidebar_of(page, "company")) == ["All"]
