@@ -352,3 +352,12 @@ def test_an_empty_company_box_lists_every_companys_rows(admin_client, company, c
     rows, page = shown(admin_client, SESSIONS, {"company_id": ""})
     assert sorted(rows) == sorted([mine[SESSIONS], theirs[SESSIONS]])
     assert selected(sidebar_of(page, "company")) == ["All"]
+
+
+@pytest.mark.parametrize(("model", "index"), [(Company, "companies_newest_idx"), (Agent, "agents_newest_idx")])
+def test_the_newest_choices_are_read_from_an_index_not_a_sort_of_the_table(postgres_only, company, model, index):
+    newest = model.objects.order_by("-created_at", "-pk").values_list("pk", "name")[: COMPANY_CHOICES_CAP + 1]
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table would be scanned anyway
+        plan = newest.explain()
+    assert index in plan and "Sort" not in plan, plan
