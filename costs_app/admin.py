@@ -48,9 +48,17 @@ from costs_app.money import amount_text, usd
 from costs_app.pricing import LIBRARY_SOURCE, is_priced, library_table
 from costs_app.reports import daily_costs_by_agent, input_growth, window_start
 from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist, money_column
-from sessions_app.admin.common import AgentFilter, CompanyFilter, CountedDeletion, admin_time, short_text, tokens_in_out
+from sessions_app.admin.common import (
+    COMPANY_CHOICES_CAP,
+    AgentFilter,
+    CompanyFilter,
+    CountedDeletion,
+    admin_time,
+    short_text,
+    tokens_in_out,
+)
 from sessions_app.context_defaults import growth_advice, growth_flag
-from sessions_app.models import Agent, Company, session_public_id
+from sessions_app.models import Agent, Company, parse_uuid, session_public_id
 from sessions_app.text import is_storable
 
 REPORT_DAYS = 30
@@ -589,20 +597,45 @@ class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
         if not self.has_view_permission(request):
             raise PermissionDenied
         now = timezone.now()
-        company_id = request.GET.get("company") or None
-        companies = list(Company.objects.order_by("name").values("id", "name"))
-        if company_id and not any(str(c["id"]) == company_id for c in companies):
-            company_id = None
+        chosen = report_company(request)
+        company_id = str(chosen["id"]) if chosen else None
+        companies, more_companies = report_company_choices(chosen)
         context = {
             **self.admin_site.each_context(request),
             **costs_report(company_id=company_id, now=now, days=REPORT_DAYS),
             "opts": self.opts,
             "title": f"Costs, last {REPORT_DAYS} days (UTC)",
             "companies": companies,
+            "more_companies": more_companies,
+            "companies_cap": COMPANY_CHOICES_CAP,
             "company_id": company_id,
             "ledger_url": reverse("admin:costs_app_costevent_changelist"),
         }
         return TemplateResponse(request, "admin/costs_app/costs.html", context)
+
+
+def report_company(request) -> dict | None:
+    """The company the costs page is for (`?company=`, or the id box's `?company_id=`), or
+    None for all; an id that names none is said in a message, and all are shown."""
+    given = (request.GET.get("company_id") or request.GET.get("company") or "").strip()
+    if not given:
+        return None
+    company_id = parse_uuid(given)
+    chosen = Company.objects.filter(pk=company_id).values("id", "name").first() if company_id else None
+    if chosen is None:
+        messages.error(request, f"No company has the id “{given[:80]}”. Showing every company.")
+    return chosen
+
+
+def report_company_choices(chosen: dict | None) -> tuple[list[dict], bool]:
+    """The companies the costs page offers, by name: the newest COMPANY_CHOICES_CAP (as the
+    lists' company filter), the chosen one among them; True when there are more."""
+    newest = list(Company.objects.order_by("-created_at", "-pk").values("id", "name")[: COMPANY_CHOICES_CAP + 1])
+    listed = newest[:COMPANY_CHOICES_CAP]
+    if chosen is not None and all(company["id"] != chosen["id"] for company in listed):
+        listed.append(chosen)
+    by_name = sorted(listed, key=lambda company: (company["name"].casefold(), str(company["id"])))
+    return by_name, len(newest) > COMPANY_CHOICES_CAP
 
 
 def format_usd(value) -> str:

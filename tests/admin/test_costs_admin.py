@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+import uuid
 from datetime import date, timedelta
 from decimal import Decimal
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
@@ -462,9 +465,7 @@ def test_the_deliveries_list_reads_no_payload_or_prompt_and_never_counts_the_tab
             assert "LIMIT" in sql.upper(), sql  # the capped count, never a full COUNT(*)
 
 
-def test_a_budget_with_alert_deliveries_is_deleted_with_them_by_an_operator_allowed_to(
-    admin_client, client, company
-):
+def test_a_budget_with_alert_deliveries_is_deleted_with_them_by_an_operator_allowed_to(admin_client, client, company):
     from django.contrib.auth.models import Permission, User
 
     from costs_app.models import AlertAttempt, AlertDelivery, AlertTarget, BudgetAlert
@@ -499,3 +500,34 @@ def test_a_budget_with_alert_deliveries_is_deleted_with_them_by_an_operator_allo
     assert "alert delivery" in client.get(url).content.decode()
     assert client.post(url, {"post": "yes"}).status_code == 403
     assert Budget.objects.filter(pk=kept.pk).exists() and AlertDelivery.objects.count() == 1
+
+
+def test_costs_page_offers_the_newest_companies_and_any_other_by_its_id(admin_client, company, other_agent):
+    from sessions_app.admin.common import COMPANY_CHOICES_CAP
+    from sessions_app.models import Company
+
+    make_cost(other_agent)
+    older = timezone.now() - timedelta(days=1)
+    Company.objects.filter(pk__in=[company.pk, other_agent.company_id]).update(created_at=older)
+    Company.objects.bulk_create([Company(name=f"newer {i}") for i in range(COMPANY_CHOICES_CAP)])
+
+    def page(query: dict):
+        with CaptureQueriesContext(connection) as captured:
+            response = admin_client.get(reverse(REPORT), query)
+        assert response.status_code == 200
+        reads = [sql for sql in captured.captured_queries if 'FROM "companies"' in sql["sql"]]
+        assert all("LIMIT" in sql["sql"] for sql in reads), reads
+        return response
+
+    everyone = page({})
+    assert len(everyone.context["companies"]) == COMPANY_CHOICES_CAP and 'name="company_id"' in everyone.text
+    # A company past the cap, by the id box (pasted with capitals, no dashes): it is shown
+    # and listed as the one chosen.
+    theirs = page({"company_id": other_agent.company_id.hex.upper()})
+    assert theirs.context["company_id"] == str(other_agent.company_id)
+    assert [row["name"] for row in theirs.context["agents_table"]] == ["Foreign"]
+    assert len(theirs.context["companies"]) == COMPANY_CHOICES_CAP + 1
+    for unknown in ("not-an-id", str(uuid.uuid4())):
+        shown = page({"company": unknown})
+        assert shown.context["company_id"] is None
+        assert "No company has the id" in [str(message) for message in shown.context["messages"]][0]
