@@ -279,6 +279,7 @@ class BudgetAdmin(CountedDeletion, admin.ModelAdmin):
     list_filter = [("company", CompanyFilter)]
     list_select_related = ["company", "agent"]
     search_fields = ["company__name", "agent__name"]
+    autocomplete_fields = ["company", "agent"]  # search boxes, not lists of every company and agent
     readonly_fields = ["current_use", "updated_at"]
     daily_limit = money_column("daily_limit_usd", "daily limit (USD)")
     session_limit = money_column("session_limit_usd", "session limit (USD)")

@@ -315,6 +315,7 @@ class MemoryStoreAdmin(CountedDeletion, admin.ModelAdmin):
     list_filter = [("company", CompanyFilter)]
     list_select_related = ["agent", "company"]
     search_fields = ["name", "agent__name"]
+    autocomplete_fields = ["company", "agent"]  # search boxes, not lists of every company and agent
     fields = ["company", "agent", "name", "bytes_used"]
     readonly_fields = ["bytes_used"]
     inlines = [ShareInline]
@@ -326,6 +327,11 @@ class MemoryStoreAdmin(CountedDeletion, admin.ModelAdmin):
 
     def get_readonly_fields(self, request, obj=None):
         return ["company", "agent", "name", "bytes_used"] if obj is not None else ["bytes_used"]
+
+    def get_inlines(self, request, obj):
+        # A share's agent is one of the store's company's: before the store has one, the
+        # choice would list every company's agents. Shares are added on the store's page.
+        return self.inlines if obj is not None else []
 
     def deleted_with(self, ids):
         # Counted: Django's default loads every file and every version, contents and all.

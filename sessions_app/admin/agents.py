@@ -39,6 +39,7 @@ from sessions_app.admin.common import (
     admin_time,
     changelist_url,
     humane_expiry,
+    is_autocomplete,
     is_changelist,
     money_column,
     short_text,
@@ -242,6 +243,8 @@ class AgentAdmin(CountedDeletion, ApiIdsInUrls, admin.ModelAdmin):
     list_select_related = ["company"]
     search_fields = ["name", "=id"]
     search_help_text = "Agent name, or its exact id."
+    # A search box, not a list of every company (`CompanyAdmin` answers it twenty at a time).
+    autocomplete_fields = ["company"]
     readonly_fields = ["id", "status", "paused_reason", "backoff", "created_at", "updated_at", "deleted_at"]
     inlines = [PinnedFactsInline, RecentSessionsInline, RecentRunsInline]
     actions = ["pause_agents", "resume_agents", "run_heartbeat_now", "retire_agents"]
@@ -395,6 +398,10 @@ class AgentAdmin(CountedDeletion, ApiIdsInUrls, admin.ModelAdmin):
         return self.get_empty_value_display() if config_unreadable(obj) else obj.model_name
 
     def get_queryset(self, request):
+        if is_autocomplete(request):
+            # A form choosing an agent (a budget's, a memory store's): its name, and never a
+            # deleted one.
+            return super().get_queryset(request).exclude(status=AgentStatus.DELETED).only("id", "name")
         # The health column's facts, for the whole page in the list's own query.
         queryset = with_health_facts(super().get_queryset(request))
         return queryset.defer(*LIST_DEFERRED_COLUMNS) if is_changelist(request) else queryset

@@ -24,6 +24,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
     list_filter = [("company", CompanyFilter)]
     list_select_related = ["company"]
     search_fields = ["prefix", "name"]
+    autocomplete_fields = ["company"]  # a search box, not a list of every company
     actions = ["revoke"]
 
     def get_form(self, request, obj=None, change=False, **kwargs):

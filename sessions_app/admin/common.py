@@ -168,6 +168,12 @@ def is_changelist(request: HttpRequest) -> bool:
     return bool(match and match.url_name and match.url_name.endswith("_changelist"))
 
 
+def is_autocomplete(request: HttpRequest) -> bool:
+    """A form's search for a related row (`autocomplete_fields`): twenty names a page."""
+    match = request.resolver_match
+    return bool(match and match.url_name == "autocomplete")
+
+
 def admin_link(viewname: str, object_id, text: str) -> str:
     return format_html('<a href="{}">{}</a>', reverse(viewname, args=[object_id]), text)
 

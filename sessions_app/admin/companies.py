@@ -8,7 +8,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from sessions_app import services
-from sessions_app.admin.common import ApiIdsInUrls, CountedDeletion
+from sessions_app.admin.common import ApiIdsInUrls, CountedDeletion, is_autocomplete
 from sessions_app.models import Agent, AgentSession, ApiKey, Company, HeartbeatRun, SessionCompaction
 
 
@@ -19,6 +19,8 @@ class CompanyAdmin(CountedDeletion, ApiIdsInUrls, admin.ModelAdmin):
     readonly_fields = ["id", "created_at"]
 
     def get_queryset(self, request):
+        if is_autocomplete(request):
+            return super().get_queryset(request).only("id", "name")  # a form choosing a company
         return super().get_queryset(request).annotate(agent_total=Count("agents"))
 
     @admin.display(description="agents", ordering="agent_total")

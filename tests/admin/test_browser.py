@@ -440,3 +440,38 @@ def test_a_page_keeps_its_buttons_clear_of_its_heading(live_server, laptop_page,
             assert overlaps == [], (url, overlaps)
     finally:
         connections.close_all()
+
+
+def test_an_operator_finds_the_agent_of_a_new_budget_by_typing_its_name(
+    live_server, browser_page, django_user_model, company, persistent_agent
+):
+    try:
+        budget_journey(live_server, browser_page, django_user_model, company, persistent_agent)
+    finally:
+        connections.close_all()
+
+
+def budget_journey(live_server, page, django_user_model, company, agent) -> None:
+    from costs_app.models import Budget
+    from sessions_app.models import Agent
+
+    django_user_model.objects.create_superuser("operator", "op@example.com", "correct horse battery")
+    Agent.objects.bulk_create(Agent(company=company, name=f"helper {n:03}") for n in range(60))
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/costs_app/budget/add/")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", "correct horse battery")
+    page.click("input[type=submit]")
+
+    # The company and the agent are search boxes (Select2, served with the admin), not lists
+    # of every company and agent.
+    for field, term, name in (("company", company.name[:4], company.name), ("agent", agent.name[:5], agent.name)):
+        page.click(f"#id_{field} + .select2 .select2-selection")
+        page.fill(".select2-search__field", term)
+        page.click(f".select2-results__option:text-is('{name}')")
+    page.fill("#id_monthly_limit_usd", "25")
+    shot(page, "budget-add")
+    page.click("input[name=_save]")
+    page.wait_for_url(re.compile(r"/admin/costs_app/budget/$"))
+
+    budget = Budget.objects.get()
+    assert (budget.company_id, budget.agent_id, budget.monthly_limit_usd) == (company.pk, agent.pk, Decimal("25"))

@@ -361,3 +361,49 @@ def test_the_newest_choices_are_read_from_an_index_not_a_sort_of_the_table(postg
         cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table would be scanned anyway
         plan = newest.explain()
     assert index in plan and "Sort" not in plan, plan
+
+
+# The forms that choose a company or an agent, and the fields they choose them with.
+CHOOSING_FORMS = [
+    ("admin:sessions_app_agent_add", ["company"]),
+    ("admin:sessions_app_apikey_add", ["company"]),
+    ("admin:costs_app_budget_add", ["company", "agent"]),
+    ("admin:memory_app_memorystore_add", ["company", "agent"]),
+]
+
+
+@pytest.mark.parametrize(("url_name", "fields"), CHOOSING_FORMS)
+def test_a_form_choosing_a_company_or_an_agent_searches_for_it_and_lists_none(
+    admin_client, crowd, companies, url_name, fields
+):
+    with CaptureQueriesContext(connection) as captured:
+        page = admin_client.get(reverse(url_name)).content.decode()
+    for field in fields:
+        assert re.search(rf'<select name="{field}"[^>]*class="admin-autocomplete', page), field
+    # Before: an <option> for every company and agent, read on every form.
+    assert "newco 007" not in page and "recruit 007" not in page
+    reads = [query["sql"] for query in captured.captured_queries]
+    unbounded = [sql for sql in reads if re.search(r'FROM "(companies|agents)"', sql) and "LIMIT" not in sql]
+    assert not unbounded, unbounded
+
+
+@pytest.mark.parametrize(("model_name", "field", "term", "found"), [
+    ("budget", "agent", "recruit", "recruit"),
+    ("budget", "company", "newco", "newco"),
+    ("agent", "company", "newco", "newco"),
+])  # fmt: skip
+def test_the_search_answers_twenty_names_at_a_time(admin_client, crowd, companies, model_name, field, term, found):
+    app_label = "costs_app" if model_name == "budget" else "sessions_app"
+    query = {"app_label": app_label, "model_name": model_name, "field_name": field, "term": term}
+    answer = admin_client.get(reverse("admin:autocomplete"), query).json()
+    names = [result["text"] for result in answer["results"]]
+    assert len(names) == 20 and answer["pagination"]["more"] is True
+    assert all(name.startswith(found) for name in names)
+
+
+def test_the_agent_search_never_offers_a_deleted_agent(admin_client, company):
+    kept, retired = agents_created(company, 2, name="scout")
+    Agent.objects.filter(pk=retired.pk).update(status="deleted")
+    query = {"app_label": "costs_app", "model_name": "budget", "field_name": "agent", "term": "scout"}
+    answer = admin_client.get(reverse("admin:autocomplete"), query).json()
+    assert [result["id"] for result in answer["results"]] == [str(kept.pk)]
