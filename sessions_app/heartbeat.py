@@ -909,12 +909,18 @@ def heartbeat_wait(*, run_id, timeout_seconds: float, poll_seconds: float = 0.1)
     """Execute a run here, waiting for the agent's current run to finish first.
 
     Used by `"wait": true` requests and the `heartbeat` command. If another process claims
-    the run meanwhile (the cluster), this waits for it to finish instead. A run a quota's
-    hold keeps queued is returned at once, queued: a web thread does not wait for a reset.
+    the run meanwhile (the cluster), this waits for it to finish instead; so it does for a
+    run whose agent is pinned to another cluster (`run_queue.run_cluster`), handed to that
+    cluster first. A run a quota's hold keeps queued is returned at once, queued: a web
+    thread does not wait for a reset.
     """
     deadline = time.monotonic() + timeout_seconds
+    handed = False
     while True:
         run = heartbeat_execute(run_id=run_id)
+        if run.runs_in is not None and not handed:
+            heartbeat_dispatch(run=run)
+            handed = True
         if run.is_finished or time.monotonic() >= deadline:
             return run
         if run.status == RunStatus.WAITING_APPROVAL:

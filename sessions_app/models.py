@@ -550,6 +550,9 @@ class HeartbeatRun(models.Model):
     # Not a column: its agent's last runs' creation, newest first, when the claim read them
     # (`sessions_app.run_queue.claim_run`); None elsewhere, where they are read when needed.
     recent_wakes: tuple | None = None
+    # Not a column: the task cluster the claim left the run to, its agent being pinned to
+    # that cluster's host (`sessions_app.run_queue.run_cluster`); None when it runs anywhere.
+    runs_in: str | None = None
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     company = models.ForeignKey(Company, on_delete=models.CASCADE, related_name="runs")

@@ -300,11 +300,33 @@ def _same_request(earlier: HeartbeatRun, task: str, delivery: str) -> HeartbeatR
 
 
 def heartbeat_dispatch(*, run: HeartbeatRun) -> None:
-    """Hand a queued run to the django-q2 cluster once the current transaction commits."""
+    """Hand a queued run to the django-q2 cluster once the current transaction commits: the
+    one its agent is pinned to (`run_cluster`), or the deployment's."""
     from django_q.tasks import async_task
 
     run_id = str(run.id)
-    transaction.on_commit(lambda: async_task("sessions_app.tasks.execute_run", run_id, task_name=f"heartbeat {run_id}"))
+    config = run.agent.adapter_config if HeartbeatRun.agent.is_cached(run) else _agent_config(run.agent_id)
+    cluster = run_cluster(config)
+    transaction.on_commit(
+        lambda: async_task("sessions_app.tasks.execute_run", run_id, task_name=f"heartbeat {run_id}", cluster=cluster)
+    )
+
+
+def run_cluster(config: dict) -> str | None:
+    """The task cluster an agent's runs execute in: its `cluster`, the PAPERCLIP_CLUSTER_NAME
+    of a host's cluster (a Claude Code agent's workspace is on that host's disk), or None
+    for the deployment's."""
+    return config.get("cluster") or None
+
+
+def runs_elsewhere(config: dict) -> str | None:
+    """The cluster the agent's runs execute in when it is not this process's, else None."""
+    cluster = run_cluster(config)
+    return cluster if cluster not in (None, settings.PAPERCLIP_CLUSTER_NAME) else None
+
+
+def _agent_config(agent_id) -> dict:
+    return Agent.objects.filter(pk=agent_id).values_list("adapter_config", flat=True).first() or {}
 
 
 def dispatch_next_queued(*, agent_id) -> None:
@@ -461,6 +483,9 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         run_fail(run, code="model_retired", message=message, now=now)
         run.refresh_from_db()
         return run, False
+    if (runs_in := runs_elsewhere(agent.adapter_config)) is not None:
+        run.runs_in = runs_in
+        return run, False  # its agent's files are on that cluster's host: it runs there
     adapter = adapter_for(agent.adapter_type, agent.adapter_config)
     deadline = run_deadline(adapter, agent.adapter_config, at=now)
     deadline += timedelta(seconds=check_seconds(agent.adapter_config))  # the work check comes first

@@ -9,6 +9,7 @@ from django.utils import timezone
 from sessions_app.errors import HeartbeatRefused, RunRemoved
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_start
 from sessions_app.models import Agent, AgentStatus, RunTrigger
+from sessions_app.run_queue import heartbeat_dispatch
 from sessions_app.schedules import agent_schedule_sync
 from sessions_app.wakes import HeartbeatPlan
 
@@ -17,9 +18,14 @@ DEFAULT_SCHEDULED_TASK = "Heartbeat: review your assigned work and continue wher
 
 def execute_run(run_id: str) -> str:
     try:
-        return heartbeat_execute(run_id=run_id).status
+        run = heartbeat_execute(run_id=run_id)
     except RunRemoved as exc:
         return f"skipped: {exc.code}"  # removed with its agent: nothing is left to run or record
+    if run.runs_in is not None:
+        # Sent here before its agent was pinned to a cluster, or by hand: passed on to it.
+        heartbeat_dispatch(run=run)
+        return f"sent to cluster {run.runs_in}"
+    return run.status
 
 
 def scheduled_heartbeat(agent_id: str, wake_at: str | None = None, step_minutes: int | None = None) -> str:

@@ -634,14 +634,15 @@ def assert_ledger_holds_exactly(run, answered: list[tuple[str, dict]]) -> None:
     assert run.cost_usd == sum((row.cost_usd for row in rows), Decimal(0))
 
 
-def run_queued_tasks() -> list[str]:
-    """What a cluster worker does with each queued task: call its function with its args."""
+def run_queued_tasks(cluster: str | None = None) -> list[str]:
+    """What a cluster worker does with each queued task: call its function with its args.
+    `cluster`: the tasks sent to that named cluster (the deployment's by default)."""
     from django.utils.module_loading import import_string
     from django_q.brokers import get_broker
     from django_q.signing import SignedPackage
 
     results = []
-    broker = get_broker()
+    broker = get_broker(cluster)
     for ack_id, payload in dequeued(broker):
         task = SignedPackage.loads(payload)
         results.append(import_string(task["func"])(*task["args"], **task["kwargs"]))

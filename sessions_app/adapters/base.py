@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -356,7 +357,11 @@ COMMON_KEYS = {
     "delivery",
     "batch_max_wait_minutes",
     "cache_keep_warm",
+    # The task cluster the agent's runs execute in (sessions_app/run_queue.py: run_cluster)
+    "cluster",
 }
+# What PAPERCLIP_CLUSTER_NAME may be (paperclip/settings.py).
+CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 DELIVERIES = ("direct", "batch")
 DEFAULT_BATCH_MAX_WAIT_MINUTES = 60
 # The Message Batches API answers every batch within 24 hours.
@@ -407,6 +412,14 @@ def validate_common(config: dict, errors: dict[str, str]) -> dict:
         if task is not None and (not isinstance(task, str) or not task.strip() or "\x00" in task):
             errors["heartbeat_task"] = "must be the text of the scheduled task, or null"
         clean["heartbeat_task"] = task
+    if "cluster" in config:
+        cluster = config["cluster"]
+        if cluster is not None and (not isinstance(cluster, str) or not CLUSTER_NAME.fullmatch(cluster)):
+            errors["cluster"] = (
+                "must be the PAPERCLIP_CLUSTER_NAME of the task cluster its runs execute in (letters, digits, "
+                f"'.', '_', '-'; at most 64), or null, got {cluster!r}"
+            )
+        clean["cluster"] = cluster
     return clean
 
 
