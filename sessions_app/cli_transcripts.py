@@ -42,7 +42,7 @@ from django.db import DatabaseError, transaction
 
 from sessions_app.adapters.cli_home import local_copy_delete
 from sessions_app.errors import HistoryUnavailable
-from sessions_app.models import AgentSession, CliTranscriptEntry, HistoryStore
+from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HistoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -391,16 +391,42 @@ def cli_sessions_delete(rows: list[tuple]) -> None:
     rows = [row for row in rows if row[1]]
     for agent_id, cli_session_id in rows:
         DatabaseTranscripts(agent_id).delete_session(cli_session_id)
+    # Read now: an agent deleted with its sessions is gone by the COMMIT.
+    away = _pinned_elsewhere({agent_id for agent_id, _ in rows}) if rows else {}
 
     def delete_files() -> None:
         for agent_id, cli_session_id in rows:
             try:
                 FileTranscripts(agent_id).delete_session(cli_session_id)
-                local_copy_delete(agent_id=agent_id, cli_session_id=cli_session_id)
+                if agent_id in away:
+                    _local_copy_delete_there(agent_id, cli_session_id, cluster=away[agent_id])
+                else:
+                    local_copy_delete(agent_id=agent_id, cli_session_id=cli_session_id)
             except OSError:
                 logger.exception("Could not delete the transcript files of CLI session %s", cli_session_id)
 
     transaction.on_commit(delete_files)
+
+
+def _pinned_elsewhere(agent_ids: set) -> dict:
+    """The agents pinned to another task cluster than this process's, by id: the CLI's own
+    copy of their sessions is on that cluster's host's disk (`run_queue.run_cluster`)."""
+    from sessions_app.run_queue import runs_elsewhere
+
+    configs = Agent.objects.filter(pk__in=agent_ids).values_list("pk", "adapter_config")
+    return {pk: cluster for pk, config in configs if (cluster := runs_elsewhere(config or {}))}
+
+
+def _local_copy_delete_there(agent_id, cli_session_id: str, *, cluster: str) -> None:
+    from django_q.tasks import async_task
+
+    try:
+        async_task(
+            "sessions_app.tasks.cli_local_copy_delete", str(agent_id), cli_session_id, cluster=cluster,
+            task_name=f"delete CLI session {cli_session_id}",
+        )  # fmt: skip
+    except Exception:  # the broker is down: the copy stays on that host, as the log says
+        logger.exception("Could not ask cluster %s to delete its copy of CLI session %s", cluster, cli_session_id)
 
 
 class SessionTranscripts:

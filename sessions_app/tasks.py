@@ -58,6 +58,15 @@ def scheduled_heartbeat(agent_id: str, wake_at: str | None = None, step_minutes:
     return run.status if created else f"merged into run {run.id}"
 
 
+def cli_local_copy_delete(agent_id: str, cli_session_id: str) -> str:
+    """On the host of the cluster an agent is pinned to: the CLI's own copy of a deleted
+    session (`sessions_app.cli_transcripts.cli_sessions_delete`)."""
+    from sessions_app.adapters.cli_home import local_copy_delete
+
+    local_copy_delete(agent_id=agent_id, cli_session_id=cli_session_id)
+    return "deleted"
+
+
 def compact_ahead(session_id: str, message_count: int, compaction_count: int) -> str:
     from sessions_app.compact_now import session_compact_ahead
 

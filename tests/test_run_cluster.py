@@ -106,3 +106,24 @@ def test_a_cluster_that_no_task_cluster_can_be_named_is_refused(cluster):
 def test_a_cluster_name_or_none_is_taken():
     assert validate_agent_config("claude-code", {"cluster": "worker-b.eu_1"})["cluster"] == "worker-b.eu_1"
     assert validate_agent_config("claude-code", {"cluster": None})["cluster"] is None
+
+
+def test_a_deleted_session_of_a_pinned_agent_loses_the_clis_own_copy_on_its_clusters_host(pinned, settings):
+    from sessions_app.adapters.cli_home import config_dir
+    from sessions_app.services import session_delete
+    from tests.api.conftest import make_session
+
+    cli_session_id = "6f1c2a9e-0b7d-4f6a-9a51-2c3d4e5f6a7b"
+    session = make_session(pinned, cli_session_id=cli_session_id)
+    local_copy = config_dir(pinned.id) / "projects" / "-workspace" / f"{cli_session_id}.jsonl"
+    local_copy.parent.mkdir(parents=True)
+    local_copy.write_text("{}\n")  # as Claude Code left it, on the pinned host's disk
+
+    session_delete(session=session, now=timezone.now())
+
+    # This process is not that host: the copy is that cluster's to delete (before: deleted
+    # here, where it is not, and left there).
+    assert local_copy.exists() and queued(HOST) == 1
+    settings.PAPERCLIP_CLUSTER_NAME = HOST
+    assert run_queued_tasks(HOST) == ["deleted"]
+    assert not local_copy.exists()
