@@ -81,7 +81,6 @@ def test_operator_reads_and_deletes_a_session_and_sees_costs(
 
 
 def operator_journey(live_server, page, django_user_model, persistent_agent, stateless_agent) -> None:
-    django_user_model.objects.create_superuser("operator", "op@example.com", "correct horse battery")
     now = timezone.now()
     history = conversation(4, text="Quarterly plan")
     history[0]["content"] = "Draft the quarterly plan. <script>alert('x')</script>"
@@ -114,11 +113,7 @@ def operator_journey(live_server, page, django_user_model, persistent_agent, sta
     dialogs = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
 
-    # Log in.
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/")
-    page.fill("#id_username", "operator")
-    page.fill("#id_password", "correct horse battery")
-    page.click("input[type=submit]")
+    log_in(page, live_server, django_user_model)
     page.wait_for_selector("#console")
     shot(page, "01-index")
 
@@ -195,7 +190,6 @@ def test_sessions_list_keeps_the_columns_an_operator_scans_inside_a_1366_pixel_s
     live_server, laptop_page, django_user_model, persistent_agent
 ):
     try:
-        django_user_model.objects.create_superuser("operator", "op@example.com", "correct horse battery")
         persistent_agent.name = "Quarterly planning researcher"
         persistent_agent.save(update_fields=["name"])
         now = timezone.now()
@@ -211,10 +205,7 @@ def test_sessions_list_keeps_the_columns_an_operator_scans_inside_a_1366_pixel_s
             session = make_session(persistent_agent, history=conversation(6, text="Plan"), status=status)
             AgentSession.objects.filter(pk=session.pk).update(message_count=12_345, expires_at=now - timedelta(days=40))
         page = laptop_page
-        page.goto(f"{live_server.url}/admin/login/?next=/admin/sessions_app/agentsession/")
-        page.fill("#id_username", "operator")
-        page.fill("#id_password", "correct horse battery")
-        page.click("input[type=submit]")
+        log_in(page, live_server, django_user_model, "/admin/sessions_app/agentsession/")
         page.wait_for_selector("#result_list")
         shot(page, "09-sessions-1366")
         for column in ("status_now", "message_count", "expires"):
@@ -246,7 +237,6 @@ def memory_journey(live_server, page, django_user_model, agent) -> None:
     from memory_app.stores import Writer, mounts_for
     from memory_app.tool import StoreMemoryTool
 
-    django_user_model.objects.create_superuser("operator", "op@example.com", "correct horse battery")
     agent.adapter_config = {**agent.adapter_config, "memory": True}
     agent.save()
     run = make_run(agent, status=RunStatus.RUNNING)  # a run writes memory while it runs
@@ -254,10 +244,7 @@ def memory_journey(live_server, page, django_user_model, agent) -> None:
         {"command": "create", "path": "/memories/customers.md", "file_text": "Acme pays on net 30.\n<b>bold?</b>"}
     )
     HeartbeatRun.objects.filter(id=run.id).update(status=RunStatus.SUCCEEDED)
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/sessions_app/agent/{agent.pk}/change/")
-    page.fill("#id_username", "operator")
-    page.fill("#id_password", "correct horse battery")
-    page.click("input[type=submit]")
+    log_in(page, live_server, django_user_model, f"/admin/sessions_app/agent/{agent.pk}/change/")
 
     # From the agent to its memory files, then the one file.
     page.click("a.memory-files")
@@ -455,12 +442,8 @@ def budget_journey(live_server, page, django_user_model, company, agent) -> None
     from costs_app.models import Budget
     from sessions_app.models import Agent
 
-    django_user_model.objects.create_superuser("operator", "op@example.com", "correct horse battery")
     Agent.objects.bulk_create(Agent(company=company, name=f"helper {n:03}") for n in range(60))
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/costs_app/budget/add/")
-    page.fill("#id_username", "operator")
-    page.fill("#id_password", "correct horse battery")
-    page.click("input[type=submit]")
+    log_in(page, live_server, django_user_model, "/admin/costs_app/budget/add/")
 
     # The company and the agent are search boxes (Select2, served with the admin), not lists
     # of every company and agent.
