@@ -50,18 +50,23 @@ def call(client: Api, method: str, path: str):
     return getattr(client, method)(path)
 
 
-@pytest.fixture
-def own_paths(company, persistent_agent):
-    values = {
+def path_values(company, agent) -> dict[str, str]:
+    """A value for each parameter of the routes: `agent`'s own run and session under `company`."""
+    return {
         "uuid:company_id": str(company.id),
-        "uuid:agent_id": str(persistent_agent.id),
-        "uuid:run_id": str(make_run(persistent_agent).id),
-        "str:session_id": make_session(persistent_agent).public_id,
+        "uuid:agent_id": str(agent.id),
+        "uuid:run_id": str(make_run(agent).id),
+        "str:session_id": make_session(agent).public_id,
         "uuid:pin_id": str(uuid.uuid4()),
         "int:output_id": "1",
         "int:target_id": "1",
         "memory_path:memory_path": "notes/todo.md",
     }
+
+
+@pytest.fixture
+def own_paths(company, persistent_agent):
+    values = path_values(company, persistent_agent)
     return [(method, filled(route, values)) for route, methods in api_routes() for method in methods]
 
 
@@ -95,16 +100,7 @@ def test_another_companys_key_gets_404_from_every_company_endpoint(other_key_api
 def test_another_companys_agent_is_404_through_every_agent_endpoint_of_this_company(
     api, company, persistent_agent, other_agent
 ):
-    values = {
-        "uuid:company_id": str(company.id),
-        "uuid:agent_id": str(other_agent.id),
-        "uuid:run_id": str(make_run(other_agent).id),
-        "str:session_id": make_session(other_agent).public_id,
-        "uuid:pin_id": str(uuid.uuid4()),
-        "int:output_id": "1",
-        "int:target_id": "1",
-        "memory_path:memory_path": "notes/todo.md",
-    }
+    values = path_values(company, other_agent)
     foreign_routes = [(route, methods) for route, methods in api_routes() if "<uuid:agent_id>" in route]
     assert len(foreign_routes) >= 20
     session_ids = set(AgentSession.objects.values_list("id", flat=True))
