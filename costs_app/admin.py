@@ -54,6 +54,7 @@ from sessions_app.admin.common import (
     CompanyFilter,
     CountedDeletion,
     admin_time,
+    newest_by_name,
     short_text,
     tokens_in_out,
 )
@@ -599,8 +600,10 @@ class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
             raise PermissionDenied
         now = timezone.now()
         chosen = report_company(request)
-        company_id = str(chosen["id"]) if chosen else None
-        companies, more_companies = report_company_choices(chosen)
+        company_id = str(chosen[0]) if chosen else None
+        companies, more_companies = newest_by_name(Company.objects.all(), COMPANY_CHOICES_CAP)
+        if chosen is not None and chosen not in companies:
+            companies.append(chosen)  # past the cap, as the lists' company filter shows it
         context = {
             **self.admin_site.each_context(request),
             **costs_report(company_id=company_id, now=now, days=REPORT_DAYS),
@@ -615,28 +618,18 @@ class CostEventAdmin(ReadOnlyRecords, LargeTableAdmin):
         return TemplateResponse(request, "admin/costs_app/costs.html", context)
 
 
-def report_company(request) -> dict | None:
-    """The company the costs page is for (`?company=`, or the id box's `?company_id=`), or
-    None for all; an id that names none is said in a message, and all are shown."""
+def report_company(request) -> tuple | None:
+    """The company the costs page is for, as (id, name) (`?company=`, or the id box's
+    `?company_id=`), or None for all; an id that names none is said in a message, and all
+    are shown."""
     given = (request.GET.get("company_id") or request.GET.get("company") or "").strip()
     if not given:
         return None
     company_id = parse_uuid(given)
-    chosen = Company.objects.filter(pk=company_id).values("id", "name").first() if company_id else None
+    chosen = Company.objects.filter(pk=company_id).values_list("pk", "name").first() if company_id else None
     if chosen is None:
         messages.error(request, f"No company has the id “{given[:80]}”. Showing every company.")
     return chosen
-
-
-def report_company_choices(chosen: dict | None) -> tuple[list[dict], bool]:
-    """The companies the costs page offers, by name: the newest COMPANY_CHOICES_CAP (as the
-    lists' company filter), the chosen one among them; True when there are more."""
-    newest = list(Company.objects.order_by("-created_at", "-pk").values("id", "name")[: COMPANY_CHOICES_CAP + 1])
-    listed = newest[:COMPANY_CHOICES_CAP]
-    if chosen is not None and all(company["id"] != chosen["id"] for company in listed):
-        listed.append(chosen)
-    by_name = sorted(listed, key=lambda company: (company["name"].casefold(), str(company["id"])))
-    return by_name, len(newest) > COMPANY_CHOICES_CAP
 
 
 def format_usd(value) -> str:

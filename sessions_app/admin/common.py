@@ -283,6 +283,14 @@ def filter_spellings(field_path: str, target: str = "id") -> list[str]:
     return [f"{field_path}__{target}__exact", field_path, f"{field_path}_id"]
 
 
+def newest_by_name(rows: QuerySet, cap: int) -> tuple[list[tuple], bool]:
+    """The newest `cap` of `rows` (a model with `created_at` and `name`) as (pk, name), by
+    name; and whether there are more."""
+    newest = list(rows.order_by("-created_at", "-pk").values_list("pk", "name")[: cap + 1])
+    listed = sorted(newest[:cap], key=lambda choice: (choice[1].casefold(), choice[1], str(choice[0])))
+    return listed, len(newest) > cap
+
+
 class CappedRelatedFilter(admin.RelatedFieldListFilter):
     """The rows of a related table in a list's sidebar by id and name, at most `cap` of them.
 
@@ -322,10 +330,9 @@ class CappedRelatedFilter(admin.RelatedFieldListFilter):
         return rows
 
     def field_choices(self, field, request, model_admin):
-        rows = self.scoped(request, field.related_model._default_manager.order_by("-created_at", "-pk"))
-        newest = list(rows.values_list("pk", "name")[: self.cap + 1])
-        self.more_rows = len(newest) > self.cap
-        listed = sorted(newest[: self.cap], key=lambda choice: (choice[1].casefold(), choice[1], str(choice[0])))
+        listed, self.more_rows = newest_by_name(
+            self.scoped(request, field.related_model._default_manager.all()), self.cap
+        )
         return listed + self.chosen_unlisted(field, listed)
 
     def chosen_unlisted(self, field, listed) -> list[tuple]:

@@ -527,6 +527,7 @@ def test_costs_page_offers_the_newest_companies_and_any_other_by_its_id(admin_cl
     assert theirs.context["company_id"] == str(other_agent.company_id)
     assert [row["name"] for row in theirs.context["agents_table"]] == ["Foreign"]
     assert len(theirs.context["companies"]) == COMPANY_CHOICES_CAP + 1
+    assert f'<option value="{other_agent.company_id}" selected>Globex</option>' in theirs.text
     for unknown in ("not-an-id", str(uuid.uuid4())):
         shown = page({"company": unknown})
         assert shown.context["company_id"] is None
