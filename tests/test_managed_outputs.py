@@ -41,6 +41,18 @@ def archived_then_deleted_output(company, fake_managed):
     return agent, remote_id, session, output
 
 
+def deleted_with_a_failing_download(company, fake_managed, *, failing: str, other: str):
+    """An agent's session deleted while the provider fails to serve one of its two files
+    (`failing`, then `other`): the end waits for its retry."""
+    agent, remote_id, session = managed_session(company, fake_managed)
+    produced = fake_managed.add_file(remote_id, failing, failing[:4].encode(), "text/plain")
+    fake_managed.add_file(remote_id, other, other[:4].encode(), "text/plain")
+    fake_managed.fail_next(500, times=10, path_prefix=f"/v1/files/{produced['id']}/content")
+    session_delete(session=session, now=timezone.now())
+    run_queued_tasks()
+    return agent, remote_id
+
+
 def requested(fake_managed, method: str, path: str) -> int:
     """Where in the fake's request log a request was made (it must have been)."""
     return fake_managed.requests.index((method, path))
@@ -121,13 +133,7 @@ def test_a_file_over_a_limit_is_listed_as_skipped_and_never_silently_dropped(com
 
 
 def test_a_failed_download_ends_nothing_and_the_retry_copies_each_file_once(company, fake_managed):
-    agent, remote_id, session = managed_session(company, fake_managed)
-    kept = fake_managed.add_file(remote_id, "kept.txt", b"kept", "text/plain")
-    fake_managed.add_file(remote_id, "late.txt", b"late", "text/plain")
-    fake_managed.fail_next(500, times=10, path_prefix=f"/v1/files/{kept['id']}/content")
-
-    session_delete(session=session, now=timezone.now())
-    run_queued_tasks()
+    _, remote_id = deleted_with_a_failing_download(company, fake_managed, failing="kept.txt", other="late.txt")
 
     end = ManagedSessionEnd.objects.get(remote_session_id=remote_id)
     assert end.done_at is None and end.attempts == 1
@@ -198,12 +204,7 @@ def test_an_agent_deleted_while_its_files_are_copied_keeps_no_output_row_or_file
 
 @pytest.mark.parametrize("moment", ["before the retry", "as the retry lists the files"])
 def test_an_output_deleted_while_its_end_is_retried_is_not_copied_back(company, fake_managed, moment):
-    agent, remote_id, session = managed_session(company, fake_managed)
-    failing = fake_managed.add_file(remote_id, "failing.txt", b"fail", "text/plain")
-    fake_managed.add_file(remote_id, "secret.txt", b"secret", "text/plain")
-    fake_managed.fail_next(500, times=10, path_prefix=f"/v1/files/{failing['id']}/content")
-    session_delete(session=session, now=timezone.now())
-    run_queued_tasks()
+    agent, remote_id = deleted_with_a_failing_download(company, fake_managed, failing="failing.txt", other="secret.txt")
     (secret,) = ManagedOutput.objects.filter(agent=agent)  # copied before the other file failed
     path = output_path(secret)
 
