@@ -187,6 +187,29 @@ def test_a_session_inserted_without_expires_at_expires_its_ttl_after_its_last_us
         assert AgentSession.objects.get(pk=inserted).status == SessionStatus.EXPIRED
 
 
+def test_a_maintenance_pass_right_after_the_read_neither_ends_nor_shortens_the_session_taken(
+    persistent_agent, fake_anthropic, monkeypatch
+):
+    """The pass writes the expiry of a row inserted without one, and sweeps, between the
+    heartbeat's read of that row and its take: the session is resumed, and its expiry is
+    the take's, a TTL from this heartbeat."""
+    history = [text_turn("user", "remember 42"), text_turn("assistant", "noted: 42")]
+    now = timezone.now()
+    inserted = session_inserted_without_expiry(persistent_agent, last_used=now - timedelta(hours=23), history=history)
+
+    def maintenance(session):
+        assert sessions_expiry_set(now=now) == 1
+        sessions_expire(now=now)
+
+    act_after_read(monkeypatch, maintenance)
+    run = beat(persistent_agent, "what did I say?", now=now)
+
+    assert (run.status, run.session_id) == (RunStatus.SUCCEEDED, inserted)
+    assert plain_messages(fake_anthropic.message_requests[-1])[:2] == history
+    session = AgentSession.objects.get(pk=inserted)
+    assert session.status == SessionStatus.ACTIVE and session.expires_at >= now + timedelta(hours=24)
+
+
 def test_the_maintenance_pass_expires_a_session_inserted_without_expires_at_ttl_after_its_last_use(
     company, persistent_agent
 ):
