@@ -854,8 +854,7 @@ def _session_for_answer(*, agent: Agent, run: HeartbeatRun, plan: Plan, now: dat
     The agent row is locked first, as `agent_delete` does: a deletion either commits
     before this (the run fails `agent_deleted`) or waits and deletes the new session too.
     """
-    status = Agent.objects.select_for_update(no_key=True).filter(pk=agent.pk).values_list("status", flat=True)
-    if status.first() in (None, AgentStatus.DELETED):
+    if Agent.is_gone(agent.pk, lock=True):
         raise RunAbandoned("agent_deleted", "The agent was deleted while the model answered.")
     if not agent.is_persistent:
         return None
