@@ -64,7 +64,7 @@ from sessions_app.context import (
     user_turn_content,
 )
 from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure, RunRemoved
-from sessions_app.hot_sql import agent_not_deleted_locked, turn_and_outcome_update
+from sessions_app.hot_sql import agent_not_deleted_locked, turn_and_outcome_update, update_then_read
 from sessions_app.keep_warm import keep_warm_arm
 from sessions_app.managed_health import lost_session_note
 from sessions_app.managed_sessions import ManagedSessionHandle, managed_ends_for_sessions
@@ -77,6 +77,7 @@ from sessions_app.models import (
     BesideState,
     HeartbeatRun,
     ManagedEndAction,
+    ReadAhead,
     RunStatus,
     SessionStatus,
 )
@@ -85,6 +86,7 @@ from sessions_app.plan import HANDOFF_REASONS, Plan, idle_pause, plan_session
 from sessions_app.quota import probe_end, quota_refused
 from sessions_app.run_calls import RunCalls
 from sessions_app.run_queue import (
+    NEXT_QUEUED,
     claim_run,
     dispatch_after_run,
     dispatch_waiting,
@@ -169,8 +171,9 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
     6. call: the adapter, outside any transaction;
     7. commit: the turns, the session, the ledger row and the run in one transaction;
        the history file is published after the COMMIT;
-    8. release: the agent's next queued run is dispatched (a failed run's session counts
-       its time and its TTL from the end of the run: `run_fail`).
+    8. release: the agent's next queued run is dispatched (read in the commit's round
+       trip, after its COMMIT, where it could be; a failed run's session counts its time
+       and its TTL from the end of the run: `run_fail`).
 
     Steps 2-4 are the adapter's session strategy (`ReplayedHistory` or `OwnSession`). A
     step that fails raises a `RunFailure`, whose code and message the run keeps; anything
@@ -392,7 +395,7 @@ def _release(run: HeartbeatRun, *, current: bool, now: datetime) -> HeartbeatRun
     """8. release: dispatch the agent's next queued run and, under a cap on runs in
     progress, the oldest runs of other agents waiting for the place (a failed run's
     session was given its time and TTL by `run_fail`). Returns the run as its row says."""
-    dispatch_after_run(agent_id=run.agent_id)
+    dispatch_after_run(agent_id=run.agent_id, next_queued=run.next_queued_read)
     if not current:
         try:
             run.refresh_from_db()
@@ -652,7 +655,11 @@ def _commit_appended(
         outcome = _run_outcome(session, reply, counts, beat.calls.cost_usd, finished=finished, replayed=replayed)
         assigned, added, session_update = _session_append_update(beat.agent, session, plan, staged, turn)
         run_update = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING)
-        written = turn_and_outcome_update(session_update, (run_update, outcome))
+        written, next_queued = turn_and_outcome_update(
+            session_update, (run_update, outcome), read_after=_next_queued_read_after(run)
+        )
+        if next_queued is not None:
+            run.next_queued_read = ReadAhead(NEXT_QUEUED.first_of(next_queued))
         if written is None:
             raise RunAbandoned("run_timeout", "The run was reaped as timed out before its answer arrived.")
         if not written:
@@ -676,11 +683,15 @@ def _commit_stateless(beat: ClaimedRun, outcome: dict) -> bool:
     commits first and the run fails `agent_deleted`, or waits for this one). Why a statement
     updated nothing is read only then."""
     run, agent = beat.run, beat.agent
-    succeeded = (
-        HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING)
-        .filter(agent_not_deleted_locked(agent.pk))
-        .update(**outcome)
+    running = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).filter(
+        agent_not_deleted_locked(agent.pk)
     )
+    if (next_queued := _next_queued_read_after(run)) is not None:
+        succeeded, next_queued_rows = update_then_read((running, outcome), next_queued)
+        if succeeded:  # read before the run ended, the rows say nothing of what follows it
+            run.next_queued_read = ReadAhead(NEXT_QUEUED.first_of(next_queued_rows))
+    else:
+        succeeded = running.update(**outcome)
     if not succeeded:
         alive = Agent.objects.filter(pk=agent.pk).exclude(status=AgentStatus.DELETED).exists()
         if alive:
@@ -691,6 +702,16 @@ def _commit_stateless(beat: ClaimedRun, outcome: dict) -> bool:
     for name, value in outcome.items():
         setattr(run, name, value)
     return True
+
+
+def _next_queued_read_after(run: HeartbeatRun) -> tuple[str, list] | None:
+    """The release's read of the agent's next queued run, for the commit to run after its
+    COMMIT in the same round trip: on PostgreSQL, outside a transaction, and where the
+    release wakes that run (under a cap on runs in progress it wakes the oldest of any
+    agent instead)."""
+    if connection.vendor != "postgresql" or connection.in_atomic_block or settings.PAPERCLIP_MAX_CONCURRENT_RUNS:
+        return None
+    return NEXT_QUEUED.statement(run.agent_id)
 
 
 def _stage_turns(

@@ -68,13 +68,21 @@ class CompiledLookup:
         self._local = threading.local()
 
     def first(self, pk) -> Model | None:
+        with connection.cursor() as cursor:
+            cursor.execute(*self.statement(pk))
+            return self.first_of(cursor.fetchall())
+
+    def statement(self, pk) -> tuple[str, list]:
+        """The query's SQL and parameters for `pk`, to run alongside others
+        (`write_then_read`); `first_of` makes its rows into the instance."""
         compiled = self._compiled()
         params = list(compiled.params)
         params[compiled.slot] = compiled.pk.get_db_prep_value(pk, connection)
-        with connection.cursor() as cursor:
-            cursor.execute(compiled.sql, params)
-            rows = cursor.fetchall()
-        instances = self._instances(compiled.compiler, rows)
+        return compiled.sql, params
+
+    def first_of(self, rows: list) -> Model | None:
+        """The first instance of `rows`, rows of `statement`'s query."""
+        instances = self._instances(self._compiled().compiler, rows)
         return instances[0] if instances else None
 
     def _compiled(self) -> _Compiled:
@@ -132,15 +140,20 @@ class CompiledUpdate:
 
     def update(self, **values) -> int:
         """Run the statement with `values`; the number of rows it matched."""
+        with connection.cursor() as cursor:
+            cursor.execute(*self.statement(**values))
+            return cursor.rowcount
+
+    def statement(self, **values) -> tuple[str, list]:
+        """The statement's SQL and parameters with `values`, to run alongside others
+        (`write_then_read`)."""
         sql_, params, slots = self._compiled(values)
         params = list(params)
         for name, positions in slots.items():
             prepared = self._prepared(name, values[name])
             for position in positions:
                 params[position] = prepared
-        with connection.cursor() as cursor:
-            cursor.execute(sql_, params)
-            return cursor.rowcount
+        return sql_, params
 
     def _prepared(self, name: str, value):
         return self.fields[name].get_db_prep_save(value, connection)
@@ -208,28 +221,61 @@ def queued_run_insert_locking(run: Model, *, agent_id, bound: int, lock: tuple[s
     succeed; a failure (the agent's row gone, the COMMIT's foreign key check) is raised as
     Django raises it, after the transaction was rolled back."""
     insert_sql, insert_params = _queued_run_insert_sql(run, agent_id=agent_id, bound=bound)
-    counts = _pipelined_transaction([lock, (insert_sql, insert_params)])
-    inserted = counts[1] == 1
+    (_, insert), _ = _pipelined_transaction([lock, (insert_sql, insert_params)])
+    inserted = insert.rowcount == 1
     if inserted:
         run._state.adding, run._state.db = False, connection.alias
     return inserted
 
 
-def _pipelined_transaction(statements: list[tuple[str, list]]) -> list[int]:
+def write_then_read(write: tuple[str, list], read: tuple[str, list]) -> tuple[int, list]:
+    """PostgreSQL, outside any transaction: `write` (a statement and its parameters) in a
+    transaction of its own, then `read`, in one round trip where they were two; the rows
+    `write` matched and the rows `read` found.
+
+    Guarantee: what running the two one after the other, each autocommitted, guarantees.
+    The server runs them in order (BEGIN, `write`, COMMIT, `read`, then one Sync), so `read`
+    takes its snapshot after `write` was committed, and sees what any other transaction
+    committed before that. A `write` that fails (or whose COMMIT fails) commits nothing and
+    `read` is not run: its error is raised as Django raises it."""
+    (written,), read_rows = _pipelined_transaction([write], read_after=read)
+    return written.rowcount, read_rows
+
+
+def update_then_read(update: tuple[QuerySet, dict], read: tuple[str, list]) -> tuple[int, list]:
+    """`write_then_read` of the ORM's `queryset.update(**values)` (`update`: the queryset
+    and its values) and `read`."""
+    return write_then_read(_update_sql(*update), read)
+
+
+@dataclass(frozen=True)
+class _Ran:
+    rowcount: int
+    rows: list | None  # None for a statement that returns no rows
+
+
+def _pipelined_transaction(
+    statements: list[tuple[str, list]], *, read_after: tuple[str, list] | None = None
+) -> tuple[list[_Ran], list | None]:
     """BEGIN, `statements` and COMMIT sent at once (PostgreSQL's pipeline mode), outside
-    any transaction; the row count of each statement."""
+    any transaction, then `read_after` if given (in a transaction of its own, after the
+    COMMIT); what each statement did, and the rows `read_after` found (None without it)."""
     if connection.in_atomic_block:
         raise RuntimeError("a pipelined transaction cannot run inside another")
     connection.ensure_connection()
     raw = connection.connection
     cursors = [connection.cursor() for _ in statements]
+    reader = connection.cursor() if read_after is not None else None
     try:
         with connection.wrap_database_errors, raw.pipeline():
             raw.execute("BEGIN")
             for cursor, (statement, params) in zip(cursors, statements, strict=True):
                 cursor.execute(statement, params)
             raw.execute("COMMIT")
-        return [cursor.rowcount for cursor in cursors]
+            if reader is not None:
+                reader.execute(*read_after)
+        ran = [_Ran(cursor.rowcount, cursor.fetchall() if cursor.description else None) for cursor in cursors]
+        return ran, reader.fetchall() if reader is not None else None
     except Exception:
         # A failed statement leaves the transaction aborted, and one that failed before it
         # was sent leaves it open: the BEGIN outlives the Sync. A broken connection has
@@ -238,7 +284,7 @@ def _pipelined_transaction(statements: list[tuple[str, list]]) -> list[int]:
             raw.execute("ROLLBACK")
         raise
     finally:
-        for cursor in cursors:
+        for cursor in [*cursors, *([reader] if reader is not None else [])]:
             cursor.close()
 
 
@@ -295,11 +341,16 @@ def _update_sql(queryset: QuerySet, values: dict) -> tuple[str, list]:
     return statement, list(params)
 
 
-def turn_and_outcome_update(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> bool | None:
+def turn_and_outcome_update(
+    session: tuple[QuerySet, dict], run: tuple[QuerySet, dict], *, read_after: tuple[str, list] | None = None
+) -> tuple[bool | None, list | None]:
     """PostgreSQL: the UPDATE of a session (its turn) and the UPDATE of the run (its
     outcome), each a queryset and its values, in one autocommitted statement: True when both
     matched, False when the session's matched nothing (and so nothing was written), None
-    when the session's matched but the run's did not (and nothing was written either).
+    when the session's matched but the run's did not (and nothing was written either). With
+    `read_after`, outside any transaction, that query runs after the statement's COMMIT in
+    the same round trip (`write_then_read`), and its rows come second (None when it did not
+    run: under a caller's transaction, or when nothing was written).
 
     Guarantee: both or neither, as in a transaction. The run's UPDATE reads the session's
     RETURNING, so it runs after the session's (the agent's row locked, then the session's,
@@ -308,7 +359,7 @@ def turn_and_outcome_update(session: tuple[QuerySet, dict], run: tuple[QuerySet,
     session updated beside a run that is no longer running is undone by failing the whole
     statement (a division by zero, at run time, on that case only). It saves the BEGIN and
     the COMMIT and one exchange: three of a persistent heartbeat's round trips."""
-    return _session_then_run_update(session, run, names=("turn", "outcome"))
+    return _session_then_run_update(session, run, names=("turn", "outcome"), read_after=read_after)
 
 
 def session_take_update(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> bool | None:
@@ -323,14 +374,44 @@ def session_take_update(session: tuple[QuerySet, dict], run: tuple[QuerySet, dic
     waits, then re-reads it) leaves nothing to take, and nothing is linked. Locks are taken
     session, then run, as every other writer of both takes them. One round trip where the
     link and the take were two."""
-    return _session_then_run_update(session, run, names=("taken", "linked"))
+    written, _ = _session_then_run_update(session, run, names=("taken", "linked"))
+    return written
 
 
 def _session_then_run_update(
+    session: tuple[QuerySet, dict],
+    run: tuple[QuerySet, dict],
+    *,
+    names: tuple[str, str],
+    read_after: tuple[str, list] | None = None,
+) -> tuple[bool | None, list | None]:
+    """The statement of the two above, and the rows of `read_after` run after it when it
+    could be (see `turn_and_outcome_update`)."""
+    statement = _session_then_run_statement(session, run, names=names)
+    try:
+        if read_after is not None and not connection.in_atomic_block:
+            (ran,), read_rows = _pipelined_transaction([statement], read_after=read_after)
+            ((sessions_matched, _),) = ran.rows
+            # Read while the run was still running, the rows say nothing of its end.
+            return bool(sessions_matched), read_rows if sessions_matched else None
+        # Outside a transaction the statement is its own, durable at its end; under a
+        # caller's (a test's) a savepoint keeps the refused case from aborting it.
+        with transaction.atomic(durable=True) if connection.in_atomic_block else nullcontext():
+            with connection.cursor() as cursor:
+                cursor.execute(*statement)
+                sessions_matched, _ = cursor.fetchone()
+    except DataError as exc:
+        if not isinstance(exc.__cause__, DivisionByZero):
+            raise
+        return None, None
+    return bool(sessions_matched), None
+
+
+def _session_then_run_statement(
     session: tuple[QuerySet, dict], run: tuple[QuerySet, dict], *, names: tuple[str, str]
-) -> bool | None:
-    """The statement of the two above; `names` name its two parts, so that the statement
-    running says in pg_stat_activity which of the two it is."""
+) -> tuple[str, list]:
+    """`names` name the statement's two parts, so that the statement running says in
+    pg_stat_activity which of the two it is."""
     first, second = names
     session_sql, session_params = _update_sql(*session)
     run_queryset, run_values = run
@@ -342,15 +423,4 @@ def _session_then_run_update(
         f"SELECT (SELECT COUNT(*) FROM {first}), (SELECT COUNT(*) FROM {second}) / "
         f"CASE WHEN (SELECT COUNT(*) FROM {first}) = (SELECT COUNT(*) FROM {second}) THEN 1 ELSE 0 END"
     )
-    # Outside a transaction the statement is its own, durable at its end; under a caller's
-    # (a test's) a savepoint keeps the refused case from aborting it.
-    try:
-        with transaction.atomic(durable=True) if connection.in_atomic_block else nullcontext():
-            with connection.cursor() as cursor:
-                cursor.execute(statement, [*session_params, *run_params])
-                sessions_matched, _ = cursor.fetchone()
-    except DataError as exc:
-        if not isinstance(exc.__cause__, DivisionByZero):
-            raise
-        return None
-    return bool(sessions_matched)
+    return statement, [*session_params, *run_params]

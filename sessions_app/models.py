@@ -7,6 +7,7 @@ runs against them verbatim, so every model sets `db_table`.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from django.core.exceptions import ValidationError
@@ -546,7 +547,21 @@ class RunTrigger(models.TextChoices):
 RUN_BATCH_COLUMNS = ("batch_request", "batch_answer")
 
 
+@dataclass(frozen=True)
+class ReadAhead:
+    """A row a heartbeat's step read in an earlier step's round trip
+    (`sessions_app.hot_sql.write_then_read`), for the step that needs it; `row` is None
+    when there was none."""
+
+    row: models.Model | None
+
+
 class HeartbeatRun(models.Model):
+    # Not columns: the agent's live session as the claim read it, after its UPDATE (for the
+    # plan), and the agent's next queued run as the commit read it, after its COMMIT (for
+    # the release); None when that step did not read it, and the step using it reads it.
+    live_session_read: ReadAhead | None = None
+    next_queued_read: ReadAhead | None = None
     # Not a column: its agent's last runs' creation, newest first, when the claim read them
     # (`sessions_app.run_queue.claim_run`); None elsewhere, where they are read when needed.
     recent_wakes: tuple | None = None

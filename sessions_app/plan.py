@@ -85,7 +85,7 @@ def plan_session(
     keeps its own context)."""
     if not agent.is_persistent:
         return fresh_plan(new_session=False)
-    live = LIVE_SESSION.first(agent.pk)
+    live = live_session_of(run, agent=agent)
     if live is None:
         return fresh_plan()
     reason = retire_reason(live, agent=agent, run=run, now=now, settings_=settings_, rotates=rotates)
@@ -134,6 +134,13 @@ def retire_reason(
 LIVE_SESSION = CompiledLookup(
     lambda agent_id: AgentSession.objects.filter(agent_id=agent_id, status__in=LIVE_SESSION_STATUSES).order_by("pk")
 )
+
+
+def live_session_of(run: HeartbeatRun, *, agent: Agent) -> AgentSession | None:
+    """The agent's live session: as the run's claim read it, once (`run_queue.claim_run`),
+    or read now."""
+    read, run.live_session_read = run.live_session_read, None
+    return read.row if read is not None else LIVE_SESSION.first(agent.pk)
 
 
 def idle_pause(agent: Agent) -> timedelta:

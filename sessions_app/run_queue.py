@@ -36,7 +36,13 @@ from sessions_app.batch_delivery import claimable, run_delivery
 from sessions_app.context import context_settings
 from sessions_app.context_defaults import recent_wakes_columns, recent_wakes_of
 from sessions_app.errors import HeartbeatRefused
-from sessions_app.hot_sql import CompiledLookup, CompiledUpdate, queued_run_insert, queued_run_insert_locking
+from sessions_app.hot_sql import (
+    CompiledLookup,
+    CompiledUpdate,
+    queued_run_insert,
+    queued_run_insert_locking,
+    write_then_read,
+)
 from sessions_app.metering import alone_seconds, session_run_time_record
 from sessions_app.model_checks import retired_model_refusal
 from sessions_app.models import (
@@ -48,9 +54,11 @@ from sessions_app.models import (
     BesideState,
     CredentialHold,
     HeartbeatRun,
+    ReadAhead,
     RunStatus,
     RunTrigger,
 )
+from sessions_app.plan import LIVE_SESSION
 from sessions_app.text import is_storable, storable
 from sessions_app.work_checks import check_seconds
 
@@ -329,9 +337,10 @@ def _agent_config(agent_id) -> dict:
     return Agent.objects.filter(pk=agent_id).values_list("adapter_config", flat=True).first() or {}
 
 
-def dispatch_next_queued(*, agent_id) -> None:
-    """Wake the oldest queued run of an agent (after a run finished or was reaped)."""
-    nxt = NEXT_QUEUED.first(agent_id)
+def dispatch_next_queued(*, agent_id, read: ReadAhead | None = None) -> None:
+    """Wake the oldest queued run of an agent (after a run finished or was reaped); `read`:
+    that run as read after the run's end was committed (read now without it)."""
+    nxt = read.row if read is not None else NEXT_QUEUED.first(agent_id)
     if nxt is not None:
         heartbeat_dispatch(run=nxt)
 
@@ -462,7 +471,9 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     claim's transaction (`_claim_under_cap`). The run comes back with its agent,
     `budgeted` (whether any budget applies) and `recent_wakes` (its agent's last runs'
     creation, for the cache lifetime), all read in one query with the price overrides'
-    revision (`costs_app.pricing`: the run's prices come from memory).
+    revision (`costs_app.pricing`: the run's prices come from memory); a run claimed for a
+    persistent agent may come back with its agent's live session too, read after the UPDATE
+    in the same round trip (`run.live_session_read`, `_plan_reads_at_once`).
     """
     run = CLAIM_READ.first(run_id)
     if run is None:
@@ -493,22 +504,28 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     if run.held and not quota.claim_check(run=run, credential=credential, now=now, lease_until=deadline):
         return run, False  # its credential is held by a provider's quota: it waits queued
     capped = bool(settings.PAPERCLIP_MAX_CONCURRENT_RUNS)
+    claim = CLAIM_UPDATE_UNLESS_HELD if credential is not None else CLAIM_UPDATE
+    values = {
+        "run_id": run.id,
+        "status": run.status,
+        "batch_state": run.batch_state,
+        "credential": credential,
+        "started_at": now,
+        "deadline_at": deadline,
+        "claimed_by": worker_id(),
+    }
     try:
-        # One statement is its own transaction; only inside a caller's transaction does
-        # the refusal need a savepoint to leave that transaction usable.
-        with transaction.atomic() if capped or connection.in_atomic_block else nullcontext():
-            if capped and not run_place_free(agent_id=run.agent_id, created_at=run.created_at):
-                quota.probe_give_back(run=run)
-                return run, False
-            claimed = (CLAIM_UPDATE_UNLESS_HELD if credential is not None else CLAIM_UPDATE).update(
-                run_id=run.id,
-                status=run.status,
-                batch_state=run.batch_state,
-                credential=credential,
-                started_at=now,
-                deadline_at=deadline,
-                claimed_by=worker_id(),
-            )
+        if not capped and _plan_reads_at_once(agent):
+            claimed, live_rows = write_then_read(claim.statement(**values), LIVE_SESSION.statement(agent.pk))
+            run.live_session_read = ReadAhead(LIVE_SESSION.first_of(live_rows)) if claimed else None
+        else:
+            # One statement is its own transaction; only inside a caller's transaction does
+            # the refusal need a savepoint to leave that transaction usable.
+            with transaction.atomic() if capped or connection.in_atomic_block else nullcontext():
+                if capped and not run_place_free(agent_id=run.agent_id, created_at=run.created_at):
+                    quota.probe_give_back(run=run)
+                    return run, False
+                claimed = claim.update(**values)
     except IntegrityError:
         quota.probe_give_back(run=run)
         return run, False  # another run of this agent is running
@@ -518,6 +535,19 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
         return run, False
     run.status, run.started_at, run.deadline_at = RunStatus.RUNNING, now, deadline
     return run, True
+
+
+def _plan_reads_at_once(agent: Agent) -> bool:
+    """Whether the claim reads the agent's live session for the plan, after its UPDATE and
+    in the same round trip (`hot_sql.write_then_read`): on PostgreSQL, outside a
+    transaction, for a persistent agent with no work check (a check runs before the plan,
+    and may find no work)."""
+    return (
+        connection.vendor == "postgresql"
+        and not connection.in_atomic_block
+        and agent.is_persistent
+        and not agent.adapter_config.get("work_check")
+    )
 
 
 def run_place_free(*, agent_id, created_at: datetime) -> bool:
@@ -568,13 +598,14 @@ def run_deadline(adapter, config: dict, *, at: datetime) -> datetime:
     return at + timedelta(seconds=seconds + settings.PAPERCLIP_RUN_TIMEOUT_SECONDS)
 
 
-def dispatch_after_run(*, agent_id) -> None:
-    """A run of the agent ended (a heartbeat, a compaction): wake its next queued run or,
-    under a cap on runs in progress, the oldest runs of any agent waiting for the place."""
+def dispatch_after_run(*, agent_id, next_queued: ReadAhead | None = None) -> None:
+    """A run of the agent ended (a heartbeat, a compaction): wake its next queued run (as
+    `next_queued` read it after the end's COMMIT, if given) or, under a cap on runs in
+    progress, the oldest runs of any agent waiting for the place."""
     if settings.PAPERCLIP_MAX_CONCURRENT_RUNS:
         dispatch_waiting()
     else:
-        dispatch_next_queued(agent_id=agent_id)
+        dispatch_next_queued(agent_id=agent_id, read=next_queued)
 
 
 def run_cost_refresh(*, run_id) -> None:

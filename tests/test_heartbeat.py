@@ -701,3 +701,42 @@ def test_an_agent_removed_entirely_while_the_model_answers_keeps_the_call_in_the
     assert not HeartbeatRun.objects.exists() and not AgentSession.objects.exists()
     billed = CostEvent.objects.filter(agent_id=agent.id, kind=CostKind.MESSAGE)
     assert billed.count() == 2  # both answered calls, the second's run gone
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("postgres_only")
+@pytest.mark.parametrize("mode", ["stateless", "persistent"])
+def test_a_run_queued_while_the_commit_is_committing_is_woken_by_the_release(
+    stateless_agent, persistent_agent, fake_anthropic, mode
+):
+    """On PostgreSQL the release's read of the agent's next queued run goes with the
+    commit's statement, after its COMMIT, in one round trip (`hot_sql.write_then_read`). A
+    run queued while that COMMIT is still running (held here by a deferred trigger waiting
+    for a lock the test holds) was not there when the statement ran, and is there when the
+    COMMIT ends: the release must see it, or it would wait queued with nobody to wake it."""
+    agent = stateless_agent if mode == "stateless" else persistent_agent
+    beat(agent, "first")  # a session to resume
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION held_commit() RETURNS trigger AS $$ BEGIN PERFORM pg_advisory_lock(4242); "
+            "PERFORM pg_advisory_unlock(4242); RETURN NULL; END $$ LANGUAGE plpgsql; "
+            "CREATE CONSTRAINT TRIGGER held_commit AFTER UPDATE ON heartbeat_runs DEFERRABLE INITIALLY DEFERRED "
+            "FOR EACH ROW WHEN (NEW.status = 'succeeded' AND OLD.status = 'running') EXECUTE FUNCTION held_commit();"
+            "SELECT pg_advisory_lock(4242);"
+        )
+    try:
+        run, _ = heartbeat_enqueue(agent=agent, task="now", now=timezone.now())
+        heartbeat = Actor(lambda: heartbeat_execute(run_id=run.id))
+        heartbeat.start()
+        wait_until_blocked(heartbeat)  # in its COMMIT, waiting for the test's lock
+        queued, _ = heartbeat_enqueue(agent=agent, task="next", now=timezone.now())
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(4242)")
+        assert heartbeat.result().status == RunStatus.SUCCEEDED
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER IF EXISTS held_commit ON heartbeat_runs; DROP FUNCTION IF EXISTS held_commit();"
+            )
+
+    assert dispatched_run_ids() == [str(queued.id)]

@@ -20,7 +20,8 @@ from psycopg import pq
 
 from bench.heartbeat_overhead import round_trips  # the counter the benchmark prints
 from costs_app.models import CostEvent
-from sessions_app.hot_sql import queued_run_insert_locking, rows_insert_ignoring_conflicts
+from sessions_app.heartbeat import heartbeat_execute
+from sessions_app.hot_sql import queued_run_insert_locking, rows_insert_ignoring_conflicts, write_then_read
 from sessions_app.maintenance import runs_reap, sessions_expire
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -40,6 +41,7 @@ from sessions_app.run_queue import (
     CLAIM_UPDATE_UNLESS_HELD,
     NEXT_QUEUED,
     claim_read_query,
+    claim_run,
     claim_update_query,
     heartbeat_enqueue,
     next_queued_query,
@@ -401,6 +403,72 @@ def test_an_enqueue_outside_a_transaction_is_one_round_trip(postgres_only, persi
         "one",
         "warm",
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(("mode", "trips"), [("stateless", 5), ("persistent", 6)])
+def test_a_heartbeat_outside_a_transaction_makes_its_few_round_trips(
+    postgres_only, stateless_agent, persistent_agent, fake_anthropic, mode, trips
+):
+    """Enqueue to release: the enqueue (one pipelined transaction), the claim's read, its
+    UPDATE (and then, for a persistent agent, its live session's read, in the same round
+    trip), the session's take, the ledger row, and the commit (and then the release's read
+    of the next queued run, in the same round trip)."""
+    agent = stateless_agent if mode == "stateless" else persistent_agent
+    beat(agent, "first")
+    beat(agent, "second")  # a session resumed: the same statements from now on
+
+    def heartbeat():
+        run, _ = heartbeat_enqueue(agent=agent, task="counted", now=timezone.now())
+        assert heartbeat_execute(run_id=run.id).status == RunStatus.SUCCEEDED
+
+    assert round_trips(heartbeat) == trips
+    if mode == "persistent":
+        assert AgentSession.objects.get(agent=agent).message_count == 6
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_reads_the_live_session_only_when_it_claimed_and_leaves_the_connection_usable(
+    postgres_only, persistent_agent, fake_anthropic
+):
+    beat(persistent_agent, "first")
+    session = AgentSession.objects.get(agent=persistent_agent)
+    first, _ = heartbeat_enqueue(agent=persistent_agent, task="one", now=timezone.now())
+    second, _ = heartbeat_enqueue(agent=persistent_agent, task="two", now=timezone.now())
+
+    claimed, ok = claim_run(run_id=first.id, now=timezone.now())
+    assert ok and claimed.live_session_read.row == session
+    assert claimed.live_session_read.row.history == session.history
+
+    refused, ok = claim_run(run_id=second.id, now=timezone.now())  # the one-running index refuses it
+    assert not ok and refused.live_session_read is None
+    assert connection.connection.info.transaction_status == pq.TransactionStatus.IDLE
+    assert HeartbeatRun.objects.get(pk=second.pk).status == RunStatus.QUEUED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_read_after_a_write_sees_it_committed_and_is_not_run_when_the_write_fails(postgres_only, persistent_agent):
+    run = queued_run(persistent_agent)
+    run.save()
+    table = HeartbeatRun._meta.db_table
+    rename = f'UPDATE "{table}" SET task = %s WHERE id = %s AND 1 / %s = 1'  # noqa: S608 (the model's table)
+    read_task = (f'SELECT task FROM "{table}" WHERE id = %s', [run.id])  # noqa: S608
+
+    assert write_then_read((rename, ["renamed", run.id, 1]), read_task) == (1, [("renamed",)])
+    assert connection.connection.info.transaction_status == pq.TransactionStatus.IDLE
+    reader = Actor(lambda: HeartbeatRun.objects.get(pk=run.pk).task)
+    reader.start()
+    assert reader.result() == "renamed"  # committed
+
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE TEMPORARY SEQUENCE reads")
+    with pytest.raises(DataError):
+        write_then_read((rename, ["lost", run.id, 0]), ("SELECT nextval('reads')", []))
+    assert connection.connection.info.transaction_status == pq.TransactionStatus.IDLE
+    assert HeartbeatRun.objects.get(pk=run.pk).task == "renamed"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT nextval('reads')")
+        assert cursor.fetchone() == (1,)  # the read after the failed write never ran
 
 
 def queued_run(agent, **fields) -> HeartbeatRun:

@@ -341,8 +341,8 @@ def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
 ):
     """Killed at the commit's very end, after the statement (and the staged history file)
     succeeded: on PostgreSQL a resumed session's turn and the run's outcome are one
-    autocommitted statement (`hot_sql.turn_and_outcome_update`), held open here by a
-    deferred trigger, which runs as it commits. It never commits, so the file must not
+    statement (`hot_sql.turn_and_outcome_update`), its COMMIT sent with it, held open here
+    by a deferred trigger, which runs as it commits. It never commits, so the file must not
     move either."""
     settings.PAPERCLIP_SESSION_STORE = "file"
     beat(persistent_agent, "first")
@@ -369,7 +369,7 @@ def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
     thread = threading.Thread(target=second_heartbeat)
     thread.start()
     try:
-        terminate_backend_running("WITH turn AS%")
+        terminate_backend_running("COMMIT")  # the statement ran; its COMMIT runs the trigger
         thread.join(timeout=30)
     finally:
         with connection.cursor() as cursor:
