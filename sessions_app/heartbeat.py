@@ -688,7 +688,7 @@ def _commit_stateless(beat: ClaimedRun, outcome: dict) -> bool:
     )
     if (next_queued := _next_queued_read_after(run)) is not None:
         succeeded, next_queued_rows = update_then_read((running, outcome), next_queued)
-        if succeeded:  # read before the run ended, the rows say nothing of what follows it
+        if succeeded:  # otherwise it was read while the run still ran: it tells nothing of what follows
             run.next_queued_read = ReadAhead(NEXT_QUEUED.first_of(next_queued_rows))
     else:
         succeeded = running.update(**outcome)

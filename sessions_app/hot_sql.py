@@ -120,33 +120,26 @@ class CompiledLookup:
         return instances
 
 
-class CompiledUpdate:
-    """An UPDATE the ORM writes (`build(values)` returns the queryset and the values to set,
+class CompiledStatement:
+    """A statement `build(values)` writes (its SQL and parameters, from the ORM's querysets,
     taking each varying value from `values`, a namespace of the names `fields` lists),
     compiled once per database connection, then run with other values each time. `fields`
     names the model field that prepares each value, as the ORM would.
 
-    Guarantee: the same statement and parameters as the ORM's `update()` of what `build`
-    returns with the same values (Django compiles the claim's UPDATE, its filters and the
-    quota hold's subquery, on every claim: about 0.65 ms, bench/RESULTS.md). Only for
-    statements whose other parameters are constants: `build` is called once, with a
-    placeholder for each value, and each placeholder must show among the statement's
-    parameters (a value the ORM does not pass as a parameter cannot vary; a condition on
-    None, which the ORM writes as IS NULL, needs a statement of its own)."""
+    Guarantee: the same statement and parameters as `build` writes with the same values
+    (Django compiles a queryset's SQL on every run: the claim's UPDATE, its filters and the
+    quota hold's subquery, took about 0.65 ms; the take's two UPDATEs about 0.8,
+    bench/RESULTS.md). Only for statements whose other parameters are constants: `build` is
+    called once, with a placeholder for each value, and each placeholder must show among the
+    statement's parameters (a value the ORM does not pass as a parameter cannot vary; a
+    condition on None, which the ORM writes as IS NULL, needs a statement of its own)."""
 
-    def __init__(self, build: Callable[[SimpleNamespace], tuple[QuerySet, dict]], fields: dict[str, Field]) -> None:
+    def __init__(self, build: Callable[[SimpleNamespace], tuple[str, list]], fields: dict[str, Field]) -> None:
         self.build, self.fields = build, fields
         self._local = threading.local()
 
-    def update(self, **values) -> int:
-        """Run the statement with `values`; the number of rows it matched."""
-        with connection.cursor() as cursor:
-            cursor.execute(*self.statement(**values))
-            return cursor.rowcount
-
     def statement(self, **values) -> tuple[str, list]:
-        """The statement's SQL and parameters with `values`, to run alongside others
-        (`write_then_read`)."""
+        """The statement's SQL and parameters with `values`."""
         sql_, params, slots = self._compiled(values)
         params = list(params)
         for name, positions in slots.items():
@@ -154,6 +147,9 @@ class CompiledUpdate:
             for position in positions:
                 params[position] = prepared
         return sql_, params
+
+    def _written(self, placeholders: SimpleNamespace) -> tuple[str, list]:
+        return self.build(placeholders)
 
     def _prepared(self, name: str, value):
         return self.fields[name].get_db_prep_save(value, connection)
@@ -164,8 +160,7 @@ class CompiledUpdate:
         compiled = cache.get(key)
         if compiled is None:
             placeholders = {name: self._placeholder(name, values[name]) for name in self.fields}
-            queryset, update_values = self.build(SimpleNamespace(**placeholders))
-            sql_, params = _update_sql(queryset, update_values)
+            sql_, params = self._written(SimpleNamespace(**placeholders))
             slots = {}
             for name, placeholder in placeholders.items():
                 prepared = self._prepared(name, placeholder)
@@ -185,6 +180,24 @@ class CompiledUpdate:
         if isinstance(example, str):
             return f"placeholder {name} {uuid.uuid4()}"
         raise TypeError(f"{name}: no placeholder for a {type(example).__name__}")
+
+
+class CompiledUpdate(CompiledStatement):
+    """A `CompiledStatement` that is the ORM's `update()`: `build(values)` returns the
+    queryset and the values to set; its guarantee is the same statement and parameters as
+    that `update()`."""
+
+    def __init__(self, build: Callable[[SimpleNamespace], tuple[QuerySet, dict]], fields: dict[str, Field]) -> None:
+        super().__init__(build, fields)
+
+    def update(self, **values) -> int:
+        """Run the statement with `values`; the number of rows it matched."""
+        with connection.cursor() as cursor:
+            cursor.execute(*self.statement(**values))
+            return cursor.rowcount
+
+    def _written(self, placeholders: SimpleNamespace) -> tuple[str, list]:
+        return _update_sql(*self.build(placeholders))
 
 
 def queued_run_insert(run: Model, *, agent_id, bound: int) -> bool:
@@ -345,9 +358,9 @@ def turn_and_outcome_update(
     session: tuple[QuerySet, dict], run: tuple[QuerySet, dict], *, read_after: tuple[str, list] | None = None
 ) -> tuple[bool | None, list | None]:
     """PostgreSQL: the UPDATE of a session (its turn) and the UPDATE of the run (its
-    outcome), each a queryset and its values, in one autocommitted statement: True when both
-    matched, False when the session's matched nothing (and so nothing was written), None
-    when the session's matched but the run's did not (and nothing was written either). With
+    outcome), each a queryset and its values, in one statement, its own transaction: True
+    when both matched, False when the session's matched nothing (and so nothing was
+    written), None when the session's matched but the run's did not (nor was anything). With
     `read_after`, outside any transaction, that query runs after the statement's COMMIT in
     the same round trip (`write_then_read`), and its rows come second (None when it did not
     run: under a caller's transaction, or when nothing was written).
@@ -357,9 +370,10 @@ def turn_and_outcome_update(
     then the run's: the order of the transaction it replaces and of `run_fail`, so no
     deadlock); a data-modifying WITH runs to completion whether or not it is read, so a
     session updated beside a run that is no longer running is undone by failing the whole
-    statement (a division by zero, at run time, on that case only). It saves the BEGIN and
-    the COMMIT and one exchange: three of a persistent heartbeat's round trips."""
-    return _session_then_run_update(session, run, names=("turn", "outcome"), read_after=read_after)
+    statement (a division by zero, at run time, on that case only). One round trip where
+    the transaction it replaces took four, and the release's read a fifth."""
+    statement = _session_then_run_statement(session, run, names=("turn", "outcome"))
+    return _session_then_run_execute(statement, read_after=read_after)
 
 
 def session_take_update(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> bool | None:
@@ -374,20 +388,25 @@ def session_take_update(session: tuple[QuerySet, dict], run: tuple[QuerySet, dic
     waits, then re-reads it) leaves nothing to take, and nothing is linked. Locks are taken
     session, then run, as every other writer of both takes them. One round trip where the
     link and the take were two."""
-    written, _ = _session_then_run_update(session, run, names=("taken", "linked"))
+    return session_take_run(session_take_statement(session, run))
+
+
+def session_take_statement(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> tuple[str, list]:
+    """The SQL and parameters of `session_take_update` (for a `CompiledStatement`)."""
+    return _session_then_run_statement(session, run, names=("taken", "linked"))
+
+
+def session_take_run(statement: tuple[str, list]) -> bool | None:
+    """Run the statement `session_take_statement` wrote, with `session_take_update`'s outcomes."""
+    written, _ = _session_then_run_execute(statement)
     return written
 
 
-def _session_then_run_update(
-    session: tuple[QuerySet, dict],
-    run: tuple[QuerySet, dict],
-    *,
-    names: tuple[str, str],
-    read_after: tuple[str, list] | None = None,
+def _session_then_run_execute(
+    statement: tuple[str, list], *, read_after: tuple[str, list] | None = None
 ) -> tuple[bool | None, list | None]:
-    """The statement of the two above, and the rows of `read_after` run after it when it
-    could be (see `turn_and_outcome_update`)."""
-    statement = _session_then_run_statement(session, run, names=names)
+    """Run a statement `_session_then_run_statement` wrote, and `read_after` after it when
+    it can (see `turn_and_outcome_update`): the statement's outcome and the read's rows."""
     try:
         if read_after is not None and not connection.in_atomic_block:
             (ran,), read_rows = _pipelined_transaction([statement], read_after=read_after)

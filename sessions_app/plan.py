@@ -17,7 +17,13 @@ from django.db.models import Exists
 from costs_app.budgets import session_limit_reached
 from sessions_app.adapters import AdapterReply
 from sessions_app.context import SUMMARY_KINDS, ContextSettings, read_as_turns, rotation_due
-from sessions_app.hot_sql import CompiledLookup, session_take_update
+from sessions_app.hot_sql import (
+    CompiledLookup,
+    CompiledStatement,
+    session_take_run,
+    session_take_statement,
+    session_take_update,
+)
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     Agent,
@@ -172,17 +178,21 @@ def _take_session(
     """
     with read_as_turns(history, to="replayed"):  # before the take: a history that fails leaves it as it was
         repairs = _repairs(live, agent=agent, history=history)
-    fields = {
+    times = {
         "last_used": now,
         "expires_at": max(now + agent.session_ttl, live.expires_at or now),
-        "status": SessionStatus.ACTIVE,
-        "paused_at": None,
         "pause_at": now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS) + idle_pause(agent),
-        **repairs,
     }
+    fields = {**_take_fields(**times), **repairs}
     still_live = AgentSession.objects.filter(pk=live.pk, status__in=LIVE_SESSION_STATUSES)
     if connection.vendor == "postgresql":
-        if not session_take_update((still_live, fields), (HeartbeatRun.objects.filter(id=run.id), {"session": live})):
+        if repairs:
+            taken = session_take_update(
+                (still_live, fields), (HeartbeatRun.objects.filter(id=run.id), {"session": live})
+            )
+        else:
+            taken = session_take_run(SESSION_TAKE.statement(session_id=live.pk, run_id=run.id, **times))
+        if not taken:
             return None
     elif not _link_run(run, live):
         return None
@@ -192,6 +202,36 @@ def _take_session(
     for name, value in fields.items():
         setattr(live, name, value)
     return live
+
+
+def _take_fields(*, last_used: datetime, expires_at: datetime, pause_at: datetime) -> dict:
+    """What a take writes on the session, beside any repair."""
+    return {
+        "last_used": last_used,
+        "expires_at": expires_at,
+        "status": SessionStatus.ACTIVE,
+        "paused_at": None,
+        "pause_at": pause_at,
+    }
+
+
+def take_statement(values) -> tuple[str, list]:
+    """The take of a session that needs no repair (`_take_session`), with `values`."""
+    fields = _take_fields(last_used=values.last_used, expires_at=values.expires_at, pause_at=values.pause_at)
+    still_live = AgentSession.objects.filter(pk=values.session_id, status__in=LIVE_SESSION_STATUSES)
+    run = HeartbeatRun.objects.filter(id=values.run_id)
+    return session_take_statement((still_live, fields), (run, {"session": values.session_id}))
+
+
+# PostgreSQL: every resumed heartbeat takes its session; compiled once per connection.
+SESSION_TAKE = CompiledStatement(
+    take_statement,
+    {
+        "session_id": AgentSession._meta.pk,
+        "run_id": HeartbeatRun._meta.pk,
+        **{name: AgentSession._meta.get_field(name) for name in ("last_used", "expires_at", "pause_at")},
+    },
+)
 
 
 def _repairs(live: AgentSession, *, agent: Agent, history: list) -> dict:

@@ -21,7 +21,12 @@ from psycopg import pq
 from bench.heartbeat_overhead import round_trips  # the counter the benchmark prints
 from costs_app.models import CostEvent
 from sessions_app.heartbeat import heartbeat_execute
-from sessions_app.hot_sql import queued_run_insert_locking, rows_insert_ignoring_conflicts, write_then_read
+from sessions_app.hot_sql import (
+    queued_run_insert_locking,
+    rows_insert_ignoring_conflicts,
+    session_take_run,
+    write_then_read,
+)
 from sessions_app.maintenance import runs_reap, sessions_expire
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
@@ -35,6 +40,7 @@ from sessions_app.models import (
     RunStatus,
     SessionStatus,
 )
+from sessions_app.plan import SESSION_TAKE, take_statement
 from sessions_app.run_queue import (
     CLAIM_READ,
     CLAIM_UPDATE,
@@ -272,6 +278,40 @@ def test_the_compiled_claim_update_is_the_statement_the_orm_writes_for_any_value
         with CaptureQueriesContext(connection) as the_orms:
             queryset.update(**running)
         assert [q["sql"] for q in ours] == [q["sql"] for q in the_orms]
+
+
+def test_the_compiled_take_is_the_statement_the_take_writes_for_any_values(postgres_only, persistent_agent):
+    at = timezone.now()
+    for last_used in (at, at + timedelta(days=400)):
+        values = {
+            "session_id": uuid.uuid4(),
+            "run_id": uuid.uuid4(),
+            "last_used": last_used,
+            "expires_at": last_used + timedelta(hours=24),
+            "pause_at": last_used + timedelta(minutes=5),
+        }
+        assert SESSION_TAKE.statement(**values) == take_statement(SimpleNamespace(**values))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_compiled_take_takes_a_live_session_and_links_its_run_and_takes_nothing_ended(
+    postgres_only, persistent_agent, fake_anthropic
+):
+    first = beat(persistent_agent, "first")
+    session = AgentSession.objects.get(pk=first.session_id)
+    run, _ = heartbeat_enqueue(agent=persistent_agent, task="second", now=timezone.now())
+    at = timezone.now() + timedelta(hours=1)
+    times = {"last_used": at, "expires_at": at + timedelta(hours=24), "pause_at": at + timedelta(minutes=5)}
+
+    assert session_take_run(SESSION_TAKE.statement(session_id=session.pk, run_id=run.id, **times))
+    session.refresh_from_db()
+    assert (session.last_used, session.expires_at, session.pause_at) == tuple(times.values())
+    assert HeartbeatRun.objects.get(pk=run.pk).session_id == session.pk
+
+    AgentSession.objects.filter(pk=session.pk).update(status=SessionStatus.EXPIRED)
+    HeartbeatRun.objects.filter(pk=run.pk).update(session=None)
+    assert not session_take_run(SESSION_TAKE.statement(session_id=session.pk, run_id=run.id, **times))
+    assert HeartbeatRun.objects.get(pk=run.pk).session_id is None
 
 
 def test_the_compiled_claim_update_moves_a_queued_run_to_running_unless_its_credential_is_held(persistent_agent):
