@@ -688,7 +688,8 @@ def _commit_stateless(beat: ClaimedRun, outcome: dict) -> bool:
     )
     if (next_queued := _next_queued_read_after(run)) is not None:
         succeeded, next_queued_rows = update_then_read((running, outcome), next_queued)
-        if succeeded:  # otherwise it was read while the run still ran: it tells nothing of what follows
+        # Unless the run's end was written, the read came while it still ran: it tells nothing.
+        if succeeded and next_queued_rows is not None:
             run.next_queued_read = ReadAhead(NEXT_QUEUED.first_of(next_queued_rows))
     else:
         succeeded = running.update(**outcome)

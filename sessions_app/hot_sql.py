@@ -5,6 +5,7 @@ SQLite's one-writer-at-a-time transactions make unnecessary, only PostgreSQL tak
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -19,9 +20,11 @@ from django.db.models.expressions import RawSQL
 from django.db.models.query import get_related_populators
 from django.db.models.sql.compiler import SQLCompiler
 from psycopg.errors import DivisionByZero
-from psycopg.pq import TransactionStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 
 from sessions_app.models import Agent, AgentStatus, RunStatus
+
+logger = logging.getLogger(__name__)
 
 
 def agent_not_deleted_locked(agent_id) -> RawSQL:
@@ -241,21 +244,23 @@ def queued_run_insert_locking(run: Model, *, agent_id, bound: int, lock: tuple[s
     return inserted
 
 
-def write_then_read(write: tuple[str, list], read: tuple[str, list]) -> tuple[int, list]:
+def write_then_read(write: tuple[str, list], read: tuple[str, list]) -> tuple[int, list | None]:
     """PostgreSQL, outside any transaction: `write` (a statement and its parameters) in a
     transaction of its own, then `read`, in one round trip where they were two; the rows
-    `write` matched and the rows `read` found.
+    `write` matched and the rows `read` found (None when the read failed after the COMMIT:
+    the caller reads again if it needs them).
 
     Guarantee: what running the two one after the other, each autocommitted, guarantees.
     The server runs them in order (BEGIN, `write`, COMMIT, `read`, then one Sync), so `read`
     takes its snapshot after `write` was committed, and sees what any other transaction
     committed before that. A `write` that fails (or whose COMMIT fails) commits nothing and
-    `read` is not run: its error is raised as Django raises it."""
+    `read` is not run: its error is raised as Django raises it. A `read` that fails is never
+    taken for the committed write's failure."""
     (written,), read_rows = _pipelined_transaction([write], read_after=read)
     return written.rowcount, read_rows
 
 
-def update_then_read(update: tuple[QuerySet, dict], read: tuple[str, list]) -> tuple[int, list]:
+def update_then_read(update: tuple[QuerySet, dict], read: tuple[str, list]) -> tuple[int, list | None]:
     """`write_then_read` of the ORM's `queryset.update(**values)` (`update`: the queryset
     and its values) and `read`."""
     return write_then_read(_update_sql(*update), read)
@@ -272,33 +277,48 @@ def _pipelined_transaction(
 ) -> tuple[list[_Ran], list | None]:
     """BEGIN, `statements` and COMMIT sent at once (PostgreSQL's pipeline mode), outside
     any transaction, then `read_after` if given (in a transaction of its own, after the
-    COMMIT); what each statement did, and the rows `read_after` found (None without it)."""
+    COMMIT); what each statement did, and the rows `read_after` found (None without it, or
+    when it failed once the COMMIT had succeeded)."""
     if connection.in_atomic_block:
         raise RuntimeError("a pipelined transaction cannot run inside another")
     connection.ensure_connection()
     raw = connection.connection
     cursors = [connection.cursor() for _ in statements]
     reader = connection.cursor() if read_after is not None else None
+    commit = None
     try:
         with connection.wrap_database_errors, raw.pipeline():
             raw.execute("BEGIN")
             for cursor, (statement, params) in zip(cursors, statements, strict=True):
                 cursor.execute(statement, params)
-            raw.execute("COMMIT")
+            commit = raw.execute("COMMIT")
             if reader is not None:
                 reader.execute(*read_after)
-        ran = [_Ran(cursor.rowcount, cursor.fetchall() if cursor.description else None) for cursor in cursors]
-        return ran, reader.fetchall() if reader is not None else None
+        return _ran(cursors), reader.fetchall() if reader is not None else None
     except Exception:
         # A failed statement leaves the transaction aborted, and one that failed before it
         # was sent leaves it open: the BEGIN outlives the Sync. A broken connection has
         # neither, and Django discards it.
         if raw.info.transaction_status in (TransactionStatus.INERROR, TransactionStatus.INTRANS):
             raw.execute("ROLLBACK")
+        if commit is not None and _committed(commit):
+            logger.warning("A read after a committed write failed; it is read again when needed", exc_info=True)
+            return _ran(cursors), None
         raise
     finally:
         for cursor in [*cursors, *([reader] if reader is not None else [])]:
             cursor.close()
+
+
+def _ran(cursors: list) -> list[_Ran]:
+    return [_Ran(cursor.rowcount, cursor.fetchall() if cursor.description else None) for cursor in cursors]
+
+
+def _committed(commit) -> bool:
+    """Whether the COMMIT sent in a pipeline (its cursor) came back committed: a
+    transaction aborted before it comes back from COMMIT as ROLLBACK, or not at all."""
+    result = commit.pgresult
+    return result is not None and result.status == ExecStatus.COMMAND_OK and commit.statusmessage == "COMMIT"
 
 
 def _queued_run_insert_sql(run: Model, *, agent_id, bound: int) -> tuple[str, list]:

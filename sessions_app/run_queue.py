@@ -517,7 +517,8 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     try:
         if not capped and _plan_reads_at_once(agent):
             claimed, live_rows = write_then_read(claim.statement(**values), LIVE_SESSION.statement(agent.pk))
-            run.live_session_read = ReadAhead(LIVE_SESSION.first_of(live_rows)) if claimed else None
+            if claimed and live_rows is not None:
+                run.live_session_read = ReadAhead(LIVE_SESSION.first_of(live_rows))
         else:
             # One statement is its own transaction; only inside a caller's transaction does
             # the refusal need a savepoint to leave that transaction usable.

@@ -511,6 +511,28 @@ def test_a_read_after_a_write_sees_it_committed_and_is_not_run_when_the_write_fa
         assert cursor.fetchone() == (1,)  # the read after the failed write never ran
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "failing_read",
+    [("SELECT 1 / %s", [0]), ("SELECT %s", [object()])],  # fails at the server; refused before it is sent
+    ids=["at the server", "before it is sent"],
+)
+def test_a_read_that_fails_after_the_commit_leaves_the_write_committed_and_says_so(
+    postgres_only, persistent_agent, failing_read, caplog
+):
+    run = queued_run(persistent_agent)
+    run.save()
+    table = HeartbeatRun._meta.db_table
+    rename = (f'UPDATE "{table}" SET task = %s WHERE id = %s', ["renamed", run.id])  # noqa: S608 (the model's table)
+
+    assert write_then_read(rename, failing_read) == (1, None)  # the write's outcome, no rows
+    assert connection.connection.info.transaction_status == pq.TransactionStatus.IDLE
+    reader = Actor(lambda: HeartbeatRun.objects.get(pk=run.pk).task)
+    reader.start()
+    assert reader.result() == "renamed"
+    assert "A read after a committed write failed" in caplog.text
+
+
 def queued_run(agent, **fields) -> HeartbeatRun:
     return HeartbeatRun(company_id=agent.company_id, agent=agent, task="t", created_at=timezone.now(), **fields)
 
