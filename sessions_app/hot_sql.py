@@ -383,7 +383,7 @@ def turn_and_outcome_update(
     written), None when the session's matched but the run's did not (nor was anything). With
     `read_after`, outside any transaction, that query runs after the statement's COMMIT in
     the same round trip (`write_then_read`), and its rows come second (None when it did not
-    run: under a caller's transaction, or when nothing was written).
+    run, under a caller's transaction or when nothing was written, or when it failed).
 
     Guarantee: both or neither, as in a transaction. The run's UPDATE reads the session's
     RETURNING, so it runs after the session's (the agent's row locked, then the session's,
