@@ -52,6 +52,10 @@ def browser_page():
             page.set_default_timeout(15_000)
             yield page
         finally:
+            # Under Playwright's greenlets the test body gets its own database connection
+            # (connections are per context); close it, or PostgreSQL cannot drop the test
+            # database.
+            connections.close_all()
             browser.close()
 
 
@@ -72,15 +76,7 @@ def api_session_ids(page, live_server, session: AgentSession) -> list[str]:
 def test_operator_reads_and_deletes_a_session_and_sees_costs(
     live_server, browser_page, django_user_model, persistent_agent, stateless_agent
 ):
-    try:
-        operator_journey(live_server, browser_page, django_user_model, persistent_agent, stateless_agent)
-    finally:
-        # Under Playwright's greenlets the test body gets its own database connection
-        # (connections are per context); close it, or PostgreSQL cannot drop the test database.
-        connections.close_all()
-
-
-def operator_journey(live_server, page, django_user_model, persistent_agent, stateless_agent) -> None:
+    page = browser_page
     now = timezone.now()
     history = conversation(4, text="Quarterly plan")
     history[0]["content"] = "Draft the quarterly plan. <script>alert('x')</script>"
@@ -189,53 +185,45 @@ def laptop_page(browser_page):
 def test_sessions_list_keeps_the_columns_an_operator_scans_inside_a_1366_pixel_screen(
     live_server, laptop_page, django_user_model, persistent_agent
 ):
-    try:
-        persistent_agent.name = "Quarterly planning researcher"
-        persistent_agent.save(update_fields=["name"])
-        now = timezone.now()
-        # The widest values each column shows: a live session past its expiry not yet swept,
-        # an expiry long ago, a five-digit message count.
-        make_session(
-            persistent_agent,
-            history=conversation(6, text="Plan"),
-            status=SessionStatus.ACTIVE,
-            expires_at=now - timedelta(days=2),
+    persistent_agent.name = "Quarterly planning researcher"
+    persistent_agent.save(update_fields=["name"])
+    now = timezone.now()
+    # The widest values each column shows: a live session past its expiry not yet swept,
+    # an expiry long ago, a five-digit message count.
+    make_session(
+        persistent_agent,
+        history=conversation(6, text="Plan"),
+        status=SessionStatus.ACTIVE,
+        expires_at=now - timedelta(days=2),
+    )
+    for status in (SessionStatus.EXPIRED, SessionStatus.ENDED):
+        session = make_session(persistent_agent, history=conversation(6, text="Plan"), status=status)
+        AgentSession.objects.filter(pk=session.pk).update(message_count=12_345, expires_at=now - timedelta(days=40))
+    page = laptop_page
+    log_in(page, live_server, django_user_model, "/admin/sessions_app/agentsession/")
+    page.wait_for_selector("#result_list")
+    shot(page, "09-sessions-1366")
+    for column in ("status_now", "message_count", "expires"):
+        cells = page.locator(f"#result_list .field-{column}, #result_list th.column-{column}")
+        assert cells.count() == 4, column
+        # Visible means inside the window and inside the list's scrolling box, which
+        # clips what is wider than the space the sidebars leave.
+        overflow = cells.evaluate_all(
+            """cells => cells.map(cell => {
+                const box = cell.closest('.results').getBoundingClientRect();
+                const right = cell.getBoundingClientRect().right;
+                return right - Math.min(box.right, window.innerWidth);
+            })"""
         )
-        for status in (SessionStatus.EXPIRED, SessionStatus.ENDED):
-            session = make_session(persistent_agent, history=conversation(6, text="Plan"), status=status)
-            AgentSession.objects.filter(pk=session.pk).update(message_count=12_345, expires_at=now - timedelta(days=40))
-        page = laptop_page
-        log_in(page, live_server, django_user_model, "/admin/sessions_app/agentsession/")
-        page.wait_for_selector("#result_list")
-        shot(page, "09-sessions-1366")
-        for column in ("status_now", "message_count", "expires"):
-            cells = page.locator(f"#result_list .field-{column}, #result_list th.column-{column}")
-            assert cells.count() == 4, column
-            # Visible means inside the window and inside the list's scrolling box, which
-            # clips what is wider than the space the sidebars leave.
-            overflow = cells.evaluate_all(
-                """cells => cells.map(cell => {
-                    const box = cell.closest('.results').getBoundingClientRect();
-                    const right = cell.getBoundingClientRect().right;
-                    return right - Math.min(box.right, window.innerWidth);
-                })"""
-            )
-            assert max(overflow) <= 0, (column, overflow)
-    finally:
-        connections.close_all()
+        assert max(overflow) <= 0, (column, overflow)
 
 
 def test_operator_edits_and_reverts_an_agents_memory(live_server, browser_page, django_user_model, persistent_agent):
-    try:
-        memory_journey(live_server, browser_page, django_user_model, persistent_agent)
-    finally:
-        connections.close_all()
-
-
-def memory_journey(live_server, page, django_user_model, agent) -> None:
     from memory_app.models import MemoryFile
     from memory_app.stores import Writer, mounts_for
     from memory_app.tool import StoreMemoryTool
+
+    page, agent = browser_page, persistent_agent
 
     agent.adapter_config = {**agent.adapter_config, "memory": True}
     agent.save()
@@ -346,101 +334,87 @@ def test_every_changelist_fits_a_1366_pixel_screen_with_its_named_columns_in_vie
 ):
     from django.contrib import admin
 
-    try:
-        wide_house(company)
-        page = laptop_page
-        log_in(page, live_server, django_user_model)
-        page.wait_for_selector("#console")
-        problems = []
-        for model in admin.site._registry:
-            path = f"{model._meta.app_label}/{model._meta.model_name}"
-            page.goto(f"{live_server.url}/admin/{path}/")
-            page.wait_for_selector("#changelist")
-            if (sideways := page.evaluate(SIDEWAYS)) > 0:
-                shot(page, f"overflow-{model._meta.model_name}")
-                problems.append(f"{path} scrolls sideways by {sideways}px")
-            for column in NAMED_COLUMNS.get(path, []):
-                cells = page.locator(f"#result_list .field-{column}, #result_list th.column-{column}")
-                if cells.count() < 2:
-                    problems.append(f"{path}: no column {column}")
-                elif max(cells.evaluate_all(OVERFLOW)) > 0:
-                    problems.append(f"{path}: {column} out of view")
-            if path in NAMED_COLUMNS:
-                shot(page, f"12-list-{model._meta.model_name}-1366")
-        assert not problems, problems
-    finally:
-        connections.close_all()
+    wide_house(company)
+    page = laptop_page
+    log_in(page, live_server, django_user_model)
+    page.wait_for_selector("#console")
+    problems = []
+    for model in admin.site._registry:
+        path = f"{model._meta.app_label}/{model._meta.model_name}"
+        page.goto(f"{live_server.url}/admin/{path}/")
+        page.wait_for_selector("#changelist")
+        if (sideways := page.evaluate(SIDEWAYS)) > 0:
+            shot(page, f"overflow-{model._meta.model_name}")
+            problems.append(f"{path} scrolls sideways by {sideways}px")
+        for column in NAMED_COLUMNS.get(path, []):
+            cells = page.locator(f"#result_list .field-{column}, #result_list th.column-{column}")
+            if cells.count() < 2:
+                problems.append(f"{path}: no column {column}")
+            elif max(cells.evaluate_all(OVERFLOW)) > 0:
+                problems.append(f"{path}: {column} out of view")
+        if path in NAMED_COLUMNS:
+            shot(page, f"12-list-{model._meta.model_name}-1366")
+    assert not problems, problems
 
 
 def test_the_console_answers_above_the_fold_at_1366_by_768(live_server, laptop_page, django_user_model, company):
     from tests.admin.test_console import troubled_agent
 
-    try:
-        for index in range(8):
-            agent = troubled_agent(company, f"Agent {index} of the quarterly planning team, northern regions")
-            make_run(agent, status="failed", error_code=f"model_error_kind_{index}_with_a_long_name")
-        page = laptop_page
-        log_in(page, live_server, django_user_model)
-        page.wait_for_selector("#console")
-        shot(page, "13-console-1366x768")
-        tiles = page.locator("#console .pc-tile")
-        assert tiles.count() == 6
-        edges = tiles.evaluate_all(
-            "tiles => tiles.map(t => [t.id, t.getBoundingClientRect().bottom, t.getBoundingClientRect().right])"
-        )
-        assert all(bottom <= 768 and right <= 1366 for _, bottom, right in edges), edges
-        assert page.evaluate("() => document.documentElement.scrollWidth - window.innerWidth") <= 0
-        # Every figure leads somewhere.
-        assert page.locator("#console a[href]").count() >= 20
-        page.click("#pc-failures a:text-is('model_timeout')")
-        page.wait_for_selector("#result_list")
-        assert page.locator("#result_list tbody tr").count() == 8 * 3
-    finally:
-        connections.close_all()
+    for index in range(8):
+        agent = troubled_agent(company, f"Agent {index} of the quarterly planning team, northern regions")
+        make_run(agent, status="failed", error_code=f"model_error_kind_{index}_with_a_long_name")
+    page = laptop_page
+    log_in(page, live_server, django_user_model)
+    page.wait_for_selector("#console")
+    shot(page, "13-console-1366x768")
+    tiles = page.locator("#console .pc-tile")
+    assert tiles.count() == 6
+    edges = tiles.evaluate_all(
+        "tiles => tiles.map(t => [t.id, t.getBoundingClientRect().bottom, t.getBoundingClientRect().right])"
+    )
+    assert all(bottom <= 768 and right <= 1366 for _, bottom, right in edges), edges
+    assert page.evaluate("() => document.documentElement.scrollWidth - window.innerWidth") <= 0
+    # Every figure leads somewhere.
+    assert page.locator("#console a[href]").count() >= 20
+    page.click("#pc-failures a:text-is('model_timeout')")
+    page.wait_for_selector("#result_list")
+    assert page.locator("#result_list tbody tr").count() == 8 * 3
 
 
 def test_a_page_keeps_its_buttons_clear_of_its_heading(live_server, laptop_page, django_user_model, company):
-    try:
-        wide = wide_house(company)
-        wide["agent"].name = "Quarterly planning researcher for the northern European sales regions, " * 2
-        wide["agent"].save()
-        page = laptop_page
-        log_in(page, live_server, django_user_model, f"/admin/sessions_app/agentsession/{wide['session'].pk}/change/")
-        for url, name in (
-            (f"/admin/sessions_app/agentsession/{wide['session'].pk}/change/", "14-session-1366"),
-            (f"/admin/sessions_app/agent/{wide['agent'].pk}/change/", "15-agent-1366"),
-        ):
-            page.goto(f"{live_server.url}{url}")
-            page.wait_for_selector("ul.object-tools")
-            shot(page, name)
-            overlaps = page.evaluate(
-                """() => {
-                    const tools = document.querySelector('ul.object-tools').getBoundingClientRect();
-                    return [...document.querySelectorAll('#content h1, #content h2')].filter(h => {
-                        const text = document.createRange();
-                        text.selectNodeContents(h);
-                        return [...text.getClientRects()].some(t => t.right > tools.left && t.left < tools.right
-                            && t.bottom > tools.top && t.top < tools.bottom);
-                    }).map(h => h.textContent);
-                }"""
-            )
-            assert overlaps == [], (url, overlaps)
-    finally:
-        connections.close_all()
+    wide = wide_house(company)
+    wide["agent"].name = "Quarterly planning researcher for the northern European sales regions, " * 2
+    wide["agent"].save()
+    page = laptop_page
+    log_in(page, live_server, django_user_model, f"/admin/sessions_app/agentsession/{wide['session'].pk}/change/")
+    for url, name in (
+        (f"/admin/sessions_app/agentsession/{wide['session'].pk}/change/", "14-session-1366"),
+        (f"/admin/sessions_app/agent/{wide['agent'].pk}/change/", "15-agent-1366"),
+    ):
+        page.goto(f"{live_server.url}{url}")
+        page.wait_for_selector("ul.object-tools")
+        shot(page, name)
+        overlaps = page.evaluate(
+            """() => {
+                const tools = document.querySelector('ul.object-tools').getBoundingClientRect();
+                return [...document.querySelectorAll('#content h1, #content h2')].filter(h => {
+                    const text = document.createRange();
+                    text.selectNodeContents(h);
+                    return [...text.getClientRects()].some(t => t.right > tools.left && t.left < tools.right
+                        && t.bottom > tools.top && t.top < tools.bottom);
+                }).map(h => h.textContent);
+            }"""
+        )
+        assert overlaps == [], (url, overlaps)
 
 
 def test_an_operator_finds_the_agent_of_a_new_budget_by_typing_its_name(
     live_server, browser_page, django_user_model, company, persistent_agent
 ):
-    try:
-        budget_journey(live_server, browser_page, django_user_model, company, persistent_agent)
-    finally:
-        connections.close_all()
-
-
-def budget_journey(live_server, page, django_user_model, company, agent) -> None:
     from costs_app.models import Budget
     from sessions_app.models import Agent
+
+    page, agent = browser_page, persistent_agent
 
     Agent.objects.bulk_create(Agent(company=company, name=f"helper {n:03}") for n in range(60))
     log_in(page, live_server, django_user_model, "/admin/costs_app/budget/add/")
