@@ -64,7 +64,7 @@ from sessions_app.context import (
     user_turn_content,
 )
 from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure, RunRemoved
-from sessions_app.hot_sql import agent_not_deleted_locked, turn_and_outcome_update, update_then_read
+from sessions_app.hot_sql import agent_not_deleted_locked, pipelines, turn_and_outcome_update, update_then_read
 from sessions_app.keep_warm import keep_warm_arm
 from sessions_app.managed_health import lost_session_note
 from sessions_app.managed_sessions import ManagedSessionHandle, managed_ends_for_sessions
@@ -710,7 +710,7 @@ def _next_queued_read_after(run: HeartbeatRun) -> tuple[str, list] | None:
     COMMIT in the same round trip: on PostgreSQL, outside a transaction, and where the
     release wakes that run (under a cap on runs in progress it wakes the oldest of any
     agent instead)."""
-    if connection.vendor != "postgresql" or connection.in_atomic_block or settings.PAPERCLIP_MAX_CONCURRENT_RUNS:
+    if not pipelines() or settings.PAPERCLIP_MAX_CONCURRENT_RUNS:
         return None
     return NEXT_QUEUED.statement(run.agent_id)
 

@@ -137,7 +137,7 @@ class CompiledStatement:
     statement's parameters (a value the ORM does not pass as a parameter cannot vary; a
     condition on None, which the ORM writes as IS NULL, needs a statement of its own)."""
 
-    def __init__(self, build: Callable[[SimpleNamespace], tuple[str, list]], fields: dict[str, Field]) -> None:
+    def __init__(self, build: Callable[[SimpleNamespace], tuple], fields: dict[str, Field]) -> None:
         self.build, self.fields = build, fields
         self._local = threading.local()
 
@@ -190,9 +190,6 @@ class CompiledUpdate(CompiledStatement):
     queryset and the values to set; its guarantee is the same statement and parameters as
     that `update()`."""
 
-    def __init__(self, build: Callable[[SimpleNamespace], tuple[QuerySet, dict]], fields: dict[str, Field]) -> None:
-        super().__init__(build, fields)
-
     def update(self, **values) -> int:
         """Run the statement with `values`; the number of rows it matched."""
         with connection.cursor() as cursor:
@@ -242,6 +239,12 @@ def queued_run_insert_locking(run: Model, *, agent_id, bound: int, lock: tuple[s
     if inserted:
         run._state.adding, run._state.db = False, connection.alias
     return inserted
+
+
+def pipelines() -> bool:
+    """Whether statements can be sent together here (`write_then_read`,
+    `queued_run_insert_locking`): on PostgreSQL, outside any transaction."""
+    return connection.vendor == "postgresql" and not connection.in_atomic_block
 
 
 def write_then_read(write: tuple[str, list], read: tuple[str, list]) -> tuple[int, list | None]:
@@ -428,7 +431,7 @@ def _session_then_run_execute(
     """Run a statement `_session_then_run_statement` wrote, and `read_after` after it when
     it can (see `turn_and_outcome_update`): the statement's outcome and the read's rows."""
     try:
-        if read_after is not None and not connection.in_atomic_block:
+        if read_after is not None and pipelines():
             (ran,), read_rows = _pipelined_transaction([statement], read_after=read_after)
             ((sessions_matched, _),) = ran.rows
             # Read while the run was still running, the rows say nothing of its end.

@@ -39,6 +39,7 @@ from sessions_app.errors import HeartbeatRefused
 from sessions_app.hot_sql import (
     CompiledLookup,
     CompiledUpdate,
+    pipelines,
     queued_run_insert,
     queued_run_insert_locking,
     write_then_read,
@@ -221,7 +222,7 @@ def _queued_at_once(run: HeartbeatRun, *, agent: Agent) -> bool:
     `heartbeat` command; not a tick, which may merge): the transaction, the queue lock and
     the bounded INSERT in one round trip (`hot_sql.queued_run_insert_locking`). False when
     that does not apply or inserted nothing; the enqueue's transaction then finds out why."""
-    if connection.vendor != "postgresql" or connection.in_atomic_block:
+    if not pipelines():
         return False
     return queued_run_insert_locking(
         run, agent_id=agent.pk, bound=settings.PAPERCLIP_MAX_QUEUED_RUNS, lock=_queue_lock_statement(agent)
@@ -543,12 +544,7 @@ def _plan_reads_at_once(agent: Agent) -> bool:
     in the same round trip (`hot_sql.write_then_read`): on PostgreSQL, outside a
     transaction, for a persistent agent with no work check (a check runs before the plan,
     and may find no work)."""
-    return (
-        connection.vendor == "postgresql"
-        and not connection.in_atomic_block
-        and agent.is_persistent
-        and not agent.adapter_config.get("work_check")
-    )
+    return pipelines() and agent.is_persistent and not agent.adapter_config.get("work_check")
 
 
 def run_place_free(*, agent_id, created_at: datetime) -> bool:
