@@ -29,6 +29,7 @@ from django.utils import timezone
 from costs_app.catalogue import catalogue
 from sessions_app.adapters import AdapterError, AdapterRequest
 from sessions_app.errors import HistoryUnavailable
+from sessions_app.history_json import json_length
 from sessions_app.models import Agent, AgentSession
 
 # The context window of a model the catalogue does not know (or gives none for); the
@@ -107,8 +108,9 @@ def context_settings(agent: Agent, *, now: datetime | None = None) -> ContextSet
 
 
 def estimate_tokens(payload: object) -> int:
-    """About four characters of JSON per token: cheap, and errs on the large side for prose."""
-    return len(json.dumps(payload, ensure_ascii=False)) // 4 + 1
+    """About four characters of JSON per token: cheap, and errs on the large side for prose.
+    Every persistent heartbeat measures its whole request so (`history_json.json_length`)."""
+    return json_length(payload) // 4 + 1
 
 
 def input_tokens_bound(payload: object) -> int:

@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
+from types import SimpleNamespace
 from typing import Protocol
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F
 from django.utils import timezone
 
 from costs_app.budgets import (
@@ -42,6 +42,13 @@ from sessions_app.adapters.base import ApprovalNeeded, QuotaRefused
 from sessions_app.approvals import approval_park
 from sessions_app.batch_delivery import BatchParked, batch_park
 from sessions_app.cli_transcripts import SessionTranscripts
+from sessions_app.commit_sql import (
+    STATELESS_OUTCOME,
+    TURN_AND_OUTCOME,
+    outcome_values,
+    session_turn_update,
+    turn_values,
+)
 from sessions_app.compaction import (
     BeforeCall,
     SummaryAwaited,
@@ -64,7 +71,7 @@ from sessions_app.context import (
     user_turn_content,
 )
 from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure, RunRemoved
-from sessions_app.hot_sql import agent_not_deleted_locked, pipelines, turn_and_outcome_update, update_then_read
+from sessions_app.hot_sql import pipelines, turn_and_outcome_run, write_then_read
 from sessions_app.keep_warm import keep_warm_arm
 from sessions_app.managed_health import lost_session_note
 from sessions_app.managed_sessions import ManagedSessionHandle, managed_ends_for_sessions
@@ -643,8 +650,9 @@ def _commit_appended(
 ) -> bool:
     """7. commit, PostgreSQL, for a turn appended to the session the plan resumed (the
     common persistent heartbeat): the session's UPDATE and the run's in one statement
-    (`hot_sql.turn_and_outcome_update`), with the checks and locks of the transaction
-    `_commit` writes and the same outcomes; the history published after it."""
+    (`hot_sql.turn_and_outcome_run`, compiled once: `commit_sql.TURN_AND_OUTCOME`), with the
+    checks and locks of the transaction `_commit` writes and the same outcomes; the history
+    published after it."""
     run, session = beat.run, plan.session
     staged = NOTHING_STAGED
     try:
@@ -653,11 +661,9 @@ def _commit_appended(
         )
         turn = _turn(beat, plan, reply, counts, turns=turns, finished=finished, replayed=replayed)
         outcome = _run_outcome(session, reply, counts, beat.calls.cost_usd, finished=finished, replayed=replayed)
-        assigned, added, session_update = _session_append_update(beat.agent, session, plan, staged, turn)
-        run_update = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING)
-        written, next_queued = turn_and_outcome_update(
-            session_update, (run_update, outcome), read_after=_next_queued_read_after(run)
-        )
+        assigned, added, values = _session_append_values(beat.agent, session, plan, staged, turn)
+        statement = TURN_AND_OUTCOME.statement(**values, **outcome_values(run_id=run.id, outcome=outcome))
+        written, next_queued = turn_and_outcome_run(statement, read_after=_next_queued_read_after(run))
         if next_queued is not None:
             run.next_queued_read = ReadAhead(NEXT_QUEUED.first_of(next_queued))
         if written is None:
@@ -681,18 +687,16 @@ def _commit_stateless(beat: ClaimedRun, outcome: dict) -> bool:
     """7. commit, for a run with no session and no runtime state to keep: the run's success
     is one statement, its agent's row locked as the transaction above locks it (a deletion
     commits first and the run fails `agent_deleted`, or waits for this one). Why a statement
-    updated nothing is read only then."""
+    updated nothing is read only then. Compiled once (`commit_sql.STATELESS_OUTCOME`)."""
     run, agent = beat.run, beat.agent
-    running = HeartbeatRun.objects.filter(id=run.id, status=RunStatus.RUNNING).filter(
-        agent_not_deleted_locked(agent.pk)
-    )
+    values = {"agent_id": agent.pk, **outcome_values(run_id=run.id, outcome=outcome)}
     if (next_queued := _next_queued_read_after(run)) is not None:
-        succeeded, next_queued_rows = update_then_read((running, outcome), next_queued)
+        succeeded, next_queued_rows = write_then_read(STATELESS_OUTCOME.statement(**values), next_queued)
         # Unless the run's end was written, the read came while it still ran: it tells nothing.
         if succeeded and next_queued_rows is not None:
             run.next_queued_read = ReadAhead(NEXT_QUEUED.first_of(next_queued_rows))
     else:
-        succeeded = running.update(**outcome)
+        succeeded = STATELESS_OUTCOME.update(**values)
     if not succeeded:
         alive = Agent.objects.filter(pk=agent.pk).exclude(status=AgentStatus.DELETED).exists()
         if alive:
@@ -814,37 +818,39 @@ def _appends_only(agent: Agent, plan: Plan, reply: AdapterReply) -> bool:
 
 def _session_append(*, agent: Agent, session: AgentSession, plan: Plan, staged: StagedHistory, turn: dict) -> None:
     """Inside the commit transaction: the turn recorded on the resumed session in one
-    UPDATE (`_session_append_update`), which is the checks `_session_for_answer` makes and
-    the save in one statement."""
-    assigned, added, (queryset, fields) = _session_append_update(agent, session, plan, staged, turn)
+    UPDATE (`commit_sql.session_turn_update`), which is the checks `_session_for_answer`
+    makes and the save in one statement."""
+    assigned, added, values = _session_append_values(agent, session, plan, staged, turn)
+    queryset, fields = session_turn_update(SimpleNamespace(**values))
     if not queryset.update(**fields):
         _session_refusal(agent=agent, session_id=session.pk)
     _session_turn_set(session, assigned, added)
 
 
-def _session_append_update(agent: Agent, session: AgentSession, plan: Plan, staged: StagedHistory, turn: dict):
-    """The UPDATE that records a turn on the resumed session: what it assigns, what it adds,
-    and the queryset and values of the statement.
+def _session_append_values(agent: Agent, session: AgentSession, plan: Plan, staged: StagedHistory, turn: dict):
+    """What the UPDATE that records a turn on the resumed session assigns, what it adds, and
+    the statement's values (`commit_sql.turn_values`).
 
     Its condition locks the agent's row first (`hot_sql.agent_not_deleted_locked`), as the
     SELECT ... FOR NO KEY UPDATE of the general path does, then the session's row (the
     UPDATE's own lock, before the run's row, the order `run_fail` takes them in), and holds
     both to the COMMIT. Once the locks are granted PostgreSQL re-reads both rows, so a
     deletion, an end of the session or another writer's turn committed meanwhile makes it
-    match nothing: then, and only then, one read says which. Counters are added to the row
-    as it is, never written back from what the plan read: the session's hours may be
-    billed (`unbilled_active_seconds` zeroed) while the model answers."""
+    match nothing: then, and only then, one read says which. The turns were numbered and
+    the history staged from what the plan read, which the condition requires the row to
+    hold still. Counters are added to the row as it is, never written back from what the
+    plan read: the session's hours may be billed (`unbilled_active_seconds` zeroed) while
+    the model answers."""
     assigned, added = session.turn_changes(**turn)
-    fields = {name: getattr(session, name) for name in staged.fields}
-    fields |= assigned | {name: F(name) + value for name, value in added.items()}
-    queryset = AgentSession.objects.filter(
-        pk=session.pk,
-        status__in=LIVE_SESSION_STATUSES,
-        # The turns were numbered and the history staged from what the plan read.
-        message_count=len(plan.history),
-        next_seq=session.next_seq,
-    ).filter(agent_not_deleted_locked(agent.pk))
-    return assigned, added, (queryset, fields)
+    values = turn_values(
+        agent_id=agent.pk,
+        session=session,
+        message_count_was=len(plan.history),
+        staged=staged,
+        assigned=assigned,
+        added=added,
+    )
+    return assigned, added, values
 
 
 def _session_turn_set(session: AgentSession, assigned: dict, added: dict) -> None:

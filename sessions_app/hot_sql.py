@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from types import SimpleNamespace
 
 from django.db import DataError, connection, transaction
@@ -21,6 +22,7 @@ from django.db.models.query import get_related_populators
 from django.db.models.sql.compiler import SQLCompiler
 from psycopg.errors import DivisionByZero
 from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.types.json import Jsonb
 
 from sessions_app.models import Agent, AgentStatus, RunStatus
 
@@ -125,24 +127,31 @@ class CompiledLookup:
 
 class CompiledStatement:
     """A statement `build(values)` writes (its SQL and parameters, from the ORM's querysets,
-    taking each varying value from `values`, a namespace of the names `fields` lists),
-    compiled once per database connection, then run with other values each time. `fields`
-    names the model field that prepares each value, as the ORM would.
+    taking each varying value from `values`, a namespace), compiled once per database
+    connection and shape, then run with other values each time. `fields` names the model
+    field that prepares each value, as the ORM would: a dict of the names the statement
+    takes, or, for a statement whose names vary from run to run (the fields a turn sets),
+    a function from any name to its field.
 
     Guarantee: the same statement and parameters as `build` writes with the same values
     (Django compiles a queryset's SQL on every run: the claim's UPDATE, its filters and the
-    quota hold's subquery, took about 0.65 ms; the take's two UPDATEs about 0.8,
-    bench/RESULTS.md). Only for statements whose other parameters are constants: `build` is
-    called once, with a placeholder for each value, and each placeholder must show among the
-    statement's parameters (a value the ORM does not pass as a parameter cannot vary; a
-    condition on None, which the ORM writes as IS NULL, needs a statement of its own)."""
+    quota hold's subquery, took about 0.65 ms; the take's two UPDATEs about 0.8, and the
+    turn's and its run's outcome 1.1, bench/RESULTS.md). `build` is called once per shape,
+    with a placeholder for each value, and each placeholder must show among the statement's
+    parameters (a value the ORM does not pass as a parameter cannot vary). The shape is the
+    names given and every value that is None or a boolean: the ORM writes None as NULL and
+    a condition on it as IS NULL, and a boolean cannot be told apart from the statement's
+    own constants, so each such value is compiled as the constant it is."""
 
-    def __init__(self, build: Callable[[SimpleNamespace], tuple], fields: dict[str, Field]) -> None:
-        self.build, self.fields = build, fields
+    def __init__(self, build: Callable[[SimpleNamespace], tuple], fields: dict[str, Field] | Callable[[str], Field]):
+        self.build = build
+        self.names = frozenset(fields) if isinstance(fields, dict) else None  # None: any
+        self.field_of = fields.__getitem__ if isinstance(fields, dict) else fields
         self._local = threading.local()
 
     def statement(self, **values) -> tuple[str, list]:
         """The statement's SQL and parameters with `values`."""
+        values = self._taken(values)
         sql_, params, slots = self._compiled(values)
         params = list(params)
         for name, positions in slots.items():
@@ -151,23 +160,30 @@ class CompiledStatement:
                 params[position] = prepared
         return sql_, params
 
+    def _taken(self, values: dict) -> dict:
+        """The values the statement takes (a dict of fields names them; the others are not its)."""
+        if self.names is None:
+            return values
+        return {name: value for name, value in values.items() if name in self.names}
+
     def _written(self, placeholders: SimpleNamespace) -> tuple[str, list]:
         return self.build(placeholders)
 
     def _prepared(self, name: str, value):
-        return self.fields[name].get_db_prep_save(value, connection)
+        return self.field_of(name).get_db_prep_save(value, connection)
 
     def _compiled(self, values: dict) -> tuple[str, tuple, dict[str, list[int]]]:
         cache = self._local.__dict__.setdefault("by_alias", {})
-        key = connection.alias
+        key = (connection.alias, _shape(values))
         compiled = cache.get(key)
         if compiled is None:
-            placeholders = {name: self._placeholder(name, values[name]) for name in self.fields}
-            sql_, params = self._written(SimpleNamespace(**placeholders))
+            varying = {name: value for name, value in values.items() if not _is_constant(value)}
+            placeholders = {name: self._placeholder(name, value) for name, value in varying.items()}
+            sql_, params = self._written(SimpleNamespace(**{**values, **placeholders}))
             slots = {}
             for name, placeholder in placeholders.items():
-                prepared = self._prepared(name, placeholder)
-                slots[name] = [i for i, value in enumerate(params) if value == prepared]
+                prepared = _comparable(self._prepared(name, placeholder))
+                slots[name] = [i for i, value in enumerate(params) if _comparable(value) == prepared]
                 if not slots[name]:
                     raise ValueError(f"the statement does not take {name} as a parameter")
             compiled = cache[key] = (sql_, tuple(params), slots)
@@ -176,13 +192,40 @@ class CompiledStatement:
     @staticmethod
     def _placeholder(name: str, example):
         """A value of `example`'s type that no constant of the statement can equal."""
+        unique = uuid.uuid4()
         if isinstance(example, uuid.UUID):
-            return uuid.uuid4()
+            return unique
         if isinstance(example, datetime):
-            return datetime(2999, 1, 1, tzinfo=UTC) + timedelta(microseconds=uuid.uuid4().int % 10**12)
+            return datetime(2999, 1, 1, tzinfo=UTC) + timedelta(microseconds=unique.int % 10**12)
         if isinstance(example, str):
-            return f"placeholder {name} {uuid.uuid4()}"
+            return f"placeholder {name} {unique}"
+        if isinstance(example, int):
+            # Within every integer column's range: Django takes a lookup beyond it for one
+            # that can never match, and writes no parameter for it.
+            return 10**9 + unique.int % 10**9
+        if isinstance(example, float):
+            return 10.0**12 + (unique.int % 10**9) / 1024
+        if isinstance(example, Decimal):
+            return Decimal(10**6 + unique.int % 10**6) + Decimal(unique.int % 10**8) / 10**8
+        if isinstance(example, list):
+            return [f"placeholder {name} {unique}"]
+        if isinstance(example, dict):
+            return {"placeholder": f"{name} {unique}"}
         raise TypeError(f"{name}: no placeholder for a {type(example).__name__}")
+
+
+def _is_constant(value) -> bool:
+    return value is None or isinstance(value, bool)
+
+
+def _shape(values: dict) -> tuple:
+    """What a compiled statement is kept under: its names, and its None and boolean values."""
+    return tuple(sorted((name, value if _is_constant(value) else "") for name, value in values.items()))
+
+
+def _comparable(param):
+    """A parameter as it compares: a JSON value by what it holds (psycopg's `Jsonb` wraps it)."""
+    return ("json", param.obj) if isinstance(param, Jsonb) else param
 
 
 class CompiledUpdate(CompiledStatement):
@@ -261,12 +304,6 @@ def write_then_read(write: tuple[str, list], read: tuple[str, list]) -> tuple[in
     taken for the committed write's failure."""
     (written,), read_rows = _pipelined_transaction([write], read_after=read)
     return written.rowcount, read_rows
-
-
-def update_then_read(update: tuple[QuerySet, dict], read: tuple[str, list]) -> tuple[int, list | None]:
-    """`write_then_read` of the ORM's `queryset.update(**values)` (`update`: the queryset
-    and its values) and `read`."""
-    return write_then_read(_update_sql(*update), read)
 
 
 @dataclass(frozen=True)
@@ -377,11 +414,16 @@ def _update_sql(queryset: QuerySet, values: dict) -> tuple[str, list]:
     return statement, list(params)
 
 
-def turn_and_outcome_update(
-    session: tuple[QuerySet, dict], run: tuple[QuerySet, dict], *, read_after: tuple[str, list] | None = None
+def turn_and_outcome_statement(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> tuple[str, list]:
+    """The SQL and parameters of `turn_and_outcome_run`: the UPDATE of a session (its turn)
+    and the UPDATE of the run (its outcome), each a queryset and its values."""
+    return _session_then_run_statement(session, run, names=("turn", "outcome"))
+
+
+def turn_and_outcome_run(
+    statement: tuple[str, list], *, read_after: tuple[str, list] | None = None
 ) -> tuple[bool | None, list | None]:
-    """PostgreSQL: the UPDATE of a session (its turn) and the UPDATE of the run (its
-    outcome), each a queryset and its values, in one statement, its own transaction: True
+    """PostgreSQL: run the statement `turn_and_outcome_statement` wrote, its own transaction: True
     when both matched, False when the session's matched nothing (and so nothing was
     written), None when the session's matched but the run's did not (nor was anything). With
     `read_after`, outside any transaction, that query runs after the statement's COMMIT in
@@ -395,14 +437,13 @@ def turn_and_outcome_update(
     session updated beside a run that is no longer running is undone by failing the whole
     statement (a division by zero, at run time, on that case only). One round trip where
     the transaction it replaces took four, and the release's read a fifth."""
-    statement = _session_then_run_statement(session, run, names=("turn", "outcome"))
     return _session_then_run_execute(statement, read_after=read_after)
 
 
 def session_take_update(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> bool | None:
     """PostgreSQL: a heartbeat takes the session it resumes (the session's UPDATE, conditional
     on its still being live) and links its run to it (the run's UPDATE) in one autocommitted
-    statement, with the outcomes of `turn_and_outcome_update`.
+    statement, with the outcomes of `turn_and_outcome_run`.
 
     Guarantee: no moment exists at which the session is taken and its run not linked, or
     the reverse, so the sweeps, which skip sessions with a running run linked and re-check
@@ -429,7 +470,7 @@ def _session_then_run_execute(
     statement: tuple[str, list], *, read_after: tuple[str, list] | None = None
 ) -> tuple[bool | None, list | None]:
     """Run a statement `_session_then_run_statement` wrote, and `read_after` after it when
-    it can (see `turn_and_outcome_update`): the statement's outcome and the read's rows."""
+    it can (see `turn_and_outcome_run`): the statement's outcome and the read's rows."""
     try:
         if read_after is not None and pipelines():
             (ran,), read_rows = _pipelined_transaction([statement], read_after=read_after)

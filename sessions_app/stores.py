@@ -59,6 +59,9 @@ class StagedHistory:
     """
 
     fields: tuple[str, ...] = ()
+    # The turns the row's own statement appends to its history (`history || new`), when
+    # the store writes them so; the row's field then holds that expression.
+    appended: list | None = None
 
     def publish(self) -> None:
         pass
@@ -105,6 +108,9 @@ class InRow(StagedHistory):
 
     fields = ("history",)
 
+    def __init__(self, *, appended: list | None = None) -> None:
+        self.appended = appended
+
 
 class DatabaseStore(HistoryBackend):
     name = HistoryStore.DATABASE
@@ -127,8 +133,8 @@ class DatabaseStore(HistoryBackend):
         make each turn cost as much as the whole session."""
         if connection.vendor == "postgresql":
             session.history = JSONAppend(F("history"), Value(new, output_field=models.JSONField()))
-        else:
-            session.history = history + new
+            return InRow(appended=new)
+        session.history = history + new
         return InRow()
 
     def delete(self, session: AgentSession) -> None:

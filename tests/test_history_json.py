@@ -7,7 +7,7 @@ import json
 import pytest
 from django.db import connection, models
 
-from sessions_app.history_json import history_dumps, history_loads
+from sessions_app.history_json import history_dumps, history_loads, json_length
 from sessions_app.models import AgentSession
 
 HISTORY = [
@@ -55,3 +55,17 @@ def test_the_history_column_reads_what_django_s_jsonfield_reads(text):
     assert repr(history.from_db_value(text, None, connection)) == repr(
         models.JSONField().from_db_value(text, None, connection)
     )
+
+
+def test_json_length_counts_what_json_dumps_writes():
+    request = {
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        "messages": HISTORY,
+    }
+    for value in (HISTORY, request, [], {}, {"a": {"b": [[], {}]}}, "plain"):
+        assert json_length(value) == len(json.dumps(value, ensure_ascii=False))
+
+
+def test_json_length_of_what_msgspec_refuses_is_json_dumps_own():
+    lone_surrogate = [{"role": "user", "content": "half a pair: \ud800"}]
+    assert json_length(lone_surrogate) == len(json.dumps(lone_surrogate, ensure_ascii=False))

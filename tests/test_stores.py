@@ -341,7 +341,7 @@ def test_connection_terminated_during_the_commit_leaves_the_history_file_whole(
 ):
     """Killed at the commit's very end, after the statement (and the staged history file)
     succeeded: on PostgreSQL a resumed session's turn and the run's outcome are one
-    statement (`hot_sql.turn_and_outcome_update`), its COMMIT sent with it, held open here
+    statement (`hot_sql.turn_and_outcome_run`), its COMMIT sent with it, held open here
     by a deferred trigger, which runs as it commits. It never commits, so the file must not
     move either."""
     settings.PAPERCLIP_SESSION_STORE = "file"
