@@ -18,6 +18,7 @@ from django.db.models import OuterRef, Subquery, Sum
 
 from costs_app.models import CostEvent, CostKind, Delivery
 from costs_app.pricing import call_price, ledger_usd, token_counts
+from sessions_app.hot_sql import row_insert
 
 
 def ledger_write(event: CostEvent) -> CostEvent:
@@ -28,7 +29,7 @@ def ledger_write(event: CostEvent) -> CostEvent:
     of billing twice.
     """
     if event.run_id is None or event.call_number is None:
-        event.save(force_insert=True)
+        row_insert(event)
         return event
     try:
         # The unique (company, run, call) index decides, in the same round trip as the
@@ -36,7 +37,7 @@ def ledger_write(event: CostEvent) -> CostEvent:
         # transaction the insert is one statement; inside one, a savepoint keeps the
         # caller's transaction usable after a refusal.
         with transaction.atomic() if connection.in_atomic_block else nullcontext():
-            event.save(force_insert=True)
+            row_insert(event)
     except IntegrityError:
         existing = CostEvent.objects.filter(
             company_id=event.company_id, run_id=event.run_id, call_number=event.call_number

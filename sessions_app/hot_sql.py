@@ -5,6 +5,7 @@ SQLite's one-writer-at-a-time transactions make unnecessary, only PostgreSQL tak
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import uuid
@@ -19,6 +20,7 @@ from django.db import DataError, connection, transaction
 from django.db.models import BooleanField, Field, Model, QuerySet, sql
 from django.db.models.expressions import RawSQL
 from django.db.models.query import get_related_populators
+from django.db.models.signals import post_save, pre_save
 from django.db.models.sql.compiler import SQLCompiler
 from psycopg.errors import DivisionByZero
 from psycopg.pq import ExecStatus, TransactionStatus
@@ -374,6 +376,42 @@ def _queued_run_insert_sql(run: Model, *, agent_id, bound: int) -> tuple[str, li
     )
     agent_key = meta.get_field("agent").target_field.get_db_prep_value(agent_id, connection)
     return sql, [*values, agent_key, RunStatus.QUEUED, bound]
+
+
+def row_insert(row: Model) -> None:
+    """INSERT `row` (new, unsaved, keyed by an auto field) and give it the key the database
+    gave it: the ledger's write on every call.
+
+    Guarantee: what `row.save(force_insert=True)` writes, in one statement (its own
+    transaction outside one), as Django writes it but compiled once per model and database
+    (Django compiling it took about 0.3 ms of each call's bill, bench/RESULTS.md); a
+    constraint's refusal raises Django's IntegrityError as save() does. A model whose saves
+    something listens to (pre_save, post_save) is saved by save(), so no receiver is ever
+    skipped."""
+    model = type(row)
+    if pre_save.has_listeners(model) or post_save.has_listeners(model):
+        row.save(force_insert=True)
+        return
+    meta = row._meta
+    fields = [field for field in meta.concrete_fields if field is not meta.auto_field]
+    values = [field.get_db_prep_save(field.pre_save(row, add=True), connection) for field in fields]
+    with connection.cursor() as cursor:
+        cursor.execute(_insert_returning_key(model, connection.vendor), values)
+        (key,) = cursor.fetchone()
+    setattr(row, meta.auto_field.attname, key)
+    row._state.adding, row._state.db = False, connection.alias
+
+
+@functools.cache
+def _insert_returning_key(model: type[Model], vendor: str) -> str:
+    meta = model._meta
+    fields = [field for field in meta.concrete_fields if field is not meta.auto_field]
+    quote = connection.ops.quote_name
+    columns = ", ".join(quote(field.column) for field in fields)
+    return (
+        f"INSERT INTO {quote(meta.db_table)} ({columns}) VALUES ({', '.join(['%s'] * len(fields))}) "  # noqa: S608
+        f"RETURNING {quote(meta.auto_field.column)}"
+    )
 
 
 def rows_insert_ignoring_conflicts(rows: list[Model]) -> None:

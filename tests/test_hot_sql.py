@@ -10,10 +10,12 @@ from __future__ import annotations
 import threading
 import uuid
 from datetime import timedelta
+from decimal import Decimal
 from types import SimpleNamespace
 
 import pytest
 from django.db import DataError, IntegrityError, ProgrammingError, connection, transaction
+from django.db.models.signals import post_save
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from psycopg import pq
@@ -23,6 +25,7 @@ from costs_app.models import CostEvent
 from sessions_app.heartbeat import heartbeat_execute
 from sessions_app.hot_sql import (
     queued_run_insert_locking,
+    row_insert,
     rows_insert_ignoring_conflicts,
     session_take_run,
     write_then_read,
@@ -416,6 +419,61 @@ def test_one_row_is_one_statement_and_a_row_already_there_is_skipped(company, dj
         0,
         None,
     )
+
+
+def ledger_row(agent: Agent, run_id, *, call_number: int = 1, at=None) -> CostEvent:
+    return CostEvent(
+        company_id=agent.company_id,
+        agent_id=agent.id,
+        run_id=run_id,
+        call_number=call_number,
+        model="claude-haiku-4-5",
+        input_tokens=12,
+        output_tokens=7,
+        cost_usd=Decimal("0.0000123456"),
+        price_source="library 1",
+        message_id="msg_1",
+        raw_usage={"input_tokens": 12, "output_tokens": 7},
+        created_at=at or timezone.now(),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_row_inserted_is_the_row_save_writes_in_one_statement(stateless_agent, django_assert_num_queries):
+    run_id, at = uuid.uuid4(), timezone.now()
+    saved = ledger_row(stateless_agent, run_id, call_number=1, at=at)
+    inserted = ledger_row(stateless_agent, run_id, call_number=2, at=at)
+    saved.save(force_insert=True)
+    with django_assert_num_queries(1):  # no BEGIN and COMMIT around it
+        row_insert(inserted)
+
+    assert inserted.pk is not None and inserted.pk != saved.pk and not inserted._state.adding
+    columns = [field.attname for field in CostEvent._meta.concrete_fields if field.attname not in ("id", "call_number")]
+    written = CostEvent.objects.filter(pk__in=[saved.pk, inserted.pk]).order_by("call_number").values(*columns)
+    assert written[0] == written[1]
+
+
+def test_a_row_the_ledger_s_constraint_refuses_raises_and_leaves_the_transaction_usable(stateless_agent):
+    run_id = uuid.uuid4()
+    row_insert(ledger_row(stateless_agent, run_id))
+    with pytest.raises(IntegrityError), transaction.atomic():
+        row_insert(ledger_row(stateless_agent, run_id))
+    assert CostEvent.objects.filter(run_id=run_id).count() == 1
+
+
+def test_a_row_whose_saves_are_listened_to_is_saved_by_save(stateless_agent):
+    heard = []
+
+    def receiver(sender, instance, created, **kwargs):
+        heard.append((instance.pk, created))
+
+    post_save.connect(receiver, sender=CostEvent)
+    try:
+        row = ledger_row(stateless_agent, uuid.uuid4())
+        row_insert(row)
+    finally:
+        post_save.disconnect(receiver, sender=CostEvent)
+    assert heard == [(row.pk, True)]
 
 
 @pytest.mark.django_db(transaction=True)
