@@ -29,7 +29,7 @@ from django.utils import timezone
 from costs_app.catalogue import catalogue
 from sessions_app.adapters import AdapterError, AdapterRequest
 from sessions_app.errors import HistoryUnavailable
-from sessions_app.history_json import json_length
+from sessions_app.history_json import json_length, json_size
 from sessions_app.models import Agent, AgentSession
 
 # The context window of a model the catalogue does not know (or gives none for); the
@@ -116,8 +116,10 @@ def estimate_tokens(payload: object) -> int:
 def input_tokens_bound(payload: object) -> int:
     """The most tokens `payload` can be: no token covers less than one byte of UTF-8 (the
     JSON's keys and quotes more than pay for the few tokens the API adds per message).
-    About four times the estimate for English; exact enough to reserve against."""
-    return len(json.dumps(payload, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    About four times the estimate for English; exact enough to reserve against. A float
+    may be counted a byte shorter than `json.dumps` writes it (`1e20` for `1e+20`), which
+    the keys and quotes around it more than pay for (`history_json.json_size`)."""
+    return json_size(payload)
 
 
 # Input the API bills for a request that offers tools but that is not in its bytes, so no

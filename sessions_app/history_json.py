@@ -43,6 +43,20 @@ def json_length(value) -> int:
     (`0.00001` for `1e-05`); what msgspec refuses (a lone surrogate) is counted from
     `json.dumps` itself."""
     try:
-        return len(msgspec.json.format(_encode(value), indent=0).decode())
+        return len(_spaced(value).decode())
     except (msgspec.EncodeError, UnicodeEncodeError, TypeError):
         return len(json.dumps(value, ensure_ascii=False))
+
+
+def json_size(value) -> int:
+    """The UTF-8 bytes of `json.dumps(value, ensure_ascii=False)`, counted as `json_length`
+    counts its characters (a lone surrogate as the three bytes `surrogatepass` writes)."""
+    try:
+        return len(_spaced(value))
+    except (msgspec.EncodeError, UnicodeEncodeError, TypeError):
+        return len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+
+
+def _spaced(value) -> bytes:
+    """msgspec's JSON of `value` with `json.dumps`'s spaces (", " and ": ")."""
+    return msgspec.json.format(_encode(value), indent=0)

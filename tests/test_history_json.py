@@ -7,7 +7,7 @@ import json
 import pytest
 from django.db import connection, models
 
-from sessions_app.history_json import history_dumps, history_loads, json_length
+from sessions_app.history_json import history_dumps, history_loads, json_length, json_size
 from sessions_app.models import AgentSession
 
 HISTORY = [
@@ -57,15 +57,18 @@ def test_the_history_column_reads_what_django_s_jsonfield_reads(text):
     )
 
 
-def test_json_length_counts_what_json_dumps_writes():
+def test_json_length_and_size_count_what_json_dumps_writes():
     request = {
         "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
         "messages": HISTORY,
     }
     for value in (HISTORY, request, [], {}, {"a": {"b": [[], {}]}}, "plain"):
-        assert json_length(value) == len(json.dumps(value, ensure_ascii=False))
+        written = json.dumps(value, ensure_ascii=False)
+        assert (json_length(value), json_size(value)) == (len(written), len(written.encode()))
 
 
-def test_json_length_of_what_msgspec_refuses_is_json_dumps_own():
+def test_json_length_and_size_of_what_msgspec_refuses_are_json_dumps_own():
     lone_surrogate = [{"role": "user", "content": "half a pair: \ud800"}]
-    assert json_length(lone_surrogate) == len(json.dumps(lone_surrogate, ensure_ascii=False))
+    written = json.dumps(lone_surrogate, ensure_ascii=False)
+    assert json_length(lone_surrogate) == len(written)
+    assert json_size(lone_surrogate) == len(written.encode("utf-8", "surrogatepass"))
