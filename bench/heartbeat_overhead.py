@@ -14,8 +14,7 @@ emptied first. Measured at turn 1 (stateless) and at turns 200+ of a persistent 
 (the bare SDK replays those very requests), and at turns 2+ of a young persistent session,
 so that turn 200's figure can be told apart into what keeping a session costs and what its
 length adds. FAKE_LATENCY_MS=200 makes the fake answer like a (fast) model would, for the
-overhead as an operator sees it. The database is ANALYZEd before each line, as autovacuum
-keeps a production database analyzed (BENCH_ANALYZE=0: measured on the statistics found).
+overhead as an operator sees it.
 
 Each line also prints the overhead per heartbeat: the engine's time per call minus the
 bare SDK's, in the same round (median over rounds). The goals (issue 29): at 200 ms,
@@ -138,7 +137,6 @@ def main() -> None:
 
     def measure(agent, n: int) -> Figures:
         nonlocal bodies
-        statistics_refreshed()
         engine_rates, bare_rates = [], []
         for _ in range(ROUNDS):
             engine_requests()  # skip what came before this round
@@ -191,7 +189,7 @@ def main() -> None:
     prepared = "on" if connection.settings_dict.get("OPTIONS", {}).get("server_side_binding") else "off"
     print(
         f"store={store_for(session).name} fake latency={latency:g} ms rounds={ROUNDS} per_round={PER_ROUND} "
-        f"prepared statements={prepared} planner statistics={STATISTICS}"
+        f"prepared statements={prepared}"
     )
     print(
         "database round trips per heartbeat, enqueue to release (counted by libpq's trace): "
@@ -254,25 +252,6 @@ class Figures:
         self.overhead_ms = statistics.median(
             1000 / ours - 1000 / theirs for ours, theirs in zip(engine_rates, bare_rates, strict=True)
         )
-
-
-# BENCH_ANALYZE=0: measure on whatever statistics the database has (autovacuum's, if it runs).
-STATISTICS = "ANALYZE before each line" if os.environ.get("BENCH_ANALYZE", "1") != "0" else "as found"
-
-
-def statistics_refreshed() -> None:
-    """ANALYZE the database (PostgreSQL) before a line is measured, as autovacuum keeps a
-    production database analyzed: this bench empties and refills its tables, and where
-    autovacuum is off (as on the machines these figures come from) the planner goes on
-    with what it last saw. With an agent's runs estimated at 3 where there were 290, the
-    claim's read sorted them all for each recent wake it reads (0.70 ms against 0.12 ms
-    with the statistics fresh, bench/RESULTS.md, 2026-12-06 20:40)."""
-    from django.db import connection
-
-    if STATISTICS == "as found" or connection.vendor != "postgresql":
-        return
-    with connection.cursor() as cursor:
-        cursor.execute("ANALYZE")
 
 
 def round_trips(action) -> int:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "paperclip.settings")
 os.environ.setdefault("PAPERCLIP_HOME", str(ROOT / ".paperclip" / "bench"))
 
-from bench.heartbeat_overhead import STATISTICS, ensure_database, round_trips, statistics_refreshed  # noqa: E402
+from bench.heartbeat_overhead import ensure_database, round_trips  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
 PER_ROUND = int(os.environ.get("BENCH_PER_ROUND", "10"))
@@ -74,10 +74,7 @@ def main() -> None:
         fake.terminate()
         fake.wait()
     database = "postgresql" if postgres else "sqlite"
-    print(
-        f"database={database} fake latency={latency} ms per model request rounds={ROUNDS} per_round={PER_ROUND} "
-        f"planner statistics={STATISTICS if postgres else 'n/a'}"
-    )
+    print(f"database={database} fake latency={latency} ms per model request rounds={ROUNDS} per_round={PER_ROUND}")
     for label, figures in results.items():
         print(
             f"{label}: engine {figures.engine:.2f}/s, bare SDK {figures.bare:.2f}/s, "
@@ -153,7 +150,6 @@ def measure_all(base_url: str, *, postgres: bool) -> tuple[dict, dict]:
         bare_turns(kind, 2)
         if postgres:
             trips[kind] = round_trips(lambda agent=agent: engine(agent, 1))
-        statistics_refreshed()
         engine_rates, bare_rates, engine_requests, bare_requests = [], [], [], []
         like_rates, like_requests = [], []
         for _ in range(ROUNDS):
