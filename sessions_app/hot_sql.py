@@ -478,10 +478,16 @@ def turn_and_outcome_run(
     return _session_then_run_execute(statement, read_after=read_after)
 
 
-def session_take_update(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> bool | None:
-    """PostgreSQL: a heartbeat takes the session it resumes (the session's UPDATE, conditional
-    on its still being live) and links its run to it (the run's UPDATE) in one autocommitted
-    statement, with the outcomes of `turn_and_outcome_run`.
+def session_take_statement(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> tuple[str, list]:
+    """The SQL and parameters of `session_take_run`: the session's UPDATE (conditional on its
+    still being live) and the run's, each a queryset and its values."""
+    return _session_then_run_statement(session, run, names=("taken", "linked"))
+
+
+def session_take_run(statement: tuple[str, list]) -> bool | None:
+    """PostgreSQL: a heartbeat takes the session it resumes and links its run to it in one
+    autocommitted statement (`session_take_statement`), with the outcomes of
+    `turn_and_outcome_run`.
 
     Guarantee: no moment exists at which the session is taken and its run not linked, or
     the reverse, so the sweeps, which skip sessions with a running run linked and re-check
@@ -490,16 +496,6 @@ def session_take_update(session: tuple[QuerySet, dict], run: tuple[QuerySet, dic
     waits, then re-reads it) leaves nothing to take, and nothing is linked. Locks are taken
     session, then run, as every other writer of both takes them. One round trip where the
     link and the take were two."""
-    return session_take_run(session_take_statement(session, run))
-
-
-def session_take_statement(session: tuple[QuerySet, dict], run: tuple[QuerySet, dict]) -> tuple[str, list]:
-    """The SQL and parameters of `session_take_update` (for a `CompiledStatement`)."""
-    return _session_then_run_statement(session, run, names=("taken", "linked"))
-
-
-def session_take_run(statement: tuple[str, list]) -> bool | None:
-    """Run the statement `session_take_statement` wrote, with `session_take_update`'s outcomes."""
     written, _ = _session_then_run_execute(statement)
     return written
 

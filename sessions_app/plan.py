@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, connection
-from django.db.models import Exists
+from django.db.models import Exists, Field
 
 from costs_app.budgets import session_limit_reached
 from sessions_app.adapters import AdapterReply
@@ -22,7 +22,6 @@ from sessions_app.hot_sql import (
     CompiledStatement,
     session_take_run,
     session_take_statement,
-    session_take_update,
 )
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -171,7 +170,7 @@ def _take_session(
 ) -> AgentSession | None:
     """Resume `live` for this run; None when it stopped being live after it was read.
 
-    On PostgreSQL the take and the run's link are one statement (`hot_sql.session_take_update`).
+    On PostgreSQL the take and the run's link are one statement (`hot_sql.session_take_run`).
     On SQLite the run is linked first, so from then on neither sweep expires or pauses the
     session; a sweep that ended it before the link makes the conditional update below find
     nothing, and the run starts a fresh session instead of resurrecting it.
@@ -184,19 +183,13 @@ def _take_session(
         "pause_at": now + timedelta(seconds=settings.PAPERCLIP_RUN_TIMEOUT_SECONDS) + idle_pause(agent),
     }
     fields = {**_take_fields(**times), **repairs}
-    still_live = AgentSession.objects.filter(pk=live.pk, status__in=LIVE_SESSION_STATUSES)
     if connection.vendor == "postgresql":
-        if repairs:
-            taken = session_take_update(
-                (still_live, fields), (HeartbeatRun.objects.filter(id=run.id), {"session": live})
-            )
-        else:
-            taken = session_take_run(SESSION_TAKE.statement(session_id=live.pk, run_id=run.id, **times))
-        if not taken:
+        repaired = {f"repair__{name}": value for name, value in repairs.items()}
+        if not session_take_run(SESSION_TAKE.statement(session_id=live.pk, run_id=run.id, **times, **repaired)):
             return None
     elif not _link_run(run, live):
         return None
-    elif not still_live.update(**fields):
+    elif not AgentSession.objects.filter(pk=live.pk, status__in=LIVE_SESSION_STATUSES).update(**fields):
         HeartbeatRun.objects.filter(id=run.id, session=live.pk).update(session=None)
         return None
     for name, value in fields.items():
@@ -216,22 +209,28 @@ def _take_fields(*, last_used: datetime, expires_at: datetime, pause_at: datetim
 
 
 def take_statement(values) -> tuple[str, list]:
-    """The take of a session that needs no repair (`_take_session`), with `values`."""
+    """The take (`_take_session`) with `values`: the times it sets and, named
+    `repair__<field>`, the repairs a row inserted by raw SQL needs (`_repairs`)."""
+    given = vars(values)
+    repairs = {key.removeprefix("repair__"): value for key, value in given.items() if key.startswith("repair__")}
     fields = _take_fields(last_used=values.last_used, expires_at=values.expires_at, pause_at=values.pause_at)
     still_live = AgentSession.objects.filter(pk=values.session_id, status__in=LIVE_SESSION_STATUSES)
     run = HeartbeatRun.objects.filter(id=values.run_id)
-    return session_take_statement((still_live, fields), (run, {"session": values.session_id}))
+    return session_take_statement((still_live, {**fields, **repairs}), (run, {"session": values.session_id}))
 
 
-# PostgreSQL: every resumed heartbeat takes its session; compiled once per connection.
-SESSION_TAKE = CompiledStatement(
-    take_statement,
-    {
-        "session_id": AgentSession._meta.pk,
-        "run_id": HeartbeatRun._meta.pk,
-        **{name: AgentSession._meta.get_field(name) for name in ("last_used", "expires_at", "pause_at")},
-    },
-)
+def _take_value_field(name: str) -> Field:
+    """The field that prepares a value of the take (`take_statement`)."""
+    if name == "run_id":
+        return HeartbeatRun._meta.pk
+    if name == "session_id":
+        return AgentSession._meta.pk
+    return AgentSession._meta.get_field(name.removeprefix("repair__"))
+
+
+# PostgreSQL: every resumed heartbeat takes its session; compiled once per connection and
+# shape (a session that needs repairs has its own).
+SESSION_TAKE = CompiledStatement(take_statement, _take_value_field)
 
 
 def _repairs(live: AgentSession, *, agent: Agent, history: list) -> dict:

@@ -283,15 +283,21 @@ def test_the_compiled_claim_update_is_the_statement_the_orm_writes_for_any_value
         assert [q["sql"] for q in ours] == [q["sql"] for q in the_orms]
 
 
-def test_the_compiled_take_is_the_statement_the_take_writes_for_any_values(postgres_only, persistent_agent):
+@pytest.mark.parametrize(
+    "repairs",
+    [{}, {"repair__model": "claude-haiku-4-5", "repair__message_count": 7, "repair__next_seq": 9}],
+    ids=["none", "a row inserted by raw SQL"],
+)
+def test_the_compiled_take_is_the_statement_the_take_writes_for_any_values(postgres_only, persistent_agent, repairs):
     at = timezone.now()
-    for last_used in (at, at + timedelta(days=400)):
+    for shift, last_used in enumerate((at, at + timedelta(days=400))):
         values = {
             "session_id": uuid.uuid4(),
             "run_id": uuid.uuid4(),
             "last_used": last_used,
             "expires_at": last_used + timedelta(hours=24),
             "pause_at": last_used + timedelta(minutes=5),
+            **{name: value * (shift + 1) for name, value in repairs.items()},
         }
         assert SESSION_TAKE.statement(**values) == take_statement(SimpleNamespace(**values))
 
@@ -351,7 +357,7 @@ def test_the_compiled_claim_update_moves_a_queued_run_to_running_unless_its_cred
 def test_a_session_ended_and_held_open_while_a_heartbeat_takes_it_is_never_resumed(
     postgres_only, persistent_agent, fake_anthropic, monkeypatch, actor
 ):
-    """The take and the run's link are one statement (`session_take_update`). An operator's
+    """The take and the run's link are one statement (`session_take_run`). An operator's
     expiry, or the maintenance pass's, has ended the session and not committed when the
     heartbeat, which read it live, takes it: the take waits for the row, then finds it
     ended, links nothing, and the run starts a fresh session."""
