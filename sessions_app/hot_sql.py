@@ -392,26 +392,32 @@ def row_insert(row: Model) -> None:
     if pre_save.has_listeners(model) or post_save.has_listeners(model):
         row.save(force_insert=True)
         return
-    meta = row._meta
-    fields = [field for field in meta.concrete_fields if field is not meta.auto_field]
+    sql_, fields = _insert_returning_key(model, connection.vendor)
     values = [field.get_db_prep_save(field.pre_save(row, add=True), connection) for field in fields]
     with connection.cursor() as cursor:
-        cursor.execute(_insert_returning_key(model, connection.vendor), values)
+        cursor.execute(sql_, values)
         (key,) = cursor.fetchone()
-    setattr(row, meta.auto_field.attname, key)
+    setattr(row, row._meta.auto_field.attname, key)
     row._state.adding, row._state.db = False, connection.alias
 
 
 @functools.cache
-def _insert_returning_key(model: type[Model], vendor: str) -> str:
+def _insert_returning_key(model: type[Model], vendor: str) -> tuple[str, list[Field]]:
+    """The INSERT of a row of `model` and the fields it writes, in order."""
     meta = model._meta
-    fields = [field for field in meta.concrete_fields if field is not meta.auto_field]
+    fields = _inserted_fields(meta)
     quote = connection.ops.quote_name
     columns = ", ".join(quote(field.column) for field in fields)
-    return (
+    sql_ = (
         f"INSERT INTO {quote(meta.db_table)} ({columns}) VALUES ({', '.join(['%s'] * len(fields))}) "  # noqa: S608
         f"RETURNING {quote(meta.auto_field.column)}"
     )
+    return sql_, fields
+
+
+def _inserted_fields(meta) -> list[Field]:
+    """The fields an INSERT writes: all but the key the database gives."""
+    return [field for field in meta.concrete_fields if field is not meta.auto_field]
 
 
 def rows_insert_ignoring_conflicts(rows: list[Model]) -> None:
@@ -427,7 +433,7 @@ def rows_insert_ignoring_conflicts(rows: list[Model]) -> None:
     if not rows:
         return
     meta = rows[0]._meta
-    fields = [field for field in meta.concrete_fields if field is not meta.auto_field]
+    fields = _inserted_fields(meta)
     columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
     row_placeholder = f"({', '.join(['%s'] * len(fields))})"
     size = max(connection.ops.bulk_batch_size(fields, rows), 1)
