@@ -36,6 +36,19 @@ def parse_limit(raw: str | None) -> int:
     return limit
 
 
+def storable_text(value) -> bool:
+    """False for text the database cannot take as a parameter: the cursor's base64 passed the
+    query-string check, but what it decodes to never did (PostgreSQL refuses NUL, and a lone
+    surrogate is not UTF-8 for either database)."""
+    if not isinstance(value, str):
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
+
+
 @dataclass(frozen=True)
 class Keyset:
     """An ordering on one field plus the primary key, both in the same direction."""
@@ -66,7 +79,7 @@ class Keyset:
             pk = model._meta.pk.to_python(pk)
         except (ValueError, TypeError, OverflowError, UnicodeError, binascii.Error, ValidationError):
             raise BadRequest("The cursor is not valid.", code="invalid_cursor", fields={"next": "invalid"}) from None
-        if value is None or pk is None:
+        if value is None or pk is None or not storable_text(value):
             raise BadRequest("The cursor is not valid.", code="invalid_cursor", fields={"next": "invalid"})
         return value, pk
 

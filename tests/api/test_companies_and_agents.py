@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import base64
+import json
+import uuid
+
 import pytest
 from django_q.models import Schedule
 
@@ -104,6 +108,15 @@ def test_list_agents_pages_with_a_cursor(api, company):
     names = [a["name"] for page in (first, second, third) for a in page["agents"]]
     assert names == [f"agent {i}" for i in range(5)]
     assert third["next"] is None
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "\ud800"], ids=["nul", "lone-surrogate"])
+def test_a_cursor_naming_text_the_database_refuses_is_400(api, company, name):
+    # The cursor is opaque base64, so the query-string check never sees what it holds.
+    Agent.objects.create(company=company, name="agent")
+    cursor = base64.urlsafe_b64encode(json.dumps([name, str(uuid.uuid4())]).encode()).decode()
+    response = api.get(f"/api/companies/{company.id}/agents", {"next": cursor})
+    assert assert_error(response, 400, "invalid_cursor")["fields"] == {"next": "invalid"}
 
 
 def test_agent_list_queries_do_not_grow_with_agents(api, company, django_assert_max_num_queries):
