@@ -12,7 +12,9 @@ from django.db import DatabaseError, connection
 from django.db.models import Min
 from django.http import JsonResponse
 from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
 
+from sessions_app.api.exceptions import error_body
 from sessions_app.managed_sessions import managed_state
 from sessions_app.models import HeartbeatRun, RunStatus
 from sessions_app.quota import hold_json, holds_now
@@ -45,7 +47,16 @@ def run_state(*, now) -> dict:
     }
 
 
+# Exempt so that a method other than GET meets the JSON 405 below: Django's CSRF check would
+# answer it first, with its HTML 403 page. The probe reads nothing from the request.
+@csrf_exempt
 def health(request):
+    if request.method not in ("GET", "HEAD"):
+        response = JsonResponse(
+            error_body("method_not_allowed", f'Method "{request.method}" not allowed; use GET.'), status=405
+        )
+        response["Allow"] = "GET, HEAD"
+        return response
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from django.db import connection
+from django.test import Client
 from django.utils import timezone
 
 from sessions_app.models import HeartbeatRun, RunStatus
@@ -46,6 +47,15 @@ def test_health_shows_stuck_work_the_oldest_queued_run_and_runs_past_their_deadl
     runs = client.get("/api/health").json()["runs"]
     assert 7 * 60 <= runs["oldest_queued_seconds"] < 8 * 60
     assert runs["past_deadline"] == 1
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
+def test_health_answers_another_method_with_a_json_405(db, method):
+    # CSRF checks on, as a real client meets them: they must not answer first, in HTML.
+    response = Client(enforce_csrf_checks=True).generic(method, "/api/health", b"{}", content_type="application/json")
+    assert response.status_code == 405
+    assert response["Allow"] == "GET, HEAD"
+    assert response.json()["error"]["code"] == "method_not_allowed"
 
 
 @pytest.mark.django_db(transaction=True)
