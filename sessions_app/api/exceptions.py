@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from django.conf import settings
-from django.core.exceptions import PermissionDenied, RequestDataTooBig
+from django.core.exceptions import PermissionDenied, RequestDataTooBig, TooManyFieldsSent
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, JsonResponse
@@ -164,6 +164,12 @@ def json_bad_request(request: HttpRequest, exception: Exception | None = None):
     if isinstance(exception, RequestDataTooBig):
         too_large = payload_too_large()
         return JsonResponse(error_body(too_large.default_code, str(too_large.detail)), status=too_large.status_code)
+    if isinstance(exception, TooManyFieldsSent):
+        # Django refuses the query string before any view reads it; say which limit it passed.
+        limit = settings.DATA_UPLOAD_MAX_NUMBER_FIELDS
+        return JsonResponse(
+            error_body("invalid_parameter", f"The query string has more than {limit} parameters."), status=400
+        )
     return JsonResponse(error_body("bad_request", "The request is not valid."), status=400)
 
 

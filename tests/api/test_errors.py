@@ -92,6 +92,13 @@ def test_a_body_too_big_for_django_itself_names_the_limit_and_the_setting(rf, se
     assert "4096 bytes" in message and "PAPERCLIP_MAX_BODY_BYTES" in message
 
 
+def test_a_query_string_with_too_many_parameters_is_a_400_naming_the_limit(api, company, settings):
+    settings.DATA_UPLOAD_MAX_NUMBER_FIELDS = 10
+    query = "&".join(f"p{index}=1" for index in range(11))
+    error = assert_error(api.client.get(f"/api/companies/{company.id}/agents?{query}"), 400, "invalid_parameter")
+    assert "more than 10 parameters" in error["message"]
+
+
 @pytest.mark.parametrize("raw", [b'["hi"]', b'"hi"', b"42", b"null", b"true"])
 def test_a_body_that_is_not_a_json_object_says_an_object_was_expected(api, company, persistent_agent, raw):
     for path in ("/api/companies", f"/api/companies/{company.id}/agents", agent_url(persistent_agent, "/heartbeat")):
