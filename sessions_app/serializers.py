@@ -247,25 +247,21 @@ class AgentSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
             return None
         return {**info, "deprecated_at": iso_time(info["deprecated_at"]), "retires_at": iso_time(info["retires_at"])}
 
-    def validate_adapter_config(self, value: dict) -> dict:
+    def validate(self, attrs: dict) -> dict:
         # A PATCH is a merge patch of the configuration the agent has (RFC 7386), unless it
         # changes the adapter type: a configuration belongs to its type, and the old one's
-        # keys (and defaults) would be unknown to the new. The model validates the result.
+        # keys (and defaults) would be unknown to the new. Changing only the type gives the
+        # new type's defaults (as a PUT leaving it out), never the old type's keys, which the
+        # new one would refuse. The type compared is the cleaned one: " claude-code " sent
+        # for a claude-code agent changes nothing, and must not replace its configuration.
+        # The model validates the result.
         agent = self.instance
         if not self.partial or agent is None:
-            return value
-        if self.initial_data.get("adapter_type", agent.adapter_type) != agent.adapter_type:
-            return value
-        return json_merge_patch(agent.adapter_config, value)
-
-    def validate(self, attrs: dict) -> dict:
-        # A PATCH changing only the adapter type replaces the configuration all the same:
-        # with nothing sent, the new type's defaults (as a PUT leaving it out), never the
-        # old type's keys, which the new one would refuse.
-        agent = self.instance
-        changes_type = agent is not None and attrs.get("adapter_type", agent.adapter_type) != agent.adapter_type
-        if self.partial and changes_type and "adapter_config" not in attrs:
-            attrs["adapter_config"] = Agent._meta.get_field("adapter_config").get_default()
+            return attrs
+        if attrs.get("adapter_type", agent.adapter_type) != agent.adapter_type:
+            attrs.setdefault("adapter_config", Agent._meta.get_field("adapter_config").get_default())
+        elif "adapter_config" in attrs:
+            attrs["adapter_config"] = json_merge_patch(agent.adapter_config, attrs["adapter_config"])
         return attrs
 
 

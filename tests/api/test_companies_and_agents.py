@@ -196,6 +196,19 @@ def test_patch_validates_the_merged_configuration(api, persistent_agent):
     assert persistent_agent.adapter_config == before
 
 
+def test_patch_naming_the_agents_own_adapter_type_with_spaces_still_merges(api, persistent_agent):
+    # The type is stored trimmed, so " claude-code " is no change of type.
+    body = {"adapter_type": " claude-code ", "adapter_config": {"session_ttl_hours": 48}}
+
+    response = api.patch(agent_url(persistent_agent), body)
+
+    assert response.status_code == 200, response.json()
+    persistent_agent.refresh_from_db()
+    config = persistent_agent.adapter_config
+    assert (persistent_agent.adapter_type, config["session_ttl_hours"]) == ("claude-code", 48)
+    assert (config["session_mode"], config["model"]) == ("persistent", "claude-opus-4-5")
+
+
 def test_patch_changing_the_adapter_type_replaces_the_configuration(api, persistent_agent, commands):
     body = {"adapter_type": "process", "adapter_config": {"command": "reporter"}}
 
