@@ -29,6 +29,9 @@ class AlertTargetSerializer(NoUnknownFieldsMixin, serializers.ModelSerializer):
         write_only=True,
         min_length=16,
         max_length=200,
+        # The receiver verifies with the secret it was given: one trimmed here would sign
+        # every delivery with another key, and no signature would ever verify.
+        trim_whitespace=False,
         help_text="HMAC-SHA256 key of the X-Paperclip-Signature header. Write-only: never returned.",
     )
     active = StrictBooleanField(required=False, default=True)

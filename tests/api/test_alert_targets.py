@@ -40,6 +40,14 @@ def test_a_target_is_created_listed_and_deleted_and_its_secret_never_returned(ap
     assert not AlertTarget.objects.exists()
 
 
+def test_a_secret_is_stored_as_sent_spaces_included(api, company, budget):
+    secret = f"  {SECRET} "
+    response = api.post(targets_url(company), {"url": "https://alerts.example/hook", "secret": secret})
+
+    assert response.status_code == 201, response.json()
+    assert AlertTarget.objects.get().secret == secret
+
+
 def test_targets_page_oldest_first_with_a_cursor_in_a_fixed_number_of_queries(
     api, company, budget, django_assert_max_num_queries
 ):
