@@ -36,7 +36,7 @@ from sessions_app.context import (
     summary_request,
 )
 from sessions_app.context_defaults import effective_settings
-from sessions_app.errors import HistoryUnavailable, StepFailed
+from sessions_app.errors import HistoryUnavailable, StepFailed, SummaryFailed
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
     Agent,
@@ -249,7 +249,7 @@ def summary_call(
         except QuotaRefused:
             raise  # not a failure of the step: the run waits for the quota
         except AdapterError as exc:
-            raise StepFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
+            raise SummaryFailed(f"compaction_{exc.code}", f"Summarising the session failed: {exc.message}") from None
 
     reply = ask(keep_instruction(pins))
     earlier_cost = Decimal(0)

@@ -5,7 +5,8 @@
 - `RunRemoved`: the run's row is gone, with its agent removed entirely (the admin).
 - `QueueUnavailable`: the run is queued but could not be handed to the task queue.
 - `HistoryUnavailable`: a session's history cannot be read or written (`stores`).
-- `StepFailed`: a compaction or handoff step failed (`compaction`).
+- `StepFailed`: a compaction or handoff step failed (`compaction`); `SummaryFailed` when
+  it was the summary call.
 - `RunAbandoned`: the run stopped being ours while the model answered.
 - `AdapterError` (`adapters.base`) and `BudgetExceeded`/`ModelUnpriced`
   (`costs_app.budgets`) subclass the same base.
@@ -23,6 +24,7 @@ __all__ = [
     "RunFailure",
     "RunRemoved",
     "StepFailed",
+    "SummaryFailed",
 ]
 
 
@@ -54,6 +56,12 @@ class HistoryUnavailable(RunFailure):
 
 class StepFailed(RunFailure):
     """A compaction or handoff step failed; the session is as it was before the step."""
+
+
+class SummaryFailed(StepFailed):
+    """The summary call of a compaction failed (the Messages API, or a `process` agent's
+    command): `compaction_<the call's code>`. Compact now answers it as a dependency's
+    failure (503), whatever the runtime, not as a conflict with the session."""
 
 
 class RunAbandoned(RunFailure):

@@ -32,7 +32,7 @@ from sessions_app.api.history_views import CompactionSerializer
 from sessions_app.api.pagination import Keyset, parse_limit
 from sessions_app.api.session_list import SESSION_ORDER, session_list_page
 from sessions_app.compact_now import session_compact
-from sessions_app.errors import HeartbeatRefused, HistoryUnavailable, QueueUnavailable, RunFailure
+from sessions_app.errors import HeartbeatRefused, HistoryUnavailable, QueueUnavailable, RunFailure, SummaryFailed
 from sessions_app.models import (
     RUN_BATCH_COLUMNS,
     Agent,
@@ -402,7 +402,7 @@ class SessionDetailView(SessionLookup):
 
 
 # Compact now: the refusals a client can act on, by status; a failed summary call is the
-# model's (503, its code `compaction_<model code>`).
+# model's or the process agent command's (503, its code `compaction_<the call's code>`).
 COMPACT_STATUSES = {
     "agent_deleted": NotFound,
     "budget_exceeded": TooManyRequests,
@@ -422,7 +422,7 @@ def compact_error(failure: RunFailure, now: datetime) -> Exception:
         return TooManyRequests(failure.message, code=failure.code, retry_after=max(math.ceil(wait), 1))
     if failure.code in COMPACT_STATUSES:
         return COMPACT_STATUSES[failure.code](failure.message, code=failure.code)
-    if failure.code.startswith("compaction_model_") or failure.code == "history_unreadable":
+    if isinstance(failure, SummaryFailed) or failure.code == "history_unreadable":
         return ServiceUnavailable(failure.message, code=failure.code)
     return Conflict(failure.message, code=failure.code)
 

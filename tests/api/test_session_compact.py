@@ -7,7 +7,7 @@ from decimal import Decimal
 import pytest
 
 from costs_app.models import Budget, CostEvent, CostKind
-from sessions_app.models import AgentSession, HeartbeatRun, RunStatus, RunTrigger
+from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus, RunTrigger
 from tests.api.conftest import agent_url, assert_error, make_run, make_session
 from tests.conftest import beat, context_agent, is_summary_request
 
@@ -131,6 +131,23 @@ def test_a_budget_too_small_for_the_summary_is_429_before_any_request(api, compa
     assert_error(api.post(compact_url(agent, session)), 429, "budget_exceeded")
 
     assert fake_anthropic.message_requests[sent:] == []
+    assert AgentSession.objects.get(pk=session.pk).compaction_count == 0
+
+
+def test_a_failed_summary_call_is_503_whatever_the_runtime(api, company):
+    # A process agent's summary call is its command; one that prints no JSON failed as a
+    # model call that failed does, and answers as one: the dependency's 503, not a conflict.
+    agent = Agent.objects.create(
+        company=company,
+        name="Script",
+        adapter_type="process",
+        adapter_config={"command": ["true"], "session_mode": "persistent"},
+    )
+    session = make_session(agent, messages=6)
+
+    error = assert_error(api.post(compact_url(agent, session)), 503, "compaction_process_malformed_response")
+
+    assert error["message"].startswith("Summarising the session failed")
     assert AgentSession.objects.get(pk=session.pk).compaction_count == 0
 
 
