@@ -2,13 +2,13 @@
 nothing and answer the JSON 404 of `paperclip.urls.handler404`."""
 
 from django.urls import path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from sessions_app import views
 from sessions_app.api.approval_views import RunApproveView, RunDenyView
 from sessions_app.api.history_views import AgentGrowthView, SessionArchiveView
 from sessions_app.api.output_views import OutputDetailView, OutputListView
 from sessions_app.api.pin_views import PinDetailView, PinListView
+from sessions_app.api.schema_views import DocsView, SchemaView
 
 app_name = "api"
 
@@ -16,8 +16,8 @@ company = "companies/<uuid:company_id>"
 agent = f"{company}/agents/<uuid:agent_id>"
 
 urlpatterns = [
-    path("schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("docs/", SpectacularSwaggerView.as_view(url_name="api:schema"), name="docs"),
+    path("schema/", SchemaView.as_view(), name="schema"),
+    path("docs/", DocsView.as_view(url_name="api:schema"), name="docs"),
     path("companies", views.CompanyCreateView.as_view(), name="company-create"),
     path(company, views.CompanyDetailView.as_view(), name="company-detail"),
     path(f"{company}/agents", views.AgentListView.as_view(), name="agent-list"),

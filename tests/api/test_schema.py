@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import (
 from costs_app.models import AlertTarget, Budget
 from sessions_app.api_keys import api_key_create
 from sessions_app.models import Agent, Company, PinnedFact
-from tests.api.conftest import make_run, make_session
+from tests.api.conftest import assert_error, make_run, make_session
 from tests.api.test_managed_outputs import stored_output
 
 pytestmark = pytest.mark.django_db
@@ -82,6 +82,21 @@ def test_swagger_ui_is_served_without_a_cdn(api):
     html = response.content.decode()
     assert "drf_spectacular_sidecar" in html
     assert not re.search(r"https?://(?!localhost|127\.0\.0\.1)", html.split("<body")[1] if "<body" in html else html)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("OPTIONS", "/api/docs/", 405, "method_not_allowed"),  # was a 500: no template for the metadata
+        ("POST", "/api/docs/", 405, "method_not_allowed"),
+        ("GET", "/api/docs/?format=json", 404, "not_found"),
+        ("POST", "/api/schema/", 405, "method_not_allowed"),
+        ("GET", "/api/schema/?format=xml", 404, "not_found"),
+    ],
+)
+def test_the_schema_and_its_page_answer_errors_in_json(api, method, path, status, code):
+    response = api.client.generic(method, path)
+    assert_error(response, status, code)
 
 
 # schemathesis: generated requests for every operation against a live server; no 5xx, and
