@@ -11,6 +11,7 @@ across a model call: the tool loop calls these between calls.
 from __future__ import annotations
 
 import posixpath
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,7 +79,9 @@ def clean_path(path: object, *, directory_ok: bool = True) -> str:
     or other control characters."""
     if not isinstance(path, str) or not is_storable(path):
         raise MemoryFault("memory_path_invalid", "The path must be text without NUL characters.")
-    if any(ord(char) < 32 or char == "\\" for char in path):
+    # Every control character (Cc), not only C0: DEL and the C1 range too, among them NEL
+    # (U+0085), a line break to str.splitlines() and many readers, as a newline is.
+    if any(unicodedata.category(char) == "Cc" or char == "\\" for char in path):
         raise MemoryFault("memory_path_invalid", f"The path {path!r} holds a control character or a backslash.")
     if len(path) > MAX_PATH_CHARS:
         raise MemoryFault("memory_path_invalid", f"The path is longer than {MAX_PATH_CHARS} characters.")

@@ -118,7 +118,10 @@ def test_a_path_refused_while_writing_names_the_path(api, memory_agent, path):
     assert list(MemoryFile.objects.values_list("path", flat=True)) == ["notes/todo.md"]
 
 
-@pytest.mark.parametrize("path", ["a%0Ab.md", "a.md%0A", "%0Anotes/a.md", "notes%0A/a.md", "a%0Db.md", "a%01b.md"])
+@pytest.mark.parametrize(
+    "path",
+    ["a%0Ab.md", "a.md%0A", "%0Anotes/a.md", "notes%0A/a.md", "a%0Db.md", "a%01b.md", "a%7Fb.md", "a%C2%85b.md"],
+)
 @pytest.mark.parametrize("method", ["get", "put", "delete"])
 def test_a_control_character_in_the_path_is_a_400_naming_the_path(api, memory_agent, method, path):
     # A newline as much as any other: it must reach the view's path check, not miss the URL.
