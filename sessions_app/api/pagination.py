@@ -17,6 +17,7 @@ from django.core.exceptions import ValidationError
 from django.db.models import Q, QuerySet
 
 from sessions_app.api.exceptions import BadRequest
+from sessions_app.text import is_storable
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 200
@@ -34,19 +35,6 @@ def parse_limit(raw: str | None) -> int:
             f"limit must be a whole number from 1 to {MAX_LIMIT}.", code="invalid_limit", fields={"limit": raw}
         )
     return limit
-
-
-def storable_text(value) -> bool:
-    """False for text the database cannot take as a parameter: the cursor's base64 passed the
-    query-string check, but what it decodes to never did (PostgreSQL refuses NUL, and a lone
-    surrogate is not UTF-8 for either database)."""
-    if not isinstance(value, str):
-        return True
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return "\x00" not in value
 
 
 @dataclass(frozen=True)
@@ -79,7 +67,9 @@ class Keyset:
             pk = model._meta.pk.to_python(pk)
         except (ValueError, TypeError, OverflowError, UnicodeError, binascii.Error, ValidationError):
             raise BadRequest("The cursor is not valid.", code="invalid_cursor", fields={"next": "invalid"}) from None
-        if value is None or pk is None or not storable_text(value):
+        # The query string's check saw only the base64: what it decodes to may hold what no
+        # database takes as a parameter (PostgreSQL refuses NUL; a lone surrogate is no UTF-8).
+        if value is None or pk is None or (isinstance(value, str) and not is_storable(value)):
             raise BadRequest("The cursor is not valid.", code="invalid_cursor", fields={"next": "invalid"})
         return value, pk
 
