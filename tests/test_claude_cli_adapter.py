@@ -21,7 +21,14 @@ from django.utils import timezone
 from costs_app.models import Budget, CostEvent, ModelPrice
 from costs_app.pricing import call_price, library_table
 from sessions_app.adapters import AgentConfigError, get_adapter
-from sessions_app.adapters.claude_cli import cli_binary, cli_environment, config_dir, workspace_for, workspace_listing
+from sessions_app.adapters.claude_cli import (
+    MAX_THINKING_BUDGET,
+    cli_binary,
+    cli_environment,
+    config_dir,
+    workspace_for,
+    workspace_listing,
+)
 from sessions_app.adapters.cli_home import agent_home
 from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
@@ -136,6 +143,11 @@ def test_configuration_is_validated_when_the_agent_is_saved(company):
             "max_tokens",
         )
     }
+    for budget in (1023, MAX_THINKING_BUDGET + 1, 10**29):
+        with pytest.raises(AgentConfigError) as caught:
+            cli_agent(company, thinking={"type": "enabled", "budget_tokens": budget})
+        assert set(caught.value.fields) == {"adapter_config.thinking"}
+    assert cli_agent(company, thinking={"type": "enabled", "budget_tokens": MAX_THINKING_BUDGET})
     agent = cli_agent(company)
     assert agent.adapter_config["allowed_tools"] == ["Read", "Edit", "Write", "Glob", "Grep", "Bash"]
     assert agent.adapter_config["permission_mode"] == "dontAsk"

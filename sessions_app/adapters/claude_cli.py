@@ -197,16 +197,26 @@ def authenticated_problems(config: dict, *, mode: str, permitted: tuple[str, ...
     return problems
 
 
+# No model thinks past its window (1M tokens for the 5.x generation): a larger budget is no
+# setting any run could honour, so it is refused on save rather than left to fail a run.
+MAX_THINKING_BUDGET = 1_000_000
+
+
 def _thinking(thinking, errors: dict[str, str]):
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
     if thinking is None or (kind in ("adaptive", "disabled") and set(thinking) == {"type"}):
         return thinking
-    if kind == "enabled" and set(thinking) == {"type", "budget_tokens"} and is_int(budget) and budget >= 1024:
+    if (
+        kind == "enabled"
+        and set(thinking) == {"type", "budget_tokens"}
+        and is_int(budget)
+        and 1024 <= budget <= MAX_THINKING_BUDGET
+    ):
         return thinking
     errors["thinking"] = (
         "must be {'type': 'adaptive'}, {'type': 'disabled'}, {'type': 'enabled', 'budget_tokens': N} "
-        f"with N >= 1024, or null; got {thinking!r}"
+        f"with N from 1024 to {MAX_THINKING_BUDGET}, or null; got {thinking!r}"
     )
     return thinking
 
