@@ -184,7 +184,8 @@ class MemoryFileView(ApiView):
         if found is None or mount.store._state.adding:
             raise NotFound(f"No memory file {ROOT}/{memory_path}.", code="memory_not_found")
         versions = list(found.versions.order_by("-number"))
-        wanted = self.query_int("version", default=0, minimum=0, maximum=2**31 - 1)
+        # Versions are numbered from 1: `?version=0` named none, and answered the current content.
+        wanted = self.query_int("version", default=0, minimum=1, maximum=2**31 - 1)
         content = found.content
         if wanted:
             chosen = next((v for v in versions if v.number == wanted), None)

@@ -43,6 +43,7 @@ def test_put_get_list_and_delete_a_file(api, memory_agent):
     assert [v["number"] for v in got["versions"]] == [2, 1]
     assert {v["written_by"] for v in got["versions"]} == {MemoryWriter.OPERATOR}
     assert api.get(url, {"version": 1}).json()["content"] == "buy milk"
+    assert_error(api.get(url, {"version": 0}), 400, "invalid_parameter")
     listing = api.get(agent_url(memory_agent, "/memory")).json()
     assert [f["path"] for f in listing["files"]] == ["/memories/notes/todo.md"]
     assert api.delete(url).status_code == 204
