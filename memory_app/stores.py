@@ -11,7 +11,6 @@ across a model call: the tool loop calls these between calls.
 from __future__ import annotations
 
 import posixpath
-import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ from memory_app.models import (
 )
 from sessions_app.errors import RunAbandoned
 from sessions_app.models import Agent, AgentStatus, HeartbeatRun, RunStatus
-from sessions_app.text import is_storable
+from sessions_app.text import holds_control_character, is_storable
 
 ROOT = "/memories"
 MAX_PATH_CHARS = 512
@@ -79,9 +78,7 @@ def clean_path(path: object, *, directory_ok: bool = True) -> str:
     or other control characters."""
     if not isinstance(path, str) or not is_storable(path):
         raise MemoryFault("memory_path_invalid", "The path must be text without NUL characters.")
-    # Every control character (Cc), not only C0: DEL and the C1 range too, among them NEL
-    # (U+0085), a line break to str.splitlines() and many readers, as a newline is.
-    if any(unicodedata.category(char) == "Cc" or char == "\\" for char in path):
+    if holds_control_character(path) or "\\" in path:
         raise MemoryFault("memory_path_invalid", f"The path {path!r} holds a control character or a backslash.")
     if len(path) > MAX_PATH_CHARS:
         raise MemoryFault("memory_path_invalid", f"The path is longer than {MAX_PATH_CHARS} characters.")

@@ -8,6 +8,7 @@ UTF-8 by any database: either fails a write deep inside a save.
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Any
 
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
@@ -39,6 +40,13 @@ def storable(value: Any) -> Any:
 def is_storable(text: str) -> bool:
     """For what can be refused instead (input): whether `text` is storable as it is."""
     return _UNSTORABLE.search(text) is None
+
+
+def holds_control_character(text: str) -> bool:
+    """Whether `text` holds a control character (Cc): C0, DEL and the C1 range, among them
+    NEL (U+0085), a line break to str.splitlines() and many readers, as a newline is. For
+    names that must stay one line (paths)."""
+    return any(unicodedata.category(char) == "Cc" for char in text)
 
 
 def holds_unstorable(value: Any) -> bool:

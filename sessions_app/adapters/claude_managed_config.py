@@ -15,6 +15,7 @@ from typing import Any
 from django.conf import settings
 
 from sessions_app.adapters.base import AdapterRequest, is_int, is_number, validate_model, validate_timeout
+from sessions_app.text import holds_control_character
 
 TOOLSET = "agent_toolset_20260401"
 # The agent toolset's tools (`BetaManagedAgentsAgentToolConfigParams`).
@@ -136,7 +137,7 @@ def _resource_problem(entry: Any) -> str:
         not isinstance(path, str)
         or len(path) > 1024
         or not path.startswith("/")
-        or any(ord(char) < 32 for char in path)
+        or holds_control_character(path)
         or ".." in PurePosixPath(path).parts
     ):
         return f"mount_path {path!r} must be an absolute path without '..' or control characters"
