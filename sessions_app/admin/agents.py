@@ -463,6 +463,14 @@ class AgentAdmin(CountedDeletion, ApiIdsInUrls, admin.ModelAdmin):
         return super().change_view(request, object_id, form_url, extra_context)
 
     def render_change_form(self, request, context, add=False, change=False, form_url="", obj=None):
+        if obj is not None and request.method == "POST":
+            # A refused form leaves its posted values on the agent, and the read-only fields
+            # (model, next wakes, workspace files) would describe a configuration that was
+            # never saved: one with a lone surrogate made the page a 500. The form itself
+            # shows what was posted; these describe the agent as it is.
+            stored = Agent.objects.filter(pk=obj.pk).values_list("adapter_type", "adapter_config").first()
+            if stored is not None:
+                obj.adapter_type, obj.adapter_config = stored
         # A deprecated or retired model is said at the top of the agent's page too.
         if obj is not None and request.method == "GET" and (warning := model_warning(obj.adapter_config)):
             self.message_user(request, warning, messages.WARNING)

@@ -480,6 +480,24 @@ def test_a_json_integer_longer_than_python_converts_is_a_field_error_not_a_500(a
     assert persistent_agent.adapter_config["session_ttl_hours"] == 24
 
 
+def test_a_refused_change_describes_the_saved_configuration_not_the_posted_one(admin_client, persistent_agent):
+    # A lone surrogate cannot go out in a UTF-8 page: the read-only "model" line showed the
+    # posted model, and the page was a 500.
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+    config = '{"model": "claude-opus-4-5\\ud800", "session_mode": "persistent"}'
+
+    response = admin_client.post(url, agent_form(persistent_agent.company, adapter_config=config))
+
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors["adapter_config"]
+    assert errors == ["model: must not contain NUL characters or invalid Unicode"]
+    page = response.content.decode()
+    assert '"readonly">claude-opus-4-5: ' in page  # the saved model, described
+    assert "claude-opus-4-5\\ud800" in page  # the posted text, escaped, to correct
+    persistent_agent.refresh_from_db()
+    assert persistent_agent.adapter_config["model"] == "claude-opus-4-5"
+
+
 def messages_of(response) -> list[tuple[str, str]]:
     return [(message.level_tag, str(message)) for message in response.context["messages"]]
 
