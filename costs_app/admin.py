@@ -51,6 +51,7 @@ from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_
 from sessions_app.admin.common import (
     COMPANY_CHOICES_CAP,
     AgentFilter,
+    CheckedAutocompleteFields,
     CompanyFilter,
     CountedDeletion,
     admin_time,
@@ -262,7 +263,7 @@ def forecast_text(forecast: Forecast | None) -> str:
 
 
 @admin.register(Budget)
-class BudgetAdmin(CountedDeletion, admin.ModelAdmin):
+class BudgetAdmin(CheckedAutocompleteFields, CountedDeletion, admin.ModelAdmin):
     """Limits checked before every model call (costs_app.budgets), the webhooks told when
     they near, and when each will be crossed at the current rate (costs_app.forecast)."""
 

@@ -27,6 +27,7 @@ from sessions_app.adapters.tool_config import STORE_NAME
 from sessions_app.admin.common import (
     AgentFilter,
     CappedFilterIds,
+    CheckedAutocompleteFields,
     CompanyFilter,
     CountedDeletion,
     agent_long_columns,
@@ -309,7 +310,7 @@ class MemoryStoreForm(forms.ModelForm):
 
 
 @admin.register(MemoryStore)
-class MemoryStoreAdmin(CountedDeletion, admin.ModelAdmin):
+class MemoryStoreAdmin(CheckedAutocompleteFields, CountedDeletion, admin.ModelAdmin):
     form = MemoryStoreForm
     list_display = ["name", "agent", "company", "bytes_used", "files_link"]
     list_filter = [("company", CompanyFilter)]

@@ -31,6 +31,7 @@ from sessions_app.admin.common import (
     AGENT_LONG_COLUMNS,
     RECENT_INLINE_ROWS,
     ApiIdsInUrls,
+    CheckedAutocompleteFields,
     CompanyFilter,
     CountedDeletion,
     ReadOnlyInline,
@@ -226,7 +227,7 @@ HELD_CREDENTIALS: ContextVar[frozenset] = ContextVar("held_credentials", default
 
 
 @admin.register(Agent)
-class AgentAdmin(CountedDeletion, ApiIdsInUrls, admin.ModelAdmin):
+class AgentAdmin(CheckedAutocompleteFields, CountedDeletion, ApiIdsInUrls, admin.ModelAdmin):
     form = AgentAdminForm
     list_display = [
         "name",

@@ -7,7 +7,7 @@ from django.contrib import admin, messages
 from django.utils import timezone
 from django.utils.html import format_html
 
-from sessions_app.admin.common import CompanyFilter
+from sessions_app.admin.common import CheckedAutocompleteFields, CompanyFilter
 from sessions_app.api_keys import api_key_create, api_key_revoke
 from sessions_app.models import ApiKey
 
@@ -19,7 +19,7 @@ class ApiKeyAddForm(forms.ModelForm):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(CheckedAutocompleteFields, admin.ModelAdmin):
     list_display = ["prefix", "name", "company", "is_active", "created_at", "last_used_at", "revoked_at"]
     list_filter = [("company", CompanyFilter)]
     list_select_related = ["company"]

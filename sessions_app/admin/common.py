@@ -9,7 +9,9 @@ from datetime import UTC, datetime
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import quote, unquote
+from django.contrib.admin.widgets import AutocompleteSelect
 from django.contrib.auth import get_permission_codename
+from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db import connection
 from django.db.models import QuerySet
@@ -109,6 +111,38 @@ class ApiIdsInUrls:
     def history_view(self, request, object_id, extra_context=None):
         redirect = self.redirect_to_row(request, "history", object_id)
         return redirect or super().history_view(request, object_id, extra_context)
+
+
+class IdCheckedAutocompleteSelect(AutocompleteSelect):
+    """Django's search box for a related row, given a value that is no id of it.
+
+    The form refuses such a value as an invalid choice, but to show the form again the
+    widget looks the value up as an id of the related row (`?company=x` on an add page, a
+    tampered POST), and a UUID column raised ValidationError there: a 500 instead of the
+    form's error. The value is left out: the box shows no row chosen."""
+
+    def optgroups(self, name, value, attr=None):
+        remote = self.field.remote_field
+        target = remote.model._meta.get_field(remote.field_name)
+        return super().optgroups(name, [item for item in value if is_id_of(target, item)], attr)
+
+
+def is_id_of(target, value) -> bool:
+    try:
+        target.to_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
+class CheckedAutocompleteFields:
+    """A ModelAdmin whose `autocomplete_fields` show a value that is no id without a 500
+    (`IdCheckedAutocompleteSelect`)."""
+
+    def formfield_for_foreignkey(self, db_field, request, **kwargs):
+        if "widget" not in kwargs and db_field.name in self.get_autocomplete_fields(request):
+            kwargs["widget"] = IdCheckedAutocompleteSelect(db_field, self.admin_site, using=kwargs.get("using"))
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
 
 class LargeTableAdmin(admin.ModelAdmin):

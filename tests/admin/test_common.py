@@ -407,3 +407,28 @@ def test_the_agent_search_never_offers_a_deleted_agent(admin_client, company):
     query = {"app_label": "costs_app", "model_name": "budget", "field_name": "agent", "term": "scout"}
     answer = admin_client.get(reverse("admin:autocomplete"), query).json()
     assert [result["id"] for result in answer["results"]] == [str(kept.pk)]
+
+
+def autocomplete_fields_of_every_admin() -> list[tuple]:
+    from django.contrib import admin
+
+    return [
+        (model, name) for model, model_admin in admin.site._registry.items() for name in model_admin.autocomplete_fields
+    ]
+
+
+@pytest.mark.parametrize(
+    ("model", "field"), autocomplete_fields_of_every_admin(), ids=lambda v: getattr(v, "__name__", v)
+)
+def test_a_search_box_given_no_id_is_a_form_error_not_a_500(admin_client, company, model, field):
+    # Django's widget looked the value up again to show the form: a UUID column raised.
+    url = reverse(f"admin:{model._meta.app_label}_{model._meta.model_name}_add")
+    before = model.objects.count()
+    for value in ["not-an-id", "\x00"]:
+        response = admin_client.post(url, {field: value, "name": "probe"})
+
+        assert response.status_code == 200
+        assert field in response.context["adminform"].form.errors
+        # An add page's link that fills the box (`?company=<id>`) with no id in it.
+        assert admin_client.get(url, {field: value}).status_code == 200
+    assert model.objects.count() == before
