@@ -17,6 +17,7 @@ from django.utils.html import format_html
 
 from costs_app.models import CostEvent
 from sessions_app import services
+from sessions_app.admin.agents import config_unreadable
 from sessions_app.admin.common import (
     AgentFilter,
     ApiIdsInUrls,
@@ -435,6 +436,16 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
         nothing to compact, a budget) is reported by session, the others still compacted."""
         compacted = 0
         for session in queryset.select_related("agent"):
+            if config_unreadable(session.agent):
+                # The compaction reads the agent's settings with .get(): an AttributeError, a 500
+                # for the whole selection. The agent's page says what to correct.
+                self.message_user(
+                    request,
+                    f"Session {session.public_id}: not compacted, as its agent's stored configuration is not "
+                    "a JSON object (correct it on the agent's page).",
+                    messages.WARNING,
+                )
+                continue
             try:
                 session_compact(session=session, now=timezone.now(), trigger=RunTrigger.ADMIN)
             except RunFailure as failure:

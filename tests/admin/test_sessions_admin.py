@@ -511,3 +511,32 @@ def test_compact_now_action_names_a_session_whose_history_is_not_turns_and_compa
         ("success", "Compacted 1 session(s)."),
     ]
     assert [AgentSession.objects.get(pk=s.pk).compaction_count for s in sessions] == [0, 1]
+
+
+def test_compact_now_action_names_a_session_whose_agent_configuration_is_not_an_object(
+    admin_client, company, fake_anthropic
+):
+    from tests.conftest import beat, context_agent
+
+    talkative = context_agent(company, keep_recent_turns=1)
+    for i in range(3):
+        beat(talkative, f"step {i}: " + "x" * 400)
+    broken = context_agent(company, keep_recent_turns=1)
+    damaged = make_session(broken, history=conversation(12), status=SessionStatus.ACTIVE)
+    Agent.objects.filter(pk=broken.pk).update(adapter_config=["not", "an", "object"])  # written by SQL
+    sessions = [damaged, AgentSession.objects.get(agent=talkative)]
+    data = {"action": "compact_now", "_selected_action": [str(s.pk) for s in sessions]}
+
+    response = admin_client.post(reverse(CHANGELIST), data, follow=True)
+
+    assert response.status_code == 200
+    assert [(m.level_tag, str(m)) for m in response.context["messages"]] == [
+        (
+            "warning",
+            f"Session {damaged.public_id}: not compacted, as its agent's stored configuration is not a JSON "
+            "object (correct it on the agent's page).",
+        ),
+        ("success", "Compacted 1 session(s)."),
+    ]
+    assert [AgentSession.objects.get(pk=s.pk).compaction_count for s in sessions] == [0, 1]
+    assert not HeartbeatRun.objects.filter(agent=broken).exists()
