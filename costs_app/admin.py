@@ -690,8 +690,10 @@ def costs_report(*, company_id, now, days: int) -> dict:
     agents_table = []
     for agent_id in ranked:
         g, agent = growth.get(agent_id), agents.get(agent_id)
-        # Judged against what this agent's requests may grow to, and advised in its terms.
-        growing = bool(g and agent and growth_flag(agent, g))
+        # Judged against what this agent's requests may grow to, and advised in its terms. A
+        # stored configuration that is not a JSON object (written by SQL or an older version)
+        # has no ceiling to judge by, and made the page a 500: its agent's page says what to fix.
+        growing = bool(g and agent and isinstance(agent.adapter_config, dict) and growth_flag(agent, g))
         agents_table.append(
             {
                 "agent_id": agent_id,

@@ -157,6 +157,20 @@ def test_costs_page_does_not_flag_a_few_calls_of_small_growth(admin_client, pers
     assert "Lower it to 1000" in agents["Budgeted"]["advice"]
 
 
+def test_costs_page_lists_an_agent_whose_configuration_is_not_an_object(admin_client, persistent_agent):
+    now = timezone.now()
+    for i in range(12):  # enough calls for its growth to be judged
+        event = make_cost(persistent_agent, input_tokens=1000 + 800 * i)
+        CostEvent.objects.filter(pk=event.pk).update(created_at=now - timedelta(minutes=12 - i))
+    Agent.objects.filter(pk=persistent_agent.pk).update(adapter_config=["not", "an", "object"])  # written by SQL
+
+    response = admin_client.get(reverse(REPORT))
+
+    assert response.status_code == 200
+    [row] = response.context["agents_table"]
+    assert (row["name"], row["events"], row["growing"]) == ("Persistent", 12, False)
+
+
 def test_costs_page_filters_by_company(admin_client, persistent_agent, other_agent):
     make_cost(persistent_agent)
     make_cost(other_agent)
