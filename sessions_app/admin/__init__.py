@@ -27,6 +27,7 @@ from sessions_app.admin.managed import ManagedOutputAdmin, ManagedSessionEndAdmi
 from sessions_app.admin.quota import CredentialHoldAdmin
 from sessions_app.admin.runs import HeartbeatRunAdmin
 from sessions_app.admin.sessions import AgentSessionAdmin
+from sessions_app.admin.task_queue import ScheduleAdmin
 
 __all__ = [
     "AgentAdmin",
@@ -40,6 +41,7 @@ __all__ = [
     "ManagedOutputAdmin",
     "ManagedSessionEndAdmin",
     "ModelNameFilter",
+    "ScheduleAdmin",
     "admin_link",
     "humane_expiry",
     "is_changelist",

@@ -79,3 +79,30 @@ def test_capped_paginator_uses_the_planner_estimate_on_postgresql(postgres_only,
     monkeypatch.setattr(CappedCountPaginator, "count_cap", 2)
     assert CappedCountPaginator(AgentSession.objects.all(), 2).count == 5  # unfiltered: the estimate
     assert CappedCountPaginator(AgentSession.objects.filter(agent=persistent_agent), 2).count == 2  # filtered: the cap
+
+
+def test_a_cron_schedule_without_croniter_is_a_field_error_not_a_500(admin_client):
+    from django_q.models import Schedule
+
+    data = {
+        "name": "weekday-report",
+        "func": "sessions_app.tasks.maintenance",
+        "schedule_type": Schedule.CRON,
+        "repeats": "-1",
+        "next_run_0": timezone.now().date().isoformat(),
+        "next_run_1": "03:00:00",
+    }
+
+    response = admin_client.post(reverse("admin:django_q_schedule_add"), data)
+
+    assert response.status_code == 200
+    [error] = response.context["adminform"].form.errors["schedule_type"]
+    assert error.startswith("Cron schedules are not available here (croniter is not installed)")
+    assert not Schedule.objects.filter(name="weekday-report").exists()
+    # Nor turned into one on a change: the cluster's scheduler could not compute its next run.
+    schedule = Schedule.objects.create(name="nightly", func="math.floor", schedule_type=Schedule.DAILY)
+    response = admin_client.post(reverse("admin:django_q_schedule_change", args=[schedule.pk]), data)
+    assert response.status_code == 200
+    assert "schedule_type" in response.context["adminform"].form.errors
+    schedule.refresh_from_db()
+    assert (schedule.name, schedule.schedule_type) == ("nightly", Schedule.DAILY)
