@@ -16,6 +16,7 @@ from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import models, transaction
 from django.forms.fields import InvalidJSONInput
+from django.forms.models import BaseInlineFormSet
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -162,10 +163,31 @@ class HeartbeatForm(forms.Form):
     task = forms.CharField(widget=forms.Textarea(attrs={"rows": 6, "cols": 80}), initial=DEFAULT_HEARTBEAT_TASK)
 
 
+class PinnedFactsFormSet(BaseInlineFormSet):
+    """The API's limit of pinned facts per agent. `max_num` only limits the forms the page
+    offers: a post with more forms (TOTAL_FORMS raised by hand), or new forms beside pins
+    the post leaves out, saved them all past it."""
+
+    def clean(self) -> None:
+        super().clean()
+        kept = set()
+        if self.instance.pk is not None:
+            kept = set(PinnedFact.objects.filter(agent_id=self.instance.pk).values_list("pk", flat=True))
+        kept -= {form.instance.pk for form in self.deleted_forms}
+        deleted = set(self.deleted_forms)
+        added = sum(1 for form in self.extra_forms if form.has_changed() and form not in deleted)
+        if len(kept) + added > MAX_PINS_PER_AGENT:
+            raise ValidationError(
+                f"An agent has at most {MAX_PINS_PER_AGENT} pinned facts: this would make {len(kept) + added}. "
+                "Delete some first."
+            )
+
+
 class PinnedFactsInline(admin.TabularInline):
     """The agent's pinned facts, edited in place: every summary of its sessions keeps them."""
 
     model = PinnedFact
+    formset = PinnedFactsFormSet
     fk_name = "agent"
     fields = ["text", "created_at"]
     readonly_fields = ["created_at"]

@@ -422,6 +422,32 @@ def test_a_bad_pin_is_a_field_error_in_the_admin(admin_client, persistent_agent,
     assert not PinnedFact.objects.exists()
 
 
+def test_the_admin_keeps_to_the_limit_of_pinned_facts_whatever_the_post_says(admin_client, persistent_agent):
+    from sessions_app.models import MAX_PINS_PER_AGENT, PinnedFact
+
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+    PinnedFact.objects.bulk_create(
+        PinnedFact(agent=persistent_agent, text=f"kept {n}") for n in range(MAX_PINS_PER_AGENT - 2)
+    )
+    # The page offers two more forms; a post may carry any number, and leave the pins out.
+    data = pin_form(persistent_agent, "new 0")
+    data.update({"pins-TOTAL_FORMS": "3", "pins-1-text": "new 1", "pins-2-text": "new 2"})
+
+    response = admin_client.post(url, data)
+
+    assert response.status_code == 200
+    assert response.context["inline_admin_formsets"][0].formset.non_form_errors() == [
+        f"An agent has at most {MAX_PINS_PER_AGENT} pinned facts: this would make {MAX_PINS_PER_AGENT + 1}. "
+        "Delete some first."
+    ]
+    assert PinnedFact.objects.filter(agent=persistent_agent).count() == MAX_PINS_PER_AGENT - 2
+    # Up to the limit, they are saved.
+    del data["pins-2-text"]
+    data["pins-TOTAL_FORMS"] = "2"
+    assert admin_client.post(url, data).status_code == 302
+    assert PinnedFact.objects.filter(agent=persistent_agent).count() == MAX_PINS_PER_AGENT
+
+
 def test_a_model_the_catalogue_does_not_have_is_a_field_error_with_close_matches(admin_client, company):
     catalogue_stored()
     response = admin_client.post(reverse(ADD), agent_form(company, adapter_config='{"model": "claude-haiku-5-6"}'))
