@@ -294,9 +294,12 @@ class AgentAdmin(CheckedAutocompleteFields, CountedDeletion, ApiIdsInUrls, admin
         ]
 
     def get_readonly_fields(self, request, obj=None):
-        # Only the change page shows wake times: one schedule lookup for one agent.
+        # Only the change page shows wake times: one schedule lookup for one agent. The company
+        # is fixed once created, as in the API: moving the agent left its sessions, runs,
+        # budget and memory stores in the old company (a store of another company is never
+        # mounted, a budget of another company's agent never applies).
         return (
-            [*self.readonly_fields, "model_status", "next_wakes", "keep_warm", "memory", "workspace_files"]
+            [*self.readonly_fields, "company", "model_status", "next_wakes", "keep_warm", "memory", "workspace_files"]
             if obj is not None
             else self.readonly_fields
         )

@@ -86,6 +86,25 @@ def test_change_page_shows_configuration_as_indented_json(admin_client, persiste
     assert "Run a heartbeat now" in page
 
 
+def test_an_agent_stays_in_its_company_as_in_the_api(admin_client, persistent_agent, other_company):
+    # Moved, it left its sessions, runs, budget and memory in the old company.
+    session = make_session(persistent_agent, history=conversation(2))
+    url = reverse("admin:sessions_app_agent_change", args=[persistent_agent.pk])
+    data = agent_form(
+        other_company,
+        name="Renamed",
+        adapter_config='{"model": "claude-opus-4-5", "session_mode": "persistent", "session_ttl_hours": 24}',
+    )
+
+    response = admin_client.post(url, data)
+
+    assert response.status_code == 302
+    persistent_agent.refresh_from_db()
+    assert (persistent_agent.name, persistent_agent.company_id) == ("Renamed", session.company_id)
+    assert 'name="company"' not in admin_client.get(url).content.decode()
+    assert 'name="company"' in admin_client.get(reverse(ADD)).content.decode()
+
+
 def test_inlines_show_only_the_newest_ten(admin_client, persistent_agent):
     sessions = [make_session(persistent_agent, history=[], store=HistoryStore.DATABASE) for _ in range(12)]
     runs = [make_run(persistent_agent) for _ in range(12)]
