@@ -51,6 +51,7 @@ from sessions_app.models import (
 )
 from sessions_app.serializers import SessionSerializer
 from sessions_app.stores import store_for
+from sessions_app.text import holds_unstorable, storable
 
 # A session id in the list: `sess_` and 8 of its 32 hex digits.
 SHORT_ID_CHARS = 14
@@ -322,7 +323,10 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
 
     def conversation_context(self, request, session: AgentSession) -> dict:
         try:
-            history = store_for(session).read(session)
+            # A lone surrogate (a file edited by hand or written by an older version: the
+            # reader's json fallback takes what msgspec refuses) cannot go out in a UTF-8
+            # page, and made it a 500: shown as U+FFFD, as a damaged answer is stored.
+            history = storable(store_for(session).read(session))
             history_error = ""
         except HistoryUnavailable as exc:
             history, history_error = [], exc.message
@@ -342,7 +346,7 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
         compactions = [
             {
                 "record": compaction,
-                "turns": transcript(compaction.archived_messages or [], run_costs=run_costs),
+                "turns": transcript(storable(compaction.archived_messages or []), run_costs=run_costs),
                 "facts_passed": sum(1 for fact in compaction.facts or [] if fact.get("passed")),
             }
             for compaction in reversed(newest[:SESSION_PAGE_COMPACTIONS])
@@ -382,7 +386,10 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
             "session": {**SessionSerializer(session).data, "company_id": str(session.company_id)},
             "history": history,
         }
-        response = JsonResponse(document, json_dumps_params={"indent": 2, "ensure_ascii": False})
+        # Escaped where it holds a lone surrogate, which UTF-8 cannot carry: the export stays
+        # the history as stored.
+        escape = holds_unstorable(history)
+        response = JsonResponse(document, json_dumps_params={"indent": 2, "ensure_ascii": escape})
         response["Content-Disposition"] = f'attachment; filename="{session.public_id}.json"'
         return response
 

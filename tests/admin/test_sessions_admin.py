@@ -214,6 +214,20 @@ def test_unreadable_history_is_an_error_on_the_page_not_a_500(admin_client, file
     assert export.status_code == 302
 
 
+def test_a_history_holding_a_lone_surrogate_is_shown_and_exported_not_a_500(admin_client, file_session):
+    # Read by the json fallback (msgspec refuses it); UTF-8 cannot carry it out.
+    path = history_file(file_session)
+    path.write_text(path.read_text().replace("turn 1: the answer.", "turn 1: \\ud800 answer."))
+
+    response = admin_client.get(change_url(file_session))
+
+    assert response.status_code == 200
+    assert "turn 1: \ufffd answer." in response.content.decode()
+    export = admin_client.get(reverse("admin:sessions_app_agentsession_export", args=[file_session.pk]))
+    assert export.status_code == 200
+    assert json.loads(export.content)["history"][1]["content"][0]["text"] == "turn 1: \ud800 answer."
+
+
 def test_export_downloads_the_session_and_its_history(admin_client, file_session):
     response = admin_client.get(reverse("admin:sessions_app_agentsession_export", args=[file_session.pk]))
     assert response.status_code == 200
