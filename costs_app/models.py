@@ -337,6 +337,13 @@ class Budget(models.Model):
         }
         if self.warn_percent is not None and not 1 <= self.warn_percent <= 100:
             errors["warn_percent"] = "Must be from 1 to 100."
+        if (
+            self.agent_id is None
+            and self.company_id is not None
+            and Budget.objects.filter(company_id=self.company_id, agent__isnull=True).exclude(pk=self.pk).exists()
+        ):
+            # Said here: the partial unique constraint's own message names only the constraint.
+            errors["company"] = "This company has a budget already: change that one (a company has one budget)."
         if self.agent_id is not None and self.company_id is not None and self.agent.company_id != self.company_id:
             # Budget checks look an agent's budget up under the agent's own company.
             errors["agent"] = (

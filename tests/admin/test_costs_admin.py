@@ -396,6 +396,24 @@ def test_the_budget_form_refuses_an_agent_of_another_company(admin_client, compa
     assert [(use.scope, use.period, use.limit) for use in uses] == [("agent", "month", Decimal("1"))]
 
 
+def test_a_second_budget_of_a_company_is_refused_in_words(admin_client, company):
+    budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("10"))
+    add = reverse("admin:costs_app_budget_add")
+
+    response = admin_client.post(add, {**budget_form(Budget(company=company)), "monthly_limit_usd": "1"})
+
+    assert response.status_code == 200
+    assert response.context["adminform"].form.errors == {
+        "company": ["This company has a budget already: change that one (a company has one budget)."]
+    }
+    assert list(Budget.objects.all()) == [budget]
+    # Its own budget is still changed.
+    change = reverse("admin:costs_app_budget_change", args=[budget.pk])
+    assert admin_client.post(change, {**budget_form(budget), "monthly_limit_usd": "20"}).status_code == 302
+    budget.refresh_from_db()
+    assert budget.monthly_limit_usd == Decimal("20")
+
+
 def test_the_model_price_page_shows_the_librarys_price_beside_each_override(admin_client):
     override = ModelPrice.from_list_price("claude-sonnet-5-5", date(2026, 12, 1), Decimal("1.5"), Decimal("8"))
     override.save()
