@@ -14,7 +14,7 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import models, transaction
+from django.db import models
 from django.forms.fields import InvalidJSONInput
 from django.forms.models import BaseInlineFormSet
 from django.http import Http404, HttpResponseRedirect
@@ -593,19 +593,22 @@ class AgentAdmin(CheckedAutocompleteFields, CountedDeletion, ApiIdsInUrls, admin
             self.start_heartbeat(request, agent=agent, task=DEFAULT_HEARTBEAT_TASK)
 
     def start_heartbeat(self, request, *, agent: Agent, task: str) -> HeartbeatRun | None:
-        from sessions_app.errors import HeartbeatRefused
+        from sessions_app.errors import HeartbeatRefused, QueueUnavailable
         from sessions_app.heartbeat import heartbeat_start
 
         if config_unreadable(agent):
             self.say_unreadable(request, [agent], verb="started")
             return None
         try:
-            with transaction.atomic():
-                run, _ = heartbeat_start(
-                    agent=agent, task=task, trigger=RunTrigger.ADMIN, now=timezone.now(), wait=False
-                )
+            # Outside any transaction of ours: heartbeat_start hands the run to the task queue
+            # once its enqueue commits and says so when the queue refuses it. Inside one, the
+            # hand-off ran at its end, past that check: a queue that was down was a 500.
+            run, _ = heartbeat_start(agent=agent, task=task, trigger=RunTrigger.ADMIN, now=timezone.now(), wait=False)
         except HeartbeatRefused as exc:
             self.message_user(request, f"{agent.name}: heartbeat refused ({exc.code}): {exc.message}", messages.ERROR)
+            return None
+        except QueueUnavailable as exc:
+            self.message_user(request, f"{agent.name}: {exc.message}", messages.ERROR)
             return None
         self.message_user(
             request,

@@ -11,7 +11,15 @@ from django.utils import timezone
 from django_q.models import Schedule
 
 from sessions_app import services
-from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, HistoryStore, RunTrigger
+from sessions_app.models import (
+    Agent,
+    AgentSession,
+    AgentStatus,
+    HeartbeatRun,
+    HistoryStore,
+    RunStatus,
+    RunTrigger,
+)
 from sessions_app.schedules import schedule_name
 from sessions_app.stores import STORES
 from tests.admin.conftest import conversation, make_run, make_session
@@ -146,6 +154,37 @@ def test_run_a_heartbeat_now_from_the_agent_page(admin_client, persistent_agent,
     assert queued_run_ids() == [str(run.pk)]  # handed to the task cluster by the real engine
     assert response.redirect_chain[-1][0] == reverse("admin:sessions_app_heartbeatrun_change", args=[run.pk])
     assert reverse("admin:sessions_app_heartbeatrun_change", args=[run.pk]) in response.content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("way", ["page", "action"])
+def test_a_task_queue_that_refuses_the_run_is_a_message_and_the_run_stays_recorded(admin_client, persistent_agent, way):
+    from django.db import connection
+
+    from tests.conftest import refuse_writes
+
+    # The database broker's queue: its INSERT fails as a Redis that is down would.
+    refuse_writes("django_q_ormq", when="1 = 1", event="INSERT")
+    try:
+        if way == "page":
+            url = reverse("admin:sessions_app_agent_heartbeat", args=[persistent_agent.pk])
+            response = admin_client.post(url, {"task": "Look now."}, follow=True)
+        else:
+            data = {"action": "run_heartbeat_now", "_selected_action": [str(persistent_agent.pk)]}
+            response = admin_client.post(reverse(CHANGELIST), data, follow=True)
+    finally:
+        with connection.cursor() as cursor:
+            on = " ON django_q_ormq" if connection.vendor == "postgresql" else ""
+            cursor.execute(f"DROP TRIGGER paperclip_test_refuse{on}")
+            if connection.vendor == "postgresql":
+                cursor.execute("DROP FUNCTION paperclip_test_refuse()")
+
+    assert response.status_code == 200
+    run = HeartbeatRun.objects.get(agent=persistent_agent)
+    assert run.status == RunStatus.QUEUED  # recorded: the maintenance pass hands it on later
+    assert [(m.level_tag, str(m)) for m in response.context["messages"]] == [
+        ("error", f"Persistent: The task queue is unavailable; run {run.pk} is recorded but not started.")
+    ]
 
 
 def test_run_a_heartbeat_action_reports_refusals(
