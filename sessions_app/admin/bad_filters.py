@@ -3,7 +3,8 @@
 Django validates most lookups in the query string when it builds the changelist, but
 some fail only when the query runs, after its own check: a year outside 1..9999
 (`?created_at__year=99999`) and, on PostgreSQL, a NUL character in any filter or search
-term. Bulk actions trust the posted ids the same way (`_selected_action=not-a-uuid`).
+term. Bulk actions trust the posted ids the same way (`_selected_action=not-a-uuid`), and a
+row's pages their URL's id (a NUL in it is a 404).
 That holds for every list in the admin (django-q2's and auth's included), so the guard
 is a middleware around the admin rather than a base class.
 """
@@ -15,7 +16,7 @@ import logging
 from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.db import DataError
-from django.http import HttpResponseRedirect
+from django.http import Http404, HttpResponseRedirect
 from django.urls import reverse
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,10 @@ class AdminBadFilterMiddleware:
         self.get_response = get_response
 
     def __call__(self, request):
+        if "\x00" in request.path and request.path.startswith(reverse("admin:index")):
+            # No row's id holds a NUL, and PostgreSQL refuses one in any lookup: the pages of a
+            # row whose key is text (django-q2's tasks) were a 500 for `.../%00/change/`.
+            raise Http404("No such page.")
         return self.get_response(request)
 
     def process_exception(self, request, exception):
