@@ -316,7 +316,12 @@ class AgentAdmin(CheckedAutocompleteFields, CountedDeletion, ApiIdsInUrls, admin
 
     @admin.display(description="workspace files")
     def workspace_files(self, obj: Agent) -> str:
-        listing = workspace_listing(agent_id=obj.id, config=obj.adapter_config)
+        try:
+            listing = workspace_listing(agent_id=obj.id, config=obj.adapter_config)
+        except TypeError:
+            # A stored `workspace` that is no path (written by SQL or an older version) made
+            # the page a 500: the page where it is corrected.
+            return f"unknown: the stored workspace is not a path ({obj.adapter_config.get('workspace')!r})"
         if listing.missing:
             return f"{listing.root} (not created yet: it is made by the first heartbeat)"
         rows = format_html_join(

@@ -672,6 +672,25 @@ def test_an_agent_whose_zone_is_gone_shows_the_problem_in_the_list_and_on_its_pa
     assert "config-invalid" not in admin_client.get(reverse(CHANGELIST)).content.decode()
 
 
+def test_a_claude_code_agent_whose_stored_workspace_is_no_path_can_be_seen_and_corrected(admin_client, company):
+    agent = Agent.objects.create(
+        company=company, name="Coder", adapter_config={"model": "claude-opus-4-5", "runtime": "cli"}
+    )
+    Agent.objects.filter(pk=agent.pk).update(
+        adapter_config={"model": "claude-opus-4-5", "runtime": "cli", "workspace": 5}
+    )
+    url = reverse("admin:sessions_app_agent_change", args=[agent.pk])
+
+    response = admin_client.get(url)
+
+    assert response.status_code == 200
+    assert "unknown: the stored workspace is not a path (5)" in response.content.decode()
+    config = '{"model": "claude-opus-4-5", "runtime": "cli"}'
+    assert admin_client.post(url, agent_form(company, name="Coder", adapter_config=config)).status_code == 302
+    agent.refresh_from_db()
+    assert "workspace" not in agent.adapter_config
+
+
 def test_an_agent_whose_configuration_is_not_an_object_can_be_seen_corrected_and_deleted(
     admin_client, persistent_agent, django_capture_on_commit_callbacks
 ):
