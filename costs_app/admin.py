@@ -645,6 +645,19 @@ def format_tokens(value) -> str:
     return f"{value:.0f}"
 
 
+def growth_judged(agent: Agent, growth) -> bool:
+    """`growth_flag`, or False where the agent's stored configuration gives no ceiling to judge
+    by: not a JSON object, or a setting that is no number (written by SQL or an older version;
+    a save validates both). Either made the whole page a 500; the agent's page says what to
+    correct, and its spend is still listed here."""
+    if not isinstance(agent.adapter_config, dict):
+        return False
+    try:
+        return growth_flag(agent, growth)
+    except (TypeError, ValueError):
+        return False
+
+
 def costs_report(*, company_id, now, days: int) -> dict:
     """Everything the costs page shows, in a bounded number of queries:
     one rollup, one for agent names, and at most GROWTH_MAX_AGENTS growth queries."""
@@ -690,10 +703,8 @@ def costs_report(*, company_id, now, days: int) -> dict:
     agents_table = []
     for agent_id in ranked:
         g, agent = growth.get(agent_id), agents.get(agent_id)
-        # Judged against what this agent's requests may grow to, and advised in its terms. A
-        # stored configuration that is not a JSON object (written by SQL or an older version)
-        # has no ceiling to judge by, and made the page a 500: its agent's page says what to fix.
-        growing = bool(g and agent and isinstance(agent.adapter_config, dict) and growth_flag(agent, g))
+        # Judged against what this agent's requests may grow to, and advised in its terms.
+        growing = bool(g and agent and growth_judged(agent, g))
         agents_table.append(
             {
                 "agent_id": agent_id,

@@ -157,12 +157,17 @@ def test_costs_page_does_not_flag_a_few_calls_of_small_growth(admin_client, pers
     assert "Lower it to 1000" in agents["Budgeted"]["advice"]
 
 
-def test_costs_page_lists_an_agent_whose_configuration_is_not_an_object(admin_client, persistent_agent):
+@pytest.mark.parametrize(
+    "config",
+    [["not", "an", "object"], {"model": "claude-opus-4-5", "context_budget_tokens": "many"}],
+    ids=["not-an-object", "not-a-number"],
+)
+def test_costs_page_lists_an_agent_whose_configuration_no_longer_validates(admin_client, persistent_agent, config):
     now = timezone.now()
     for i in range(12):  # enough calls for its growth to be judged
         event = make_cost(persistent_agent, input_tokens=1000 + 800 * i)
         CostEvent.objects.filter(pk=event.pk).update(created_at=now - timedelta(minutes=12 - i))
-    Agent.objects.filter(pk=persistent_agent.pk).update(adapter_config=["not", "an", "object"])  # written by SQL
+    Agent.objects.filter(pk=persistent_agent.pk).update(adapter_config=config)  # written by SQL
 
     response = admin_client.get(reverse(REPORT))
 
