@@ -645,17 +645,19 @@ def format_tokens(value) -> str:
     return f"{value:.0f}"
 
 
-def growth_judged(agent: Agent, growth) -> bool:
-    """`growth_flag`, or False where the agent's stored configuration gives no ceiling to judge
-    by: not a JSON object, or a setting that is no number (written by SQL or an older version;
-    a save validates both). Either made the whole page a 500; the agent's page says what to
-    correct, and its spend is still listed here."""
+def growth_judged(agent: Agent, growth) -> tuple[bool, str]:
+    """Whether the agent's growth is flagged (`growth_flag`) and the advice, or (False, "")
+    where its stored configuration gives nothing to judge or advise by: not a JSON object,
+    or a setting that is no number (written by SQL or an older version; a save validates
+    both). Either made the whole page a 500; the agent's page says what to correct, and its
+    spend is still listed here."""
     if not isinstance(agent.adapter_config, dict):
-        return False
+        return False, ""
     try:
-        return growth_flag(agent, growth)
+        growing = growth_flag(agent, growth)
+        return growing, growth_advice(agent, growth) if growing else ""
     except (TypeError, ValueError):
-        return False
+        return False, ""
 
 
 def costs_report(*, company_id, now, days: int) -> dict:
@@ -704,7 +706,7 @@ def costs_report(*, company_id, now, days: int) -> dict:
     for agent_id in ranked:
         g, agent = growth.get(agent_id), agents.get(agent_id)
         # Judged against what this agent's requests may grow to, and advised in its terms.
-        growing = bool(g and agent and growth_judged(agent, g))
+        growing, advice = growth_judged(agent, g) if g and agent else (False, "")
         agents_table.append(
             {
                 "agent_id": agent_id,
@@ -713,7 +715,7 @@ def costs_report(*, company_id, now, days: int) -> dict:
                 **per_agent[agent_id],
                 "growth": g,
                 "growing": growing,
-                "advice": growth_advice(agent, g) if growing else "",
+                "advice": advice,
             }
         )
 

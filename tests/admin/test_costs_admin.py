@@ -159,8 +159,12 @@ def test_costs_page_does_not_flag_a_few_calls_of_small_growth(admin_client, pers
 
 @pytest.mark.parametrize(
     "config",
-    [["not", "an", "object"], {"model": "claude-opus-4-5", "context_budget_tokens": "many"}],
-    ids=["not-an-object", "not-a-number"],
+    [
+        ["not", "an", "object"],
+        {"model": "claude-opus-4-5", "context_budget_tokens": "many"},  # read by the flag
+        {"model": "claude-opus-4-5", "session_mode": "persistent", "keep_recent_turns": "some"},  # by the advice
+    ],
+    ids=["not-an-object", "budget-not-a-number", "turns-not-a-number"],
 )
 def test_costs_page_lists_an_agent_whose_configuration_no_longer_validates(admin_client, persistent_agent, config):
     now = timezone.now()
