@@ -11,6 +11,8 @@ row lock or a worker while the run waits.
   expiry, exactly one wins; the loser is told the run no longer waits.
 - Unanswered past `approval_timeout_minutes` the run fails `approval_expired` and the remote
   turn is interrupted, so the agent spends nothing more on it.
+- A decided run whose hand-off to the task queue failed or was lost keeps its decision; the
+  maintenance pass hands it over again (`approvals_dispatch`), as it does lost queued runs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from django.db.models import Q
 
 from costs_app.ledger import session_hours_record
 from costs_app.pricing import session_hour_rate, session_hours_cost
-from sessions_app.errors import RunFailure
+from sessions_app.errors import QueueUnavailable, RunFailure
 from sessions_app.managed_sessions import remote_turn_stop
 from sessions_app.models import HeartbeatRun, RunStatus
 from sessions_app.run_queue import heartbeat_dispatch, run_fail
@@ -80,8 +82,36 @@ def approval_decide(run: HeartbeatRun, *, allow: bool, reason: str = "", by: str
     if not decided or "decision" in state:
         raise ApprovalRefused("run_not_waiting_approval", "The run does not wait for an approval (any more).")
     run.managed_turn = {**state, "decision": decision}
-    heartbeat_dispatch(run=run)
+    try:
+        heartbeat_dispatch(run=run)
+    except Exception as exc:  # the broker (Redis, or the database queue) is down
+        logger.exception("Could not hand decided run %s to the task queue", run.id)
+        raise QueueUnavailable(
+            "queue_unavailable",
+            f"The task queue is unavailable; the decision on run {run.id} is recorded, and the run "
+            "continues once the queue takes it (the maintenance pass hands it over).",
+        ) from exc
     return run
+
+
+# Decided runs waiting for a worker are few and are claimed within seconds; a pass hands
+# over at most this many (a second hand-off of one is harmless: only one claim succeeds).
+DISPATCH_BATCH = 100
+
+
+def approvals_dispatch() -> int:
+    """Hand decided runs to the task queue again: one whose hand-off failed (the queue was
+    down when the operator decided) or whose task was lost would otherwise wait for ever, as
+    the expiry leaves decided runs alone."""
+    decided = HeartbeatRun.objects.filter(
+        status=RunStatus.WAITING_APPROVAL, managed_turn__decision__isnull=False
+    ).select_related("agent")[:DISPATCH_BATCH]
+    # Read to the end first: an enqueue on the database broker may close the connection
+    # under a cursor still being read (CONN_MAX_AGE=0 on SQLite).
+    runs = list(decided)
+    for run in runs:
+        heartbeat_dispatch(run=run)
+    return len(runs)
 
 
 def approval_pending(run: HeartbeatRun) -> dict | None:

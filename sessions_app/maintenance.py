@@ -22,7 +22,7 @@ from costs_app.catalogue import catalogue_refresh, catalogue_refresh_due
 from costs_app.ledger import spend_of
 from sessions_app.adapters.cli_processes import cli_orphans_kill
 from sessions_app.agent_health import agents_health_check
-from sessions_app.approvals import approvals_expire
+from sessions_app.approvals import approvals_dispatch, approvals_expire
 from sessions_app.batches import batches_poll
 from sessions_app.cache_refresh import cache_refreshes_queue
 from sessions_app.cli_transcripts import cli_sessions_delete
@@ -254,6 +254,7 @@ MAINTENANCE_STEPS = {
     "batches": lambda *, now: batches_poll(now=now),
     "cache_refreshes": cache_refreshes_queue,
     "approvals_expired": approvals_expire,
+    "approvals_dispatched": lambda *, now: approvals_dispatch(),
     "managed_orphans": managed_orphans_end,
     "managed_health": managed_health_check,
     "managed_session_ends": managed_ends_process,

@@ -142,6 +142,7 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "cache_refreshes",
         "batches",
         "approvals_expired",
+        "approvals_dispatched",
         "managed_orphans",
         "managed_health",
         "managed_session_ends",

@@ -23,6 +23,7 @@ from sessions_app.admin.common import (
     tokens_in_out,
 )
 from sessions_app.approvals import ApprovalRefused, approval_decide, approval_pending
+from sessions_app.errors import QueueUnavailable
 from sessions_app.models import RUN_BATCH_COLUMNS, HeartbeatRun, parse_session_id, session_public_id
 
 
@@ -143,6 +144,9 @@ class HeartbeatRunAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
                 decided += 1
             except ApprovalRefused as refused:
                 self.message_user(request, f"Run {run.pk}: {refused.message}", messages.WARNING)
+            except QueueUnavailable as unqueued:
+                decided += 1  # the decision is recorded; the maintenance pass hands the run over
+                self.message_user(request, f"Run {run.pk}: {unqueued.message}", messages.WARNING)
         self.message_user(request, f"{'Approved' if allow else 'Denied'} {decided} run(s).", messages.SUCCESS)
 
     @admin.display(description="run", ordering="created_at")

@@ -10,8 +10,9 @@ from rest_framework import serializers
 from rest_framework.response import Response
 
 from sessions_app.api.base import ApiView, error_responses
-from sessions_app.api.exceptions import BadRequest, Conflict, NotFound
+from sessions_app.api.exceptions import BadRequest, Conflict, NotFound, ServiceUnavailable
 from sessions_app.approvals import MAX_REASON_CHARS, ApprovalRefused, approval_decide
+from sessions_app.errors import QueueUnavailable
 from sessions_app.models import ApiKey, HeartbeatRun
 from sessions_app.serializers import NoUnknownFieldsMixin, RunSerializer, StrictCharField
 
@@ -49,6 +50,8 @@ class ApprovalView(ApiView):
             if refused.status == 400:
                 raise BadRequest(refused.message, code=refused.code, fields={"reason": refused.message}) from None
             raise Conflict(refused.message, code=refused.code) from None
+        except QueueUnavailable as unqueued:
+            raise ServiceUnavailable(unqueued.message, code=unqueued.code) from unqueued
         run.refresh_from_db()
         return Response(RunSerializer(run).data)
 
@@ -66,7 +69,7 @@ class RunApproveView(ApprovalView):
     @extend_schema(
         operation_id="run_approve",
         request=DecisionSerializer,
-        responses={200: RunSerializer, **error_responses(400, 409)},
+        responses={200: RunSerializer, **error_responses(400, 409, 503)},
         description="Approve the tool calls a Managed Agents turn waits on. " + DESCRIPTION,
     )
     def post(self, request, company_id: UUID, agent_id: UUID, run_id: UUID):
@@ -79,7 +82,7 @@ class RunDenyView(ApprovalView):
     @extend_schema(
         operation_id="run_deny",
         request=DecisionSerializer,
-        responses={200: RunSerializer, **error_responses(400, 409)},
+        responses={200: RunSerializer, **error_responses(400, 409, 503)},
         description="Deny the tool calls a Managed Agents turn waits on; `reason` reaches the agent. " + DESCRIPTION,
     )
     def post(self, request, company_id: UUID, agent_id: UUID, run_id: UUID):

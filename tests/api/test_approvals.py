@@ -10,7 +10,7 @@ import pytest
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
-from sessions_app.approvals import approvals_expire
+from sessions_app.approvals import approvals_dispatch, approvals_expire
 from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.stores import store_for
@@ -80,6 +80,37 @@ def test_a_denied_tool_call_tells_the_agent_why_and_the_turn_goes_on(api, compan
     results = [e for e in fake_managed.events[remote_id] if e["type"] == "agent.tool_result"]
     assert "not on a Friday" in str(results[-1]["content"])
     assert api.get(agent_url(agent, f"/runs/{waiting.id}")).json()["approval"]["decision"]["result"] == "deny"
+
+
+def test_a_decision_the_task_queue_refuses_is_kept_and_the_maintenance_pass_hands_the_run_over(
+    api, company, fake_managed, monkeypatch
+):
+    from sessions_app import approvals
+
+    agent = asking_agent(company)
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+
+    def broker_down(*, run):
+        raise ConnectionError("broker down")
+
+    with monkeypatch.context() as queue_down:
+        queue_down.setattr(approvals, "heartbeat_dispatch", broker_down)
+        error = assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/approve")), 503, "queue_unavailable")
+    assert "recorded" in error["message"]
+    # The decision stands: it is not taken again, and the expiry leaves the decided run alone.
+    assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/deny")), 409, "run_not_waiting_approval")
+    assert approvals_expire(now=timezone.now() + timedelta(days=1)) == 0
+    run_queued_tasks()
+    assert HeartbeatRun.objects.get(pk=waiting.pk).status == RunStatus.WAITING_APPROVAL  # nothing was queued
+
+    assert approvals_dispatch() == 1
+    run_queued_tasks()
+
+    run = HeartbeatRun.objects.get(pk=waiting.pk)
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    assert run.output == "I will look first.\n\nCleaned up."
+    assert approvals_dispatch() == 0
 
 
 def test_a_decision_is_taken_once(api, company, fake_managed):
@@ -187,3 +218,31 @@ def test_an_operator_approves_from_the_admin_and_sees_the_waiting_call(admin_cli
     run = HeartbeatRun.objects.get(pk=waiting.pk)
     assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
     assert run.managed_turn["decision"]["by"] == "admin admin"
+
+
+def test_an_admin_decision_the_task_queue_refuses_is_said_on_the_page_and_kept(
+    admin_client, company, fake_managed, monkeypatch
+):
+    from django.contrib.messages import get_messages
+    from django.urls import reverse
+
+    from sessions_app import approvals
+
+    agent = asking_agent(company)
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+
+    def broker_down(*, run):
+        raise ConnectionError("broker down")
+
+    changelist = reverse("admin:sessions_app_heartbeatrun_changelist")
+    with monkeypatch.context() as queue_down:
+        queue_down.setattr(approvals, "heartbeat_dispatch", broker_down)
+        answer = admin_client.post(changelist, {"action": "deny_tool_calls", "_selected_action": [str(waiting.pk)]})
+    assert answer.status_code == 302
+    said = [str(message) for message in get_messages(answer.wsgi_request)]
+    assert any("task queue is unavailable" in line and "recorded" in line for line in said), said
+    assert HeartbeatRun.objects.get(pk=waiting.pk).managed_turn["decision"]["result"] == "deny"
+    assert approvals_dispatch() == 1
+    run_queued_tasks()
+    assert HeartbeatRun.objects.get(pk=waiting.pk).status == RunStatus.SUCCEEDED
