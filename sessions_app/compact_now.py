@@ -29,7 +29,7 @@ from sessions_app.adapters.base import QuotaRefused
 from sessions_app.compaction import compaction_commit, compaction_refused, summary_call, summary_not_shrinking
 from sessions_app.context import choose_split, estimate_tokens, history_problem, summary_pair
 from sessions_app.errors import StepFailed
-from sessions_app.heartbeat import ClaimedRun, Reservation, RunClock
+from sessions_app.heartbeat import ClaimedRun, Reservation, RunClock, config_invalid_message
 from sessions_app.metering import alone_seconds, session_run_time_record
 from sessions_app.models import (
     Agent,
@@ -139,6 +139,11 @@ def session_counts(session: AgentSession) -> tuple[int, int]:
 def refuse_unless_compactable(session: AgentSession, *, now: datetime) -> None:
     if refusal := session.agent.refusal():
         raise CompactRefused(*refusal)
+    # Checked first here, unlike a heartbeat: a summary is rare beside its model call, and a
+    # stored configuration no save would accept failed it at any step, once after the call
+    # (its summary model priced), with a run left running.
+    if (problem := session.agent.config_problem()) is not None:
+        raise CompactRefused("agent_config_invalid", config_invalid_message(problem))
     if not session.is_live_at(now, ttl=session.agent.session_ttl):
         raise CompactRefused("session_not_live", "The session has ended or expired; only a live session is compacted.")
     if get_adapter(session.agent.adapter_type, session.agent.adapter_config).keeps_own_session:

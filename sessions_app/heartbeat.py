@@ -70,7 +70,7 @@ from sessions_app.context import (
     summary_pair,
     user_turn_content,
 )
-from sessions_app.errors import QueueUnavailable, RunAbandoned, RunFailure, RunRemoved
+from sessions_app.errors import HeartbeatRefused, QueueUnavailable, RunAbandoned, RunFailure, RunRemoved
 from sessions_app.hot_sql import pipelines, turn_and_outcome_run, write_then_read
 from sessions_app.keep_warm import keep_warm_arm
 from sessions_app.managed_health import lost_session_note
@@ -137,16 +137,23 @@ def heartbeat_start(
     handed to the task cluster when the current transaction commits (`QueueUnavailable`
     when the queue refuses it: the run stays recorded).
     """
-    run, created = heartbeat_enqueue(
-        agent=agent,
-        task=task,
-        now=now,
-        idempotency_key=idempotency_key,
-        force_fresh=force_fresh,
-        trigger=trigger,
-        merge=merge,
-        delivery=delivery,
-    )
+    try:
+        run, created = heartbeat_enqueue(
+            agent=agent,
+            task=task,
+            now=now,
+            idempotency_key=idempotency_key,
+            force_fresh=force_fresh,
+            trigger=trigger,
+            merge=merge,
+            delivery=delivery,
+        )
+    except (AttributeError, KeyError, TypeError, ValueError):
+        # The enqueue reads the agent's settings (its models, its budget's); a stored
+        # configuration no save would accept fails there: said, where it is the cause.
+        if (problem := agent.config_problem()) is None:
+            raise
+        raise HeartbeatRefused("agent_config_invalid", config_invalid_message(problem)) from None
     if not created:
         return run, False
     if wait:
@@ -160,6 +167,13 @@ def heartbeat_start(
             "queue_unavailable", f"The task queue is unavailable; run {run.id} is recorded but not started."
         ) from exc
     return run, True
+
+
+def config_invalid_message(problem: str) -> str:
+    return (
+        f"The agent's stored configuration is not valid ({problem}): correct it "
+        "(PATCH the agent, or its page in the admin), then wake it again."
+    )
 
 
 # One run, as its steps.
@@ -203,7 +217,10 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
         # Never leave a run `running` behind an unexpected error (a bug, a dropped
         # database connection): fail it with the class name and keep the traceback in logs.
         logger.exception("Heartbeat run %s failed unexpectedly", run.id)
-        run_fail(run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=clock())
+        if (problem := run.agent.config_problem()) is not None:
+            run_fail(run, code="agent_config_invalid", message=config_invalid_message(problem), now=clock())
+        else:
+            run_fail(run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=clock())
         run_cost_refresh(run_id=run.id)
     with step("release", run_id=run.id):
         if run.quota_probe is not None and probe_end(run=run, now=clock()):

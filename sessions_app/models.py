@@ -20,6 +20,7 @@ from django.utils import timezone
 from costs_app.models import Delivery
 from paperclip.errors import RunFailure
 from sessions_app.adapters import validate_agent_config
+from sessions_app.adapters.base import AgentConfigError
 from sessions_app.history_json import history_loads
 from sessions_app.model_checks import agent_models_validate, with_default_model
 from sessions_app.text import MESSAGE_ID_MAX_LENGTH, STOP_REASON_MAX_LENGTH, is_storable
@@ -170,6 +171,16 @@ class Agent(models.Model):
             stored = config if stored is None else stored
         agent_models_validate(adapter_type=self.adapter_type, config=config, previous=stored, now=timezone.now())
         self.adapter_config = config
+
+    def config_problem(self) -> str | None:
+        """What is wrong with the stored configuration, in one line; None when it validates.
+        A save validates it, but one written by SQL or by an older version may not, and the
+        code that reads it may then fail: a heartbeat says this instead of a bare error."""
+        try:
+            validate_agent_config(self.adapter_type, with_default_model(self.adapter_type, self.adapter_config))
+        except AgentConfigError as exc:
+            return "; ".join(f"{name}: {message}" for name, message in exc.fields.items())
+        return None
 
     @property
     def session_mode(self) -> str:

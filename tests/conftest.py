@@ -525,6 +525,21 @@ def refuse_writes(table: str, *, when: str, event: str = "UPDATE") -> None:
             )
 
 
+@contextmanager
+def task_queue_down():
+    """The task queue refuses every task, as a Redis that is down would: the database
+    broker's INSERT fails. The trigger is dropped after, for tests whose transactions commit."""
+    refuse_writes("django_q_ormq", when="1 = 1", event="INSERT")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            on = " ON django_q_ormq" if connection.vendor == "postgresql" else ""
+            cursor.execute(f"DROP TRIGGER paperclip_test_refuse{on}")
+            if connection.vendor == "postgresql":
+                cursor.execute("DROP FUNCTION paperclip_test_refuse()")
+
+
 def terminate_backend_running(statement_like: str) -> None:
     """Wait until another connection runs a statement like `statement_like`, and kill it (PostgreSQL)."""
     victim = None

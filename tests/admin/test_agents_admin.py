@@ -159,25 +159,15 @@ def test_run_a_heartbeat_now_from_the_agent_page(admin_client, persistent_agent,
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("way", ["page", "action"])
 def test_a_task_queue_that_refuses_the_run_is_a_message_and_the_run_stays_recorded(admin_client, persistent_agent, way):
-    from django.db import connection
+    from tests.conftest import task_queue_down
 
-    from tests.conftest import refuse_writes
-
-    # The database broker's queue: its INSERT fails as a Redis that is down would.
-    refuse_writes("django_q_ormq", when="1 = 1", event="INSERT")
-    try:
+    with task_queue_down():
         if way == "page":
             url = reverse("admin:sessions_app_agent_heartbeat", args=[persistent_agent.pk])
             response = admin_client.post(url, {"task": "Look now."}, follow=True)
         else:
             data = {"action": "run_heartbeat_now", "_selected_action": [str(persistent_agent.pk)]}
             response = admin_client.post(reverse(CHANGELIST), data, follow=True)
-    finally:
-        with connection.cursor() as cursor:
-            on = " ON django_q_ormq" if connection.vendor == "postgresql" else ""
-            cursor.execute(f"DROP TRIGGER paperclip_test_refuse{on}")
-            if connection.vendor == "postgresql":
-                cursor.execute("DROP FUNCTION paperclip_test_refuse()")
 
     assert response.status_code == 200
     run = HeartbeatRun.objects.get(agent=persistent_agent)

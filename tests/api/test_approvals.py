@@ -15,7 +15,7 @@ from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.stores import store_for
 from tests.api.conftest import agent_url, assert_error
-from tests.conftest import beat, managed_agent, run_queued_tasks
+from tests.conftest import beat, managed_agent, run_queued_tasks, task_queue_down
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -83,19 +83,13 @@ def test_a_denied_tool_call_tells_the_agent_why_and_the_turn_goes_on(api, compan
 
 
 def test_a_decision_the_task_queue_refuses_is_kept_and_the_maintenance_pass_hands_the_run_over(
-    api, company, fake_managed, monkeypatch
+    api, company, fake_managed
 ):
-    from sessions_app import approvals
-
     agent = asking_agent(company)
     fake_managed.script(None, ASKING)
     waiting = beat(agent, "clean the build")
 
-    def broker_down(*, run):
-        raise ConnectionError("broker down")
-
-    with monkeypatch.context() as queue_down:
-        queue_down.setattr(approvals, "heartbeat_dispatch", broker_down)
+    with task_queue_down():
         error = assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/approve")), 503, "queue_unavailable")
     assert "recorded" in error["message"]
     # The decision stands: it is not taken again, and the expiry leaves the decided run alone.
@@ -220,24 +214,16 @@ def test_an_operator_approves_from_the_admin_and_sees_the_waiting_call(admin_cli
     assert run.managed_turn["decision"]["by"] == "admin admin"
 
 
-def test_an_admin_decision_the_task_queue_refuses_is_said_on_the_page_and_kept(
-    admin_client, company, fake_managed, monkeypatch
-):
+def test_an_admin_decision_the_task_queue_refuses_is_said_on_the_page_and_kept(admin_client, company, fake_managed):
     from django.contrib.messages import get_messages
     from django.urls import reverse
-
-    from sessions_app import approvals
 
     agent = asking_agent(company)
     fake_managed.script(None, ASKING)
     waiting = beat(agent, "clean the build")
 
-    def broker_down(*, run):
-        raise ConnectionError("broker down")
-
     changelist = reverse("admin:sessions_app_heartbeatrun_changelist")
-    with monkeypatch.context() as queue_down:
-        queue_down.setattr(approvals, "heartbeat_dispatch", broker_down)
+    with task_queue_down():
         answer = admin_client.post(changelist, {"action": "deny_tool_calls", "_selected_action": [str(waiting.pk)]})
     assert answer.status_code == 302
     said = [str(message) for message in get_messages(answer.wsgi_request)]

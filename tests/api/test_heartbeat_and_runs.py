@@ -115,6 +115,44 @@ def test_heartbeat_of_a_paused_agent_is_409(api, persistent_agent):
     assert_error(api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"}), 409, "agent_paused")
 
 
+# Stored by SQL or by an older version: no save accepts them, and the enqueue reads each.
+UNSAVEABLE_SETTINGS = [
+    ("context_budget_tokens", "abc"),
+    ("keep_recent_turns", "x"),
+    ("summary_model", 5),
+]
+
+
+@pytest.mark.parametrize(("setting", "value"), UNSAVEABLE_SETTINGS, ids=[s for s, _ in UNSAVEABLE_SETTINGS])
+def test_heartbeat_of_an_agent_whose_stored_setting_no_save_accepts_is_409_naming_it(
+    api, persistent_agent, fake_anthropic, setting, value
+):
+    Agent.objects.filter(pk=persistent_agent.pk).update(
+        adapter_config={**persistent_agent.adapter_config, setting: value}
+    )
+
+    error = assert_error(
+        api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi"}), 409, "agent_config_invalid"
+    )
+
+    assert f"adapter_config.{setting}" in error["message"]
+    assert not HeartbeatRun.objects.filter(agent=persistent_agent).exists()
+    assert fake_anthropic.message_requests == []
+
+
+def test_a_run_whose_agents_stored_setting_breaks_it_fails_naming_the_setting(api, persistent_agent, fake_anthropic):
+    Agent.objects.filter(pk=persistent_agent.pk).update(
+        adapter_config={**persistent_agent.adapter_config, "max_tokens": "x"}
+    )
+
+    answer = api.post(agent_url(persistent_agent, "/heartbeat"), {"task": "hi", "wait": True})
+
+    assert answer.status_code == 200, answer.content
+    run = answer.json()
+    assert (run["status"], run["error_code"]) == ("failed", "agent_config_invalid")
+    assert "adapter_config.max_tokens" in run["error"]
+
+
 def test_heartbeat_of_a_deleted_agent_is_404(api, persistent_agent):
     persistent_agent.status = AgentStatus.DELETED
     persistent_agent.save()

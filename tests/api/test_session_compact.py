@@ -25,6 +25,19 @@ def compact_url(agent, session) -> str:
     return agent_url(agent, f"/sessions/{session.public_id}/compact")
 
 
+def test_compact_now_of_an_agent_whose_stored_setting_no_save_accepts_is_409_and_starts_no_run(
+    api, company, fake_anthropic
+):
+    agent, session = talked(company)
+    runs, sent = HeartbeatRun.objects.count(), len(fake_anthropic.message_requests)
+    Agent.objects.filter(pk=agent.pk).update(adapter_config={**agent.adapter_config, "session_ttl_hours": "x"})
+
+    error = assert_error(api.post(compact_url(agent, session)), 409, "agent_config_invalid")
+
+    assert "adapter_config.session_ttl_hours" in error["message"]
+    assert (HeartbeatRun.objects.count(), len(fake_anthropic.message_requests)) == (runs, sent)
+
+
 def test_compact_now_summarises_the_older_turns_and_answers_the_record(api, company, fake_anthropic):
     agent, session = talked(company)
     sent = len(fake_anthropic.message_requests)
