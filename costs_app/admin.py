@@ -223,6 +223,9 @@ class AlertTargetForm(forms.ModelForm):
     secret = forms.CharField(
         widget=forms.PasswordInput(render_value=False),
         required=False,
+        # As sent: the receiver verifies with the secret it was given, and one trimmed here
+        # would sign every delivery with another key (the API keeps it as sent too).
+        strip=False,
         min_length=16,
         max_length=200,
         help_text="HMAC-SHA256 key of the X-Paperclip-Signature header (16-200 characters). Never shown again; "

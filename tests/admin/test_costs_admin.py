@@ -242,7 +242,7 @@ def test_budget_alert_targets_are_added_in_the_admin_and_their_secret_never_show
 
     budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("10"))
     change = reverse("admin:costs_app_budget_change", args=[budget.pk])
-    secret = "whsec-admin-0123456789abcdef"
+    secret = " whsec-admin-0123456789abcdef "  # its spaces are part of it: the receiver signs with them
 
     response = admin_client.post(
         change, budget_form(budget, rows=[{"url": "https://alerts.example/hook", "secret": secret, "active": "on"}])
