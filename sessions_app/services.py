@@ -87,14 +87,17 @@ def session_expire(*, session: AgentSession, now: datetime) -> bool:
     return bool(updated)
 
 
-def session_clear_history(*, session: AgentSession) -> None:
-    """Empty a session's history but keep its row (and its place in the ledger)."""
+def session_clear_history(*, session: AgentSession) -> bool:
+    """Empty a session's history but keep its row (and its place in the ledger). False when
+    the session was deleted since it was read (nothing to clear)."""
     staged = NOTHING_STAGED
     try:
         # Durable: its end is the COMMIT, and the empty history is published only after it.
         with transaction.atomic(durable=True):
             # The old turns are never read: only the row is locked and replaced.
-            locked = AgentSession.objects.select_for_update().defer("history").get(pk=session.pk)
+            locked = AgentSession.objects.select_for_update().defer("history").filter(pk=session.pk).first()
+            if locked is None:
+                return False
             staged = store_for(locked).stage(locked, [])
             locked.message_count = 0
             locked.last_input_tokens = None
@@ -103,6 +106,7 @@ def session_clear_history(*, session: AgentSession) -> None:
         staged.discard()
         raise
     staged.publish()
+    return True
 
 
 def agent_pause(*, agent: Agent, reason: str = PausedReason.MANUAL) -> bool:

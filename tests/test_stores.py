@@ -53,6 +53,20 @@ def test_clearing_a_history_whose_commit_fails_leaves_the_file(persistent_agent,
     assert len(file_messages(session)) == 2
 
 
+def test_clearing_a_history_whose_session_was_deleted_since_it_was_read_clears_nothing(
+    persistent_agent, fake_anthropic, django_capture_on_commit_callbacks
+):
+    beat(persistent_agent, "one")
+    read = AgentSession.objects.get(agent=persistent_agent)  # an operator's page, or an action's list
+    with django_capture_on_commit_callbacks(execute=True):  # the file goes after the COMMIT
+        session_delete(session=AgentSession.objects.get(pk=read.pk), now=timezone.now())
+
+    assert session_clear_history(session=read) is False
+    assert not AgentSession.objects.filter(pk=read.pk).exists()
+    if store_for(read).name == "file":
+        assert not store_for(read).path_for(read).exists()  # no empty history written for it
+
+
 def test_a_clear_whose_rename_fails_after_the_commit_is_repaired_by_the_next_read(
     persistent_agent, fake_anthropic, monkeypatch
 ):

@@ -410,7 +410,9 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
 
     def clear_history_view(self, request, object_id) -> HttpResponse:
         session = self._post_action(request, object_id)
-        services.session_clear_history(session=session)
+        if not services.session_clear_history(session=session):
+            self.message_user(request, f"Session {session.public_id} was deleted meanwhile.", messages.WARNING)
+            return HttpResponseRedirect(reverse("admin:sessions_app_agentsession_changelist"))
         self.message_user(request, f"History of session {session.public_id} cleared.", messages.SUCCESS)
         return HttpResponseRedirect(reverse("admin:sessions_app_agentsession_change", args=[session.pk]))
 
@@ -431,10 +433,8 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
 
     @admin.action(description="Clear history of selected sessions (keep the rows)", permissions=["change"])
     def clear_history(self, request, queryset):
-        count = 0
-        for session in queryset:
-            services.session_clear_history(session=session)
-            count += 1
+        # A session deleted while the others are cleared is not counted.
+        count = sum(services.session_clear_history(session=session) for session in queryset)
         self.message_user(request, f"Cleared the history of {count} session(s).", messages.SUCCESS)
 
     @admin.action(description="Compact selected sessions now (summarise their older turns)", permissions=["change"])
