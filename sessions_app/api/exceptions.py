@@ -155,7 +155,8 @@ def api_exception_handler(exc: Exception, context: dict) -> Response | None:
 
 
 def is_api_request(request: HttpRequest) -> bool:
-    return request.path.startswith("/api/")
+    # "/api" too: a client that left out the slash is an API client, owed JSON.
+    return request.path == "/api" or request.path.startswith("/api/")
 
 
 def json_bad_request(request: HttpRequest, exception: Exception | None = None):

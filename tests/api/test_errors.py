@@ -128,6 +128,7 @@ def test_parser_reads_no_more_than_the_limit_when_no_length_is_declared(settings
         "/api/companies/{company}/agents/not-a-uuid",
         "/api/companies/{company}/agents/not-a-uuid/sessions",
         "/api/nothing-here",
+        "/api",
     ],
 )
 def test_unknown_paths_and_non_uuid_ids_are_json_404(api, company, path):
