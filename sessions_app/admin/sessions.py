@@ -14,6 +14,7 @@ from django.http import Http404, HttpResponse, HttpResponseRedirect, JsonRespons
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
+from django.views.decorators.http import require_POST
 
 from costs_app.models import CostEvent
 from sessions_app import services
@@ -306,10 +307,15 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
         info = "sessions_app_agentsession"
         urls = [
             path("<path:object_id>/export/", self.admin_site.admin_view(self.export_view), name=f"{info}_export"),
-            path("<path:object_id>/expire/", self.admin_site.admin_view(self.expire_view), name=f"{info}_expire"),
+            # Buttons that change the session: a GET (a link followed, a prefetch) is a 405.
+            path(
+                "<path:object_id>/expire/",
+                self.admin_site.admin_view(require_POST(self.expire_view)),
+                name=f"{info}_expire",
+            ),
             path(
                 "<path:object_id>/clear-history/",
-                self.admin_site.admin_view(self.clear_history_view),
+                self.admin_site.admin_view(require_POST(self.clear_history_view)),
                 name=f"{info}_clear_history",
             ),
         ]
@@ -394,8 +400,6 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
         return response
 
     def _post_action(self, request, object_id) -> AgentSession:
-        if request.method != "POST":
-            raise PermissionDenied
         if not super().has_change_permission(request):
             raise PermissionDenied
         return self._get_session_or_404(request, object_id)

@@ -294,7 +294,10 @@ def test_expire_and_clear_buttons_on_the_session_page(admin_client, persistent_a
     page = admin_client.get(change_url(session)).content.decode()
     assert "Expire now" in page and "Clear history" in page
     expire = reverse("admin:sessions_app_agentsession_expire", args=[session.pk])
-    assert admin_client.get(expire).status_code == 403  # POST only
+    assert admin_client.get(expire).status_code == 405  # POST only
+    assert (
+        admin_client.get(reverse("admin:sessions_app_agentsession_clear_history", args=[session.pk])).status_code == 405
+    )
     AgentSession.objects.filter(pk=session.pk).update(unbilled_active_seconds=60)
     response = admin_client.post(expire, follow=True)
     assert f"Session {session.public_id} expired." in response.content.decode()
