@@ -169,6 +169,18 @@ def heartbeat_start(
     return run, True
 
 
+def _unexpected_failure(run: HeartbeatRun) -> dict:
+    """The code and message of a run an unexpected error ended: its agent's stored
+    configuration when no save would accept it (the likely cause), else `internal_error`."""
+    try:
+        problem = run.agent.config_problem()
+    except Exception:  # the run is failed whatever this says (a dropped connection, say)
+        problem = None
+    if problem is not None:
+        return {"code": "agent_config_invalid", "message": config_invalid_message(problem)}
+    return {"code": "internal_error", "message": "The run failed unexpectedly; see server logs."}
+
+
 def config_invalid_message(problem: str) -> str:
     return (
         f"The agent's stored configuration is not valid ({problem}): correct it "
@@ -217,10 +229,7 @@ def heartbeat_execute(*, run_id, now: datetime | None = None) -> HeartbeatRun:
         # Never leave a run `running` behind an unexpected error (a bug, a dropped
         # database connection): fail it with the class name and keep the traceback in logs.
         logger.exception("Heartbeat run %s failed unexpectedly", run.id)
-        if (problem := run.agent.config_problem()) is not None:
-            run_fail(run, code="agent_config_invalid", message=config_invalid_message(problem), now=clock())
-        else:
-            run_fail(run, code="internal_error", message="The run failed unexpectedly; see server logs.", now=clock())
+        run_fail(run, **_unexpected_failure(run), now=clock())
         run_cost_refresh(run_id=run.id)
     with step("release", run_id=run.id):
         if run.quota_probe is not None and probe_end(run=run, now=clock()):
