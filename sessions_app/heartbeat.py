@@ -184,7 +184,7 @@ def _unexpected_failure(run: HeartbeatRun) -> dict:
 def config_invalid_message(problem: str) -> str:
     return (
         f"The agent's stored configuration is not valid ({problem}): correct it "
-        "(PATCH the agent, or its page in the admin), then wake it again."
+        "(PATCH the agent, or its page in the admin)."
     )
 
 

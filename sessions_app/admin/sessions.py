@@ -18,7 +18,6 @@ from django.views.decorators.http import require_POST
 
 from costs_app.models import CostEvent
 from sessions_app import services
-from sessions_app.admin.agents import config_unreadable
 from sessions_app.admin.common import (
     AgentFilter,
     ApiIdsInUrls,
@@ -444,19 +443,10 @@ class AgentSessionAdmin(CountedDeletion, ApiIdsInUrls, LargeTableAdmin):
     @admin.action(description="Compact selected sessions now (summarise their older turns)", permissions=["change"])
     def compact_now(self, request, queryset):
         """Each through `session_compact`, as the API does: a refusal (a heartbeat running,
-        nothing to compact, a budget) is reported by session, the others still compacted."""
+        nothing to compact, a budget, a stored configuration no save would accept) is
+        reported by session, the others still compacted."""
         compacted = 0
         for session in queryset.select_related("agent"):
-            if config_unreadable(session.agent):
-                # The compaction reads the agent's settings with .get(): an AttributeError, a 500
-                # for the whole selection. The agent's page says what to correct.
-                self.message_user(
-                    request,
-                    f"Session {session.public_id}: not compacted, as its agent's stored configuration is not "
-                    "a JSON object (correct it on the agent's page).",
-                    messages.WARNING,
-                )
-                continue
             try:
                 session_compact(session=session, now=timezone.now(), trigger=RunTrigger.ADMIN)
             except RunFailure as failure:

@@ -550,8 +550,8 @@ def test_compact_now_action_names_a_session_whose_agent_configuration_is_not_an_
     assert [(m.level_tag, str(m)) for m in response.context["messages"]] == [
         (
             "warning",
-            f"Session {damaged.public_id}: not compacted, as its agent's stored configuration is not a JSON "
-            "object (correct it on the agent's page).",
+            f"Session {damaged.public_id}: agent_config_invalid: The agent's stored configuration is not valid "
+            "(adapter_config: must be a JSON object): correct it (PATCH the agent, or its page in the admin).",
         ),
         ("success", "Compacted 1 session(s)."),
     ]
