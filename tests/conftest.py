@@ -526,18 +526,24 @@ def refuse_writes(table: str, *, when: str, event: str = "UPDATE") -> None:
 
 
 @contextmanager
-def task_queue_down():
-    """The task queue refuses every task, as a Redis that is down would: the database
-    broker's INSERT fails. The trigger is dropped after, for tests whose transactions commit."""
-    refuse_writes("django_q_ormq", when="1 = 1", event="INSERT")
+def writes_refused(table: str, *, when: str, event: str = "UPDATE"):
+    """`refuse_writes` for the block only: the trigger is dropped after it, for tests whose
+    transactions commit (where it would otherwise outlive the test)."""
+    refuse_writes(table, when=when, event=event)
     try:
         yield
     finally:
         with connection.cursor() as cursor:
-            on = " ON django_q_ormq" if connection.vendor == "postgresql" else ""
+            on = f" ON {table}" if connection.vendor == "postgresql" else ""
             cursor.execute(f"DROP TRIGGER paperclip_test_refuse{on}")
             if connection.vendor == "postgresql":
                 cursor.execute("DROP FUNCTION paperclip_test_refuse()")
+
+
+def task_queue_down():
+    """The task queue refuses every task, as a Redis that is down would: the database
+    broker's INSERT fails, for the block."""
+    return writes_refused("django_q_ormq", when="1 = 1", event="INSERT")
 
 
 def terminate_backend_running(statement_like: str) -> None:

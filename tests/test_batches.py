@@ -11,7 +11,6 @@ from datetime import timedelta
 from decimal import Decimal
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 
 from costs_app.models import CostEvent
@@ -23,7 +22,7 @@ from sessions_app.heartbeat import heartbeat_execute, heartbeat_start
 from sessions_app.models import Agent, AgentSession, BatchState, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.stores import store_for
 from tests.api.conftest import Api, agent_url, assert_error
-from tests.conftest import ROOT, database_environment, refuse_writes
+from tests.conftest import ROOT, database_environment, writes_refused
 
 BATCH = {"model": "claude-opus-4-5", "delivery": "batch"}
 
@@ -194,16 +193,9 @@ def test_a_poll_stopped_between_the_bill_and_the_answer_bills_it_once_and_the_ne
 ):
     agent = batch_agent(company, session_mode="persistent")
     run = tick(agent)
-    refuse_writes("heartbeat_runs", when="NEW.batch_state = 'answered'")
-    try:
+    with writes_refused("heartbeat_runs", when="NEW.batch_state = 'answered'"):
         with pytest.raises(Exception, match="refused by a test trigger"):
             batches_poll(now=timezone.now())
-    finally:
-        with connection.cursor() as cursor:
-            on = " ON heartbeat_runs" if connection.vendor == "postgresql" else ""
-            cursor.execute(f"DROP TRIGGER paperclip_test_refuse{on}")
-            if connection.vendor == "postgresql":
-                cursor.execute("DROP FUNCTION paperclip_test_refuse()")
     assert CostEvent.objects.filter(run_id=run.id).count() == 1  # billed when it was read
     assert HeartbeatRun.objects.get(id=run.id).batch_state == BatchState.IN_BATCH
     batches_poll(now=timezone.now())
