@@ -98,12 +98,18 @@ def test_a_decision_the_task_queue_refuses_is_kept_and_the_maintenance_pass_hand
     run_queued_tasks()
     assert HeartbeatRun.objects.get(pk=waiting.pk).status == RunStatus.WAITING_APPROVAL  # nothing was queued
 
+    # Two passes before any worker takes the run: two tasks, one claim.
+    assert approvals_dispatch() == 1
     assert approvals_dispatch() == 1
     run_queued_tasks()
 
     run = HeartbeatRun.objects.get(pk=waiting.pk)
     assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
     assert run.output == "I will look first.\n\nCleaned up."
+    (remote_id,) = fake_managed.user_messages
+    assert [e["type"] for e in fake_managed.events[remote_id]].count("user.tool_confirmation") == 1
+    rows = CostEvent.objects.filter(run_id=run.id, kind=CostKind.MESSAGE)
+    assert [r.input_tokens for r in rows.order_by("call_number") if r.input_tokens] == [300, 420]
     assert approvals_dispatch() == 0
 
 
