@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from django.conf import settings
 from rest_framework.exceptions import ParseError
@@ -43,6 +44,22 @@ def check_json_value(value: object, where: str = "body", depth: int = 0) -> None
             check_json_value(item, f"{where}.{index}", depth + 1)
 
 
+def finite_float(literal: str) -> float:
+    """A JSON number with a fraction or exponent, as a float, refused when no float holds it.
+
+    Python reads `1e400` as infinity, which no JSON column stores, and `1e-400` as 0.0, which
+    would turn a tiny money limit into a zero one; both are refused, naming the number."""
+    value = float(literal)
+    mantissa = literal.lower().partition("e")[0]
+    if math.isinf(value) or (value == 0 and any(digit in mantissa for digit in "123456789")):
+        raise BadRequest(
+            f"The JSON number {literal[:40]} is out of range: it has no value as a double-precision "
+            'number (send an amount as a decimal string, such as "0.000001").',
+            code="number_out_of_range",
+        )
+    return value
+
+
 def json_kind(value: object) -> str:
     if isinstance(value, list):
         return "a JSON array"
@@ -56,7 +73,8 @@ def json_kind(value: object) -> str:
 
 
 class StrictJSONParser(JSONParser):
-    """A JSON object with a body limit (413), no NaN/Infinity, no NUL, valid Unicode only.
+    """A JSON object with a body limit (413), no NaN/Infinity (nor a number that reads as one),
+    no NUL, valid Unicode only.
 
     DRF reads the request stream itself, bypassing Django's DATA_UPLOAD_MAX_MEMORY_SIZE
     check on `request.body`, so the limit is enforced here: by Content-Length up front, and
@@ -77,7 +95,7 @@ class StrictJSONParser(JSONParser):
             raise payload_too_large()
         try:
             text = raw.decode("utf-8")
-            data = json.loads(text, parse_constant=strict_constant)
+            data = json.loads(text, parse_constant=strict_constant, parse_float=finite_float)
         except UnicodeDecodeError:
             raise ParseError("The request body is not UTF-8.") from None
         except RecursionError:

@@ -212,6 +212,31 @@ def test_out_of_range_limits_are_400_not_500(client, company):
     assert "daily_run_limit" in response.json()["error"]["fields"]
 
 
+@pytest.mark.parametrize("number", ["1e-400", "1E400", "-2.5e999"])
+def test_a_json_number_no_double_holds_is_400_and_no_limit_is_stored(client, company, number):
+    # Read as a float, 1e-400 is 0.0: the limit would have become a zero limit, refusing every run.
+    response = client.put(
+        f"/api/companies/{company.id}/budget",
+        f'{{"monthly_limit_usd": {number}}}'.encode(),
+        content_type="application/json",
+    )
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "number_out_of_range"
+    assert number in error["message"]
+    assert not Budget.objects.filter(company=company).exists()
+
+
+def test_a_tiny_limit_sent_as_a_json_number_that_a_double_holds_is_kept(client, company):
+    response = client.put(
+        f"/api/companies/{company.id}/budget", b'{"monthly_limit_usd": 1e-6}', content_type="application/json"
+    )
+
+    assert response.status_code == 200, response.json()
+    assert Budget.objects.get(company=company).monthly_limit_usd == Decimal("0.000001")
+
+
 def test_a_heartbeat_of_a_budgeted_agent_on_an_unpriced_model_is_409(client, company):
     agent = agent_on_unknown_model(company, "claude-future-9")
     Budget.objects.create(company=company, monthly_limit_usd=Decimal("5"))
