@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from django.conf import settings
-from django.core.exceptions import PermissionDenied, RequestDataTooBig, TooManyFieldsSent
+from django.core.exceptions import DisallowedHost, PermissionDenied, RequestDataTooBig, TooManyFieldsSent
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, JsonResponse
@@ -170,6 +170,16 @@ def json_bad_request(request: HttpRequest, exception: Exception | None = None):
         limit = settings.DATA_UPLOAD_MAX_NUMBER_FIELDS
         return JsonResponse(
             error_body("invalid_parameter", f"The query string has more than {limit} parameters."), status=400
+        )
+    if isinstance(exception, DisallowedHost):
+        # The host is not echoed: it is whatever the client wrote, and the fix is the server's.
+        return JsonResponse(
+            error_body(
+                "disallowed_host",
+                "The request's Host header names a host this server does not answer for "
+                "(the operator lists them in DJANGO_ALLOWED_HOSTS and PAPERCLIP_PUBLIC_URL).",
+            ),
+            status=400,
         )
     return JsonResponse(error_body("bad_request", "The request is not valid."), status=400)
 

@@ -141,6 +141,21 @@ def test_pages_outside_the_api_keep_django_html_404(client, db):
     assert not response["Content-Type"].startswith("application/json")
 
 
+def test_a_host_header_the_server_does_not_answer_for_is_a_json_400_naming_the_setting(client, db):
+    response = client.get("/api/health", HTTP_HOST="elsewhere.example")
+
+    error = assert_error(response, 400, "disallowed_host")
+    assert "DJANGO_ALLOWED_HOSTS" in error["message"]
+    assert "elsewhere.example" not in error["message"]
+
+
+def test_a_disallowed_host_outside_the_api_keeps_django_page(client, db):
+    response = client.get("/admin/", HTTP_HOST="elsewhere.example")
+
+    assert response.status_code == 400
+    assert not response["Content-Type"].startswith("application/json")
+
+
 def test_server_error_on_an_api_path_is_json(rf):
     from sessions_app.api.exceptions import json_server_error
 
