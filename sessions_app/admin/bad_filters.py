@@ -4,7 +4,8 @@ Django validates most lookups in the query string when it builds the changelist,
 some fail only when the query runs, after its own check: a year outside 1..9999
 (`?created_at__year=99999`) and, on PostgreSQL, a NUL character in any filter or search
 term. Bulk actions trust the posted ids the same way (`_selected_action=not-a-uuid`), and a
-row's pages their URL's id (a NUL in it is a 404).
+row's pages their URL's id (a NUL in it is a 404). A search box's own lookup
+(`/admin/autocomplete/?term=...`) answers JSON, so a term the database refuses finds nothing.
 That holds for every list in the admin (django-q2's and auth's included), so the guard
 is a middleware around the admin rather than a base class.
 """
@@ -16,7 +17,7 @@ import logging
 from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.db import DataError
-from django.http import Http404, HttpResponseRedirect
+from django.http import Http404, HttpResponseRedirect, JsonResponse
 from django.urls import reverse
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,11 @@ class AdminBadFilterMiddleware:
     def process_exception(self, request, exception):
         if not isinstance(exception, REFUSED_BY_THE_DATABASE) or not request.path.startswith(reverse("admin:index")):
             return None
+        if request.path == reverse("admin:autocomplete"):
+            # The widget reads JSON: a redirect would land on the lookup without its parameters,
+            # a 403. No stored name holds what PostgreSQL refuses to compare, so nothing matches.
+            logger.info("Admin search term refused by the database: %s", exception)
+            return JsonResponse({"results": [], "pagination": {"more": False}})
         if request.method == "GET" and request.GET:
             what, back = "Those filters or search terms", request.path
         elif request.method == "POST" and "action" in request.POST:

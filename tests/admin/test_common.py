@@ -409,6 +409,18 @@ def test_the_agent_search_never_offers_a_deleted_agent(admin_client, company):
     assert [result["id"] for result in answer["results"]] == [str(kept.pk)]
 
 
+def test_a_search_term_holding_nul_finds_nothing_rather_than_a_403(admin_client, company):
+    # PostgreSQL refuses NUL in the lookup; the bad-filter guard had redirected the widget's
+    # JSON request to the lookup without its parameters, which Django answers 403.
+    agents_created(company, 2, name="scout")
+    query = {"app_label": "costs_app", "model_name": "budget", "field_name": "agent", "term": "sc\x00"}
+
+    response = admin_client.get(reverse("admin:autocomplete"), query)
+
+    assert response.status_code == 200
+    assert response.json() == {"results": [], "pagination": {"more": False}}
+
+
 def autocomplete_fields_of_every_admin() -> list[tuple]:
     from django.contrib import admin
 
