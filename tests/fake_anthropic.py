@@ -68,6 +68,7 @@ import itertools
 import json
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -335,6 +336,16 @@ ERROR_TYPES = {
 }
 
 
+class QuietServer(ThreadingHTTPServer):
+    """A client that hung up before its answer (a timeout under test, a killed worker) is
+    what many tests do on purpose; its broken pipe is not printed into the test run's log."""
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class FakeAnthropic:
     def __init__(self, *, latency: float = 0.0) -> None:
         # Seconds every default (unscripted) answer waits, like a model thinking.
@@ -394,7 +405,7 @@ class FakeAnthropic:
         # action run in the fake's thread when a create arrives (as a reply's `before`).
         self.batch_create_error: int | None = None
         self.batch_before: Callable[[], None] | None = None
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self.server = QuietServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
