@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -128,7 +129,7 @@ def env_database(name: str, default: str, *, base_dir: Path) -> dict:
         raise ImproperlyConfigured(f"{name} is not a usable database URL ({exc})") from None
     engine = config.get("ENGINE", "")
     if not engine or not config.get("NAME"):
-        raise ImproperlyConfigured(f"{name} is not a usable database URL: {url!r}")
+        raise ImproperlyConfigured(f"{name} is not a usable database URL: {without_password(url)!r}")
     if engine.endswith("sqlite3"):
         path = Path(config["NAME"])
         if str(path) != ":memory:" and not path.is_absolute():
@@ -148,6 +149,18 @@ def env_database(name: str, default: str, *, base_dir: Path) -> dict:
     elif "postgresql" in engine:
         config["ENGINE"] = "django.db.backends.postgresql"
     return config
+
+
+def without_password(url: str) -> str:
+    """`url` as it may be printed: the message reaches the console, and so the logs."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "(unparsable URL)"
+    if password is None:
+        return url
+    return parts._replace(netloc=parts.netloc.replace(f":{password}@", ":***@", 1)).geturl()
 
 
 def secret_key(*, deployment_mode: str, home: Path) -> str:

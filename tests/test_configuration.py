@@ -67,6 +67,22 @@ def test_bad_configuration_stops_with_one_clear_line(tmp_path, env, mentions):
 
 
 @pytest.mark.parametrize(
+    "url",
+    [
+        "postgres://paperclip:hunter2-pw@db.internal:5432/",  # no database name
+        "postgres://paperclip:hunter2-pw@db.internal/",
+    ],
+)
+def test_a_database_url_refused_at_start_up_is_said_without_its_password(tmp_path, url):
+    """The line goes to the console, so to whatever collects the service's logs."""
+    result = run_check(tmp_path, DATABASE_URL=url)
+    assert result.returncode == 2
+    assert result.stderr.startswith("paperclip: configuration error: DATABASE_URL"), result.stderr
+    assert "hunter2-pw" not in result.stderr
+    assert "db.internal" in result.stderr  # still says which URL it is
+
+
+@pytest.mark.parametrize(
     "commands",
     [
         "sh -c id",
