@@ -828,6 +828,24 @@ def test_an_agent_saved_before_authenticated_mode_does_not_start_the_cli(company
     assert fake_anthropic.message_requests == []
 
 
+def test_a_stored_configuration_without_allowed_tools_is_checked_for_the_default_tools_it_runs_with(
+    company, fake_anthropic, settings
+):
+    """A row written around validation (SQL, an older version) may lack the key: the CLI is
+    then offered the default tools, the shell among them, and the check must see those."""
+    agent = cli_agent(company, allowed_tools=["Read"])
+    config = {key: value for key, value in agent.adapter_config.items() if key != "allowed_tools"}
+    Agent.objects.filter(pk=agent.pk).update(adapter_config=config)
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_CLI_TOOLS = ("Read",)
+
+    run = beat(Agent.objects.get(pk=agent.pk), "run the release script")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_not_allowed")
+    assert "allowed_tools" in run.error and "'Bash'" in run.error
+    assert fake_anthropic.message_requests == []
+
+
 def test_a_path_scoped_read_rule_keeps_the_agent_inside_its_workspace(company, fake_anthropic, settings, tmp_path):
     """What README advises operators to list in authenticated mode: a bare `Read` reads any
     file the worker's user can, `Read(./**)` only the workspace's."""

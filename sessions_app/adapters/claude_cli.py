@@ -158,9 +158,10 @@ def validate_cli_config(config: dict, errors: dict[str, str]) -> dict:
             errors["workspace"] = f"must be an absolute directory path or null, got {workspace!r}"
         clean["workspace"] = workspace
     validate_timeout(config, errors, clean, default=DEFAULT_TIMEOUT_SECONDS)
-    errors.update(
-        authenticated_problems(clean, mode=settings.PAPERCLIP_DEPLOYMENT_MODE, permitted=settings.PAPERCLIP_CLI_TOOLS)
-    )
+    for key, problem in authenticated_problems(
+        clean, mode=settings.PAPERCLIP_DEPLOYMENT_MODE, permitted=settings.PAPERCLIP_CLI_TOOLS
+    ).items():
+        errors.setdefault(key, problem)  # a setting's own shape is said first
     if "effort" in config:
         effort = config["effort"]
         if effort is not None and effort not in EFFORTS:
@@ -181,14 +182,18 @@ def authenticated_problems(config: dict, *, mode: str, permitted: tuple[str, ...
     if mode != "authenticated":
         return {}
     problems = {}
-    tools = config.get("allowed_tools")
-    if isinstance(tools, list) and (refused := [name for name in tools if name not in permitted]):
+    # What the run would be given, defaults included: a row written around validation may
+    # lack the key, and the CLI is then offered the default tools, the shell among them.
+    tools = config.get("allowed_tools", DEFAULT_ALLOWED_TOOLS)
+    if not isinstance(tools, list):
+        problems["allowed_tools"] = f"must be a list of tool names, got {tools!r}"
+    elif refused := [name for name in tools if name not in permitted]:
         listed = ", ".join(permitted) if permitted else "none: the operator lists them"
         problems["allowed_tools"] = (
             f"{', '.join(map(repr, refused))} may not be used in authenticated mode; "
             f"PAPERCLIP_CLI_TOOLS permits {listed}"
         )
-    if config.get("permission_mode") != DEFAULT_PERMISSION_MODE:
+    if config.get("permission_mode", DEFAULT_PERMISSION_MODE) != DEFAULT_PERMISSION_MODE:
         problems["permission_mode"] = (
             f"must be {DEFAULT_PERMISSION_MODE!r} in authenticated mode (no tool outside allowed_tools runs)"
         )
