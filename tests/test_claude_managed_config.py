@@ -9,7 +9,7 @@ import pytest
 from sessions_app.adapters import AgentConfigError, validate_agent_config
 from sessions_app.adapters.base import AdapterRequest
 from sessions_app.adapters.claude_managed_config import agent_params, budget_cents, environment_config
-from sessions_app.models import RunStatus
+from sessions_app.models import Agent, RunStatus
 from tests.conftest import beat, managed_agent
 
 pytestmark = pytest.mark.django_db
@@ -149,6 +149,25 @@ def test_an_agent_reaching_package_registries_the_operator_no_longer_allows_does
     assert fake_managed.requests == []
     settings.PAPERCLIP_MANAGED_HOSTS = ("*",)  # the operator allows any host: registries too
     assert beat(agent, "install and run").status == RunStatus.SUCCEEDED
+
+
+def test_packages_stored_without_the_registries_networking_are_checked_when_a_run_starts(
+    company, fake_managed, settings
+):
+    """A save never keeps packages without allow_package_managers, but a row written around
+    validation may: they are still installed from the registries, which need '*'."""
+    agent = managed_agent(company, tools=["read"])
+    environment = {"networking": {"allowed_hosts": ["pypi.org"]}, "packages": {"pip": ["x"]}}
+    Agent.objects.filter(pk=agent.pk).update(adapter_config={**agent.adapter_config, "environment": environment})
+    settings.PAPERCLIP_DEPLOYMENT_MODE = "authenticated"
+    settings.PAPERCLIP_MANAGED_TOOLS = ("read",)
+    settings.PAPERCLIP_MANAGED_HOSTS = ("pypi.org",)
+
+    run = beat(Agent.objects.get(pk=agent.pk), "install and run")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "managed_not_allowed")
+    assert "package registries" in run.error
+    assert fake_managed.requests == []
 
 
 def test_a_system_check_names_managed_agents_that_authenticated_mode_no_longer_allows(company, settings):

@@ -215,21 +215,25 @@ def authenticated_problems(config: dict, *, mode: str, tools: tuple, hosts: tupl
     networking = environment.get("networking")
     if networking == "unrestricted" and "*" not in hosts:
         problems["environment"] = "unrestricted networking needs '*' in PAPERCLIP_MANAGED_HOSTS in authenticated mode"
-    elif isinstance(networking, dict):
-        wanted = networking.get("allowed_hosts") or []
-        if refused := [host for host in wanted if host not in hosts and "*" not in hosts]:
-            listed = ", ".join(hosts) if hosts else "none: the operator lists them"
-            problems["environment"] = (
-                f"hosts {', '.join(map(repr, refused))} may not be reached in authenticated mode; "
-                f"PAPERCLIP_MANAGED_HOSTS permits {listed}"
-            )
-        elif networking.get("allow_package_managers") and "*" not in hosts:
-            # The registries (PyPI, npm, ...) are hosts the operator did not list, and the
-            # packages installed from them run in the container.
-            problems["environment"] = (
-                "allow_package_managers (and packages) reach the package registries: in authenticated mode "
-                "only with '*' in PAPERCLIP_MANAGED_HOSTS"
-            )
+    elif isinstance(networking, dict) and (
+        refused := [host for host in networking.get("allowed_hosts") or [] if host not in hosts and "*" not in hosts]
+    ):
+        listed = ", ".join(hosts) if hosts else "none: the operator lists them"
+        problems["environment"] = (
+            f"hosts {', '.join(map(repr, refused))} may not be reached in authenticated mode; "
+            f"PAPERCLIP_MANAGED_HOSTS permits {listed}"
+        )
+    elif "*" not in hosts and (
+        (isinstance(networking, dict) and networking.get("allow_package_managers")) or environment.get("packages")
+    ):
+        # The registries (PyPI, npm, ...) are hosts the operator did not list, and the
+        # packages installed from them run in the container. `packages` is looked at on its
+        # own: a row written around validation may name some without allow_package_managers,
+        # and they are sent to the provider to install all the same.
+        problems["environment"] = (
+            "allow_package_managers (and packages) reach the package registries: in authenticated mode "
+            "only with '*' in PAPERCLIP_MANAGED_HOSTS"
+        )
     return problems
 
 
