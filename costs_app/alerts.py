@@ -326,6 +326,9 @@ def target_url_problem(url: str) -> str | None:
         return "The URL is not valid."
     if parts.scheme.lower() not in ("http", "https"):
         return "Only http and https URLs are delivered."
+    if parts.username is not None or parts.password is not None:
+        # The URL is shown with the targets and their deliveries, the secret never is.
+        return "The URL must not carry credentials (user:password@); the target's secret signs each delivery."
     return unlisted_host_problem(parts, setting="PAPERCLIP_ALERT_HOSTS", mode=settings.PAPERCLIP_DEPLOYMENT_MODE)
 
 

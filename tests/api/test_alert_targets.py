@@ -140,6 +140,19 @@ def test_bad_targets_are_a_400_naming_the_field(api, company, budget, body, fiel
     assert not AlertTarget.objects.exists()
 
 
+@pytest.mark.parametrize("url", ["https://ops:hunter2-pw@alerts.example/hook", "https://hunter2-pw@alerts.example/"])
+def test_a_url_carrying_credentials_is_refused_and_never_echoed(api, company, budget, url):
+    """The secret is write-only; a password in the URL would be shown by every GET of the
+    targets and their deliveries (and urllib would not send it anyway)."""
+    response = api.post(targets_url(company), {"url": url, "secret": SECRET})
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], list(error["fields"])) == ("invalid", ["url"])
+    assert "hunter2-pw" not in response.content.decode()
+    assert not AlertTarget.objects.exists()
+
+
 def test_a_target_needs_a_budget_first(api, company):
     response = api.post(targets_url(company), {"url": "https://alerts.example/hook", "secret": SECRET})
     assert response.status_code == 409
