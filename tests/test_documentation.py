@@ -1,0 +1,182 @@
+"""The reference pages users deploy from agree with the code: the error codes and their
+statuses (docs/api.md, docs/operations.md), the settings' defaults (docs/configuration.md),
+the API's routes and methods (docs/api.md) and the management commands' options
+(docs/operations.md). Each test reads the page and compares it with what the code declares,
+both ways: nothing the code does is left out, nothing the page offers is missing."""
+
+from __future__ import annotations
+
+import re
+
+from rest_framework.exceptions import APIException
+
+from memory_app import views as memory_views
+from memory_app.stores import MemoryFault
+from paperclip.errors import RunFailure
+from sessions_app import views as session_views
+from sessions_app.api import exceptions as api_exceptions
+from tests.conftest import ROOT
+
+APP_SOURCES = [
+    path
+    for package in ("paperclip", "sessions_app", "costs_app", "memory_app")
+    for path in sorted((ROOT / package).rglob("*.py"))
+    if "migrations" not in path.parts
+]
+
+
+def app_source() -> str:
+    return "\n".join(path.read_text() for path in APP_SOURCES)
+
+
+def section(page: str, heading: str) -> str:
+    text = (ROOT / "docs" / page).read_text()
+    assert heading in text, f"docs/{page} has no {heading!r} section"
+    return text.split(heading, 1)[1].split("\n## ", 1)[0]
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The body rows of the one table in `text`, as cells."""
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("|")]
+    return rows[2:]  # past the header and its rule
+
+
+# --- error codes ------------------------------------------------------------------------
+
+# What is in parentheses explains a code (`fields`, a setting, an example): not a code.
+ASIDE = re.compile(r"\([^()]*\)")
+
+
+def without_asides(text: str) -> str:
+    while ASIDE.search(text):  # inner parentheses first, such as a link's target
+        text = ASIDE.sub("", text)
+    return text
+
+
+CODE = re.compile(r"`([a-z][a-z0-9_]*(?:<[a-z ]+>)?)`")
+
+
+def api_error_table() -> dict[str, set[int]]:
+    """code -> the statuses the Errors table of docs/api.md lists it under."""
+    statuses: dict[str, set[int]] = {}
+    for status_cell, codes_cell in table_rows(section("api.md", "## Errors")):
+        row_statuses = {int(number) for number in re.findall(r"\d{3}", status_cell)}
+        for code in CODE.findall(without_asides(codes_cell)):
+            statuses.setdefault(code, set()).update(row_statuses)
+    return statuses
+
+
+def run_error_table() -> set[str]:
+    """The codes the error-code table of docs/operations.md explains."""
+    rows = table_rows(section("operations.md", "## Run statuses and error codes"))
+    return {code for cells in rows for code in CODE.findall(cells[0])}
+
+
+def failure_classes() -> set[str]:
+    """Every class whose first argument is an error code: the run's failures, the memory
+    store's faults, and the API's exceptions."""
+    roots = [RunFailure, APIException, MemoryFault]
+    found, pending = set(), list(roots)
+    while pending:
+        cls = pending.pop()
+        if cls.__module__.split(".")[0] in ("paperclip", "sessions_app", "costs_app", "memory_app"):
+            found.add(cls.__name__)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def raised_codes() -> set[str]:
+    """The codes the sources give an error: `SomeFailure("code", ...)`, `code="code"`,
+    `error_body("code", ...)`, a class's `code = "..."`, an HTTP status's code in the
+    Messages API's table and a `("code", "Message.")` pair of a stop reason's table."""
+    names = "|".join(sorted(failure_classes() | {"error_body"}))
+    patterns = [
+        rf'\b(?:{names})\(\s*"([a-z][a-z0-9_]+)"',
+        r'\b(?:default_)?code\s*=\s*"([a-z][a-z0-9_]+)"',
+        r'^\s+\d{3}: "([a-z][a-z0-9_]+)",$',
+        r'\(\s*"([a-z]+_[a-z0-9_]+)",\s*f?"[A-Z]',
+    ]
+    source = app_source()
+    return {code for pattern in patterns for code in re.findall(pattern, source, re.M)}
+
+
+# Codes the sources name that neither the API nor a run ever ends with, and why.
+NEVER_ANSWERED = {
+    # Each answers 400 `invalid` naming its field (`FIELD_REFUSALS`, the pin serializer).
+    **dict.fromkeys(session_views.FIELD_REFUSALS, "a field's error"),
+    "invalid_pin": "a field's error",
+    # The serializer and the JSON parser refuse such a key first (400 `invalid`).
+    "invalid_idempotency_key": "refused earlier",
+    # An operator's view of memory always has the default store; only a run's tool meets it.
+    "memory_not_configured": "the memory tool's",
+    # Fallbacks of classes every raise gives a code of its own.
+    "conflict": "fallback",
+    "too_many_requests": "fallback",
+    "service_unavailable": "fallback",
+    # Not failures: the run waits (for a batch, an approval, a summary) or ends skipped.
+    "batch_parked": "the run waits",
+    "approval_needed": "the run waits",
+    "summary_awaited": "the run waits",
+    "session_changed": "the run is skipped",
+    # A 429 is a quota refusal (the credential is held, the run waits), never this failure.
+    "model_rate_limited": "a quota refusal",
+}
+
+
+def test_every_error_code_the_code_gives_is_documented():
+    documented = set(api_error_table()) | run_error_table()
+    raised = raised_codes()
+    assert len(raised) > 80, "the scan found few codes: are errors still raised as it expects?"
+    undocumented = raised - documented - set(NEVER_ANSWERED)
+    assert not undocumented, f"codes in neither docs/api.md's Errors nor docs/operations.md: {sorted(undocumented)}"
+
+
+def test_every_documented_error_code_is_in_the_code():
+    source = app_source()
+
+    def exists(code: str) -> bool:
+        if "<" in code:  # `compaction_<model code>`: the prefix, in an f-string
+            return f'f"{code.split("_", 1)[0]}_{{' in source
+        return f'"{code}"' in source
+
+    documented = set(api_error_table()) | run_error_table()
+    assert not sorted(code for code in documented if not exists(code)), "documented codes the code never gives"
+
+
+API_ERRORS = (
+    api_exceptions.BadRequest,
+    api_exceptions.NotFound,
+    api_exceptions.Conflict,
+    api_exceptions.PayloadTooLarge,
+    api_exceptions.TooManyRequests,
+    api_exceptions.ServiceUnavailable,
+)
+
+
+def declared_statuses() -> dict[str, int]:
+    """code -> status, as the API's raises, the views' tables and DRF_CODES declare it."""
+    status_of = {cls.__name__: cls.status_code for cls in API_ERRORS}
+    # `Conflict("...", code="no_budget")`, its message holding at most one level of parentheses.
+    raise_with_code = rf'\b({"|".join(status_of)})\((?:[^()]|\([^()]*\))*?\bcode="(\w+)"'
+    statuses = {code: status_of[name] for name, code in re.findall(raise_with_code, app_source())}
+    statuses.update({cls.default_code: cls.status_code for cls in API_ERRORS})
+    by_class = {
+        **session_views.REFUSALS,
+        **session_views.COMPACT_STATUSES,
+        **memory_views.FAULT_ERRORS,
+        **dict.fromkeys(memory_views.FAULT_FIELDS, api_exceptions.BadRequest),
+    }
+    statuses.update({code: cls.status_code for code, cls in by_class.items()})
+    statuses.update(session_views.HISTORY_STATUSES)
+    statuses.update({code: cls.status_code for cls, code in api_exceptions.DRF_CODES.items()})
+    return {code: status for code, status in statuses.items() if code not in NEVER_ANSWERED}
+
+
+def test_each_api_error_code_is_documented_under_the_status_it_answers():
+    documented = api_error_table()
+    wrong = {
+        code: f"answers {status}, documented {sorted(documented.get(code, ()))}"
+        for code, status in declared_statuses().items()
+        if status not in documented.get(code, ())
+    }
+    assert not wrong, f"docs/api.md, Errors: {wrong}"
