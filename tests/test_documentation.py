@@ -6,6 +6,7 @@ both ways: nothing the code does is left out, nothing the page offers is missing
 
 from __future__ import annotations
 
+import ast
 import re
 
 from rest_framework.exceptions import APIException
@@ -180,3 +181,61 @@ def test_each_api_error_code_is_documented_under_the_status_it_answers():
         if status not in documented.get(code, ())
     }
     assert not wrong, f"docs/api.md, Errors: {wrong}"
+
+
+# --- settings -----------------------------------------------------------------------------
+
+# A row of docs/configuration.md: the variables in its first cell, their defaults in its second.
+CONFIGURATION_ROW = re.compile(r"^\| ((?:`[A-Z][A-Z0-9_]+`(?:, )?)+) \| ([^|]+) \|", re.M)
+
+
+def constant(node: ast.expr) -> object:
+    """A literal, or a product of literals (`16 * 1024`); ValueError for anything computed."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return constant(node.left) * constant(node.right)
+    return ast.literal_eval(node)
+
+
+def code_defaults() -> dict[str, object]:
+    """NAME -> the default of each `env_*("NAME", default, ...)` in paperclip/settings.py whose
+    default is a constant (one computed from other settings, as DATABASE_URL's, is left out)."""
+    defaults = {}
+    for call in ast.walk(ast.parse((ROOT / "paperclip" / "settings.py").read_text())):
+        if isinstance(call, ast.Call) and getattr(call.func, "id", "").startswith("env_") and len(call.args) > 1:
+            try:
+                defaults[call.args[0].value] = constant(call.args[1])
+            except ValueError:
+                continue
+    return defaults
+
+
+def documented_defaults() -> dict[str, str]:
+    """NAME -> its default cell; a row of several variables lists one backticked default each."""
+    defaults = {}
+    for names_cell, default_cell in CONFIGURATION_ROW.findall((ROOT / "docs" / "configuration.md").read_text()):
+        names = re.findall(r"`([A-Z0-9_]+)`", names_cell)
+        values = re.findall(r"`([^`]*)`", default_cell)
+        if len(values) != len(names):
+            values = [default_cell.strip()] * len(names)
+        defaults.update(zip(names, values, strict=True))
+    return defaults
+
+
+def as_documented(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def test_each_setting_has_the_default_the_code_uses():
+    documented = documented_defaults()
+    read = code_defaults()
+    assert len(read) > 50, "few defaults found: do settings still read env_*(NAME, default)?"
+    wrong = {}
+    for name, value in read.items():
+        cell = documented.get(name, "not documented")
+        # An empty default is said in words ("empty", "empty: the SDK's bundled CLI", "unset").
+        matches = cell.startswith(("empty", "unset")) if value == "" else cell == as_documented(value)
+        if not matches:
+            wrong[name] = f"code {value!r}, docs/configuration.md {cell!r}"
+    assert not wrong, wrong
