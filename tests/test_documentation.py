@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import re
 
+from django.urls import URLResolver, get_resolver
 from rest_framework.exceptions import APIException
 
 from memory_app import views as memory_views
@@ -239,3 +240,65 @@ def test_each_setting_has_the_default_the_code_uses():
         if not matches:
             wrong[name] = f"code {value!r}, docs/configuration.md {cell!r}"
     assert not wrong, wrong
+
+
+# --- endpoints ----------------------------------------------------------------------------
+
+# The page's shorthands for the paths it repeats, and its name for a path parameter.
+PATH_SHORTHANDS = {"{agent}": "{company}/agents/{agent_id}", "{company}": "/api/companies/{company_id}"}
+PARAMETER_NAMES = {"memory_path": "path"}
+ROUTE_PARAMETER = re.compile(r"<(?:\w+:)?(\w+)>")
+# A view that is a function (the health probe) answers GET only: anything else is a 405.
+FUNCTION_VIEW_METHODS = {"GET"}
+
+
+def routes(patterns, prefix: str = ""):
+    for pattern in patterns:
+        if isinstance(pattern, URLResolver):
+            yield from routes(pattern.url_patterns, prefix + str(pattern.pattern))
+        else:
+            yield prefix + str(pattern.pattern), pattern.callback
+
+
+def view_methods(callback) -> set[str]:
+    view = getattr(callback, "view_class", None)
+    if view is None:
+        return FUNCTION_VIEW_METHODS
+    return {name.upper() for name in view.http_method_names if hasattr(view, name)} - {"HEAD", "OPTIONS"}
+
+
+def api_endpoints() -> set[tuple[str, str]]:
+    """(method, path) for every route under /api/, its parameters written `{name}`."""
+    endpoints = set()
+    for route, callback in routes(get_resolver().url_patterns):
+        if route.startswith("api"):
+            path = "/" + ROUTE_PARAMETER.sub(lambda match: "{" + PARAMETER_NAMES.get(match[1], match[1]) + "}", route)
+            endpoints.update((method, path) for method in view_methods(callback))
+    return endpoints
+
+
+def expanded(path: str) -> str:
+    for shorthand, meaning in PATH_SHORTHANDS.items():
+        path = path.replace(shorthand, meaning)
+    return path
+
+
+def documented_endpoints() -> set[tuple[str, str]]:
+    """(method, path) for each row of the Endpoints table: `GET, PUT {company}/budget`,
+    then paths sharing its methods (`{agent}/budget`) or a sibling of the last (`.../deny`)."""
+    endpoints = set()
+    for cells in table_rows(section("api.md", "## Endpoints")):
+        first, *others = re.findall(r"`([^`]+)`", cells[0])
+        methods, path = re.fullmatch(r"([A-Z, ]+) (\S+)", first).groups()
+        paths = [path]
+        for other in others:
+            paths.append(paths[-1].rsplit("/", 1)[0] + other[3:] if other.startswith(".../") else other)
+        endpoints.update((method, expanded(path)) for method in methods.split(", ") for path in paths)
+    return endpoints
+
+
+def test_every_route_and_method_is_in_the_endpoints_table():
+    code, documented = api_endpoints(), documented_endpoints()
+    assert len(code) > 40, "few routes found under /api/: is the resolver walked as the URLconf nests them?"
+    assert sorted(code - documented) == [], "answered but not in docs/api.md, Endpoints"
+    assert sorted(documented - code) == [], "documented in docs/api.md, Endpoints, but not answered"
