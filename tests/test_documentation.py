@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import re
 
+from django.core.management import BaseCommand, get_commands, load_command_class
 from django.urls import URLResolver, get_resolver
 from rest_framework.exceptions import APIException
 
@@ -302,3 +303,40 @@ def test_every_route_and_method_is_in_the_endpoints_table():
     assert len(code) > 40, "few routes found under /api/: is the resolver walked as the URLconf nests them?"
     assert sorted(code - documented) == [], "answered but not in docs/api.md, Endpoints"
     assert sorted(documented - code) == [], "documented in docs/api.md, Endpoints, but not answered"
+
+
+# --- management commands --------------------------------------------------------------------
+
+PROJECT_APPS = ("sessions_app", "costs_app", "memory_app")
+
+
+def long_options(parser) -> set[str]:
+    return {option for action in parser._actions for option in action.option_strings if option.startswith("--")}
+
+
+def command_options() -> dict[str, set[str]]:
+    """command -> its own options, as `manage.py <command> --help` lists them (Django's
+    options common to every command left out)."""
+    common = long_options(BaseCommand().create_parser("manage.py", "any"))
+    return {
+        name: long_options(load_command_class(app, name).create_parser("manage.py", name)) - common
+        for name, app in get_commands().items()
+        if app in PROJECT_APPS
+    }
+
+
+def documented_command_options() -> dict[str, set[str]]:
+    """command -> the options its line in the Management commands block shows."""
+    block = section("operations.md", "## Management commands").split("```sh\n", 1)[1].split("```", 1)[0]
+    documented = {}
+    for line in block.splitlines():
+        usage = line.split("#", 1)[0]
+        name = re.search(r"manage\.py (\w+)", usage)[1]
+        documented[name] = set(re.findall(r"--[a-z][a-z-]*", usage))
+    return documented
+
+
+def test_every_command_and_option_is_in_the_commands_block():
+    assert command_options() == documented_command_options(), (
+        "docs/operations.md, Management commands, and --help differ"
+    )
