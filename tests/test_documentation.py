@@ -103,26 +103,26 @@ def raised_codes() -> set[str]:
     return {code for pattern in patterns for code in re.findall(pattern, source, re.M)}
 
 
-# Codes the sources name that neither the API nor a run ever ends with, and why.
+# Codes the sources name that neither the API nor a run ever ends with.
 NEVER_ANSWERED = {
     # Each answers 400 `invalid` naming its field (`FIELD_REFUSALS`, the pin serializer).
-    **dict.fromkeys(session_views.FIELD_REFUSALS, "a field's error"),
-    "invalid_pin": "a field's error",
+    *session_views.FIELD_REFUSALS,
+    "invalid_pin",
     # The serializer and the JSON parser refuse such a key first (400 `invalid`).
-    "invalid_idempotency_key": "refused earlier",
+    "invalid_idempotency_key",
     # An operator's view of memory always has the default store; only a run's tool meets it.
-    "memory_not_configured": "the memory tool's",
+    "memory_not_configured",
     # Fallbacks of classes every raise gives a code of its own.
-    "conflict": "fallback",
-    "too_many_requests": "fallback",
-    "service_unavailable": "fallback",
+    "conflict",
+    "too_many_requests",
+    "service_unavailable",
     # Not failures: the run waits (for a batch, an approval, a summary) or ends skipped.
-    "batch_parked": "the run waits",
-    "approval_needed": "the run waits",
-    "summary_awaited": "the run waits",
-    "session_changed": "the run is skipped",
+    "batch_parked",
+    "approval_needed",
+    "summary_awaited",
+    "session_changed",
     # A 429 is a quota refusal (the credential is held, the run waits), never this failure.
-    "model_rate_limited": "a quota refusal",
+    "model_rate_limited",
 }
 
 
@@ -130,7 +130,7 @@ def test_every_error_code_the_code_gives_is_documented():
     documented = set(api_error_table()) | run_error_table()
     raised = raised_codes()
     assert len(raised) > 80, "the scan found few codes: are errors still raised as it expects?"
-    undocumented = raised - documented - set(NEVER_ANSWERED)
+    undocumented = raised - documented - NEVER_ANSWERED
     assert not undocumented, f"codes in neither docs/api.md's Errors nor docs/operations.md: {sorted(undocumented)}"
 
 
@@ -143,7 +143,8 @@ def test_every_documented_error_code_is_in_the_code():
         return f'"{code}"' in source
 
     documented = set(api_error_table()) | run_error_table()
-    assert not sorted(code for code in documented if not exists(code)), "documented codes the code never gives"
+    never_given = sorted(code for code in documented if not exists(code))
+    assert not never_given, f"documented codes the code never gives: {never_given}"
 
 
 API_ERRORS = (
@@ -245,7 +246,8 @@ def test_each_setting_has_the_default_the_code_uses():
 
 # --- endpoints ----------------------------------------------------------------------------
 
-# The page's shorthands for the paths it repeats, and its name for a path parameter.
+# The page's shorthands for the paths it repeats (`{agent}` first: it is written with
+# `{company}`), and its name for a path parameter.
 PATH_SHORTHANDS = {"{agent}": "{company}/agents/{agent_id}", "{company}": "/api/companies/{company_id}"}
 PARAMETER_NAMES = {"memory_path": "path"}
 ROUTE_PARAMETER = re.compile(r"<(?:\w+:)?(\w+)>")
