@@ -23,6 +23,7 @@ import glob
 import hashlib
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable
@@ -36,6 +37,9 @@ from sessions_app.models import Agent, DeletedManagedOutput, ManagedOutput, Mana
 
 logger = logging.getLogger(__name__)
 
+# What the provider's ids look like ("file_011CN...", "sesn_011CN...").
+PLAIN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
 
 class OutputTooLarge(Exception):
     """A file turned out larger than the limit as it arrived."""
@@ -46,7 +50,15 @@ def outputs_root() -> Path:
 
 
 def output_path(output: ManagedOutput) -> Path:
-    return outputs_root() / str(output.agent_id) / output.remote_session_id / output.file_id
+    return outputs_root() / str(output.agent_id) / path_segment(output.remote_session_id) / path_segment(output.file_id)
+
+
+def path_segment(provider_id: str) -> str:
+    """A provider's id as one name in a path: itself when plain, else its digest, so that no
+    id ("..", "../x", "a/b") names a place outside its own folder."""
+    if PLAIN_ID.fullmatch(provider_id):
+        return provider_id
+    return "id-" + hashlib.sha256(provider_id.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 def outputs_extract(end: ManagedSessionEnd) -> int:

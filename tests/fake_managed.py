@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from tests.fake_managed_events import EventsMixin, error_body, first, now_iso, paginate
 
@@ -454,7 +454,8 @@ class FakeManaged(EventsMixin):
 
     def route(self, method: str, path: str, body: dict, beta: str | None = None) -> tuple[int, dict | Raw]:
         url = urlsplit(path)
-        parts = url.path.strip("/").split("/")
+        # Each segment decoded after the split, as the API reads an id holding "/" (sent as %2F).
+        parts = [unquote(part) for part in url.path.strip("/").split("/")]
         query = parse_qs(url.query)
         with self._lock:
             if parts == ["_fake", "stats"]:  # for a fake in another process (benchmarks); not logged

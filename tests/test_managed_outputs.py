@@ -5,7 +5,9 @@ scoped to the session)."""
 from __future__ import annotations
 
 import hashlib
+import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -176,6 +178,38 @@ def test_a_name_from_the_provider_is_only_a_name(company, fake_managed):
     (output,) = ManagedOutput.objects.filter(agent=agent)
     assert output.filename == "passwd.txt"
     assert output_path(output).parent.parent.parent.name == "outputs"
+
+
+def test_a_file_id_from_the_provider_that_is_not_a_plain_id_is_copied_inside_its_sessions_folder(
+    company, fake_managed, settings
+):
+    agent, remote_id, session = managed_session(company, fake_managed)
+    produced = fake_managed.add_file(remote_id, "escape.txt", b"escaped", "text/plain")
+    odd_id = "../../../escaped"
+    fake_managed.files[odd_id] = {**fake_managed.files.pop(produced["id"]), "id": odd_id}
+    fake_managed.file_contents[odd_id] = fake_managed.file_contents.pop(produced["id"])
+
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+
+    (output,) = ManagedOutput.objects.filter(agent=agent)
+    assert output.file_id == odd_id
+    assert output_path(output).parent == outputs_root() / str(agent.pk) / remote_id
+    assert output_path(output).read_bytes() == b"escaped"
+    assert not any(Path(settings.PAPERCLIP_HOME).rglob("escaped"))
+    assert fake_managed.sessions[remote_id]["archived_at"] is not None
+
+    output_delete(output)
+    assert not output_path(output).exists()
+
+
+@pytest.mark.parametrize("remote_session_id", ["..", "../elsewhere", "a/b"])
+def test_no_session_id_from_the_provider_names_a_folder_outside_the_agents(company, remote_session_id):
+    output = ManagedOutput(agent_id=uuid.uuid4(), remote_session_id=remote_session_id, file_id="..")
+
+    relative = output_path(output).relative_to(outputs_root() / str(output.agent_id))
+
+    assert len(relative.parts) == 2 and ".." not in relative.parts
 
 
 @pytest.mark.parametrize("deletion", ["retire", "remove"])
