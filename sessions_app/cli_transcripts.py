@@ -168,6 +168,13 @@ class DatabaseTranscripts(TranscriptStore):
         CliTranscriptEntry.objects.filter(scope=self.scope, session_id=session_id).delete()
 
 
+def path_name(key_part: str) -> str:
+    """A key's part as one file name: percent-encoded, and "." or ".." (which quote leaves as
+    they are, and which would name this folder or its parent) with their dots encoded too."""
+    name = quote(key_part, safe="")
+    return name.replace(".", "%2E") if name.strip(".") == "" else name
+
+
 class FileTranscripts(TranscriptStore):
     """One JSONL file per transcript: `{project}/{session}/main.jsonl` and, for a
     subagent, `{project}/{session}/sub/{subpath}.jsonl`, each name percent-encoded so no
@@ -178,12 +185,12 @@ class FileTranscripts(TranscriptStore):
         self.root = root or Path(settings.PAPERCLIP_HOME) / "sessions" / str(scope) / "cli"
 
     def _session_dir(self, project: str, session: str) -> Path:
-        return self.root / quote(project, safe="") / quote(session, safe="")
+        return self.root / path_name(project) / path_name(session)
 
     def path_for(self, key) -> Path:
         project, session, subpath = _check_key(key)
         folder = self._session_dir(project, session)
-        return folder / "sub" / f"{quote(subpath, safe='')}.jsonl" if subpath else folder / "main.jsonl"
+        return folder / "sub" / f"{path_name(subpath)}.jsonl" if subpath else folder / "main.jsonl"
 
     def append_now(self, key, entries: list[dict]) -> None:
         path = self.path_for(key)
@@ -199,7 +206,7 @@ class FileTranscripts(TranscriptStore):
         return _read_jsonl(self.path_for(key))
 
     def list_sessions_now(self, project_key: str) -> list[dict]:
-        folder = self.root / quote(project_key, safe="")
+        folder = self.root / path_name(project_key)
         if not folder.is_dir():
             return []
         found = []
@@ -222,7 +229,7 @@ class FileTranscripts(TranscriptStore):
     def session_files(self, session_id: str) -> list[tuple[str, Path]]:
         """(subpath, file) of every transcript of a CLI session, under every project."""
         found = []
-        for folder in self.root.glob(f"*/{quote(session_id, safe='')}"):
+        for folder in self.root.glob(f"*/{path_name(session_id)}"):
             found.append(("", folder / "main.jsonl"))
             found.extend((unquote(sub.name[: -len(".jsonl")]), sub) for sub in (folder / "sub").glob("*.jsonl"))
         return found
@@ -249,7 +256,7 @@ class FileTranscripts(TranscriptStore):
         return found
 
     def delete_session(self, session_id: str) -> None:
-        for folder in self.root.glob(f"*/{quote(session_id, safe='')}"):
+        for folder in self.root.glob(f"*/{path_name(session_id)}"):
             shutil.rmtree(folder)
 
 

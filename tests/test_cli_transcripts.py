@@ -48,6 +48,28 @@ def test_keys_cannot_leave_the_store(kind, tmp_path):
         assert path.resolve().is_relative_to(store.root.resolve())
 
 
+@pytest.mark.parametrize("dots", [".", ".."])
+def test_a_key_part_of_dots_alone_names_a_file_of_its_own_not_a_folder_above(dots):
+    # quote() leaves dots alone: ".." had named the parent folder, and deleting that session
+    # had removed every transcript of the agent.
+    store = FileTranscripts(uuid.uuid4())
+    neighbour = {"project_key": "p", "session_id": "kept"}
+    store.append_now(neighbour, [{"type": "user", "n": 1}])
+    key = {"project_key": dots, "session_id": dots, "subpath": dots}
+    store.append_now(key, [{"type": "user", "n": 2}])
+    store.append_now({"project_key": "p", "session_id": dots}, [{"type": "user", "n": 3}])
+
+    assert store.path_for(key).resolve().parent.parent.parent.parent == store.root.resolve()
+    assert store.list_subkeys_now(key) == [dots]
+    assert {found["session_id"] for found in store.list_sessions_now("p")} == {"kept", dots}
+
+    store.delete_session(dots)
+    store.delete_now({"project_key": "p", "session_id": dots})
+
+    assert store.load_now(neighbour) == [{"type": "user", "n": 1}]
+    assert store.load_now(key) is None
+
+
 def test_a_failed_heartbeat_cuts_the_file_back_to_what_it_was():
     store = FileTranscripts(uuid.uuid4())
     key = {"project_key": "p", "session_id": "s"}
