@@ -172,8 +172,10 @@ def cli_orphans_reap(*, now: datetime) -> int:
 def histories_purge(*, now: datetime) -> int:
     """Drop the turns of sessions that ended more than PAPERCLIP_RETENTION_DAYS ago.
 
-    A history file that cannot be deleted is logged and its session left for the next
-    pass; the others are purged.
+    The row is marked purged (and committed) before its files go: a failed write leaves
+    the history whole, and a file left after the COMMIT is never read (`FileStore.read`
+    answers a purged session with nothing). A history file that cannot be deleted is
+    logged and its mark taken back, so the next pass tries again; the others are purged.
     """
     cutoff = now - timedelta(days=settings.PAPERCLIP_RETENTION_DAYS)
     purged = 0
@@ -189,21 +191,36 @@ def histories_purge(*, now: datetime) -> int:
         )
         if not batch:
             return purged
-        done = [session.id for session in batch if _history_file_delete(session, failed=failed)]
-        cli_sessions_delete([(s.agent_id, s.cli_session_id) for s in batch if s.id in done])
-        purged += AgentSession.objects.filter(id__in=done).update(history=[], history_purged_at=now)
+        with transaction.atomic():
+            purged += AgentSession.objects.filter(
+                id__in=[session.id for session in batch], history_purged_at__isnull=True
+            ).update(history=[], history_purged_at=now)
+            cli_sessions_delete([(session.agent_id, session.cli_session_id) for session in batch])
+        for session in batch:
+            if _history_file_stays(session):
+                failed.add(session.id)
+                purged -= AgentSession.objects.filter(pk=session.pk, history_purged_at=now).update(
+                    history_purged_at=None
+                )
 
 
-def _history_file_delete(session: AgentSession, *, failed: set) -> bool:
+def _history_file_stays(session: AgentSession) -> bool:
+    """Delete the session's history file; True when it could not be, and is still whole
+    (the row may then name it again)."""
     if session.store != HistoryStore.FILE:
-        return True
-    try:
-        STORES[HistoryStore.FILE].delete(session)
-    except OSError:
-        logger.exception("Could not delete the history file of session %s; retrying next pass", session.public_id)
-        failed.add(session.id)
         return False
-    return True
+    store = STORES[HistoryStore.FILE]
+    try:
+        store.delete(session)
+    except OSError:
+        stays = store.path_for(session).exists()
+        logger.exception(
+            "Could not delete the history file of session %s%s",
+            session.public_id,
+            "; retrying next pass" if stays else "",
+        )
+        return stays
+    return False
 
 
 def queues_unstick(*, agent_ids=None) -> int:

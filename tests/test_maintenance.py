@@ -25,7 +25,7 @@ from sessions_app.schedules import agent_schedule_sync, schedule_name
 from sessions_app.services import agent_delete, agent_pause, agent_resume
 from sessions_app.stores import store_for
 from sessions_app.tasks import scheduled_heartbeat
-from tests.conftest import beat, on_own_connection, refuse_writes
+from tests.conftest import beat, on_own_connection, refuse_writes, writes_refused
 from tests.fake_anthropic import Reply
 from tests.live.server import database_url, wait_until
 
@@ -301,6 +301,31 @@ def test_an_undeletable_history_file_skips_only_its_own_session(settings, persis
     assert AgentSession.objects.get(id=stuck.id).history_purged_at is None
     stuck_path.rmdir()
     assert maintenance_pass(now=now)["purged"] == 1
+
+
+def test_a_purge_whose_write_is_refused_leaves_the_history_readable_and_the_next_pass_purges_it(
+    settings, persistent_agent, caplog
+):
+    """The purge's UPDATE of the row is refused (a trigger): the ended session still reads
+    its history (before: its file was deleted first, and it answered `history_missing`
+    until a pass could write the row); the next pass purges it."""
+    settings.PAPERCLIP_RETENTION_DAYS = 30
+    now = timezone.now()
+    messages = [{"role": "user", "content": "kept until the row says purged"}]
+    session = make_session(
+        persistent_agent, last_used=now - timedelta(days=40), store=HistoryStore.FILE, messages=messages
+    )
+    sessions_expire(now=now)
+    path = store_for(session).path_for(session)
+    with writes_refused("agent_sessions", when="NEW.history_purged_at IS NOT NULL"):
+        assert maintenance_pass(now=now)["purged"] is None
+
+    assert "Maintenance step 'purged' failed" in caplog.text
+    ended = AgentSession.objects.get(pk=session.pk)
+    assert ended.history_purged_at is None
+    assert store_for(ended).read(ended) == messages
+    assert histories_purge(now=now) == 1
+    assert not path.exists()
 
 
 def test_a_failing_maintenance_step_does_not_stop_the_others(settings, persistent_agent, other_agent, caplog):
