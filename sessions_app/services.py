@@ -99,9 +99,22 @@ def session_clear_history(*, session: AgentSession) -> bool:
             if locked is None:
                 return False
             staged = store_for(locked).stage(locked, [])
+            # A Claude Code transcript is the history its CLI resumes from: it goes with the
+            # turns (its rows now, its files after the COMMIT), and the next heartbeat
+            # starts a CLI session of its own.
+            cli_sessions_delete([(locked.agent_id, locked.cli_session_id)])
+            locked.cli_session_id, locked.cli_transcript_sizes = "", None
             locked.message_count = 0
             locked.last_input_tokens = None
-            locked.save(update_fields=["message_count", "last_input_tokens", *staged.fields])
+            locked.save(
+                update_fields=[
+                    "message_count",
+                    "last_input_tokens",
+                    "cli_session_id",
+                    "cli_transcript_sizes",
+                    *staged.fields,
+                ]
+            )
     except BaseException:
         staged.discard()
         raise

@@ -282,3 +282,32 @@ def test_a_session_deleted_while_a_heartbeat_commits_its_transcript_keeps_no_lin
 
     assert not AgentSession.objects.filter(agent=agent).exists()
     assert not CliTranscriptEntry.objects.filter(scope=agent.id).exists()  # the second run's line too
+
+
+@pytest.mark.parametrize("store", ["database", "file"])
+def test_a_cleared_session_resumes_none_of_its_claude_code_transcript(
+    persistent_agent, store, django_capture_on_commit_callbacks
+):
+    """The transcript is what the CLI resumes from: clearing the history clears it too, or
+    the next heartbeat's CLI is handed every cleared turn (before: it was, while the
+    session showed an empty history)."""
+    from sessions_app.cli_transcripts import SessionTranscripts, transcripts_for
+    from sessions_app.services import session_clear_history
+
+    cli_id = str(uuid.uuid4())
+    session = AgentSession.objects.create(
+        agent=persistent_agent, company=persistent_agent.company, store=store, cli_session_id=cli_id
+    )
+    kept = transcripts_for(agent_id=persistent_agent.id, store=store)
+    key = {"project_key": "p", "session_id": cli_id}
+    session.cli_transcript_sizes = StagedTranscript(kept, [(key, [{"type": "user"}])], session=session).write()
+    session.save(update_fields=["cli_transcript_sizes"])
+    assert SessionTranscripts(session, agent_id=persistent_agent.id).run_transcript().loaded == {"": [{"type": "user"}]}
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert session_clear_history(session=session)
+
+    session.refresh_from_db()
+    assert session.message_count == 0
+    assert SessionTranscripts(session, agent_id=persistent_agent.id).run_transcript().loaded == {}
+    assert kept.session_entries(cli_id) == {}
