@@ -14,7 +14,8 @@ outputs' rows and folder gone) gets no row and its copy is removed. A
 file over `PAPERCLIP_MANAGED_OUTPUT_MAX_BYTES`, or past the session's
 `PAPERCLIP_MANAGED_OUTPUT_MAX_SESSION_BYTES`, gets a row saying so and no copy. A copy an
 operator deletes leaves a tombstone (`DeletedManagedOutput`): the file is still at the
-provider while its session lives, and a later extraction must not bring it back.
+provider while its session lives, and a later extraction (or a late one whose claim ran out)
+must not bring it back.
 """
 
 from __future__ import annotations
@@ -121,11 +122,22 @@ def _output_insert(output: ManagedOutput) -> bool:
     """Insert the copied file's row, unless its agent was deleted during the download: under
     the agent's row lock, which a deletion takes first, so the deletion either committed
     before (False: the caller removes the copy its folder's removal missed) or waits and
-    removes this row and file with the agent's others."""
+    removes this row and file with the agent's others.
+
+    A worker whose claim on the end ran out may copy a file the next worker copied and an
+    operator deleted since: its tombstone, read after the insert (which waits for such a
+    deletion still committing), undoes the insert and the copy. True in both cases."""
     with transaction.atomic():
         if Agent.is_gone(output.agent_id, lock=True):
             return False
         ManagedOutput.objects.bulk_create([output], ignore_conflicts=True)
+        deleted = DeletedManagedOutput.objects.filter(
+            remote_session_id=output.remote_session_id, file_id=output.file_id
+        ).exists()
+        if deleted:
+            transaction.set_rollback(True)
+    if deleted:
+        output_path(output).unlink(missing_ok=True)
     return True
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from sessions_app.managed_outputs import output_delete, output_path, outputs_root
+from sessions_app.managed_outputs import output_delete, output_path, outputs_extract, outputs_root
 from sessions_app.managed_sessions import managed_ends_process
 from sessions_app.models import Agent, DeletedManagedOutput, ManagedOutput, ManagedSessionEnd, RunStatus
 from sessions_app.services import agent_delete, agents_hard_delete, session_delete, session_expire
@@ -301,3 +301,37 @@ def test_a_copy_its_claim_outlived_neither_mixes_into_the_next_copy_nor_is_left_
     assert output_path(output).read_bytes() == REPORT
     assert output.sha256 == hashlib.sha256(REPORT).hexdigest()
     assert [path.name for path in folder.iterdir()] == [produced["id"]]
+
+
+def test_a_copy_its_claim_outlived_does_not_bring_back_an_output_deleted_meanwhile(company, fake_managed):
+    """A worker whose claim on the end ran out read what was copied before the worker now
+    holding the end copied the file; while it downloads, the copy is deleted by an operator
+    (own connection). Its late insert finds the tombstone (before: the row and the file
+    came back, the deleted copy listed and served again)."""
+    agent, remote_id, session = managed_session(company, fake_managed)
+    produced = fake_managed.add_file(remote_id, "report.csv", REPORT, "text/csv")
+    session_expire(session=session, now=timezone.now())
+    end = ManagedSessionEnd.objects.get(remote_session_id=remote_id)
+    copied = ManagedOutput(
+        company=company,
+        agent=agent,
+        session_id=end.session_id,
+        remote_session_id=remote_id,
+        file_id=produced["id"],
+        filename="report.csv",
+        size_bytes=len(REPORT),
+    )
+
+    def copied_by_the_next_worker_then_deleted():
+        output_path(copied).write_bytes(REPORT)
+        copied.save()
+        output_delete(copied)
+
+    fake_managed.before_next(
+        "GET", f"/v1/files/{produced['id']}/content", on_own_connection(copied_by_the_next_worker_then_deleted)
+    )
+    outputs_extract(end)
+
+    assert not ManagedOutput.objects.filter(agent=agent).exists()
+    assert not output_path(copied).exists()
+    assert [path.name for path in output_path(copied).parent.iterdir()] == []
