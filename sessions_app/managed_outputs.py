@@ -6,8 +6,8 @@ first copies them, and archives or deletes the remote session only once every fi
 or recorded as skipped. A failure to copy leaves the end pending, retried with the end.
 
 Each file is written under `PAPERCLIP_HOME/outputs/{agent_id}/{remote_session_id}/` to a
-temporary name of its own, flushed to disk and renamed before its row is written: a row always
-has its file; a file left without a row (a crash between the two) is overwritten by the retry,
+temporary name of its own, flushed to disk and renamed (the rename flushed too) before its row
+is written: a row always has its file; a file left without a row (a crash between the two) is overwritten by the retry,
 which also removes the temporary files of copies its claim outlived. The
 row is written under the agent's row lock, so an agent deleted during the download (its
 outputs' rows and folder gone) gets no row and its copy is removed. A
@@ -34,6 +34,7 @@ from django.conf import settings
 from django.db import transaction
 
 from sessions_app.adapters.claude_managed import remote_file_chunks, remote_session_files
+from sessions_app.durable import fsync_directory
 from sessions_app.models import Agent, DeletedManagedOutput, ManagedOutput, ManagedSessionEnd
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,7 @@ def _copy(output: ManagedOutput, *, limit: int) -> tuple[str, int]:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(partial, target)
+        fsync_directory(target.parent)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise

@@ -33,6 +33,7 @@ from django.db import DatabaseError, connection, models, transaction
 from django.db.models import F, Func, Value
 
 from sessions_app.adapters.base import HistoryMessage
+from sessions_app.durable import fsync_directory
 from sessions_app.errors import HistoryUnavailable
 from sessions_app.history_json import history_dumps, history_loads
 from sessions_app.models import AgentSession, HistoryStore
@@ -183,7 +184,7 @@ class StagedFile(StagedHistory):
         try:
             # The rename is durable only once the directory entry is on disk; if it is lost
             # in a crash, the staged file is back and the next read publishes it again.
-            _fsync_directory(self.target.parent)
+            fsync_directory(self.target.parent)
         except OSError as exc:
             logger.warning("History of session %s was published but not flushed: %s", self.public_id, exc)
         if self.replaced is not None:
@@ -370,21 +371,13 @@ def _write_durably(path: Path, document: dict) -> None:
         handle.write(history_dumps(document))
         handle.flush()
         os.fsync(handle.fileno())
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
 
 
 def _replace_durably(source: Path, target: Path) -> None:
     os.replace(source, target)
     # The rename is durable only once the directory entry is on disk.
-    _fsync_directory(target.parent)
-
-
-def _fsync_directory(folder: Path) -> None:
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_directory(target.parent)
 
 
 def _unlink_quietly(path: Path) -> None:

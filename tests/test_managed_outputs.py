@@ -335,3 +335,35 @@ def test_a_copy_its_claim_outlived_does_not_bring_back_an_output_deleted_meanwhi
     assert not ManagedOutput.objects.filter(agent=agent).exists()
     assert not output_path(copied).exists()
     assert [path.name for path in output_path(copied).parent.iterdir()] == []
+
+
+def test_a_copy_whose_rename_cannot_be_flushed_gets_no_row_and_the_retry_copies_it(company, fake_managed, monkeypatch):
+    """The rename into place is on disk only once its folder is flushed: until then a crash
+    can take the file back while a committed row names it. A flush that fails (EIO) leaves
+    no row and the end pending (before: the folder was never flushed, and the row was
+    written), and the retry copies the file."""
+    import os
+    import stat
+
+    agent, remote_id, session = managed_session(company, fake_managed)
+    fake_managed.add_file(remote_id, "report.csv", REPORT, "text/csv")
+    flushed_folders = []
+    real_fsync = os.fsync
+
+    def folder_flush_fails(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            flushed_folders.append(fd)
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", folder_flush_fails)
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+
+    assert flushed_folders, "the folder of the renamed copy was never flushed"
+    assert not ManagedOutput.objects.filter(agent=agent).exists()
+    assert remote_id in fake_managed.sessions  # not archived: its file is not here yet
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert managed_ends_process(now=timezone.now() + timedelta(hours=2)) == 1
+    (output,) = ManagedOutput.objects.filter(agent=agent)
+    assert output_path(output).read_bytes() == REPORT
