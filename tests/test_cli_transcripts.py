@@ -311,3 +311,29 @@ def test_a_cleared_session_resumes_none_of_its_claude_code_transcript(
     assert session.message_count == 0
     assert SessionTranscripts(session, agent_id=persistent_agent.id).run_transcript().loaded == {}
     assert kept.session_entries(cli_id) == {}
+
+
+def test_a_new_transcript_file_whose_folder_cannot_be_flushed_is_never_named_by_a_row(monkeypatch):
+    """A new file is on disk only once its folder (and the folders made for it) is flushed:
+    until then a crash can take it back while a committed row names its size. A flush
+    that fails (EIO) fails the write before the row is given sizes (before: the folders
+    were never flushed, and the write returned sizes naming the file)."""
+    import os
+    import stat
+
+    from sessions_app.errors import HistoryUnavailable
+
+    store = FileTranscripts(uuid.uuid4())
+    key = {"project_key": "p", "session_id": "s"}
+    session = AgentSession(id=uuid.uuid4(), cli_session_id="s", cli_transcript_sizes={})
+    real_fsync = os.fsync
+
+    def folder_flush_fails(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", folder_flush_fails)
+    with pytest.raises(HistoryUnavailable) as failed:
+        StagedTranscript(store, [(key, [{"type": "user"}])], session=session).write()
+    assert failed.value.code == "history_unwritable"
