@@ -41,7 +41,7 @@ from django.conf import settings
 from django.db import DatabaseError, transaction
 
 from sessions_app.adapters.cli_home import local_copy_delete
-from sessions_app.durable import fsync_directory
+from sessions_app.durable import folders_make, fsync_directory
 from sessions_app.errors import HistoryUnavailable
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HistoryStore
 
@@ -198,19 +198,15 @@ class FileTranscripts(TranscriptStore):
         if not entries:
             return
         created = not path.exists()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        folders_make(path.parent)
         with open(path, "a", encoding="ascii") as handle:
             handle.write("".join(_line(entry) + "\n" for entry in entries))
             handle.flush()
             os.fsync(handle.fileno())
         if created:
-            # A new file (and the folders made for it) is on disk only once each folder
-            # holding it is flushed; the COMMIT naming its size comes after.
-            folder = path.parent
-            while folder != self.root.parent:
-                fsync_directory(folder)
-                folder = folder.parent
-            fsync_directory(folder)
+            # A new file is on disk only once its folder is flushed; the COMMIT naming its
+            # size comes after.
+            fsync_directory(path.parent)
 
     def load_now(self, key) -> list[dict] | None:
         return _read_jsonl(self.path_for(key))

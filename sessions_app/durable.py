@@ -14,3 +14,15 @@ def fsync_directory(folder: Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def folders_make(folder: Path) -> None:
+    """`folder` and the folders above it that are missing, each flushed into the one that
+    holds it: a file made in it survives a crash once its own folder is flushed too."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for made in reversed(missing):
+        made.mkdir(exist_ok=True)
+        fsync_directory(made.parent)

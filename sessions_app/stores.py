@@ -33,7 +33,7 @@ from django.db import DatabaseError, connection, models, transaction
 from django.db.models import F, Func, Value
 
 from sessions_app.adapters.base import HistoryMessage
-from sessions_app.durable import fsync_directory
+from sessions_app.durable import folders_make, fsync_directory
 from sessions_app.errors import HistoryUnavailable
 from sessions_app.history_json import history_dumps, history_loads
 from sessions_app.models import AgentSession, HistoryStore
@@ -243,7 +243,7 @@ class FileStore(HistoryBackend):
         version = uuid.uuid4().hex
         path = self.staged_path(session, version)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            folders_make(path.parent)
             _write_durably(path, _document(session, version, history))
         except OSError as exc:
             _unlink_quietly(path)

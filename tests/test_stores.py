@@ -327,6 +327,31 @@ def test_file_store_faults_fail_only_their_own_session(settings, company, fake_a
     assert healthy.message_count == 4
 
 
+def test_a_new_agents_first_history_is_named_by_no_row_until_its_folder_is_flushed(
+    settings, company, fake_anthropic, monkeypatch
+):
+    """A new agent's first history file is in a folder made for it: the file is on disk only
+    once the folder holding that folder is flushed too. A flush of it that fails (EIO)
+    fails the run before the COMMIT (before: it was never flushed, so a crash after the
+    COMMIT could take the folder back and the session failed `history_missing`)."""
+    settings.PAPERCLIP_SESSION_STORE = "file"
+    agent = Agent.objects.create(company=company, name="first", adapter_config={"session_mode": "persistent"})
+    sessions = (Path(settings.PAPERCLIP_HOME) / "sessions").resolve()
+    sessions.mkdir(parents=True, exist_ok=True)
+    real_fsync = os.fsync
+
+    def sessions_flush_fails(fd):
+        if Path(os.readlink(f"/proc/self/fd/{fd}")) == sessions:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", sessions_flush_fails)
+    run = beat(agent, "hello")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "history_unwritable")
+    assert not AgentSession.objects.filter(agent=agent).exists()
+
+
 def test_unwritable_history_leaves_the_old_file_and_row(settings, company, fake_anthropic, monkeypatch):
     """What root cannot be made to fail by permissions, a full disk does: ENOSPC when the file is flushed."""
     settings.PAPERCLIP_SESSION_STORE = "file"
