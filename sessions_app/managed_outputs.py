@@ -34,7 +34,7 @@ from django.conf import settings
 from django.db import transaction
 
 from sessions_app.adapters.claude_managed import remote_file_chunks, remote_session_files
-from sessions_app.durable import fsync_directory
+from sessions_app.durable import folders_make, fsync_directory
 from sessions_app.models import Agent, DeletedManagedOutput, ManagedOutput, ManagedSessionEnd
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def _copy(output: ManagedOutput, *, limit: int) -> tuple[str, int]:
     """Download the file to its place; its digest and size as received (a file that grows
     past `limit` as it arrives, whatever its listing said, is refused)."""
     target = output_path(output)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    folders_make(target.parent)
     # A worker whose claim on the end ran out may still be copying this file: sharing one
     # temporary file, its copy and this one could leave a hole in the file renamed into
     # place. Each copy has its own; the others' are those of workers that lost the claim

@@ -367,3 +367,28 @@ def test_a_copy_whose_rename_cannot_be_flushed_gets_no_row_and_the_retry_copies_
     assert managed_ends_process(now=timezone.now() + timedelta(hours=2)) == 1
     (output,) = ManagedOutput.objects.filter(agent=agent)
     assert output_path(output).read_bytes() == REPORT
+
+
+def test_a_copy_whose_new_folder_cannot_be_flushed_gets_no_row(company, fake_managed, monkeypatch, settings):
+    """The folders made for a copy (the agent's, the remote session's) are on disk only once
+    each is flushed into the one holding it: a flush of `outputs/` that fails (EIO) leaves
+    no row (before: it was never flushed, and the row was written)."""
+    import os
+
+    agent, remote_id, session = managed_session(company, fake_managed)
+    fake_managed.add_file(remote_id, "report.csv", REPORT, "text/csv")
+    outputs = outputs_root().resolve()
+    outputs.mkdir(parents=True, exist_ok=True)
+    real_fsync = os.fsync
+
+    def outputs_flush_fails(fd):
+        if Path(os.readlink(f"/proc/self/fd/{fd}")) == outputs:
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", outputs_flush_fails)
+    session_expire(session=session, now=timezone.now())
+    run_queued_tasks()
+
+    assert not ManagedOutput.objects.filter(agent=agent).exists()
+    assert ManagedSessionEnd.objects.get(remote_session_id=remote_id).done_at is None
