@@ -34,14 +34,14 @@ import os
 import shutil
 from decimal import Decimal
 from pathlib import Path
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, transaction
 
 from sessions_app.adapters.cli_home import local_copy_delete
-from sessions_app.durable import folders_make, fsync_directory
+from sessions_app.durable import file_name, folders_make, fsync_directory
 from sessions_app.errors import HistoryUnavailable
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HistoryStore
 
@@ -169,13 +169,6 @@ class DatabaseTranscripts(TranscriptStore):
         CliTranscriptEntry.objects.filter(scope=self.scope, session_id=session_id).delete()
 
 
-def path_name(key_part: str) -> str:
-    """A key's part as one file name: percent-encoded, and "." or ".." (which quote leaves as
-    they are, and which would name this folder or its parent) with their dots encoded too."""
-    name = quote(key_part, safe="")
-    return name.replace(".", "%2E") if name.strip(".") == "" else name
-
-
 class FileTranscripts(TranscriptStore):
     """One JSONL file per transcript: `{project}/{session}/main.jsonl` and, for a
     subagent, `{project}/{session}/sub/{subpath}.jsonl`, each name percent-encoded so no
@@ -186,12 +179,12 @@ class FileTranscripts(TranscriptStore):
         self.root = root or Path(settings.PAPERCLIP_HOME) / "sessions" / str(scope) / "cli"
 
     def _session_dir(self, project: str, session: str) -> Path:
-        return self.root / path_name(project) / path_name(session)
+        return self.root / file_name(project) / file_name(session)
 
     def path_for(self, key) -> Path:
         project, session, subpath = _check_key(key)
         folder = self._session_dir(project, session)
-        return folder / "sub" / f"{path_name(subpath)}.jsonl" if subpath else folder / "main.jsonl"
+        return folder / "sub" / f"{file_name(subpath)}.jsonl" if subpath else folder / "main.jsonl"
 
     def append_now(self, key, entries: list[dict]) -> None:
         path = self.path_for(key)
@@ -212,7 +205,7 @@ class FileTranscripts(TranscriptStore):
         return _read_jsonl(self.path_for(key))
 
     def list_sessions_now(self, project_key: str) -> list[dict]:
-        folder = self.root / path_name(project_key)
+        folder = self.root / file_name(project_key)
         if not folder.is_dir():
             return []
         found = []
@@ -235,7 +228,7 @@ class FileTranscripts(TranscriptStore):
     def session_files(self, session_id: str) -> list[tuple[str, Path]]:
         """(subpath, file) of every transcript of a CLI session, under every project."""
         found = []
-        for folder in self.root.glob(f"*/{path_name(session_id)}"):
+        for folder in self.root.glob(f"*/{file_name(session_id)}"):
             found.append(("", folder / "main.jsonl"))
             found.extend((unquote(sub.name[: -len(".jsonl")]), sub) for sub in (folder / "sub").glob("*.jsonl"))
         return found
@@ -262,7 +255,7 @@ class FileTranscripts(TranscriptStore):
         return found
 
     def delete_session(self, session_id: str) -> None:
-        for folder in self.root.glob(f"*/{path_name(session_id)}"):
+        for folder in self.root.glob(f"*/{file_name(session_id)}"):
             shutil.rmtree(folder)
 
 

@@ -1,9 +1,19 @@
-"""Files whose rename must survive a crash once a database row names them."""
+"""Files under PAPERCLIP_HOME named by ids from elsewhere, and written so that they survive a
+crash once a database row names them."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import quote
+
+
+def file_name(key: str) -> str:
+    """An id from elsewhere (Claude Code's transcript keys, the provider's file and session
+    ids) as one name in a folder: percent-encoded, so "/" cannot leave it, and "." or ".."
+    (which quote leaves as they are) with their dots encoded too. `unquote` gives the id back."""
+    name = quote(key, safe="")
+    return name.replace(".", "%2E") if name.strip(".") == "" else name
 
 
 def fsync_directory(folder: Path) -> None:

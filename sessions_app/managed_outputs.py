@@ -24,7 +24,6 @@ import glob
 import hashlib
 import logging
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Iterable
@@ -34,13 +33,10 @@ from django.conf import settings
 from django.db import transaction
 
 from sessions_app.adapters.claude_managed import remote_file_chunks, remote_session_files
-from sessions_app.durable import folders_make, fsync_directory
+from sessions_app.durable import file_name, folders_make, fsync_directory
 from sessions_app.models import Agent, DeletedManagedOutput, ManagedOutput, ManagedSessionEnd
 
 logger = logging.getLogger(__name__)
-
-# What the provider's ids look like ("file_011CN...", "sesn_011CN...").
-PLAIN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class OutputTooLarge(Exception):
@@ -52,15 +48,7 @@ def outputs_root() -> Path:
 
 
 def output_path(output: ManagedOutput) -> Path:
-    return outputs_root() / str(output.agent_id) / path_segment(output.remote_session_id) / path_segment(output.file_id)
-
-
-def path_segment(provider_id: str) -> str:
-    """A provider's id as one name in a path: itself when plain, else its digest, so that no
-    id ("..", "../x", "a/b") names a place outside its own folder."""
-    if PLAIN_ID.fullmatch(provider_id):
-        return provider_id
-    return "id-" + hashlib.sha256(provider_id.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+    return outputs_root() / str(output.agent_id) / file_name(output.remote_session_id) / file_name(output.file_id)
 
 
 def outputs_extract(end: ManagedSessionEnd) -> int:
