@@ -5,11 +5,11 @@ this service's database, and the end of remote sessions.
   remote agent and the session the agent's live session maps to, each written the moment
   the runtime learns it (outside any transaction: a single UPDATE), so a session the run
   made is never lost to a worker's death.
-- Ending or deleting a session here writes a `ManagedSessionEnd` in the same transaction;
-  the remote session is archived or deleted after the COMMIT and retried by the
-  maintenance pass until the provider confirms it. Our row and the remote session may
-  disagree for a while, never for good, and never the other way round (a remote session
-  ended while our row still resumes it).
+- Ending or deleting a session here, or clearing its history, writes a `ManagedSessionEnd`
+  in the same transaction; the remote session is archived or deleted after the COMMIT and
+  retried by the maintenance pass until the provider confirms it. Our row and the remote
+  session may disagree for a while, never for good, and never the other way round (a
+  remote session ended while our row still resumes it).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from sessions_app.adapters.claude_managed import OutputsUnavailable
 from sessions_app.hot_sql import rows_insert_ignoring_conflicts
 from sessions_app.managed_health import lost_session_note, managed_health_state
 from sessions_app.managed_outputs import outputs_extract
+from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     Agent,
     AgentSession,
@@ -70,9 +71,12 @@ class ManagedSessionHandle:
     def handoff_note(self) -> str:
         """What a new remote session replacing a lost one opens with: the note the plan
         made (the health check found it lost), or one made now from the resumed row (the
-        run found it lost)."""
+        run found it lost). Nothing for a row whose history was cleared: the operator asked
+        for a session that starts empty."""
         if self.lost_note or self.session is None:
             return self.lost_note
+        if not self.resumed_id and not self.session.message_count:
+            return ""
         return lost_session_note(self.session)
 
     def remote_record(self, remote: dict) -> None:
@@ -195,6 +199,32 @@ def managed_ends_record(ends: Iterable[tuple[str, object, object]], *, action: s
     rows_insert_ignoring_conflicts(rows)
     transaction.on_commit(managed_ends_enqueue)
     return len(rows)
+
+
+# What a session row knows of the remote session it maps to: the mapping, and the health
+# check's readings of it (`sessions_app.managed_health`).
+REMOTE_SESSION_FIELDS = (
+    "managed_session_id",
+    "managed_checked_at",
+    "managed_problem",
+    "managed_check_failures",
+    "managed_lost_at",
+)
+
+
+def managed_session_clear(session: AgentSession, *, now: datetime) -> list[str]:
+    """Inside the transaction that clears `session`'s history, its row locked: the remote
+    session it maps to holds every cleared turn, so it ends as any ended session's does
+    (archived after the COMMIT, its files copied first; the hours it was active billed) and
+    the row forgets it, with what was read of it. The next heartbeat opens a new one.
+    Returns the fields to save ([] for a row that maps none)."""
+    if not session.managed_session_id:
+        return []
+    managed_ends_for_sessions([session.pk], action=ManagedEndAction.ARCHIVE)
+    session_hours_bill(session_ids=[session.pk], now=now)
+    for name in REMOTE_SESSION_FIELDS:
+        setattr(session, name, None)
+    return list(REMOTE_SESSION_FIELDS)
 
 
 def managed_ends_for_sessions(session_ids: Iterable, *, action: str) -> int:

@@ -11,13 +11,14 @@ from datetime import datetime
 
 from django.db import transaction
 from django.db.models import QuerySet
+from django.utils import timezone
 
 from costs_app.alerts import budget_alerts_fire
 from costs_app.budgets import budget_uses, budgets_releasable, crossed_scopes
 from memory_app.stores import agent_memory_delete
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.managed_outputs import outputs_delete
-from sessions_app.managed_sessions import managed_ends_for_sessions
+from sessions_app.managed_sessions import managed_ends_for_sessions, managed_session_clear
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import (
     LIVE_SESSION_STATUSES,
@@ -87,9 +88,10 @@ def session_expire(*, session: AgentSession, now: datetime) -> bool:
     return bool(updated)
 
 
-def session_clear_history(*, session: AgentSession) -> bool:
+def session_clear_history(*, session: AgentSession, now: datetime | None = None) -> bool:
     """Empty a session's history but keep its row (and its place in the ledger). False when
     the session was deleted since it was read (nothing to clear)."""
+    now = now or timezone.now()
     staged = NOTHING_STAGED
     try:
         # Durable: its end is the COMMIT, and the empty history is published only after it.
@@ -104,6 +106,8 @@ def session_clear_history(*, session: AgentSession) -> bool:
             # starts a CLI session of its own.
             cli_sessions_delete([(locked.agent_id, locked.cli_session_id)])
             locked.cli_session_id, locked.cli_transcript_sizes = "", None
+            # A Managed Agents session holds the whole conversation at the provider: it goes too.
+            remote_fields = managed_session_clear(locked, now=now)
             locked.message_count = 0
             locked.last_input_tokens = None
             locked.save(
@@ -112,6 +116,7 @@ def session_clear_history(*, session: AgentSession) -> bool:
                     "last_input_tokens",
                     "cli_session_id",
                     "cli_transcript_sizes",
+                    *remote_fields,
                     *staged.fields,
                 ]
             )

@@ -11,12 +11,16 @@ import anthropic
 import pytest
 from django.utils import timezone
 
+from costs_app.models import CostEvent, CostKind
+from costs_app.pricing import session_hour_rate, session_hours_cost
 from sessions_app.maintenance import maintenance_pass, sessions_expire
+from sessions_app.managed_health import managed_health_check
 from sessions_app.managed_sessions import managed_ends_process, managed_orphans_end
+from sessions_app.metering import session_hours_bill
 from sessions_app.models import AgentSession, ManagedOutput, ManagedSessionEnd, RunStatus
-from sessions_app.services import session_delete, session_expire
+from sessions_app.services import session_clear_history, session_delete, session_expire
 from tests.api.conftest import make_run, make_session
-from tests.conftest import FAKE_API_KEY, managed_agent, on_own_connection, run_queued_tasks
+from tests.conftest import FAKE_API_KEY, beat, managed_agent, on_own_connection, run_queued_tasks, user_turns
 
 pytestmark = pytest.mark.django_db
 
@@ -179,3 +183,134 @@ def test_a_delete_whose_commit_fails_leaves_the_remote_session_alone(company, fa
     assert not ManagedSessionEnd.objects.exists()
     assert remote_id in fake_managed.sessions
     assert [request for request in fake_managed.requests if request[0] == "DELETE"] == []
+
+
+def cleared_after_one_turn(company, fake_managed):
+    """A Managed Agents agent whose session took one turn on its remote session, then had
+    its history cleared (after a file was produced there); the tasks queued are not run."""
+    agent = managed_agent(company)
+    assert beat(agent, "remember the word heron").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    produced = fake_managed.add_file(session.managed_session_id, "notes.txt", b"heron\n", "text/plain")
+    return agent, session, produced
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cleared_session_archives_its_remote_session_and_the_next_heartbeat_opens_a_new_one_with_no_note(
+    company, fake_managed
+):
+    """The remote session holds every cleared turn: it is archived once its files are here,
+    and the next heartbeat's task goes to a new one, alone (before: the same remote session
+    got it, and the model remembered what the session no longer showed)."""
+    agent, session, produced = cleared_after_one_turn(company, fake_managed)
+    old = session.managed_session_id
+
+    assert session_clear_history(session=session)
+    assert fake_managed.sessions[old]["archived_at"] is None  # not inside the clear's transaction
+    run_queued_tasks()
+
+    session.refresh_from_db()
+    assert (session.managed_session_id, session.message_count) == (None, 0)
+    assert fake_managed.sessions[old]["archived_at"] is not None
+    (output,) = ManagedOutput.objects.filter(remote_session_id=old)
+    assert (output.filename, output.session_id) == ("notes.txt", session.pk)
+    copied = fake_managed.requests.index(("GET", f"/v1/files/{produced['id']}/content"))
+    assert copied < fake_managed.requests.index(("POST", f"/v1/sessions/{old}/archive"))
+
+    after = beat(agent, "which word?")
+
+    assert after.status == RunStatus.SUCCEEDED, after.error
+    session.refresh_from_db()
+    assert AgentSession.objects.get(agent=agent).pk == session.pk  # the same row goes on
+    assert session.managed_session_id not in (None, old) and len(fake_managed.sessions) == 2
+    assert fake_managed.user_messages[session.managed_session_id] == ["which word?"]  # no handoff note
+    assert fake_managed.user_messages[old] == ["remember the word heron"]
+    assert user_turns(session) == ["which word?"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lost_session_whose_history_is_cleared_goes_on_with_a_new_remote_session_and_no_note(company, fake_managed):
+    """What the health check read of the old remote session goes with it: the row is not
+    retired as lost, and no handoff note carries the cleared turns (before: the next
+    heartbeat ended the row `remote_lost` and opened its successor with a note)."""
+    agent, session, _ = cleared_after_one_turn(company, fake_managed)
+    old = session.managed_session_id
+    fake_managed.terminate(old)
+    assert managed_health_check(now=timezone.now()) == 1
+
+    assert session_clear_history(session=session)
+    run_queued_tasks()
+
+    session.refresh_from_db()
+    read = (session.managed_checked_at, session.managed_problem, session.managed_check_failures)
+    assert (session.managed_lost_at, *read) == (None, None, None, None)
+    assert beat(agent, "which word?").status == RunStatus.SUCCEEDED
+    (live,) = AgentSession.objects.filter(agent=agent)
+    assert live.pk == session.pk and live.end_reason == ""
+    assert fake_managed.user_messages[live.managed_session_id] == ["which word?"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cleared_sessions_remote_hours_are_billed_once_and_its_new_remote_session_counts_from_zero(
+    company, fake_managed
+):
+    """The old remote session's active time is billed when the clear ends it, as any ended
+    session's is; the new remote session's turns are measured from its own start."""
+    agent = managed_agent(company)
+    fake_managed.active_seconds_per_turn = 40.0
+    assert beat(agent, "one").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+
+    assert session_clear_history(session=session)
+
+    hours = CostEvent.objects.filter(agent=agent, kind=CostKind.SESSION_HOURS)
+    rate = session_hour_rate()
+    assert list(hours.values_list("session_id", "cost_usd")) == [(session.pk, session_hours_cost(40.0, rate=rate))]
+    fake_managed.active_seconds_per_turn = 25.5
+    second = beat(agent, "two")
+    assert second.runtime_report["active_seconds"] == 25.5
+    session.refresh_from_db()
+    assert (session.active_seconds, session.unbilled_active_seconds) == (65.5, 25.5)
+    assert session_hours_bill(session_ids=[session.pk], now=timezone.now()) == 1
+    assert sorted(hours.values_list("cost_usd", flat=True)) == sorted(
+        [session_hours_cost(40.0, rate=rate), session_hours_cost(25.5, rate=rate)]
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_clear_while_a_turn_is_sent_to_the_old_remote_session_keeps_neither_that_turn_nor_that_session(
+    company, fake_managed
+):
+    """The worst moment: the run has recorded the old remote session and is sending it its
+    task when the clear commits (its own connection, as the fake receives the task). The
+    turn belongs to the cleared conversation: its commit fails, billed, writing nothing to
+    the row, and the next heartbeat opens a new remote session with no note."""
+    agent = managed_agent(company)
+    assert beat(agent, "remember the word heron").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    old = session.managed_session_id
+    cleared = []
+    fake_managed.before_next(
+        "POST",
+        f"/v1/sessions/{old}/events",
+        on_own_connection(lambda: cleared.append(session_clear_history(session=session))),
+    )
+
+    during = beat(agent, "which word?")
+
+    assert cleared == [True]
+    assert fake_managed.user_messages[old] == ["remember the word heron", "which word?"]
+    assert (during.status, during.error_code, during.managed_session_id) == (RunStatus.FAILED, "session_conflict", old)
+    assert CostEvent.objects.filter(run_id=during.id, kind=CostKind.MESSAGE).count() == 1  # its answer is billed
+    session.refresh_from_db()
+    assert (session.managed_session_id, session.message_count, user_turns(session)) == (None, 0, [])
+    run_queued_tasks()
+    assert fake_managed.sessions[old]["archived_at"] is not None
+
+    after = beat(agent, "which word?")
+
+    assert after.status == RunStatus.SUCCEEDED, after.error
+    session.refresh_from_db()
+    assert session.managed_session_id not in (None, old) and len(fake_managed.sessions) == 2
+    assert fake_managed.user_messages[session.managed_session_id] == ["which word?"]
+    assert user_turns(session) == ["which word?"]
