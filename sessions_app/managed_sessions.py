@@ -27,6 +27,7 @@ from django.utils import timezone
 from costs_app.ledger import session_hours_record
 from costs_app.pricing import session_hour_rate, session_hours_cost
 from sessions_app.adapters.claude_managed import OutputsUnavailable
+from sessions_app.errors import RunAbandoned
 from sessions_app.hot_sql import rows_insert_ignoring_conflicts
 from sessions_app.managed_health import lost_session_note, managed_health_state
 from sessions_app.managed_outputs import outputs_extract
@@ -139,10 +140,24 @@ class ManagedSessionHandle:
                     company_id=self.agent.company_id,
                 )
             elif session.managed_session_id != remote_session_id:
+                _never_an_ended_session(remote_session_id)
                 AgentSession.objects.filter(pk=session.pk).update(managed_session_id=remote_session_id)
                 session.managed_session_id = remote_session_id
 
         return commit
+
+
+def _never_an_ended_session(remote_session_id: str) -> None:
+    """A row is never mapped to a remote session ended here. A turn's session has an end only
+    when the history was cleared while the turn went on (an approval decided after the clear,
+    a dead worker's turn resumed): the turn then reads the cleared row, and naming its session
+    again would hand every cleared turn back to the next heartbeat."""
+    if ManagedSessionEnd.objects.filter(remote_session_id=remote_session_id).exists():
+        raise RunAbandoned(
+            "session_conflict",
+            "The session's history was cleared while this turn went on: its remote session ended "
+            "with the cleared turns, and the answer is not kept.",
+        )
 
 
 def list_cost_disagreement(report: dict, cost: Decimal | None) -> str:

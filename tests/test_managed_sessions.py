@@ -13,11 +13,12 @@ from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
 from costs_app.pricing import session_hour_rate, session_hours_cost
+from sessions_app.approvals import approval_decide
 from sessions_app.maintenance import maintenance_pass, sessions_expire
 from sessions_app.managed_health import managed_health_check
 from sessions_app.managed_sessions import managed_ends_process, managed_orphans_end
 from sessions_app.metering import session_hours_bill
-from sessions_app.models import AgentSession, ManagedOutput, ManagedSessionEnd, RunStatus
+from sessions_app.models import AgentSession, HeartbeatRun, ManagedOutput, ManagedSessionEnd, RunStatus
 from sessions_app.services import session_clear_history, session_delete, session_expire
 from tests.api.conftest import make_run, make_session
 from tests.conftest import FAKE_API_KEY, beat, managed_agent, on_own_connection, run_queued_tasks, user_turns
@@ -314,3 +315,46 @@ def test_a_clear_while_a_turn_is_sent_to_the_old_remote_session_keeps_neither_th
     assert session.managed_session_id not in (None, old) and len(fake_managed.sessions) == 2
     assert fake_managed.user_messages[session.managed_session_id] == ["which word?"]
     assert user_turns(session) == ["which word?"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_turn_waiting_for_an_approval_when_the_history_is_cleared_never_maps_the_session_back_to_it(
+    company, fake_managed
+):
+    """A turn waiting for an approval on the old remote session goes on after the clear, and
+    its commit reads the cleared row: it fails, billed, and the row stays unmapped (before:
+    it named the archived remote session again, with every cleared turn in it)."""
+    agent = managed_agent(company, tools=["read", {"name": "bash", "permission": "always_ask"}])
+    assert beat(agent, "remember the word heron").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    old = session.managed_session_id
+    fake_managed.script(
+        None,
+        [
+            ("message", "I will look.", {"input_tokens": 300, "output_tokens": 12}),
+            ("tool", "bash", {"command": "ls"}, "always_ask", "notes.txt"),
+            ("message", "done", {"input_tokens": 420, "output_tokens": 8}),
+        ],
+    )
+    waiting = beat(agent, "list the files")
+    assert (waiting.status, waiting.managed_session_id) == (RunStatus.WAITING_APPROVAL, old)
+
+    assert session_clear_history(session=session)
+    approval_decide(waiting, allow=True, now=timezone.now())
+    run_queued_tasks()
+
+    run = HeartbeatRun.objects.get(pk=waiting.pk)
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "session_conflict")
+    assert "cleared" in run.error
+    billed = CostEvent.objects.filter(run_id=run.id, kind=CostKind.MESSAGE, input_tokens__gt=0)
+    assert sorted(billed.values_list("input_tokens", flat=True)) == [300, 420]  # both parts of the turn
+    session.refresh_from_db()
+    assert (session.managed_session_id, session.message_count) == (None, 0)
+    assert fake_managed.sessions[old]["archived_at"] is not None
+
+    after = beat(agent, "which word?")
+
+    assert after.status == RunStatus.SUCCEEDED, after.error
+    session.refresh_from_db()
+    assert session.managed_session_id not in (None, old)
+    assert fake_managed.user_messages[session.managed_session_id] == ["which word?"]
