@@ -358,13 +358,15 @@ def _call(beat: ClaimedRun, plan: Plan, request: AdapterRequest, *, tool, reserv
     return call_with_tools(beat, request, tool=tool, reserve=reserve)
 
 
-def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
+def _fail(beat: ClaimedRun, failure: RunFailure, *, active_seconds: float | None = None) -> None:
     """A step failed: the run keeps its code and message, and the cost of the calls it made
     (each billed as it returned); a refused budget pauses agents. A runtime stopped at one
     of its caps did work: the run keeps the runtime's report of it (turns, tool calls), as
-    a succeeded run does. A quota's refusal is no failure: the credential is held and the
-    run goes back to the queue (`sessions_app.quota`). Nor is a call parked for a batch:
-    the run waits `submitted` (`sessions_app.batch_delivery`)."""
+    a succeeded run does. Its session counts the time the runtime measured (the failure's,
+    or `active_seconds`: the answer's, when its commit failed), else the run's own. A
+    quota's refusal is no failure: the credential is held and the run goes back to the
+    queue (`sessions_app.quota`). Nor is a call parked for a batch: the run waits
+    `submitted` (`sessions_app.batch_delivery`)."""
     if isinstance(failure, ApprovalNeeded):
         calls = beat.calls
         approval_park(
@@ -394,8 +396,7 @@ def _fail(beat: ClaimedRun, failure: RunFailure) -> None:
     cost = beat.calls.cost_usd
     kept = {"cost_usd": cost}
     report = failure.runtime_report if isinstance(failure, AdapterError) else None
-    if isinstance(failure, AdapterError):
-        kept["active_seconds"] = failure.active_seconds
+    kept["active_seconds"] = failure.active_seconds if isinstance(failure, AdapterError) else active_seconds
     if report is not None:
         kept["runtime_report"] = {**report, "ledger_cost_usd": str(cost) if cost is not None else None}
     run_fail(beat.run, code=failure.code, message=failure.message, now=beat.clock(), **kept)
@@ -645,7 +646,7 @@ def _commit(beat: ClaimedRun, plan: Plan, reply: AdapterReply, *, user_content, 
         runtime_staged.discard()
         if not isinstance(exc, RunFailure):
             raise
-        _fail(beat, exc)
+        _fail(beat, exc, active_seconds=reply.active_seconds)
         return False
     staged.publish()
     runtime_staged.publish()
@@ -700,7 +701,7 @@ def _commit_appended(
         staged.discard()
         if not isinstance(exc, RunFailure):
             raise
-        _fail(beat, exc)
+        _fail(beat, exc, active_seconds=reply.active_seconds)
         return False
     staged.publish()
     _session_turn_set(session, assigned, added)

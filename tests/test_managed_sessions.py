@@ -305,6 +305,12 @@ def test_a_clear_while_a_turn_is_sent_to_the_old_remote_session_keeps_neither_th
     assert CostEvent.objects.filter(run_id=during.id, kind=CostKind.MESSAGE).count() == 1  # its answer is billed
     session.refresh_from_db()
     assert (session.managed_session_id, session.message_count, user_turns(session)) == (None, 0, [])
+    # The old remote session's time, each part once: billed by the clear up to it, and the
+    # failed turn's by the provider's measure on the row, billed when the row pauses or ends.
+    (hours,) = CostEvent.objects.filter(agent=agent, kind=CostKind.SESSION_HOURS)
+    assert hours.cost_usd == session_hours_cost(10.0, rate=session_hour_rate())
+    assert session.unbilled_active_seconds == 10.0
+    assert fake_managed.sessions[old]["usage"]["active_seconds"] == 20.0
     run_queued_tasks()
     assert fake_managed.sessions[old]["archived_at"] is not None
 
