@@ -2,9 +2,10 @@
 this service's database, and the end of remote sessions.
 
 - `ManagedSessionHandle` is what a run hands the runtime (`request.own_session`): the
-  remote agent and the session the agent's live session maps to, each written the moment
-  the runtime learns it (outside any transaction: a single UPDATE), so a session the run
-  made is never lost to a worker's death.
+  remote agent and the session the agent's live session maps to. The agent's remote ids
+  and the run's session are written the moment the runtime learns them (outside any
+  transaction: a single UPDATE), so a session the run made is never lost to a worker's
+  death; the session row is mapped to it by the turn's commit.
 - Ending or deleting a session here, or clearing its history, writes a `ManagedSessionEnd`
   in the same transaction; the remote session is archived or deleted after the COMMIT and
   retried by the maintenance pass until the provider confirms it. Our row and the remote
