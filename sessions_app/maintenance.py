@@ -1,7 +1,8 @@
 """Maintenance: the time-driven state changes, each a set-based query on an indexed column.
 
 Idle sessions are paused, stale ones expired and billed, dead runs reaped (and the Claude
-Code processes their dead workers left), old histories purged, stuck queues re-dispatched,
+Code processes their dead workers left), old histories purged, files no row names removed
+(`sessions_app.orphan_files`), stuck queues re-dispatched,
 budget pauses released and the model catalogue refreshed. Run every minute by the
 `paperclip:maintenance` schedule (`sessions_app.tasks.maintenance`) and by
 `manage.py expire_sessions`.
@@ -49,6 +50,7 @@ from sessions_app.models import (
     RunStatus,
     SessionStatus,
 )
+from sessions_app.orphan_files import orphan_files_remove
 from sessions_app.run_queue import dispatch_waiting, run_fail
 from sessions_app.schedules import schedules_arm_missing
 from sessions_app.services import budgets_release
@@ -262,6 +264,7 @@ MAINTENANCE_STEPS = {
     "reaped_agents": lambda *, now: len(runs_reap(now=now)),
     "cli_orphans_killed": cli_orphans_reap,
     "purged": histories_purge,
+    "orphan_files": orphan_files_remove,
     "unstuck": lambda *, now: queues_unstick(),
     "budget_resumed": budget_pauses_release,
     "alerts_queued": alert_deliveries_retry,

@@ -133,6 +133,7 @@ def test_maintenance_pass_runs_everything(persistent_agent):
         "reaped_agents",
         "cli_orphans_killed",
         "purged",
+        "orphan_files",
         "unstuck",
         "budget_resumed",
         "alerts_queued",
