@@ -1,4 +1,5 @@
-"""`manage.py expire_sessions`: end sessions past their TTL, reap stuck runs, purge old history."""
+"""`manage.py expire_sessions`: the maintenance pass by hand (sessions past their TTL ended, stuck
+runs reaped, old histories purged, files no row names removed, ...)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ class Command(BaseCommand):
         result = maintenance_pass(now=timezone.now())
         self.stdout.write(
             f"expired {result['expired']} session(s); reaped runs of {result['reaped_agents']} agent(s); "
-            f"purged {result['purged']} history(ies); re-dispatched {result['unstuck']} queue(s)"
+            f"purged {result['purged']} history(ies); removed {result['orphan_files']} file(s) no row named; "
+            f"re-dispatched {result['unstuck']} queue(s)"
         )
         failed = [name for name, value in result.items() if value is None]
         if failed:
