@@ -26,8 +26,9 @@ written (a new version, a new CLI session, a copy renamed into place), so an old
 row names when it is checked is not about to be named; it is looked at once more just before
 it goes, and kept if it was written again since it was listed (a retried copy).
 
-Only the stores' folders are walked and only names their stores write are touched; no
-symbolic link is followed, and PAPERCLIP_HOME and the stores' folders themselves stay.
+Only the stores' folders of agents this database has a row for are walked, and only names
+their stores write are touched; no symbolic link is followed, and PAPERCLIP_HOME and the
+stores' folders themselves stay.
 Folders go only when nothing can write in them any more: a deleted agent's, and those of a
 CLI session no row names once its files are gone. Any other folder stays, even empty: a
 writer may be about to make a file in it.
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from itertools import chain, islice
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import unquote
 
 from django.conf import settings
@@ -52,6 +54,7 @@ from sessions_app.durable import file_name
 from sessions_app.models import SESSION_ID_PREFIX, Agent, AgentSession, AgentStatus, HistoryStore, ManagedOutput
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BATCH = 500
 HISTORY = re.compile(rf"{SESSION_ID_PREFIX}(?P<hex>[0-9a-f]{{32}})\.json")
@@ -92,30 +95,43 @@ def orphan_files_remove(*, now: datetime) -> int:
     returns how many. A file that cannot be removed is logged and left for the next pass."""
     home = Path(settings.PAPERCLIP_HOME)
     cutoff_ns = int((now - grace()).timestamp() * 1_000_000_000)
-    agents: set[uuid.UUID] = set()
+    retired: set[uuid.UUID] = set()
     removed = 0
-    for batch in _batches(_old_files(home, cutoff_ns=cutoff_ns, agents=agents)):
+    for batch in _batches(_old_files(home, cutoff_ns=cutoff_ns, retired=retired)):
         named = _named(batch)
         removed += sum(_remove(found, home) for found in batch if found not in named)
-    _gone_agents_folders_remove(home, agents)
+    _retired_folders_remove(home, retired)
     return removed
 
 
-def _batches(found: Iterable[Found]) -> Iterator[list[Found]]:
-    found = iter(found)
-    while batch := list(islice(found, BATCH)):
+def _batches(items: Iterable[T]) -> Iterator[list[T]]:
+    items = iter(items)
+    while batch := list(islice(items, BATCH)):
         yield batch
 
 
-def _old_files(home: Path, *, cutoff_ns: int, agents: set) -> Iterator[Found]:
-    """The stores' files modified before the cutoff, folder by folder; `agents` collects
-    the agents whose folders were walked."""
+def _old_files(home: Path, *, cutoff_ns: int, retired: set) -> Iterator[Found]:
+    """The stores' files modified before the cutoff, folder by folder; `retired` collects
+    the deleted agents whose folders were walked."""
     for root, walk in ((home / "sessions", _session_files), (home / "outputs", _output_files)):
-        for agent_id, folder in _agent_folders(root):
-            agents.add(agent_id)
+        for agent_id, folder in _known_agents_folders(root, retired):
             for found in walk(folder, agent_id):
                 if found.seen[1] < cutoff_ns:
                     yield found
+
+
+def _known_agents_folders(root: Path, retired: set) -> Iterator[tuple[uuid.UUID, Path]]:
+    """The folders of agents this database has a row for, live or deleted. Any other may be
+    another database's: a deployment sharing PAPERCLIP_HOME, or a DATABASE_URL naming the
+    wrong database, where no row names anything and every file would go. An agent removed
+    entirely (the admin's delete) leaves its folders to the operator."""
+    for chunk in _batches(_agent_folders(root)):
+        statuses = dict(Agent.objects.filter(pk__in=[agent_id for agent_id, _ in chunk]).values_list("pk", "status"))
+        for agent_id, folder in chunk:
+            if agent_id in statuses:
+                if statuses[agent_id] == AgentStatus.DELETED:
+                    retired.add(agent_id)
+                yield agent_id, folder
 
 
 def _agent_folders(root: Path) -> Iterator[tuple[uuid.UUID, Path]]:
@@ -285,16 +301,12 @@ def _remove(found: Found, home: Path) -> bool:
     return True
 
 
-def _gone_agents_folders_remove(home: Path, agents: set) -> None:
+def _retired_folders_remove(home: Path, retired: set) -> None:
     """The emptied folders of deleted agents, whose files nothing writes any more (a copy
     under way as its agent is deleted removes what it wrote again, `managed_outputs`)."""
-    agents = list(agents)
-    for start in range(0, len(agents), BATCH):
-        chunk = agents[start : start + BATCH]
-        live = set(Agent.objects.filter(pk__in=chunk).exclude(status=AgentStatus.DELETED).values_list("pk", flat=True))
-        for agent_id in set(chunk) - live:
-            for root in (home / "sessions", home / "outputs"):
-                _empty_folders_remove(root / str(agent_id))
+    for agent_id in retired:
+        for root in (home / "sessions", home / "outputs"):
+            _empty_folders_remove(root / str(agent_id))
 
 
 def _empty_folders_remove(folder: Path) -> None:

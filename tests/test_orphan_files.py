@@ -18,9 +18,9 @@ from sessions_app.cli_transcripts import FileTranscripts
 from sessions_app.durable import folders_make
 from sessions_app.maintenance import maintenance_pass
 from sessions_app.managed_outputs import output_delete, output_path
-from sessions_app.models import AgentSession, HistoryStore, ManagedOutput, SessionStatus
+from sessions_app.models import Agent, AgentSession, HistoryStore, ManagedOutput, SessionStatus
 from sessions_app.orphan_files import grace, orphan_files_remove
-from sessions_app.services import agent_delete, session_delete
+from sessions_app.services import agent_delete, agents_hard_delete, session_delete
 from sessions_app.stores import store_for
 from tests.conftest import Actor
 
@@ -231,11 +231,13 @@ def test_no_file_a_row_names_is_ever_removed(persistent_agent, paperclip_home):
     }
 
 
-def test_only_the_stores_files_are_touched_and_no_link_is_followed(persistent_agent, paperclip_home, tmp_path):
+def test_only_the_stores_files_are_touched_and_no_link_is_followed(
+    persistent_agent, other_agent, paperclip_home, tmp_path
+):
     """Old files no row names, but not the stores': elsewhere in PAPERCLIP_HOME, with names
     the stores never write, in a folder that is not an agent's, or behind a symbolic link
-    (to a folder or a file outside, in place of an agent's folder, a session's or a file).
-    None is removed, and nothing outside is reached."""
+    (to a folder or a file outside, in place of an agent's folder, a CLI session's, a remote
+    session's, or a file). None is removed, and nothing outside is reached."""
     outside = tmp_path / "outside"
     outside.mkdir()
     stray = f"sess_{uuid.uuid4().hex}.json"
@@ -250,7 +252,7 @@ def test_only_the_stores_files_are_touched_and_no_link_is_followed(persistent_ag
     (agent / f"sess_{uuid.uuid4().hex}.json.bak").write_text("x")
     folders_make(paperclip_home / "sessions" / "not-an-agent")
     (paperclip_home / "sessions" / "not-an-agent" / stray).write_text("x")
-    (paperclip_home / "sessions" / str(uuid.uuid4())).symlink_to(outside)
+    (paperclip_home / "sessions" / str(other_agent.id)).symlink_to(outside)
     (agent / stray).symlink_to(outside / stray)
     (agent / "cli" / "p" / "linked").symlink_to(outside)
     folders_make(paperclip_home / "outputs" / str(persistent_agent.id))
@@ -263,6 +265,22 @@ def test_only_the_stores_files_are_touched_and_no_link_is_followed(persistent_ag
     assert everything == {path for path in paperclip_home.rglob("*") if path.is_file() or path.is_symlink()} | set(
         outside.iterdir()
     )
+
+
+def test_the_folders_of_an_agent_this_database_has_no_row_for_are_left_alone(persistent_agent, paperclip_home):
+    """An agent removed entirely (the admin's delete) whose worker died before removing its
+    files: the database has no row for it any more, so its folders are left alone, however
+    old, as those of another deployment sharing PAPERCLIP_HOME would be, or every agent's
+    if DATABASE_URL named the wrong database (where no row names anything)."""
+    session_with_files(persistent_agent)
+    output_copy(persistent_agent)
+    left = files(paperclip_home)
+    agents_hard_delete(agents=Agent.objects.filter(pk=persistent_agent.pk), now=timezone.now())
+    assert len(left) == 5 and not Agent.objects.exists()
+
+    assert orphan_files_remove(now=later(days=365)) == 0
+
+    assert files(paperclip_home) == left
 
 
 def listed_then(monkeypatch, action) -> list:
