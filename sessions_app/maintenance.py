@@ -50,7 +50,7 @@ from sessions_app.models import (
     RunStatus,
     SessionStatus,
 )
-from sessions_app.orphan_files import orphan_files_remove
+from sessions_app.orphan_files import orphan_files_sweep
 from sessions_app.run_queue import dispatch_waiting, run_fail
 from sessions_app.schedules import schedules_arm_missing
 from sessions_app.services import budgets_release
@@ -264,7 +264,7 @@ MAINTENANCE_STEPS = {
     "reaped_agents": lambda *, now: len(runs_reap(now=now)),
     "cli_orphans_killed": cli_orphans_reap,
     "purged": histories_purge,
-    "orphan_files": orphan_files_remove,
+    "orphan_files": orphan_files_sweep,
     "unstuck": lambda *, now: queues_unstick(),
     "budget_resumed": budget_pauses_release,
     "alerts_queued": alert_deliveries_retry,

@@ -90,6 +90,45 @@ class Found:
     folder: Path | None = None
 
 
+# Where a pass writes when it last swept this PAPERCLIP_HOME: the sweep stats every file the
+# stores keep and asks the database about each old one, too much for every minute's pass.
+SWEPT_MARK = ".orphan-files-swept"
+SWEEP_EVERY = timedelta(minutes=15)
+
+
+def orphan_files_sweep(*, now: datetime) -> int:
+    """The maintenance pass's step: `orphan_files_remove` once every SWEEP_EVERY in this
+    PAPERCLIP_HOME (0 between). The mark is in the folder swept, not the database, as each
+    host of a deployment may keep a home of its own. Two passes that both find the sweep due
+    both sweep, which removes nothing twice."""
+    mark = Path(settings.PAPERCLIP_HOME) / SWEPT_MARK
+    if not _sweep_due(mark, now=now):
+        return 0
+    _sweep_mark(mark, now=now)
+    return orphan_files_remove(now=now)
+
+
+def _sweep_due(mark: Path, *, now: datetime) -> bool:
+    try:
+        last = datetime.fromisoformat(mark.read_text(encoding="utf-8").strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return True  # never swept, or a mark no pass wrote
+    if last.tzinfo is None:
+        return True  # a mark no pass wrote
+    # A mark from the future (a host whose clock ran ahead) would hold every sweep back.
+    return not (now - SWEEP_EVERY < last <= now)
+
+
+def _sweep_mark(mark: Path, *, now: datetime) -> None:
+    try:
+        partial = mark.with_name(f"{SWEPT_MARK}.{os.getpid()}.partial")
+        partial.write_text(now.isoformat(), encoding="utf-8")
+        os.replace(partial, mark)
+    except OSError as exc:
+        # Sweep anyway: a full disk is when removing what no row names helps most.
+        logger.warning("Could not mark the sweep for files no row names in %s: %s", mark.parent, exc)
+
+
 def orphan_files_remove(*, now: datetime) -> int:
     """Remove the files of the stores that no row names and that are older than the grace;
     returns how many. A file that cannot be removed is logged and left for the next pass."""

@@ -385,3 +385,29 @@ def test_a_file_named_or_written_again_between_the_listing_and_the_check_is_kept
     assert path in {found.path for found in listed}
     assert path.exists()
     check()
+
+
+def test_the_maintenance_pass_sweeps_once_every_interval_and_a_mark_from_the_future_holds_nothing_back(
+    persistent_agent, paperclip_home
+):
+    """The pass runs every minute; the sweep, which stats every file the stores keep, runs
+    once every SWEEP_EVERY in this home. A mark written by a host whose clock ran ahead, or
+    one no pass wrote, does not hold it back."""
+    first = later()
+    assert maintenance_pass(now=first)["orphan_files"] == 0
+    orphan = output_copy(persistent_agent, row=False)
+    old = (timezone.now() - grace() - timedelta(hours=1)).timestamp()
+    os.utime(output_path(orphan), (old, old))
+
+    assert maintenance_pass(now=first + timedelta(minutes=1))["orphan_files"] == 0
+    assert maintenance_pass(now=first + orphan_files.SWEEP_EVERY - timedelta(seconds=1))["orphan_files"] == 0
+    assert output_path(orphan).exists()
+    assert maintenance_pass(now=first + orphan_files.SWEEP_EVERY)["orphan_files"] == 1
+    assert not output_path(orphan).exists()
+
+    mark = paperclip_home / orphan_files.SWEPT_MARK
+    for written in ((first + timedelta(days=1)).isoformat(), "2026-01-01T00:00:00", "not a time"):
+        mark.write_text(written, encoding="utf-8")
+        orphan = output_copy(persistent_agent, file_id=f"file_{len(written)}", row=False)
+        os.utime(output_path(orphan), (old, old))
+        assert maintenance_pass(now=first + orphan_files.SWEEP_EVERY * 2)["orphan_files"] == 1, written
