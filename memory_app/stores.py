@@ -115,23 +115,15 @@ def memory_store_names(agent: Agent) -> list[str]:
 
 
 def store_own(agent: Agent, name: str = DEFAULT_STORE) -> MemoryStore:
-    """The agent's own store of that name, created on first use."""
+    """The agent's own store of that name; one not made yet is an unsaved placeholder
+    (`_state.adding`), which the first write that succeeds makes (`_store_made`)."""
     store = MemoryStore.objects.filter(agent=agent, name=name).first()
-    if store is not None:
-        return store
-    try:
-        with transaction.atomic():
-            # Made under the agent's row lock: never for an agent whose deletion committed.
-            if Agent.is_gone(agent.pk, lock=True):
-                raise MemoryFault("agent_deleted", "The agent was deleted, and its memory with it.")
-            return MemoryStore.objects.create(agent=agent, company_id=agent.company_id, name=name)
-    except IntegrityError:  # a concurrent first use created it
-        return MemoryStore.objects.get(agent=agent, name=name)
+    return store or MemoryStore(agent=agent, company_id=agent.company_id, name=name)
 
 
 def mounts_for(agent: Agent, names: list[str] | None = None) -> list[Mount]:
     """The agent's mounts, the default store first. A name that is neither the agent's own
-    store nor one shared with it becomes a new store of the agent's own."""
+    store nor one shared with it is a store of the agent's own, made by its first write."""
     names = memory_store_names(agent) if names is None else names
     if not names:
         return []
@@ -153,6 +145,15 @@ def mounts_for(agent: Agent, names: list[str] | None = None) -> list[Mount]:
         else:
             mounts.append(Mount(store_own(agent, name), prefix, writable=True, owned=True))
     return mounts
+
+
+def mounted_store(mount: Mount) -> MemoryStore | None:
+    """The mount's store as it is now; None for a store of the agent's own that no write has
+    made yet. A placeholder is looked up each time: a run keeps its mounts for its whole
+    loop, and its own first write (or another writer's) may make the store meanwhile."""
+    if not mount.store._state.adding:
+        return mount.store
+    return MemoryStore.objects.filter(agent_id=mount.store.agent_id, name=mount.store.name).first()
 
 
 def resolve(mounts: list[Mount], relative: str) -> tuple[Mount, str]:
@@ -231,12 +232,35 @@ def _store_locked(mount: Mount, writer: Writer) -> MemoryStore:
     deletion removes its stores: one that committed first leaves no store (or, for a store
     made as it ran, an owner deleted), and nothing is written; one still open waits for
     this write's lock on the store and then removes what it wrote."""
-    store = MemoryStore.objects.select_for_update(of=("self",)).select_related("agent").filter(pk=mount.store.pk)
+    store_id = _store_made(mount.store, writer) if mount.store._state.adding else mount.store.pk
+    store = MemoryStore.objects.select_for_update(of=("self",)).select_related("agent").filter(pk=store_id)
     store = store.first()
     _writer_check(writer)
     if store is None or store.agent.status == AgentStatus.DELETED:
         raise MemoryFault("agent_deleted", "The agent was deleted, and its memory with it.")
     return store
+
+
+def _store_made(placeholder: MemoryStore, writer: Writer):
+    """The id of the store a placeholder stands for, made now when no write has made it yet.
+    Made inside the write's transaction: a write refused after this (a limit, a bad path, a
+    missing file) rolls the store back with it, so a refused write leaves no empty store."""
+    mine = MemoryStore.objects.filter(agent_id=placeholder.agent_id, name=placeholder.name)
+    found = mine.values_list("pk", flat=True).first()
+    if found is not None:
+        return found
+    # Made under the agent's row lock: never for an agent whose deletion committed.
+    if Agent.is_gone(placeholder.agent_id, lock=True):
+        _writer_check(writer)  # a run's write fails its run, as for a store that exists
+        raise MemoryFault("agent_deleted", "The agent was deleted, and its memory with it.")
+    try:
+        with transaction.atomic():
+            made = MemoryStore.objects.create(
+                agent_id=placeholder.agent_id, company_id=placeholder.company_id, name=placeholder.name
+            )
+            return made.pk
+    except IntegrityError:  # a concurrent first write made it
+        return mine.values_list("pk", flat=True).get()
 
 
 def _writer_check(writer: Writer) -> None:
@@ -359,7 +383,10 @@ def tree_delete(mount: Mount, path: str, *, writer: Writer) -> int:
     """Delete a file, or every file below a directory; each deletion is a version."""
     if not path:
         raise MemoryFault("memory_path_invalid", f"Cannot delete the {ROOT} directory itself.")
-    paths = _paths_at(mount.store, path)
+    store = mounted_store(mount)
+    if store is None:
+        raise MemoryFault("memory_not_found", f"The path {ROOT}/{path} does not exist.")
+    paths = _paths_at(store, path)
     for each in paths:
         file_write(mount, each, lambda current: None, operation="delete", writer=writer)
     return len(paths)

@@ -22,6 +22,7 @@ from memory_app.stores import (
     clean_path,
     file_write,
     files_under,
+    mounted_store,
     resolve,
     shown,
     tree_delete,
@@ -81,7 +82,8 @@ class StoreMemoryTool(BetaAbstractMemoryTool):
 
     def view(self, command):
         mount, inside, relative = self._at(command.path)
-        found = MemoryFile.objects.filter(store=mount.store, path=inside, deleted=False).first() if inside else None
+        store = mounted_store(mount) if inside else None
+        found = MemoryFile.objects.filter(store=store, path=inside, deleted=False).first() if store else None
         if found is not None:
             return self._view_file(command, found)
         return self._view_directory(relative)
@@ -104,10 +106,10 @@ class StoreMemoryTool(BetaAbstractMemoryTool):
             for mount in self.mounts:
                 if mount.prefix:
                     entries.append((0, mount.prefix))
-                entries += [(f.size, mount.prefix + f.path) for f in files_under(mount.store, "")[:MAX_LISTED]]
+                entries += [(f.size, mount.prefix + f.path) for f in self._files(mount, "")]
         else:
             mount, inside = resolve(self.mounts, relative)
-            entries = [(f.size, mount.prefix + f.path) for f in files_under(mount.store, inside)[:MAX_LISTED]]
+            entries = [(f.size, mount.prefix + f.path) for f in self._files(mount, inside)]
             if not entries and inside:
                 raise ToolError(f"The path {ROOT}/{relative} does not exist. Please provide a valid path.")
         entries.sort(key=lambda entry: entry[1])
@@ -116,6 +118,11 @@ class StoreMemoryTool(BetaAbstractMemoryTool):
         if len(entries) > MAX_LISTED:
             lines.append(f"... and {len(entries) - MAX_LISTED} more")
         return "\n".join([f"Here're the files and directories in {directory}, excluding hidden items:", *lines])
+
+    @staticmethod
+    def _files(mount: Mount, directory: str) -> list:
+        store = mounted_store(mount)
+        return list(files_under(store, directory)[:MAX_LISTED]) if store is not None else []
 
     def create(self, command):
         mount, inside, _ = self._at(command.path)

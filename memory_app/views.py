@@ -17,7 +17,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
-from memory_app.models import MemoryAccess, MemoryFile, MemoryStore, MemoryStoreShare
+from memory_app.models import MemoryFile, MemoryStore
 from memory_app.stores import (
     DEFAULT_STORE,
     ROOT,
@@ -64,29 +64,13 @@ def fault_error(fault: MemoryFault) -> Exception:
     return error(fault.message, code=fault.code)
 
 
-def operator_mounts(agent: Agent, *, create: bool) -> list[Mount]:
+def operator_mounts(agent: Agent) -> list[Mount]:
     """The agent's mounts as its runs see them, plus its own stores no longer configured
-    (an operator still sees and edits them). Without `create`, no store is created: a
-    default store not written yet is an unsaved placeholder (`_state.adding`)."""
-    own = {store.name: store for store in MemoryStore.objects.filter(agent=agent)}
+    (an operator still sees and edits them). A store of its own not written yet is an
+    unsaved placeholder (`_state.adding`), made by the first write that succeeds."""
+    own = MemoryStore.objects.filter(agent=agent).values_list("name", flat=True)
     names = list(dict.fromkeys([DEFAULT_STORE, *memory_store_names(agent), *sorted(own)]))
-    if create:
-        return mounts_for(agent, names)
-    shares = {
-        share.store.name: share
-        for share in MemoryStoreShare.objects.filter(
-            agent=agent, store__company_id=agent.company_id, store__name__in=names
-        ).select_related("store")
-    }
-    default = own.get(DEFAULT_STORE) or MemoryStore(agent=agent, company_id=agent.company_id, name=DEFAULT_STORE)
-    mounts = [Mount(default, "", writable=True, owned=True)]
-    for name in names[1:]:
-        if name in own:
-            mounts.append(Mount(own[name], f"{name}/", writable=True, owned=True))
-        elif name in shares:
-            share = shares[name]
-            mounts.append(Mount(share.store, f"{name}/", writable=share.access == MemoryAccess.WRITE, owned=False))
-    return mounts
+    return mounts_for(agent, names)
 
 
 class MemoryFileSerializer(serializers.Serializer):
@@ -152,7 +136,7 @@ class MemoryListView(ApiView):
     def get(self, request, company_id: UUID, agent_id: UUID):
         agent = self.get_agent(company_id, agent_id)
         rows = []
-        for mount in operator_mounts(agent, create=False):
+        for mount in operator_mounts(agent):
             if mount.store._state.adding:
                 continue
             rows += [file_row(mount, found) for found in files_under(mount.store, "")[: MAX_LISTED + 1]]
@@ -161,10 +145,10 @@ class MemoryListView(ApiView):
 
 
 class MemoryFileView(ApiView):
-    def locate(self, agent: Agent, memory_path: str, *, create: bool = False) -> tuple[Mount, str]:
+    def locate(self, agent: Agent, memory_path: str) -> tuple[Mount, str]:
         try:
             relative = clean_path(f"{ROOT}/{memory_path}")
-            mount, inside = resolve(operator_mounts(agent, create=create), relative)
+            mount, inside = resolve(operator_mounts(agent), relative)
         except MemoryFault as fault:
             raise fault_error(fault) from None
         if not inside:
@@ -239,7 +223,7 @@ class MemoryFileView(ApiView):
         if not body.is_valid():
             field, problems = next(iter(body.errors.items()))
             raise BadRequest(f"{field}: {problems[0]}", code="invalid", fields={field: str(problems[0])})
-        mount, inside = self.locate(agent, memory_path, create=True)
+        mount, inside = self.locate(agent, memory_path)
         content = body.validated_data["content"]
         try:
             found = file_write(

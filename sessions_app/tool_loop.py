@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING
 from costs_app.money import usd
 from costs_app.pricing import token_counts
 from memory_app.models import RunToolLoop
-from memory_app.stores import MemoryFault, Writer, memory_store_names, mounts_for
+from memory_app.stores import Writer, memory_store_names, mounts_for
 from sessions_app.adapters import AdapterReply, AdapterRequest
 from sessions_app.adapters.tool_config import DEFAULT_MAX_TOOL_ROUNDS
 from sessions_app.context import cache_marker
 from sessions_app.errors import RunAbandoned, RunFailure
+from sessions_app.models import Agent
 
 if TYPE_CHECKING:
     # At run time imported by the loop itself: the memory tool is built on the anthropic
@@ -46,11 +47,10 @@ def memory_tool_for(beat) -> StoreMemoryTool | None:
         return None
     from memory_app.tool import StoreMemoryTool
 
-    try:
-        mounts = mounts_for(agent)
-    except MemoryFault as fault:  # agent_deleted: its store was about to be made
-        raise RunAbandoned(fault.code, fault.message) from None
-    return StoreMemoryTool(mounts, writer=Writer(run_id=beat.run.id))
+    # Deleted since its claim, its memory with it: the run fails before sending a call.
+    if Agent.is_gone(agent.pk):
+        raise RunAbandoned("agent_deleted", "The agent was deleted, and its memory with it.")
+    return StoreMemoryTool(mounts_for(agent), writer=Writer(run_id=beat.run.id))
 
 
 def tool_uses(reply: AdapterReply) -> list[dict]:

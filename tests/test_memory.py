@@ -342,6 +342,35 @@ def test_a_writer_waits_for_the_one_holding_the_store_and_then_sees_its_write(po
 
 
 @pytest.mark.django_db(transaction=True)
+def test_first_writes_at_once_make_one_store_and_both_land(postgres_only, company):
+    # Each writer's mount holds the store not made yet; the first write makes it, in its own
+    # transaction, and the other, waiting for the agent's row, then writes into that one.
+    agent = Agent.objects.create(company=company, name="Fresh", adapter_config={"memory": True})
+    start = threading.Barrier(2)
+    errors = []
+
+    def writer(name):
+        try:
+            mount = mounts_for(agent)[0]
+            start.wait(10)
+            file_write(mount, f"{name}.md", lambda current: name, operation="create", writer=Writer(operator=name))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=writer, args=(name,)) for name in ("ab", "cde")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    store = MemoryStore.objects.get(agent=agent)
+    assert sorted(store.files.values_list("path", flat=True)) == ["ab.md", "cde.md"]
+    assert store.bytes_used == 5
+
+
+@pytest.mark.django_db(transaction=True)
 def test_many_concurrent_writers_lose_no_write(postgres_only, company, settings):
     agent = Agent.objects.create(company=company, name="Busy", adapter_config={"memory": True})
     mount = mounts_for(agent)[0]

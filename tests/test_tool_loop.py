@@ -156,6 +156,60 @@ def test_a_bad_tool_call_is_an_error_result_the_model_reads_not_a_failed_run(com
     assert not MemoryFile.objects.exists()
 
 
+def test_a_run_whose_memory_writes_are_all_refused_leaves_no_store(company, fake_anthropic, settings):
+    """The refusals a run's write can meet, on an agent with a named store beside its default
+    one (NUL never reaches the tool: the reply is stored with U+FFFD): none leaves a store
+    behind (before: the run's tool made both stores as it began, so an empty store stayed
+    in the admin after every run whose writes were all refused, or that only read)."""
+    settings.PAPERCLIP_MEMORY_MAX_STORE_BYTES = 20  # below the file limit: the store's quota refuses first
+    agent = memory_agent(company, memory=["team"])
+    fake_anthropic.push(
+        Reply.tool_calls(
+            {"command": "view", "path": "/memories"},
+            {"command": "view", "path": "/memories/team/plan.md"},
+            {"command": "create", "path": "/memories/../escape.md", "file_text": "x"},
+            {"command": "create", "path": "/memories/big.md", "file_text": "x" * 70_000},
+            {"command": "create", "path": "/memories/team/full.md", "file_text": "x" * 21},
+            {"command": "create", "path": "/memories/team", "file_text": "a folder"},
+            {"command": "str_replace", "path": "/memories/a.md", "old_str": "a", "new_str": "b"},
+            {"command": "insert", "path": "/memories/team/a.md", "insert_line": 0, "insert_text": "b"},
+            {"command": "delete", "path": "/memories/a.md"},
+            {"command": "rename", "old_path": "/memories/team/a.md", "new_path": "/memories/team/b.md"},
+        ),
+    )
+
+    run = beat(agent, "try to remember")
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    results = fake_anthropic.message_requests[1]["messages"][-1]["content"]
+    assert [bool(r.get("is_error")) for r in results] == [False] + [True] * 9, results
+    assert "20 bytes" in results[4]["content"]  # the quota, not another refusal
+    assert not MemoryStore.objects.exists()
+    assert not MemoryFile.objects.exists()
+
+
+def test_a_runs_first_write_makes_its_store_and_the_run_reads_it_back(company, fake_anthropic):
+    agent = memory_agent(company, memory=["team"])
+    fake_anthropic.push(
+        Reply.tool_calls({"command": "create", "path": "/memories/team/../x.md", "file_text": "refused"}),
+        Reply.tool_calls(
+            {"command": "create", "path": "/memories/team/plan.md", "file_text": "ship"},
+            {"command": "view", "path": "/memories/team/plan.md"},
+            {"command": "str_replace", "path": "/memories/team/plan.md", "old_str": "ship", "new_str": "ship it"},
+            {"command": "view", "path": "/memories"},
+        ),
+    )
+
+    run = beat(agent, "plan")
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    results = fake_anthropic.message_requests[2]["messages"][-1]["content"]
+    assert not any(r.get("is_error") for r in results), results
+    assert "ship" in results[1]["content"] and "/memories/team/plan.md" in results[3]["content"]
+    assert list(MemoryStore.objects.values_list("name", flat=True)) == ["team"]
+    assert MemoryFile.objects.get(store__name="team").content == "ship it"
+
+
 def test_each_call_of_the_loop_is_reserved_against_the_budget(company, fake_anthropic):
     agent = memory_agent(company, max_tokens=1000)
     big = "word " * 12_000  # 60 kB: read into the second request, which the budget cannot hold
@@ -525,8 +579,8 @@ def test_an_agent_deleted_as_its_tool_call_arrives_gains_no_memory(company, fake
 
 @pytest.mark.django_db(transaction=True)
 def test_a_run_whose_agent_was_deleted_before_its_memory_is_mounted_fails_agent_deleted(company):
-    """The deletion commits between the run's claim and the mount of its memory, whose
-    default store is made on first use: no store is made, and the run fails as deleted."""
+    """The deletion commits between the run's claim and the mount of its memory: no store is
+    made, and the run fails as deleted before its call."""
     from types import SimpleNamespace
 
     from memory_app.models import MemoryStore

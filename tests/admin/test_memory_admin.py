@@ -187,7 +187,7 @@ def test_retiring_the_agent_while_a_store_is_added_deletes_that_store_too(memory
 
 
 def test_the_store_page_costs_the_same_queries_however_many_shares(admin_client, memory_agent, other_agent):
-    store = mounts_for(memory_agent)[0].store
+    store = MemoryStore.objects.create(company=memory_agent.company, agent=memory_agent)
     url = reverse("admin:memory_app_memorystore_change", args=[store.pk])
 
     def share_with(count: int) -> None:

@@ -144,6 +144,43 @@ def test_limits_answer_with_their_codes(api, memory_agent, settings):
     assert_error(api.put(agent_url(memory_agent, "/memory/b.md"), {"content": "y" * 6}), 409, "memory_store_full")
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code"),
+    [
+        ("/memory/a.md", {"content": "x" * 11}, 400, "memory_file_too_large"),
+        ("/memory/team/a.md", {"content": "x" * 11}, 400, "memory_file_too_large"),
+        ("/memory/a.md", {"content": "x" * 6}, 409, "memory_store_full"),
+        ("/memory/a.md", {"content": "x", "version": 2}, 409, "memory_version_conflict"),
+        ("/memory/team", {"content": "x"}, 400, "memory_path_invalid"),
+        ("/memory/a.md", {"content": "a\u0000b"}, 400, None),
+        ("/memory/a%01.md", {"content": "x"}, 400, "memory_path_invalid"),
+    ],
+)
+def test_a_refused_write_leaves_no_store(api, memory_agent, settings, path, body, status, code):
+    # Before: the write's stores (the default one and every one configured) were made before
+    # the write was refused, and stayed, empty, in the admin's list of stores.
+    settings.PAPERCLIP_MEMORY_MAX_FILE_BYTES = 10
+    settings.PAPERCLIP_MEMORY_MAX_STORE_BYTES = 5
+    memory_agent.adapter_config = {"memory": ["team"]}
+    memory_agent.save()
+
+    assert_error(api.put(agent_url(memory_agent, path), body), status, code)
+
+    assert not MemoryStore.objects.exists()
+    assert api.get(agent_url(memory_agent, "/memory")).json()["files"] == []
+
+
+def test_a_write_makes_only_the_store_it_writes_to(api, memory_agent):
+    memory_agent.adapter_config = {"memory": ["team"]}
+    memory_agent.save()
+
+    assert api.put(agent_url(memory_agent, "/memory/team/a.md"), {"content": "x"}).status_code == 200
+
+    assert list(MemoryStore.objects.values_list("name", "bytes_used")) == [("team", 1)]
+    assert_error(api.delete(agent_url(memory_agent, "/memory/b.md")), 404, "memory_not_found")
+    assert list(MemoryStore.objects.values_list("name", flat=True)) == ["team"]
+
+
 def test_files_written_by_runs_and_shared_stores_are_listed(api, company, memory_agent):
     owner = Agent.objects.create(company=company, name="Owner", adapter_config={"memory": ["team"]})
     team = MemoryStore.objects.create(company=company, agent=owner, name="team")
