@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
+from django import forms
 from django.contrib import admin
 from django.contrib.admin.utils import quote
+from django.db import models
 from django.test import RequestFactory
 from django.urls import reverse
 
@@ -160,6 +162,99 @@ def test_every_admin_bulk_action_survives_a_tampered_selection(admin_client, ful
             if response.status_code >= 500:
                 failures.append(f"{model.__name__} {selected!r}: {response.status_code}")
     assert not failures, "\n".join(failures)
+
+
+OUT_OF_RANGE_ID = "9" * 30  # past any integer column, and past SQLite's 64-bit integers
+
+
+def forms_choosing_rows_by_an_integer_id(admin_user) -> list[tuple]:
+    """(model, view, object, field name) of every admin form with a choice of rows (one or
+    several) keyed by an integer column: auth's permissions and groups today."""
+    request = RequestFactory().get("/admin/")
+    request.user = admin_user
+    found = []
+    for model, model_admin in admin.site._registry.items():
+        for view in ("add", "change"):
+            obj = model._default_manager.first() if view == "change" else None
+            allowed = (
+                model_admin.has_add_permission(request)
+                if view == "add"
+                else obj is not None and model_admin.has_change_permission(request, obj)
+            )
+            if not allowed:
+                continue
+            for name, field in model_admin.get_form(request, obj, change=obj is not None).base_fields.items():
+                if isinstance(field, forms.ModelChoiceField):
+                    meta = field.queryset.model._meta
+                    key = meta.get_field(field.to_field_name) if field.to_field_name else meta.pk
+                    if isinstance(key, models.IntegerField):
+                        found.append((model, view, obj, name))
+    return found
+
+
+def test_every_admin_form_refuses_an_out_of_range_id_as_a_form_error(admin_client, admin_user, full_house):
+    # SQLite's driver cannot bind the id: the choice of several rows (`__in`) was a 500 there.
+    cases = forms_choosing_rows_by_an_integer_id(admin_user)
+    assert {(model.__name__, name) for model, _, _, name in cases} >= {
+        ("Group", "permissions"),
+        ("User", "groups"),
+        ("User", "user_permissions"),
+    }
+    failures = []
+    for model, view, obj, name in cases:
+        url = admin_url(model, view, *([quote(obj.pk)] if obj is not None else []))
+        response = admin_client.post(url, {name: [OUT_OF_RANGE_ID]})
+        errors = response.context["adminform"].form.errors if response.status_code == 200 else {}
+        if name not in errors or OUT_OF_RANGE_ID not in str(errors[name]):
+            failures.append(f"{model.__name__} {view} {name}: {response.status_code} {errors.get(name)}")
+    assert not failures, "\n".join(failures)
+
+
+def test_a_user_given_an_out_of_range_permission_id_is_shown_the_form_again_unchanged(admin_client, admin_user):
+    from django.contrib.auth.models import Group, Permission
+
+    url = admin_url(type(admin_user), "change", admin_user.pk)
+    email = admin_user.email
+    kept = Permission.objects.get(codename="view_agent")
+    admin_user.user_permissions.add(kept)
+    form = {
+        "username": admin_user.username,
+        "email": "changed@example.com",
+        "is_active": "on",
+        "is_staff": "on",
+        "is_superuser": "on",
+        "date_joined_0": "2026-01-01",
+        "date_joined_1": "00:00:00",
+        "user_permissions": [str(kept.pk), OUT_OF_RANGE_ID],
+    }
+
+    response = admin_client.post(url, form)
+
+    assert response.status_code == 200
+    assert f"Select a valid choice. {OUT_OF_RANGE_ID} is not one of the available choices." in str(
+        response.context["adminform"].form.errors["user_permissions"]
+    )
+    admin_user.refresh_from_db()
+    assert (admin_user.email, list(admin_user.user_permissions.all())) == (email, [kept])
+
+    group = admin_client.post(admin_url(Group, "add"), {"name": "ops", "permissions": [OUT_OF_RANGE_ID]})
+
+    assert group.status_code == 200 and "permissions" in group.context["adminform"].form.errors
+    assert not Group.objects.exists()
+
+
+def test_out_of_range_ids_in_a_list_search_selection_or_url_are_never_a_500(admin_client, full_house):
+    from django.contrib.auth.models import Group
+
+    changelist = admin_url(Group, "changelist")
+    for query in ({"id__in": OUT_OF_RANGE_ID}, {"id__exact": OUT_OF_RANGE_ID}, {"q": OUT_OF_RANGE_ID}):
+        assert admin_client.get(changelist, query).status_code in (200, 302), query
+    selection = {"action": "delete_selected", "_selected_action": [OUT_OF_RANGE_ID]}
+    assert admin_client.post(changelist, selection).status_code in (200, 302)
+    assert admin_client.get(admin_url(Group, "change", OUT_OF_RANGE_ID)).status_code == 302  # "does not exist"
+    search = {"app_label": "costs_app", "model_name": "budget", "field_name": "agent", "term": OUT_OF_RANGE_ID}
+    assert admin_client.get(reverse("admin:autocomplete"), search).json()["results"] == []
+    assert Group.objects.count() == 1
 
 
 def test_every_admin_page_of_a_row_whose_id_holds_a_nul_is_a_404(admin_client, full_house):
