@@ -25,7 +25,15 @@ from sessions_app.models import Agent, AgentSession, AgentStatus, HeartbeatRun, 
 from sessions_app.run_queue import heartbeat_enqueue
 from sessions_app.services import budgets_release
 from sessions_app.stores import store_for
-from tests.conftest import agent_on_unknown_model, beat, context_agent, managed_agent
+from tests.conftest import (
+    Actor,
+    WriteGate,
+    agent_on_unknown_model,
+    beat,
+    context_agent,
+    managed_agent,
+    wait_until_blocked,
+)
 from tests.fake_anthropic import Reply, dense_tokens
 
 
@@ -440,6 +448,54 @@ def test_concurrent_heartbeats_near_the_limit_cannot_both_pass(postgres_only, co
     assert statuses == ["failed", "failed", "failed", "succeeded"]
     assert {run.error_code for run in results if run.status == "failed"} == {"budget_exceeded"}
     assert len(fake_anthropic.message_requests) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reservation_arriving_while_anothers_is_uncommitted_waits_for_it_and_is_refused(company, fake_anthropic):
+    """The worst moment for "cannot overshoot together": the first heartbeat has read the
+    budget's use and written its reservation, not yet committed (held at a gate inside its
+    UPDATE), when the second reads the use. Without the lock on the company row (SQLite:
+    the IMMEDIATE transaction) the second reads no reservation and both calls are sent."""
+    first_agent, second_agent = (
+        Agent.objects.create(
+            company=company, name=name, adapter_config={"model": "claude-haiku-4-5", "max_tokens": 1000}
+        )
+        for name in ("first", "second")
+    )
+    # Each call can cost up to ~$0.005 (1000 output tokens at $5/MTok): room for one only.
+    Budget.objects.create(company=company, monthly_limit_usd=Decimal("0.008"))
+    now = timezone.now()
+    first_run, _ = heartbeat_enqueue(agent=first_agent, task="go", now=now)
+    second_run, _ = heartbeat_enqueue(agent=second_agent, task="go", now=now)
+    # The first call stays in flight (its reservation held) until the second has finished:
+    # on SQLite the second waits at its first write, before its reservation, and would
+    # otherwise find the first's call ended and its reservation released.
+    second_done = threading.Event()
+    fake_anthropic.push(Reply.during(lambda: second_done.wait(30)))
+
+    def second_heartbeat():
+        try:
+            return heartbeat_execute(run_id=second_run.id)
+        finally:
+            second_done.set()
+
+    reservation = f"NEW.reserved_usd > 0 AND OLD.reserved_usd = 0 AND NEW.agent_id = '{first_agent.id.hex}'"
+    if connection.vendor == "postgresql":
+        reservation = reservation.replace(f"'{first_agent.id.hex}'", f"'{first_agent.id}'::uuid")
+    with WriteGate("heartbeat_runs", event="UPDATE", when=reservation) as gate:
+        first = Actor(lambda: heartbeat_execute(run_id=first_run.id))
+        first.start()
+        gate.wait_entered()
+        second = Actor(second_heartbeat)
+        second.start()
+        wait_until_blocked(second)
+        gate.open()
+        first_done, second_done = first.result(), second.result()
+
+    assert (first_done.status, first_done.error_code) == (RunStatus.SUCCEEDED, ""), first_done.error
+    assert (second_done.status, second_done.error_code) == (RunStatus.FAILED, "budget_exceeded"), second_done.error
+    assert len(fake_anthropic.message_requests) == 1
+    assert spent() <= Decimal("0.008")
 
 
 def test_budget_use_sums_every_scope_and_period_in_a_constant_number_of_queries(company, django_assert_num_queries):
