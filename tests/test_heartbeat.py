@@ -319,6 +319,37 @@ def test_two_enqueues_racing_for_the_last_place_in_the_queue_let_one_in(settings
     assert HeartbeatRun.objects.filter(agent=persistent_agent, status=RunStatus.QUEUED).count() == 2
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_repeated_key_arriving_while_the_first_insert_is_uncommitted_gets_that_run_and_no_second_call(
+    persistent_agent, fake_anthropic
+):
+    """The worst moment for "never calls the model twice": the second request with the same
+    idempotency key arrives after the first found no run under it and while the first's
+    insert is uncommitted (held at a gate inside it), so it finds none either. It waits for
+    the first (the agent's queue lock; SQLite: IMMEDIATE transactions), then meets the
+    key's run and returns it: one run, one model call."""
+
+    def enqueue():
+        return heartbeat_enqueue(agent=persistent_agent, task="once", now=timezone.now(), idempotency_key="k-race")
+
+    with WriteGate("heartbeat_runs", event="INSERT") as gate:
+        first = Actor(enqueue)
+        first.start()
+        gate.wait_entered()
+        second = Actor(enqueue)
+        second.start()
+        wait_until_blocked(second)
+        gate.open()
+        (first_run, first_created), (second_run, second_created) = first.result(), second.result()
+
+    assert (first_created, second_created) == (True, False)
+    assert second_run.id == first_run.id
+    assert HeartbeatRun.objects.filter(agent=persistent_agent).count() == 1
+    assert heartbeat_execute(run_id=first_run.id).status == RunStatus.SUCCEEDED
+    assert heartbeat_execute(run_id=second_run.id).status == RunStatus.SUCCEEDED
+    assert len(fake_anthropic.message_requests) == 1
+
+
 class SessionKeepingAdapter(Adapter):
     """A runtime that resumes a session it keeps itself: it is sent only the new turn."""
 
