@@ -55,7 +55,7 @@ from sessions_app.run_queue import (
     heartbeat_enqueue,
     next_queued_query,
 )
-from sessions_app.services import agent_delete, session_expire
+from sessions_app.services import agent_delete, session_delete, session_expire
 from sessions_app.stores import store_for
 from tests.conftest import Actor, beat, on_own_connection, wait_until_blocked
 from tests.fake_anthropic import Reply, plain_messages, text_turn
@@ -353,14 +353,14 @@ def test_the_compiled_claim_update_moves_a_queued_run_to_running_unless_its_cred
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("actor", ["operator", "maintenance"])
+@pytest.mark.parametrize("actor", ["operator", "maintenance", "deletion"])
 def test_a_session_ended_and_held_open_while_a_heartbeat_takes_it_is_never_resumed(
     postgres_only, persistent_agent, fake_anthropic, monkeypatch, actor
 ):
     """The take and the run's link are one statement (`session_take_run`). An operator's
-    expiry, or the maintenance pass's, has ended the session and not committed when the
-    heartbeat, which read it live, takes it: the take waits for the row, then finds it
-    ended, links nothing, and the run starts a fresh session."""
+    expiry, or the maintenance pass's, or an operator's deletion has ended the session and
+    not committed when the heartbeat, which read it live, takes it: the take waits for the
+    row, then finds it ended (or gone), links nothing, and the run starts a fresh session."""
     start = timezone.now()
     first = beat(persistent_agent, "remember 42", now=start)
     session = AgentSession.objects.get(pk=first.session_id)
@@ -371,6 +371,8 @@ def test_a_session_ended_and_held_open_while_a_heartbeat_takes_it_is_never_resum
         with transaction.atomic():
             if actor == "operator":
                 assert session_expire(session=AgentSession.objects.get(pk=session.pk), now=later)
+            elif actor == "deletion":
+                assert session_delete(session=AgentSession.objects.get(pk=session.pk), now=later) is None
             else:
                 assert sessions_expire(now=start + timedelta(hours=30)) == 1
             locked.set()
@@ -398,6 +400,10 @@ def test_a_session_ended_and_held_open_while_a_heartbeat_takes_it_is_never_resum
     assert run.status == RunStatus.SUCCEEDED
     assert run.session_id != session.pk
     assert plain_messages(fake_anthropic.message_requests[-1]) == [text_turn("user", "what did I say?")]
+    if actor == "deletion":
+        assert not AgentSession.objects.filter(pk=session.pk).exists()
+        assert AgentSession.objects.get(pk=run.session_id).message_count == 2
+        return
     session.refresh_from_db()
     assert (session.status, session.message_count, session.last_used) == (
         SessionStatus.EXPIRED,
