@@ -12,7 +12,7 @@ from costs_app.models import CostEvent, CostKind
 from sessions_app.maintenance import maintenance_pass, sessions_pause_idle
 from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus, SessionStatus
 from sessions_app.services import agent_delete, session_delete, session_expire
-from tests.conftest import beat, on_own_connection, process_agent
+from tests.conftest import Actor, WriteGate, beat, on_own_connection, process_agent, wait_until_blocked
 from tests.fake_anthropic import Reply
 
 HALF_HOUR = 1800
@@ -87,6 +87,47 @@ def test_every_path_that_ends_a_session_bills_its_hours_exactly_once(settings, p
             True,
             0,
         ), (ended.status, ended.unbilled_active_seconds)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("second_end", ["deletion", "maintenance"])
+def test_a_second_ender_arriving_while_the_first_bill_is_uncommitted_bills_nothing_more(
+    settings, persistent_agent, fake_anthropic, second_end
+):
+    """The worst moment for "each active second is billed exactly once": the operator's
+    "expire now" has written the session's hours to the ledger, not yet committed (held at
+    a gate inside that insert), when a deletion of the session, or a maintenance pass, ends
+    and bills it too. The second waits for the first (the row's lock; SQLite: IMMEDIATE
+    transactions), then finds nothing unbilled: one row, the half hour once."""
+    settings.PAPERCLIP_SESSION_HOUR_USD = Decimal("0.08")
+    now = timezone.now()
+    first = beat(persistent_agent, "one", now=now)
+    AgentSession.objects.filter(id=first.session_id).update(unbilled_active_seconds=HALF_HOUR)
+    session = AgentSession.objects.get(id=first.session_id)
+
+    def second_ender():
+        if second_end == "deletion":
+            return session_delete(session=AgentSession.objects.get(pk=session.pk), now=now)
+        return maintenance_pass(now=now + timedelta(hours=26))
+
+    with WriteGate("cost_events", event="INSERT", when="NEW.kind = 'session_hours'") as gate:
+        operator = Actor(lambda: session_expire(session=session, now=now))
+        operator.start()
+        gate.wait_entered()
+        second = Actor(second_ender)
+        second.start()
+        wait_until_blocked(second)
+        gate.open()
+        assert operator.result() is True
+        second.result()
+
+    [event] = session_hours(first.session_id)
+    assert (event.session_seconds, event.cost_usd) == (HALF_HOUR, Decimal("0.04"))
+    ended = AgentSession.objects.filter(id=first.session_id).first()
+    if second_end == "deletion":
+        assert ended is None
+    else:
+        assert (ended.status, ended.unbilled_active_seconds) == (SessionStatus.EXPIRED, 0)
 
 
 def test_a_later_pass_bills_a_session_ended_without_its_bill(settings, persistent_agent, fake_anthropic):
