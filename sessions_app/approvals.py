@@ -22,8 +22,6 @@ from datetime import datetime, timedelta
 
 from django.db.models import Q
 
-from costs_app.ledger import session_hours_record
-from costs_app.pricing import session_hour_rate, session_hours_cost
 from sessions_app.errors import QueueUnavailable, RunFailure
 from sessions_app.managed_sessions import remote_turn_stop
 from sessions_app.models import HeartbeatRun, RunStatus
@@ -130,7 +128,7 @@ def approval_pending(run: HeartbeatRun) -> dict | None:
 def approvals_expire(*, now: datetime) -> int:
     """Fail the runs whose approval nobody gave in time (`approval_expired`), then interrupt
     their remote turns. The run's remote active time so far is its session's, or billed at
-    once when no session row will record it."""
+    once when no session row will record it (`run_fail`)."""
     due = HeartbeatRun.objects.filter(
         status=RunStatus.WAITING_APPROVAL, approval_deadline_at__lte=now, managed_turn__decision__isnull=True
     ).select_related("agent")[:100]
@@ -147,20 +145,5 @@ def approvals_expire(*, now: datetime) -> int:
         ):
             continue  # decided (or ended) meanwhile
         expired += 1
-        if run.session_id is None:
-            _unrecorded_time_bill(run, seconds, now=now)
         remote_turn_stop(state.get("session", ""), why="its approval expired")
     return expired
-
-
-def _unrecorded_time_bill(run: HeartbeatRun, seconds: float, *, now: datetime) -> None:
-    if seconds <= 0 or (rate := session_hour_rate()) <= 0:
-        return
-    session_hours_record(
-        company_id=run.company_id,
-        agent_id=run.agent_id,
-        session_id=None,
-        seconds=seconds,
-        cost=session_hours_cost(seconds, rate=rate),
-        at=now,
-    )

@@ -363,7 +363,8 @@ def _fail(beat: ClaimedRun, failure: RunFailure, *, active_seconds: float | None
     (each billed as it returned); a refused budget pauses agents. A runtime stopped at one
     of its caps did work: the run keeps the runtime's report of it (turns, tool calls), as
     a succeeded run does. Its session counts the time the runtime measured (the failure's,
-    or `active_seconds`: the answer's, when its commit failed), else the run's own. A
+    or `active_seconds`: the answer's, when its commit failed), else the run's own; measured
+    time with no row left to count it is billed at once (`run_fail`). A
     quota's refusal is no failure: the credential is held and the run goes back to the
     queue (`sessions_app.quota`). Nor is a call parked for a batch: the run waits
     `submitted` (`sessions_app.batch_delivery`)."""

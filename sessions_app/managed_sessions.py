@@ -25,14 +25,12 @@ from django.db.models import Case, F, Q, TextField, Value, When
 from django.db.models.functions import Concat
 from django.utils import timezone
 
-from costs_app.ledger import session_hours_record
-from costs_app.pricing import session_hour_rate, session_hours_cost
 from sessions_app.adapters.claude_managed import OutputsUnavailable
 from sessions_app.errors import RunAbandoned
 from sessions_app.hot_sql import rows_insert_ignoring_conflicts
 from sessions_app.managed_health import lost_session_note, managed_health_state
 from sessions_app.managed_outputs import outputs_extract
-from sessions_app.metering import session_hours_bill
+from sessions_app.metering import session_hours_bill, unrecorded_time_bill
 from sessions_app.models import (
     Agent,
     AgentSession,
@@ -101,22 +99,15 @@ class ManagedSessionHandle:
             company_id=self.agent.company_id,
         )
 
-    def turn_time(self, seconds: float, *, failed: bool) -> None:
-        """The turn's remote active time, which session hours are billed on. A session row
-        records it with the turn (`record_turn`) or the failed run (`run_fail`), billed when
-        the session pauses or ends as every session's time is; the time no row will record
-        (a stateless run's, a failed turn's on a remote session the run made) is billed now."""
-        recorded = self.persistent and (not failed or self.session is not None)
-        if recorded or seconds <= 0 or (rate := session_hour_rate()) <= 0:
-            return
-        session_hours_record(
-            company_id=self.agent.company_id,
-            agent_id=self.agent.pk,
-            session_id=None,
-            seconds=seconds,
-            cost=session_hours_cost(seconds, rate=rate),
-            at=timezone.now(),
-        )
+    def turn_time(self, seconds: float) -> None:
+        """A finished turn's remote active time, which session hours are billed on. A
+        persistent session's commit records it on the row (or, when the commit fails, the
+        run's failure does: `run_fail`); a stateless run's commit records no time, so it is
+        billed now. A failed turn's goes with its failure to `run_fail`."""
+        if not self.persistent:
+            unrecorded_time_bill(
+                company_id=self.agent.company_id, agent_id=self.agent.pk, seconds=seconds, at=timezone.now()
+            )
 
     def list_cost_check(self, report: dict, cost: Decimal | None) -> None:
         """Before the commit (a failed commit keeps the warning on the failed run)."""

@@ -44,7 +44,7 @@ from sessions_app.hot_sql import (
     queued_run_insert_locking,
     write_then_read,
 )
-from sessions_app.metering import alone_seconds, session_run_time_record
+from sessions_app.metering import alone_seconds, session_run_time_record, unrecorded_time_bill
 from sessions_app.model_checks import retired_model_refusal
 from sessions_app.models import (
     HOLDS_AGENT_PLACE,
@@ -700,21 +700,31 @@ def ended_run_session_record(
     row's; `active_seconds` when the provider measured it) as active time, and its TTL from
     `now`. Only the time no other run of the session was in progress counts for a summary
     written beside the heartbeats, and for an attempt whose times the row is about to lose
-    (`erased`: a requeue), which a summary ending later could not see to count once."""
+    (`erased`: a requeue), which a summary ending later could not see to count once.
+
+    Time the provider measured is what it charges, whatever became of the row: when no row
+    records it (deleted while the run went on, or never made), it is billed here, in the
+    transaction whose conditional update ended the run, so once."""
     ended = (
-        HeartbeatRun.objects.filter(id=run_id, session__isnull=False)
-        .values("session_id", "started_at", "trigger", "agent__adapter_config")
+        HeartbeatRun.objects.filter(id=run_id)
+        .values("session_id", "company_id", "agent_id", "started_at", "trigger", "agent__adapter_config")
         .first()
     )
-    started = started or (ended["started_at"] if ended is not None else None)
-    if ended is not None and started is not None:
+    if ended is None:
+        return
+    measured = active_seconds
+    started = started or ended["started_at"]
+    recorded = False
+    if ended["session_id"] is not None and started is not None:
         ttl = Agent(adapter_config=ended["agent__adapter_config"] or {}).session_ttl
         if active_seconds is None and (erased or ended["trigger"] == RunTrigger.COMPACTION):
             active_seconds = alone_seconds(run_id=run_id, session_id=ended["session_id"], started=started, finished=now)
-        session_run_time_record(
+        recorded = session_run_time_record(
             session_id=ended["session_id"],
             started=started,
             finished=now,
             ttl=ttl,
             active_seconds=active_seconds,
         )
+    if not recorded and measured is not None:
+        unrecorded_time_bill(company_id=ended["company_id"], agent_id=ended["agent_id"], seconds=measured, at=now)

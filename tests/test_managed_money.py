@@ -13,9 +13,11 @@ from django.utils import timezone
 
 from costs_app.models import Budget, CostEvent, CostKind
 from costs_app.pricing import call_price, session_hour_rate, session_hours_cost
+from sessions_app.maintenance import maintenance_pass
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
-from tests.conftest import Actor, beat, managed_agent
+from sessions_app.services import agent_delete, session_delete, session_expire
+from tests.conftest import Actor, beat, managed_agent, on_own_connection, run_queued_tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -110,6 +112,76 @@ def test_session_hours_are_each_runs_share_of_the_remote_measure(company, fake_m
     (hours,) = CostEvent.objects.filter(agent=agent, kind=CostKind.SESSION_HOURS)
     assert hours.session_seconds == 66  # the row shows whole seconds; the price is of the exact time
     assert hours.cost_usd == session_hours_cost(65.5, rate=session_hour_rate())
+
+
+ENDERS = {
+    "session deleted": (lambda session, now: session_delete(session=session, now=now), "session_deleted"),
+    "agent deleted": (lambda session, now: agent_delete(agent=session.agent, now=now), "agent_deleted"),
+    "session expired": (lambda session, now: session_expire(session=session, now=now), "session_ended"),
+}
+
+
+@pytest.mark.parametrize("moment", ["as its task arrives", "as its time is read"])
+@pytest.mark.parametrize("ender", list(ENDERS))
+def test_a_session_ended_while_a_turn_runs_has_every_remote_second_billed_once(company, fake_managed, ender, moment):
+    """An operator ends the session (its own connection) while the heartbeat's turn is on
+    its remote session: as the fake receives the task, or once the turn is over there and
+    the worker reads the session's total. The end bills the row's time up to it; the turn's
+    own time, measured by the provider after the end, has no live row to go to and is billed
+    once all the same, to the agent's company (before: a deleted row's turn was never billed)."""
+    agent = managed_agent(company)
+    fake_managed.active_seconds_per_turn = 40.0
+    assert beat(agent, "one").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    remote = session.managed_session_id
+    fake_managed.active_seconds_per_turn = 25.5
+    end, code = ENDERS[ender]
+    ended = []
+    end_now = on_own_connection(lambda: ended.append(end(session, timezone.now())))
+    if moment == "as its task arrives":
+        fake_managed.before_next("POST", f"/v1/sessions/{remote}/events", end_now)
+    else:  # the stream was opened before the task went: the next read of the session is its total
+        fake_managed.before_next(
+            "POST",
+            f"/v1/sessions/{remote}/events",
+            lambda: fake_managed.before_next("GET", f"/v1/sessions/{remote}", end_now),
+        )
+
+    during = beat(agent, "two")
+
+    assert len(ended) == 1
+    assert (during.status, during.error_code, during.runtime_report) == (RunStatus.FAILED, code, None)
+    assert fake_managed.sessions[remote]["usage"]["active_seconds"] == 40.0 + 25.5
+    maintenance_pass(now=timezone.now())  # what a later step bills (an ended row's time)
+    run_queued_tasks()
+    rate = session_hour_rate()
+    hours = CostEvent.objects.filter(kind=CostKind.SESSION_HOURS)
+    assert sorted(hours.values_list("cost_usd", flat=True)) == sorted(
+        [session_hours_cost(40.0, rate=rate), session_hours_cost(25.5, rate=rate)]
+    )
+    assert set(hours.values_list("company_id", "agent_id")) == {(company.pk, agent.pk)}
+    assert not AgentSession.objects.filter(unbilled_active_seconds__gt=0).exists()
+
+
+def test_a_first_turn_whose_session_row_is_never_made_has_its_remote_time_billed_once(company, fake_managed):
+    """The agent is deleted (its own connection) as the fake receives its first task: the
+    commit that would make the session row fails `agent_deleted`, and the turn's time, which
+    no row will ever hold, is billed at once (before: nobody billed it)."""
+    agent = managed_agent(company)
+    fake_managed.active_seconds_per_turn = 25.5
+    fake_managed.before_next(
+        "POST", "/v1/sessions/", on_own_connection(lambda: agent_delete(agent=agent, now=timezone.now()))
+    )
+
+    run = beat(agent, "one")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "agent_deleted")
+    assert not AgentSession.objects.exists()
+    (remote,) = fake_managed.sessions.values()
+    assert remote["usage"]["active_seconds"] == 25.5
+    (hours,) = CostEvent.objects.filter(kind=CostKind.SESSION_HOURS)
+    assert (hours.company_id, hours.agent_id, hours.session_id) == (company.pk, agent.pk, None)
+    assert hours.cost_usd == session_hours_cost(25.5, rate=session_hour_rate())
 
 
 def test_a_budgeted_turn_holds_its_cap_less_what_it_has_billed_and_releases_the_rest(company, fake_managed):

@@ -93,8 +93,9 @@ class ManagedSessions(Protocol):
     def handoff_note(self) -> str:
         """The note a new remote session opens with when it replaces a lost one ("": none)."""
 
-    def turn_time(self, seconds: float, *, failed: bool) -> None:
-        """The remote session's active time this turn (what session hours are billed on)."""
+    def turn_time(self, seconds: float) -> None:
+        """The remote session's active time in a turn that ended well (what session hours are
+        billed on); a failed turn's goes with its `AdapterError`."""
 
     def list_cost_check(self, report: dict, cost: Decimal | None) -> None:
         """The service's list cost of the turn (`report`) beside the ledger's (`cost`): a
@@ -269,7 +270,7 @@ class ClaudeManagedAdapter(Adapter):
                 ends_with_run = False
                 raise ApprovalNeeded(start.state(turn, after, {"pending": pending}))
             if turn.terminated or turn.stop in STOP_FAILURES:
-                raise self._failure(start, turn, after, own)
+                raise self._failure(start, turn, after)
         except ApprovalNeeded:
             raise
         except BaseException:
@@ -279,7 +280,7 @@ class ClaudeManagedAdapter(Adapter):
             if ends_with_run:
                 own.session_end_later(start.session_id)
         report = self._report(start, turn, after)
-        own.turn_time(report["active_seconds"], failed=False)
+        own.turn_time(report["active_seconds"])
         own.list_cost_check(report, request.meter.run_cost_usd)
         usage = usage_total(usage for _, usage in turn.billed)
         return AdapterReply(
@@ -296,9 +297,8 @@ class ClaudeManagedAdapter(Adapter):
             on_commit=own.on_commit(remote_session_id=start.session_id),
         )
 
-    def _failure(self, start: TurnStart, turn: Turn, after: Figures, own: ManagedSessions) -> AdapterError:
+    def _failure(self, start: TurnStart, turn: Turn, after: Figures) -> AdapterError:
         report = self._report(start, turn, after)
-        own.turn_time(report["active_seconds"], failed=True)
         code, message = STOP_FAILURES.get(turn.stop, ("", ""))
         if turn.terminated:
             code, message = "managed_session_terminated", turn.error or "The service terminated the session."
