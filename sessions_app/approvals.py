@@ -11,6 +11,8 @@ row lock or a worker while the run waits.
   expiry, exactly one wins; the loser is told the run no longer waits.
 - Unanswered past `approval_timeout_minutes` the run fails `approval_expired` and the remote
   turn is interrupted, so the agent spends nothing more on it.
+- A clear of the session's history ends its waiting runs (`approvals_end_with_history`): the
+  remote session they wait on goes with the cleared turns.
 - A decided run whose hand-off to the task queue failed or was lost keeps its decision; the
   maintenance pass hands it over again (`approvals_dispatch`), as it does lost queued runs.
 """
@@ -90,6 +92,29 @@ def approval_decide(run: HeartbeatRun, *, allow: bool, reason: str = "", by: str
             "continues once the queue takes it (the maintenance pass hands it over).",
         ) from exc
     return run
+
+
+def approvals_end_with_history(*, session_id, now: datetime) -> int:
+    """Inside the transaction that clears a session's history, its row locked: its runs still
+    waiting for an approval, decided or not (no worker has taken them), fail
+    `session_conflict`. Their turns are part of the conversation being cleared, on a remote
+    session that is archived after the COMMIT: a confirmation sent later would pay for the
+    rest of a turn whose answer can never be kept. Ended in this transaction, a decision
+    after it is refused as for any run that no longer waits, and a decided run's worker
+    finds nothing to continue. The time each turn ran so far goes to the row, which the
+    clear then bills. Returns how many ended."""
+    waiting = HeartbeatRun.objects.filter(session_id=session_id, status=RunStatus.WAITING_APPROVAL)
+    ended = 0
+    for run in waiting.only("id", "managed_turn"):
+        ended += run_fail(
+            run,
+            code="session_conflict",
+            message="The session's history was cleared while this turn waited for an approval: the turn "
+            "ended with the cleared conversation and its remote session, and nothing more was sent.",
+            now=now,
+            active_seconds=float((run.managed_turn or {}).get("active_seconds") or 0.0),
+        )
+    return ended
 
 
 # Decided runs waiting for a worker are few and are claimed within seconds; a pass hands

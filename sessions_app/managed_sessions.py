@@ -141,9 +141,9 @@ class ManagedSessionHandle:
 
 def _never_an_ended_session(remote_session_id: str) -> None:
     """A row is never mapped to a remote session ended here. A turn's session has an end only
-    when the history was cleared while the turn went on (an approval decided after the clear,
-    a dead worker's turn resumed): the turn then reads the cleared row, and naming its session
-    again would hand every cleared turn back to the next heartbeat."""
+    when the history was cleared while the turn went on (one a worker was already continuing
+    after an approval, a dead worker's turn resumed): the turn then reads the cleared row,
+    and naming its session again would hand every cleared turn back to the next heartbeat."""
     if ManagedSessionEnd.objects.filter(remote_session_id=remote_session_id).exists():
         raise RunAbandoned(
             "session_conflict",

@@ -16,6 +16,7 @@ from django.utils import timezone
 from costs_app.alerts import budget_alerts_fire
 from costs_app.budgets import budget_uses, budgets_releasable, crossed_scopes
 from memory_app.stores import agent_memory_delete
+from sessions_app.approvals import approvals_end_with_history
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.managed_outputs import outputs_delete
 from sessions_app.managed_sessions import managed_ends_for_sessions, managed_session_clear
@@ -106,7 +107,9 @@ def session_clear_history(*, session: AgentSession, now: datetime | None = None)
             # starts a CLI session of its own.
             cli_sessions_delete([(locked.agent_id, locked.cli_session_id)])
             locked.cli_session_id, locked.cli_transcript_sizes = "", None
-            # A Managed Agents session holds the whole conversation at the provider: it goes too.
+            # A Managed Agents session holds the whole conversation at the provider: it goes too,
+            # and so do the turns waiting there for an approval (their time billed with the row's).
+            approvals_end_with_history(session_id=locked.pk, now=now)
             remote_fields = managed_session_clear(locked, now=now)
             locked.message_count = 0
             locked.last_input_tokens = None

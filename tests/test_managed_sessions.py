@@ -324,12 +324,14 @@ def test_a_clear_while_a_turn_is_sent_to_the_old_remote_session_keeps_neither_th
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_turn_waiting_for_an_approval_when_the_history_is_cleared_never_maps_the_session_back_to_it(
+def test_a_turn_approved_but_not_yet_continued_when_the_history_is_cleared_ends_with_it_and_sends_nothing(
     company, fake_managed
 ):
-    """A turn waiting for an approval on the old remote session goes on after the clear, and
-    its commit reads the cleared row: it fails, billed, and the row stays unmapped (before:
-    it named the archived remote session again, with every cleared turn in it)."""
+    """An operator approved the turn waiting on the old remote session, and no worker has
+    taken it yet, when the history is cleared: the run still waits, so the clear ends it
+    (`session_conflict`, in its transaction); the worker then finds nothing to continue, no
+    confirmation reaches the archived session and the row stays unmapped (before: the worker
+    sent the confirmation, paid for the rest of the turn, and its commit failed)."""
     agent = managed_agent(company, tools=["read", {"name": "bash", "permission": "always_ask"}])
     assert beat(agent, "remember the word heron").status == RunStatus.SUCCEEDED
     session = AgentSession.objects.get(agent=agent)
@@ -344,16 +346,17 @@ def test_a_turn_waiting_for_an_approval_when_the_history_is_cleared_never_maps_t
     )
     waiting = beat(agent, "list the files")
     assert (waiting.status, waiting.managed_session_id) == (RunStatus.WAITING_APPROVAL, old)
+    approval_decide(waiting, allow=True, now=timezone.now())  # its task is queued, not yet run
 
     assert session_clear_history(session=session)
-    approval_decide(waiting, allow=True, now=timezone.now())
     run_queued_tasks()
 
     run = HeartbeatRun.objects.get(pk=waiting.pk)
     assert (run.status, run.error_code) == (RunStatus.FAILED, "session_conflict")
-    assert "cleared" in run.error
+    assert "history was cleared" in run.error
+    assert [e["type"] for e in fake_managed.events[old]].count("user.tool_confirmation") == 0
     billed = CostEvent.objects.filter(run_id=run.id, kind=CostKind.MESSAGE, input_tokens__gt=0)
-    assert sorted(billed.values_list("input_tokens", flat=True)) == [300, 420]  # both parts of the turn
+    assert list(billed.values_list("input_tokens", flat=True)) == [300]  # the part before the wait
     session.refresh_from_db()
     assert (session.managed_session_id, session.message_count) == (None, 0)
     assert fake_managed.sessions[old]["archived_at"] is not None

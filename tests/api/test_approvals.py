@@ -10,9 +10,11 @@ import pytest
 from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
+from costs_app.pricing import session_hour_rate, session_hours_cost
 from sessions_app.approvals import approvals_dispatch, approvals_expire
 from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
 from sessions_app.run_queue import heartbeat_enqueue
+from sessions_app.services import session_clear_history
 from sessions_app.stores import store_for
 from tests.api.conftest import agent_url, assert_error
 from tests.conftest import beat, managed_agent, run_queued_tasks, task_queue_down
@@ -139,6 +141,45 @@ def test_an_unanswered_approval_expires_and_the_remote_turn_is_interrupted(api, 
     (remote_id,) = fake_managed.user_messages
     assert "user.interrupt" in [e["type"] for e in fake_managed.events[remote_id]]
     assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/approve")), 409, "run_not_waiting_approval")
+
+
+def test_an_approval_after_the_history_is_cleared_is_refused_and_sends_nothing(api, company, fake_managed):
+    """The clear archives the remote session the turn waits on: the waiting run ends with
+    it, in the clear's transaction, so an operator's approval afterwards answers what the
+    run is (409) and nothing reaches the provider (before: the approval was taken, the
+    confirmation sent to the archived session and the rest of the turn paid for, only for
+    its commit to fail `session_conflict`)."""
+    agent = asking_agent(company)
+    fake_managed.active_seconds_per_turn = 30.0
+    assert beat(agent, "look around").status == RunStatus.SUCCEEDED
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+    session = AgentSession.objects.get(agent=agent)
+    remote_id = session.managed_session_id
+    assert (waiting.status, waiting.managed_session_id) == (RunStatus.WAITING_APPROVAL, remote_id)
+
+    assert session_clear_history(session=session)
+
+    run = HeartbeatRun.objects.get(pk=waiting.pk)
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "session_conflict")
+    assert "history was cleared" in run.error
+    assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/approve")), 409, "run_not_waiting_approval")
+    assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/deny")), 409, "run_not_waiting_approval")
+    assert approvals_dispatch() == 0
+    run_queued_tasks()
+
+    events = [e["type"] for e in fake_managed.events[remote_id]]
+    assert events.count("user.tool_confirmation") == 0
+    assert fake_managed.sessions[remote_id]["archived_at"] is not None
+    assert HeartbeatRun.objects.get(pk=waiting.pk).status == RunStatus.FAILED
+    billed = CostEvent.objects.filter(run_id=run.id, kind=CostKind.MESSAGE, input_tokens__gt=0)
+    assert list(billed.values_list("input_tokens", flat=True)) == [300]  # only the part before the wait
+    # The turn's time up to the wait is the row's, billed once by the clear with the first turn's.
+    (hours,) = CostEvent.objects.filter(agent=agent, kind=CostKind.SESSION_HOURS)
+    assert fake_managed.sessions[remote_id]["usage"]["active_seconds"] == 60.0
+    assert hours.cost_usd == session_hours_cost(60.0, rate=session_hour_rate())
+    session.refresh_from_db()
+    assert (session.managed_session_id, session.unbilled_active_seconds) == (None, 0)
 
 
 def test_a_decision_after_the_deadline_is_refused_even_before_the_expiry_runs(api, company, fake_managed):
