@@ -96,7 +96,10 @@ def clean_path(path: object, *, directory_ok: bool = True) -> str:
 
 
 def shown(mount: Mount, relative: str) -> str:
-    return posixpath.join(ROOT, mount.prefix + relative) if mount.prefix or relative else ROOT
+    """A path inside a mount's store as the agent names it: below /memories, with the mount's
+    folder (what every message naming a path must say: a named store's `a.md` is
+    /memories/team/a.md, not the default store's /memories/a.md)."""
+    return posixpath.join(ROOT, mount.prefix + relative).rstrip("/")
 
 
 # --- mounts -----------------------------------------------------------------------------
@@ -170,13 +173,6 @@ def resolve(mounts: list[Mount], relative: str) -> tuple[Mount, str]:
 # --- reads ------------------------------------------------------------------------------
 
 
-def file_read(store: MemoryStore, path: str) -> MemoryFile:
-    found = MemoryFile.objects.filter(store=store, path=path, deleted=False).first()
-    if found is None:
-        raise MemoryFault("memory_not_found", f"The path {ROOT}/{path} does not exist.")
-    return found
-
-
 def files_under(store: MemoryStore, directory: str):
     """Live files of the store at or below `directory` ("" for all), without content."""
     files = MemoryFile.objects.filter(store=store, deleted=False).defer("content").order_by("path")
@@ -221,10 +217,10 @@ def file_write(
     if not mount.writable:
         raise MemoryFault("memory_read_only", f"The store {mount.store.name!r} is shared with this agent read-only.")
     if not path:
-        raise MemoryFault("memory_path_invalid", f"{ROOT} is a directory; name a file below it.")
+        raise MemoryFault("memory_path_invalid", f"{shown(mount, path)} is a directory; name a file below it.")
     with transaction.atomic():
         store = _store_locked(mount, writer)
-        return _write_locked(store, path, change, operation=operation, writer=writer, expected=expected_version)
+        return _write_locked(mount, store, path, change, operation=operation, writer=writer, expected=expected_version)
 
 
 def _store_locked(mount: Mount, writer: Writer) -> MemoryStore:
@@ -282,23 +278,25 @@ def _writer_check(writer: Writer) -> None:
         )
 
 
-def _write_locked(store, path, change, *, operation, writer, expected) -> MemoryFile:
+def _write_locked(mount, store, path, change, *, operation, writer, expected) -> MemoryFile:
+    """The write of `file_write`, on `store` (the mount's, locked). `mount` names the path in
+    messages."""
     found = MemoryFile.objects.filter(store=store, path=path).first()
     current = None if found is None or found.deleted else found.content
     if expected is not None and expected not in _versions_now(found):
         raise MemoryFault(
             "memory_version_conflict",
-            f"{ROOT}/{path} is at version {found.version if found else 0}, not {expected}: it changed meanwhile.",
+            f"{shown(mount, path)} is at version {found.version if found else 0}, not {expected}: it changed meanwhile.",
         )
     new = change(current)
     if new is None and current is None:
-        raise MemoryFault("memory_not_found", f"The path {ROOT}/{path} does not exist.")
+        raise MemoryFault("memory_not_found", f"The path {shown(mount, path)} does not exist.")
     if new is not None:
         check_content(new)
         if _prefix_clash(store, path):
-            raise MemoryFault("memory_path_invalid", f"{ROOT}/{path} is a directory or lies inside a file.")
+            raise MemoryFault("memory_path_invalid", f"{shown(mount, path)} is a directory or lies inside a file.")
     size = utf8_size(new) if new is not None else 0
-    limits_check(store, path, size=size, old_size=found.size if found and not found.deleted else 0)
+    limits_check(store, shown(mount, path), size=size, old_size=found.size if found and not found.deleted else 0)
     now = timezone.now()
     if found is None:
         found = MemoryFile(store=store, path=path)
@@ -361,12 +359,13 @@ def _prefix_clash(store: MemoryStore, path: str) -> bool:
     return inside or MemoryFile.objects.filter(store=store, deleted=False, path__in=parents).exists()
 
 
-def limits_check(store: MemoryStore, path: str, *, size: int, old_size: int) -> None:
+def limits_check(store: MemoryStore, name: str, *, size: int, old_size: int) -> None:
+    """Refuse a write of `size` bytes over `old_size` to the file the agent names `name`."""
     file_limit = settings.PAPERCLIP_MEMORY_MAX_FILE_BYTES
     if size > file_limit:
         raise MemoryFault(
             "memory_file_too_large",
-            f"{ROOT}/{path} would be {size} bytes; a memory file may hold at most {file_limit} bytes "
+            f"{name} would be {size} bytes; a memory file may hold at most {file_limit} bytes "
             "(PAPERCLIP_MEMORY_MAX_FILE_BYTES). Write less, or split it.",
         )
     store_limit = settings.PAPERCLIP_MEMORY_MAX_STORE_BYTES
@@ -382,11 +381,11 @@ def limits_check(store: MemoryStore, path: str, *, size: int, old_size: int) -> 
 def tree_delete(mount: Mount, path: str, *, writer: Writer) -> int:
     """Delete a file, or every file below a directory; each deletion is a version."""
     if not path:
-        raise MemoryFault("memory_path_invalid", f"Cannot delete the {ROOT} directory itself.")
+        raise MemoryFault("memory_path_invalid", f"Cannot delete the {shown(mount, path)} directory itself.")
     store = mounted_store(mount)
     if store is None:
-        raise MemoryFault("memory_not_found", f"The path {ROOT}/{path} does not exist.")
-    paths = _paths_at(store, path)
+        raise MemoryFault("memory_not_found", f"The path {shown(mount, path)} does not exist.")
+    paths = _paths_at(mount, store, path)
     for each in paths:
         file_write(mount, each, lambda current: None, operation="delete", writer=writer)
     return len(paths)
@@ -397,13 +396,18 @@ def tree_rename(mount: Mount, old: str, new: str, *, writer: Writer) -> int:
     version) before the old one is deleted (a version), in one transaction."""
     if not mount.writable:
         raise MemoryFault("memory_read_only", f"The store {mount.store.name!r} is shared with this agent read-only.")
-    if not old or not new:
-        raise MemoryFault("memory_path_invalid", f"Cannot rename the {ROOT} directory itself.")
+    if not old:
+        raise MemoryFault("memory_path_invalid", f"Cannot rename the {shown(mount, old)} directory itself.")
+    if not new:  # the store's own folder, there as long as the store is mounted
+        raise MemoryFault("memory_exists", f"The destination {shown(mount, new)} already exists.")
     if new == old or new.startswith(old + "/"):
-        raise MemoryFault("memory_path_invalid", "A path cannot be moved into itself.")
+        raise MemoryFault(
+            "memory_path_invalid",
+            f"Cannot rename {shown(mount, old)} to {shown(mount, new)}: a path cannot be moved into itself.",
+        )
     with transaction.atomic():
         store = _store_locked(mount, writer)
-        paths = _paths_at(store, old)
+        paths = _paths_at(mount, store, old)
         moves = [(each, new + each[len(old) :]) for each in paths]
         for _, target in moves:
             # Each path named was within the limit; a folder's file moved below a longer
@@ -416,21 +420,24 @@ def tree_rename(mount: Mount, old: str, new: str, *, writer: Writer) -> int:
                 )
         taken = MemoryFile.objects.filter(store=store, deleted=False, path__in=[to for _, to in moves])
         if taken.exists():
-            raise MemoryFault("memory_exists", f"{ROOT}/{taken.first().path} already exists.")
+            raise MemoryFault("memory_exists", f"The destination {shown(mount, taken.first().path)} already exists.")
         for source, target in moves:
             content = MemoryFile.objects.get(store=store, path=source).content
-            _write_locked(store, source, lambda current: None, operation="rename", writer=writer, expected=None)
-            _write_locked(store, target, lambda current, c=content: c, operation="rename", writer=writer, expected=None)
+            _write_locked(mount, store, source, lambda current: None, operation="rename", writer=writer, expected=None)
+            _write_locked(
+                mount, store, target, lambda current, c=content: c, operation="rename", writer=writer, expected=None
+            )
     return len(moves)
 
 
-def _paths_at(store: MemoryStore, path: str) -> list[str]:
-    """The live file at `path`, or the live files below it; a fault when there are none."""
+def _paths_at(mount: Mount, store: MemoryStore, path: str) -> list[str]:
+    """The live file at `path`, or the live files below it; a fault (naming the path as the
+    mount shows it) when there are none."""
     if MemoryFile.objects.filter(store=store, path=path, deleted=False).exists():
         return [path]
     paths = list(files_under(store, path).values_list("path", flat=True))
     if not paths:
-        raise MemoryFault("memory_not_found", f"The path {ROOT}/{path} does not exist.")
+        raise MemoryFault("memory_not_found", f"The path {shown(mount, path)} does not exist.")
     return paths
 
 

@@ -176,7 +176,10 @@ class StoreMemoryTool(BetaAbstractMemoryTool):
         source, old, _ = self._at(command.old_path)
         target, new, _ = self._at(command.new_path)
         if source is not target:
-            raise ToolError("Files can be renamed only within one store (one top-level folder of /memories).")
+            raise ToolError(
+                f"Cannot rename {command.old_path} to {command.new_path}: they are in different memory stores, and "
+                f"files can be renamed only within one. Create {command.new_path} and delete {command.old_path} instead."
+            )
         tree_rename(source, old, new, writer=self.writer)
         return f"Successfully renamed {command.old_path} to {command.new_path}"
 

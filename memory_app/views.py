@@ -30,6 +30,7 @@ from memory_app.stores import (
     memory_store_names,
     mounts_for,
     resolve,
+    shown,
     tree_delete,
 )
 from sessions_app.api.base import ApiView, error_responses
@@ -145,14 +146,17 @@ class MemoryListView(ApiView):
 
 
 class MemoryFileView(ApiView):
-    def locate(self, agent: Agent, memory_path: str) -> tuple[Mount, str]:
+    def locate(self, agent: Agent, memory_path: str, *, folder_ok: bool = False) -> tuple[Mount, str]:
+        """The mount and the path inside its store; "" for the store's own folder (/memories, or a
+        named store's /memories/<name>) only when `folder_ok`."""
         try:
             relative = clean_path(f"{ROOT}/{memory_path}")
             mount, inside = resolve(operator_mounts(agent), relative)
         except MemoryFault as fault:
             raise fault_error(fault) from None
-        if not inside:
-            raise BadRequest("Name a file below /memories.", code="memory_path_invalid", fields={"path": memory_path})
+        if not inside and not folder_ok:
+            message = f"{shown(mount, inside)} is a directory; name a file below it."
+            raise BadRequest(message, code="memory_path_invalid", fields={"path": message})
         return mount, inside
 
     @extend_schema(
@@ -246,8 +250,9 @@ class MemoryFileView(ApiView):
     )
     def delete(self, request, company_id: UUID, agent_id: UUID, memory_path: str):
         agent = self.get_agent(company_id, agent_id)
-        mount, inside = self.locate(agent, memory_path)
-        if mount.store._state.adding:
+        # A store's folder reaches `tree_delete`, which refuses it by name.
+        mount, inside = self.locate(agent, memory_path, folder_ok=True)
+        if inside and mount.store._state.adding:
             raise NotFound(f"No memory file {ROOT}/{memory_path}.", code="memory_not_found")
         try:
             tree_delete(mount, inside, writer=Writer(operator=operator_name(request)))

@@ -135,6 +135,100 @@ def test_paths_are_case_sensitive_on_every_database(memory_agent):
     ]
 
 
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        ({"command": "view", "path": "/memories/team/gone.md"}, "The path /memories/team/gone.md does not exist."),
+        ({"command": "view", "path": "/memories/spare/gone.md"}, "The path /memories/spare/gone.md does not exist."),
+        ({"command": "create", "path": "/memories/team", "file_text": "x"}, "/memories/team is a directory;"),
+        (
+            {"command": "create", "path": "/memories/team/notes", "file_text": "x"},
+            "/memories/team/notes is a directory",
+        ),
+        (
+            {"command": "create", "path": "/memories/team/b.md/c.md", "file_text": "x"},
+            "/memories/team/b.md/c.md is a directory or lies inside a file.",
+        ),
+        (
+            {"command": "create", "path": "/memories/team/big.md", "file_text": "x" * 101},
+            "/memories/team/big.md would be 101 bytes",
+        ),
+        (
+            {"command": "str_replace", "path": "/memories/team/b.md", "old_str": "b", "new_str": "x" * 101},
+            "/memories/team/b.md would be 101 bytes",
+        ),
+        (
+            {"command": "str_replace", "path": "/memories/team/b.md", "old_str": "z", "new_str": "y"},
+            "did not appear verbatim in /memories/team/b.md.",
+        ),
+        (
+            {"command": "insert", "path": "/memories/team/gone.md", "insert_line": 0, "insert_text": "x"},
+            "The path /memories/team/gone.md does not exist.",
+        ),
+        (
+            {"command": "insert", "path": "/memories/team", "insert_line": 0, "insert_text": "x"},
+            "/memories/team is a directory;",
+        ),
+        ({"command": "delete", "path": "/memories/team/gone.md"}, "The path /memories/team/gone.md does not exist."),
+        ({"command": "delete", "path": "/memories/spare/gone.md"}, "The path /memories/spare/gone.md does not exist."),
+        ({"command": "delete", "path": "/memories/team"}, "Cannot delete the /memories/team directory itself."),
+        (
+            {"command": "rename", "old_path": "/memories/team/gone.md", "new_path": "/memories/team/c.md"},
+            "The path /memories/team/gone.md does not exist.",
+        ),
+        (
+            {"command": "rename", "old_path": "/memories/spare/gone.md", "new_path": "/memories/spare/c.md"},
+            "The path /memories/spare/gone.md does not exist.",
+        ),
+        (
+            {"command": "rename", "old_path": "/memories/team", "new_path": "/memories/team/c"},
+            "Cannot rename the /memories/team directory itself.",
+        ),
+        (
+            {"command": "rename", "old_path": "/memories/team/b.md", "new_path": "/memories/team"},
+            "The destination /memories/team already exists.",
+        ),
+        (
+            {"command": "rename", "old_path": "/memories/team/b.md", "new_path": "/memories/team/notes/a.md"},
+            "The destination /memories/team/notes/a.md already exists.",
+        ),
+        (
+            {"command": "rename", "old_path": "/memories/team/old", "new_path": "/memories/team/notes"},
+            "The destination /memories/team/notes/a.md already exists.",
+        ),
+        (
+            {"command": "rename", "old_path": "/memories/team/b.md", "new_path": "/memories/team/notes"},
+            "/memories/team/notes is a directory or lies inside a file.",
+        ),
+        (
+            {"command": "rename", "old_path": "/memories/team/notes", "new_path": "/memories/team/notes/deeper"},
+            "Cannot rename /memories/team/notes to /memories/team/notes/deeper:",
+        ),
+        (
+            {"command": "rename", "old_path": "/memories/team/b.md", "new_path": "/memories/b.md"},
+            "Cannot rename /memories/team/b.md to /memories/b.md: they are in different memory stores",
+        ),
+    ],
+)
+def test_a_tool_error_in_a_named_store_names_the_path_with_its_folder(memory_agent, settings, command, message):
+    """Each refusal names the path as the model wrote it. Before: a named store's file was
+    named by its path inside the store, as if in the default one (`/memories/gone.md` for
+    /memories/team/gone.md), and the store's own folder as /memories."""
+    settings.PAPERCLIP_MEMORY_MAX_FILE_BYTES = 100
+    memory_agent.adapter_config = {"memory": ["team", "spare"]}  # spare: no write has made it
+    memory_agent.save()
+    tool = tool_for(memory_agent)
+    for path in ("team/notes/a.md", "team/old/a.md", "team/b.md"):
+        tool.call({"command": "create", "path": f"/memories/{path}", "file_text": path[-4]})
+    versions = MemoryVersion.objects.count()
+
+    result = tool_result(tool, {"id": "t", "input": command})
+
+    assert result["is_error"] and message in result["content"], result
+    assert MemoryVersion.objects.count() == versions
+    assert list(MemoryStore.objects.values_list("name", flat=True)) == ["team"]
+
+
 def test_a_rename_that_would_build_a_path_over_the_limit_is_a_tool_error(memory_agent):
     """Each path named is within 512 characters, but a folder's file moved below a longer
     name is not: on PostgreSQL the column refused it (DataError: the run failed

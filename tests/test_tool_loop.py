@@ -184,6 +184,9 @@ def test_a_run_whose_memory_writes_are_all_refused_leaves_no_store(company, fake
     results = fake_anthropic.message_requests[1]["messages"][-1]["content"]
     assert [bool(r.get("is_error")) for r in results] == [False] + [True] * 9, results
     assert "20 bytes" in results[4]["content"]  # the quota, not another refusal
+    # Each names the path the model wrote, the named store's folder included.
+    assert results[5]["content"] == "/memories/team is a directory; name a file below it."
+    assert results[9]["content"] == "The path /memories/team/a.md does not exist."
     assert not MemoryStore.objects.exists()
     assert not MemoryFile.objects.exists()
 

@@ -170,6 +170,44 @@ def test_a_refused_write_leaves_no_store(api, memory_agent, settings, path, body
     assert api.get(agent_url(memory_agent, "/memory")).json()["files"] == []
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "message"),
+    [
+        ("put", "team", {"content": "x"}, 400, "/memories/team is a directory; name a file below it."),
+        ("get", "team", None, 400, "/memories/team is a directory; name a file below it."),
+        ("put", "team/notes", {"content": "x"}, 400, "/memories/team/notes is a directory or lies inside a file."),
+        ("put", "team/notes/a.md/b.md", {"content": "x"}, 400, "/memories/team/notes/a.md/b.md is a directory"),
+        ("put", "team/big.md", {"content": "x" * 11}, 400, "/memories/team/big.md would be 11 bytes"),
+        ("put", "spare/big.md", {"content": "x" * 11}, 400, "/memories/spare/big.md would be 11 bytes"),
+        ("put", "team/notes/a.md", {"content": "x", "version": 3}, 409, "/memories/team/notes/a.md is at version 1,"),
+        ("put", "spare/a.md", {"content": "x", "version": 3}, 409, "/memories/spare/a.md is at version 0,"),
+        ("get", "team/gone.md", None, 404, "No memory file /memories/team/gone.md."),
+        ("delete", "team/gone.md", None, 404, "The path /memories/team/gone.md does not exist."),
+        ("delete", "spare/gone.md", None, 404, "No memory file /memories/spare/gone.md."),
+        ("delete", "team", None, 400, "Cannot delete the /memories/team directory itself."),
+        ("delete", "spare", None, 400, "Cannot delete the /memories/spare directory itself."),
+    ],
+)
+def test_a_refusal_in_a_named_store_names_the_path_with_its_folder(
+    api, memory_agent, settings, method, path, body, status, message
+):
+    # Before: a named store's file was named by its path inside the store, as if in the
+    # default one (`/memories/gone.md` for team/gone.md), and its folder as /memories.
+    settings.PAPERCLIP_MEMORY_MAX_FILE_BYTES = 10
+    memory_agent.adapter_config = {"memory": ["team", "spare"]}  # spare: no write has made it
+    memory_agent.save()
+    written(memory_agent, "team/notes/a.md", "a")
+    url = agent_url(memory_agent, f"/memory/{path}")
+
+    response = getattr(api, method)(url, body) if body is not None else getattr(api, method)(url)
+
+    error = assert_error(response, status)
+    assert error["message"].startswith(message), error
+    if status == 400:
+        assert error["fields"] == {"path" if "directory" in message else "content": error["message"]}
+    assert list(MemoryFile.objects.values_list("path", "version")) == [("notes/a.md", 1)]
+
+
 def test_a_write_makes_only_the_store_it_writes_to(api, memory_agent):
     memory_agent.adapter_config = {"memory": ["team"]}
     memory_agent.save()
