@@ -7,7 +7,7 @@ class SessionsAppConfig(AppConfig):
 
     def ready(self) -> None:
         from costs_app.signals import budget_changed
-        from paperclip import lookups  # noqa: F401 - registers `__in` for integer columns
+        from paperclip import lookups  # noqa: F401 - registers the lookups on integer columns
         from sessions_app import checks  # noqa: F401 - registers the system checks
         from sessions_app.services import budget_changed_release
 
