@@ -41,8 +41,9 @@ Quotas: `fake.outage = Reply.error(429, ..., headers={"retry-after": "30"})` ans
 Messages request with that reply until it is set back to None (the provider recovers);
 `fake.answer_headers` are sent with every successful answer (`anthropic-ratelimit-*`).
 
-Message Batches (`client.messages.batches`): create, retrieve, list, results as JSONL and
-cancel, as the API serves them. A batch stays `in_progress` for `fake.batch_seconds` (on
+Message Batches (`client.messages.batches`): create, retrieve, list (newest first, paged by
+`limit`, `after_id` and `before_id`), results as JSONL and cancel, as the API serves them;
+`created_at` is wall time, and a test may change a batch's (`fake.batches[id]`). A batch stays `in_progress` for `fake.batch_seconds` (on
 `clock` when set, else wall time; 0 by default: it has ended by the first retrieve), then
 answers every request as a direct request would be answered (the cache included), its usage
 reporting `service_tier: "batch"`, as the API reports a batch's half-price tokens.
@@ -50,8 +51,9 @@ reporting `service_tier: "batch"`, as the API reports a batch's half-price token
 taken per request answered, in order; "succeeded" otherwise). A cancelled batch answers
 its unprocessed requests `canceled` and ends. `fake.batch_answers` are the answered
 (succeeded) requests' model and usage, for billing checks; `fake.batch_creates` counts
-create requests; `fake.batch_create_error` (a status) refuses them; `fake.batch_before`
-runs when one arrives.
+create requests and `fake.batch_lists` are the list requests' queries;
+`fake.batch_create_error` (a status) refuses creates; `fake.batch_before` runs when one
+arrives.
 
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
 arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
@@ -296,8 +298,13 @@ def models_page(models: list[dict], query: dict[str, list[str]], *, default_limi
     """`GET /v1/models` as the API pages it: `limit` (1..1000), `after_id` or `before_id`,
     `lifecycle` (active and deprecated unless asked; retired only when asked)."""
     lifecycles = query.get("lifecycle[]") or query.get("lifecycle") or ["active", "deprecated"]
-    listed = [model for model in models if model["lifecycle"] in lifecycles]
-    ids = [model["id"] for model in listed]
+    return id_page([model for model in models if model["lifecycle"] in lifecycles], query, default_limit=default_limit)
+
+
+def id_page(listed: list[dict], query: dict[str, list[str]], *, default_limit: int) -> dict:
+    """One page of a list the API pages by id: `limit`, `after_id` (the page after that
+    object, further down the list) or `before_id` (the page before it)."""
+    ids = [item["id"] for item in listed]
     limit = int((query.get("limit") or [default_limit])[0])
     if "after_id" in query:
         start = ids.index(query["after_id"][0]) + 1
@@ -605,7 +612,13 @@ class FakeAnthropic:
     @property
     def batch_creates(self) -> int:
         with self.lock:
-            return sum(1 for r in self.requests if r["path"] == "/v1/messages/batches")
+            return sum(1 for r in self.requests if r["path"] == "/v1/messages/batches" and r["body"] is not None)
+
+    @property
+    def batch_lists(self) -> list[dict]:
+        """The query of each list request (one per page)."""
+        with self.lock:
+            return [r["query"] for r in self.requests if r["path"] == "/v1/messages/batches" and r["body"] is None]
 
     def batch_create(self, body: dict) -> tuple[int, dict]:
         if self.batch_before is not None:
@@ -691,6 +704,18 @@ class FakeAnthropic:
             "results_url": f"{self.base_url}/v1/messages/batches/{batch_id}/results" if ended else None,
         }
 
+    def batches_page(self, query: dict[str, list[str]]) -> tuple[int, dict]:
+        """`GET /v1/messages/batches`: newest first, `limit` 1..1000 (20 unless asked)."""
+        if not 1 <= int((query.get("limit") or ["20"])[0]) <= 1000:
+            return 400, api_error(400, "limit: must be between 1 and 1000")
+        with self.lock:
+            newest_first = list(reversed(self.batches))
+        cursor = (query.get("after_id") or query.get("before_id") or [None])[0]
+        if cursor is not None and cursor not in self.batches:
+            return 404, api_error(404, f"batch {cursor} not found")
+        page = id_page([{"id": batch_id} for batch_id in newest_first], query, default_limit=20)
+        return 200, {**page, "data": [self.batch_view(item["id"]) for item in page["data"]]}
+
     def _handler_class(self):
         fake = self
 
@@ -720,7 +745,7 @@ class FakeAnthropic:
                     self._models(path, parse_qs(query))
                     return
                 if path.startswith("/v1/messages/batches"):
-                    self._batches_get(path)
+                    self._batches_get(path, parse_qs(query))
                     return
                 # For benchmarks running the fake in its own process: the Messages request
                 # bodies it received, from index `after` on, so a baseline can replay them.
@@ -730,14 +755,12 @@ class FakeAnthropic:
                 after = int(query.partition("after=")[2] or 0)
                 self._send_json(200, {"bodies": fake.message_requests[after:]})
 
-            def _batches_get(self, path: str) -> None:
+            def _batches_get(self, path: str, query: dict[str, list[str]]) -> None:
                 with fake.lock:
-                    fake.requests.append({"path": path, "headers": dict(self.headers), "body": None})
+                    fake.requests.append({"path": path, "headers": dict(self.headers), "body": None, "query": query})
                 parts = path.strip("/").split("/")  # v1 messages batches [id [results]]
                 if len(parts) == 3:
-                    data = [fake.batch_view(batch_id) for batch_id in reversed(list(fake.batches))]
-                    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-                    self._send_json(200, {"data": data, "has_more": False, "first_id": first, "last_id": last})
+                    self._send_json(*fake.batches_page(query))
                     return
                 view = fake.batch_view(parts[3])
                 if view is None:
