@@ -4,10 +4,13 @@ Run by every maintenance pass (`batches_poll`). Each run's way through it is a c
 update on the state it expects (`HeartbeatRun.batch_state`), so two polls at once (two
 hosts) neither send a request twice nor bill a result twice:
 
-1. submit: the parked runs are taken (`submitting`, marked with this poll's token), sent as
-   one batch per adapter (up to the API's limits), and given its id (`in_batch`). A run
-   whose wait passed before it was sent goes direct instead. A create the provider
-   refused leaves them parked for the next poll.
+1. submit: the parked runs are taken (`submitting`, marked with this poll's token and the
+   time), sent as one batch per adapter (up to the API's limits), and given its id
+   (`in_batch`). A run whose wait passed before it was sent goes direct instead. A create
+   the provider refused leaves them parked for the next poll. Runs a poll left
+   `submitting` (it died between its create and writing the batch id) are looked for in
+   the provider's batches once any create is over (`batches_recover`): found, they are
+   `in_batch` as if the id had been written; in no batch, they go direct.
 2. read: an ended batch's results. A succeeded one is billed at once, at the batch price
    (`RunCalls.bill`, `delivery: batch`; the ledger numbers it after the run's earlier
    calls, so a poll killed after the bill bills nothing more), and kept on the run
@@ -31,9 +34,11 @@ import uuid
 from datetime import datetime, timedelta
 from itertools import groupby
 
+from django.db.models import Q
+
 from costs_app.models import CostKind, Delivery
 from sessions_app.adapters import AdapterError, get_adapter
-from sessions_app.adapters.base import BatchResult, usage_error
+from sessions_app.adapters.base import Adapter, BatchResult, ListedBatch, usage_error
 from sessions_app.heartbeat import heartbeat_execute
 from sessions_app.models import BatchState, HeartbeatRun, RunStatus
 from sessions_app.run_calls import RunCalls
@@ -48,6 +53,13 @@ MAX_BATCH_BYTES = 200 * 1024 * 1024  # under the limit, for the envelope of each
 
 # Longer than a batch create can take (the SDK's timeout and retries).
 SUBMIT_GRACE = timedelta(minutes=30)
+# How much earlier than our clock the provider's may date a batch we created.
+CLOCK_MARGIN = timedelta(minutes=10)
+# Pages of the provider's batches (1,000 each) one poll reads looking for a lost batch; the
+# next poll reads them again.
+MAX_LIST_PAGES = 5
+# Runs given a batch id in one statement when a lost batch is found.
+ADOPT_CHUNK = 500
 
 
 def custom_id(run) -> str:
@@ -73,18 +85,12 @@ def batches_poll(*, now: datetime) -> dict:
 def batches_submit(*, now: datetime) -> int:
     """Send every parked run in a batch; returns how many were sent."""
     too_late(submitted().filter(batch_state=BatchState.PARKED, batch_deadline_at__lte=now), "was never sent")
-    # A poll that died between its create and recording the batch id left these: the
-    # batch may exist, unknown to us. Past their wait (and any create still in flight),
-    # they go direct; that request may then be answered twice (RELIABILITY.md).
-    too_late(
-        submitted().filter(batch_state=BatchState.SUBMITTING, batch_deadline_at__lte=now - SUBMIT_GRACE),
-        "was lost by a poll that stopped while creating its batch",
-    )
+    batches_recover(now=now)
     token = f"submitting-{uuid.uuid4().hex}"
     parked = submitted().filter(batch_state=BatchState.PARKED).order_by("created_at")
     ids = list(parked.values_list("id", flat=True)[:MAX_BATCH_REQUESTS])
     submitted().filter(id__in=ids, batch_state=BatchState.PARKED).update(
-        batch_state=BatchState.SUBMITTING, batch_id=token
+        batch_state=BatchState.SUBMITTING, batch_id=token, batch_submitted_at=now
     )
     taken = list(
         submitted()
@@ -123,10 +129,111 @@ def _send(runs: list, *, adapter_type: str, token: str) -> int:
         # Refused (or unanswered): nothing was created, or nothing we can find; parked
         # again, they are sent by the next poll, or direct once their wait has passed.
         logger.warning("A batch of %s runs was not created (%s): %s", len(runs), exc.code, exc.message)
-        submitted().filter(id__in=ids, batch_id=token).update(batch_state=BatchState.PARKED, batch_id="")
+        taken_by(token, ids).update(batch_state=BatchState.PARKED, batch_id="")
         return 0
-    submitted().filter(id__in=ids, batch_id=token).update(batch_state=BatchState.IN_BATCH, batch_id=batch_id)
+    taken_by(token, ids).update(batch_state=BatchState.IN_BATCH, batch_id=batch_id)
     return len(runs)
+
+
+def taken_by(token: str, ids: list):
+    """These runs, while the poll marked `token` still holds them (a later poll may have
+    found their batch, or sent them direct, if this one was too slow)."""
+    return submitted().filter(id__in=ids, batch_state=BatchState.SUBMITTING, batch_id=token)
+
+
+# 1b. recover: runs left `submitting` by a poll that died
+
+
+def lost_runs(now: datetime):
+    """Runs left `submitting` for longer than any create takes. Those taken before
+    `batch_submitted_at` existed count from their wait's end."""
+    past = now - SUBMIT_GRACE
+    return submitted().filter(
+        Q(batch_submitted_at__lte=past) | Q(batch_submitted_at__isnull=True, batch_deadline_at__lte=past),
+        batch_state=BatchState.SUBMITTING,
+    )
+
+
+def batches_recover(*, now: datetime) -> int:
+    """Look for lost runs' batches at the provider; returns how many runs were found in one."""
+    lost = list(
+        lost_runs(now)
+        .select_related("agent")
+        .only("id", "created_at", "batch_submitted_at", "agent__adapter_type", "agent__adapter_config")
+        .order_by("agent__adapter_type", "created_at")
+    )
+    return sum(
+        _recover(list(runs), adapter_type=adapter_type, now=now)
+        for adapter_type, runs in groupby(lost, key=lambda run: run.agent.adapter_type)
+    )
+
+
+def _recover(runs: list, *, adapter_type: str, now: datetime) -> int:
+    config = runs[0].agent.adapter_config
+    adapter = get_adapter(adapter_type, config)
+    taken = dict(_taken(adapter_type))
+    # A lost batch was created after its runs were taken and before the grace ended.
+    since = min(run.batch_submitted_at or run.created_at for run in runs) - CLOCK_MARGIN
+    until = max(run.batch_submitted_at or now for run in runs) + SUBMIT_GRACE + CLOCK_MARGIN
+    try:
+        listing = adapter.batch_list(config, since=since, pages=MAX_LIST_PAGES)
+    except AdapterError as exc:
+        logger.warning("Batches could not be listed to find lost runs (%s): %s", exc.code, exc.message)
+        return 0
+    # Every request of a lost batch is a run still `submitting`: a bigger batch is another's.
+    candidates = [b for b in listing.batches if b.created_at <= until and b.requests <= len(taken)]
+    known = set(HeartbeatRun.objects.filter(batch_id__in=[b.id for b in candidates]).values_list("batch_id", flat=True))
+    unknown = [batch for batch in candidates if batch.id not in known]
+    found = [batch_adopt(adapter, config, batch, taken) for batch in unknown if batch.ended]
+    if not listing.complete:
+        logger.warning("Lost batch runs: %s pages of batches were read, not back to %s", MAX_LIST_PAGES, since)
+    elif None in found or any(not batch.ended for batch in unknown):
+        # Its results cannot be read until it ends: it may hold them, so they wait for it.
+        logger.info("Lost batch runs wait for batches to end or to be read: %s", [b.id for b in unknown])
+    else:
+        too_late(
+            submitted().filter(id__in=[run.id for run in runs], batch_state=BatchState.SUBMITTING),
+            "was lost by a poll that stopped while creating its batch, and no batch at the provider holds it",
+        )
+    return sum(n or 0 for n in found)
+
+
+def _taken(adapter_type: str):
+    """Custom id -> (run id, token) of every run of this runtime being submitted."""
+    rows = submitted().filter(batch_state=BatchState.SUBMITTING, agent__adapter_type=adapter_type)
+    for run_id, token in rows.values_list("id", "batch_id").iterator():
+        yield run_id.hex, (run_id, token)
+
+
+def batch_adopt(adapter: Adapter, config: dict, batch: ListedBatch, taken: dict) -> int | None:
+    """Give the runs whose requests this ended batch holds its id, from `submitting` with
+    their poll's token (two polls never both adopt one); None when it could not be read."""
+    adopted, pending = 0, {}
+    try:
+        for number, found in enumerate(adapter.batch_custom_ids(config, batch.id)):
+            if found not in taken:
+                if number == 0:
+                    return 0  # another's batch (every request of one of ours is in `taken`)
+                continue
+            run_id, token = taken[found]
+            pending.setdefault(token, []).append(run_id)
+            if sum(map(len, pending.values())) >= ADOPT_CHUNK:
+                adopted += _adopt(pending, batch.id)
+    except AdapterError as exc:
+        logger.warning("Batch %s could not be read for lost runs (%s): %s", batch.id, exc.code, exc.message)
+        return None
+    return adopted + _adopt(pending, batch.id)
+
+
+def _adopt(pending: dict, batch_id: str) -> int:
+    adopted = sum(
+        taken_by(token, ids).update(batch_state=BatchState.IN_BATCH, batch_id=batch_id)
+        for token, ids in pending.items()
+    )
+    pending.clear()
+    if adopted:
+        logger.warning("%s runs a poll lost were found in batch %s", adopted, batch_id)
+    return adopted
 
 
 # 2. read

@@ -643,6 +643,9 @@ class HeartbeatRun(models.Model):
     batch_request = models.JSONField(null=True, blank=True)
     batch_answer = models.JSONField(null=True, blank=True)
     batch_deadline_at = models.DateTimeField(null=True, blank=True)
+    # When a poll took it to send (`submitting`): a poll that dies before writing the batch
+    # id leaves the next one to find the batch among those the provider created since.
+    batch_submitted_at = models.DateTimeField(null=True, blank=True)
     # `claude-managed`: the remote session this run sent its task to, written before the
     # task is sent, so a session the run created is never lost to a worker's death.
     managed_session_id = models.CharField(max_length=128, null=True, blank=True, default=None)
@@ -689,6 +692,9 @@ class HeartbeatRun(models.Model):
             models.Index(
                 fields=["batch_state", "created_at"], name="runs_submitted_idx", condition=Q(status="submitted")
             ),
+            # Whether a batch listed at the provider is one of ours (`batches_recover`): only
+            # runs that went in a batch.
+            models.Index(fields=["batch_id"], name="runs_batch_id_idx", condition=~Q(batch_id="")),
         ]
         constraints = [
             # One writer per agent: at most one run in flight (running, or submitted in a

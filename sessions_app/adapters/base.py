@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -186,6 +186,26 @@ class BatchResult:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class ListedBatch:
+    """A batch as the provider lists it: enough to tell whether it may hold a request of
+    ours (when it was created, how many requests) and whether its results can be read."""
+
+    id: str
+    created_at: datetime
+    ended: bool
+    requests: int
+
+
+@dataclass(frozen=True)
+class BatchListing:
+    """The batches created since a moment, newest first; `complete` False when the page
+    bound stopped the listing before it reached that moment."""
+
+    batches: list[ListedBatch]
+    complete: bool
+
+
 class AdapterError(RunFailure):
     """A model call that failed. `code` is stable and stored on the run for operators."""
 
@@ -298,6 +318,16 @@ class Adapter:
 
     def batch_reply(self, request: AdapterRequest, message: dict) -> AdapterReply:
         """A succeeded batch result's message as the reply a direct call would return."""
+        raise NotImplementedError
+
+    def batch_list(self, config: dict, *, since: datetime, pages: int) -> BatchListing:
+        """The provider's batches created at or after `since`, newest first, reading at most
+        `pages` pages (only where `delivers_batch`)."""
+        raise NotImplementedError
+
+    def batch_custom_ids(self, config: dict, batch_id: str) -> Iterator[str]:
+        """The custom ids of an ended batch's results, streamed: a batch may hold 100,000
+        (only where `delivers_batch`)."""
         raise NotImplementedError
 
     def reservation_usd(self, config: dict) -> Decimal | None:

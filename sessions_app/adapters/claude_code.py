@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,9 @@ from sessions_app.adapters.base import (
     AdapterError,
     AdapterReply,
     AdapterRequest,
+    BatchListing,
     BatchResult,
+    ListedBatch,
     is_int,
     is_number,
     usage_error,
@@ -169,6 +172,16 @@ def context_management_of(message) -> dict | None:
     if found is None:
         return None
     return found.model_dump(mode="json", exclude_none=True) if hasattr(found, "model_dump") else dict(found)
+
+
+# The most batches one list request returns (the API's bound).
+BATCH_LIST_PAGE = 1000
+
+
+def listed_batch(batch) -> ListedBatch:
+    counts = batch.request_counts
+    requests = counts.processing + counts.succeeded + counts.errored + counts.canceled + counts.expired
+    return ListedBatch(batch.id, batch.created_at, batch.processing_status == "ended", requests)
 
 
 def batch_result(result) -> BatchResult:
@@ -345,6 +358,33 @@ class ClaudeCodeAdapter(Adapter):
 
     def batch_reply(self, request: AdapterRequest, message: dict) -> AdapterReply:
         return self._reply(request, sdk().types.Message.model_validate(message))
+
+    def batch_list(self, config: dict, *, since: datetime, pages: int) -> BatchListing:
+        def listing(client):
+            found: list[ListedBatch] = []
+            page = client.messages.batches.list(limit=BATCH_LIST_PAGE)
+            for read in range(1, pages + 1):
+                for batch in page.data:
+                    if batch.created_at < since:  # newest first: the rest are older still
+                        return BatchListing(found, complete=True)
+                    found.append(listed_batch(batch))
+                if not page.has_next_page():
+                    return BatchListing(found, complete=True)
+                if read < pages:
+                    page = page.get_next_page()
+            return BatchListing(found, complete=False)
+
+        return self._batch_call(listing, config)
+
+    def batch_custom_ids(self, config: dict, batch_id: str) -> Iterator[str]:
+        lines = self._batch_call(lambda client: client.messages.batches.results(batch_id), config)
+        try:
+            for line in lines:
+                yield line.custom_id
+        except sdk().AnthropicError as exc:
+            raise error_from_sdk(exc) from None
+        finally:
+            lines.close()  # a caller that stops early leaves the rest of the stream unread
 
     def _batch_call(self, action, config: dict):
         try:
