@@ -53,7 +53,7 @@ its unprocessed requests `canceled` and ends. `fake.batch_answers` are the answe
 (succeeded) requests' model and usage, for billing checks; `fake.batch_creates` counts
 create requests and `fake.batch_lists` are the list requests' queries;
 `fake.batch_create_error` (a status) refuses creates; `fake.batch_before` runs when one
-arrives.
+arrives, `fake.batch_results_before` when a request for results does.
 
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
 arrives, before the answer, so a test can put a second actor (the reaper, an expiry, an
@@ -408,10 +408,12 @@ class FakeAnthropic:
         self.batch_seconds = 0.0
         self.batch_outcomes: list[str] = []
         self.batch_answers: list[dict] = []
-        # A status every batch create is answered with instead (None: created), and an
-        # action run in the fake's thread when a create arrives (as a reply's `before`).
+        # A status every batch create is answered with instead (None: created), and actions
+        # run in the fake's thread when a create, or a request for results, arrives (as a
+        # reply's `before`).
         self.batch_create_error: int | None = None
         self.batch_before: Callable[[], None] | None = None
+        self.batch_results_before: Callable[[], None] | None = None
         self.server = QuietServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -621,12 +623,7 @@ class FakeAnthropic:
             return [r["query"] for r in self.requests if r["path"] == "/v1/messages/batches" and r["body"] is None]
 
     def batch_create(self, body: dict) -> tuple[int, dict]:
-        if self.batch_before is not None:
-            try:
-                self.batch_before()
-            except BaseException as exc:  # reported to the test, not to the client
-                with self.lock:
-                    self.action_errors.append(exc)
+        self._batch_action(self.batch_before)
         if self.batch_create_error is not None:
             return self.batch_create_error, api_error(self.batch_create_error, "batch not created")
         requests = body.get("requests")
@@ -648,6 +645,14 @@ class FakeAnthropic:
                 "results": None,
             }
         return 200, self.batch_view(batch_id)
+
+    def _batch_action(self, action: Callable[[], None] | None) -> None:
+        if action is not None:
+            try:
+                action()
+            except BaseException as exc:  # reported to the test, not to the client
+                with self.lock:
+                    self.action_errors.append(exc)
 
     def _batch_end(self, batch: dict) -> None:
         """Answer the batch's requests (cancelled: those not answered are `canceled`)."""
@@ -770,6 +775,7 @@ class FakeAnthropic:
                 elif view["processing_status"] != "ended":
                     self._send_json(400, api_error(400, "results are available once the batch has ended"))
                 else:
+                    fake._batch_action(fake.batch_results_before)
                     lines = fake.batches[parts[3]]["results"]
                     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
                     self.send_response(200)

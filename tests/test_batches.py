@@ -9,7 +9,9 @@ import subprocess
 import sys
 from datetime import timedelta
 from decimal import Decimal
+from unittest.mock import ANY
 
+import anthropic
 import pytest
 from django.utils import timezone
 
@@ -17,7 +19,7 @@ from costs_app.models import CostEvent
 from costs_app.pricing import call_price
 from sessions_app import tasks
 from sessions_app.adapters import AgentConfigError, validate_agent_config
-from sessions_app.batches import batches_poll
+from sessions_app.batches import SUBMIT_GRACE, batches_poll
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_start
 from sessions_app.models import Agent, AgentSession, BatchState, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.stores import store_for
@@ -534,3 +536,171 @@ def test_a_session_ended_while_its_turn_is_in_a_batch_gets_no_answer_and_the_run
         assert [t["run_id"] for t in store_for(kept).read(kept)] == [str(first.id)] * 2
     fresh = AgentSession.objects.get(agent=agent, status="active")
     assert [t["run_id"] for t in store_for(fresh).read(fresh)] == [str(second.id)] * 2
+
+
+# A poll killed between the provider's create and writing the batch id (`batches_recover`).
+
+LOST = "NEW.batch_state = 'in_batch'"  # the write of the batch id, refused as a kill would stop it
+
+
+def poll_killed_after_its_create(now) -> None:
+    """The poll creates its batch at the provider, and is stopped before it writes the id."""
+    with writes_refused("heartbeat_runs", when=LOST):
+        with pytest.raises(Exception, match="refused by a test trigger"):
+            batches_poll(now=now)
+
+
+def another_clients_batch(fake, custom_id="theirs") -> str:
+    """A batch the same workspace holds that this service did not create."""
+    client = anthropic.Anthropic(base_url=fake.base_url, api_key="another-client")
+    params = {"model": "claude-opus-4-5", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+    return client.messages.batches.create(requests=[{"custom_id": custom_id, "params": params}]).id
+
+
+def results_read(fake, batch_id) -> int:
+    return sum(1 for r in fake.requests if r["path"] == f"/v1/messages/batches/{batch_id}/results")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_poll_killed_after_its_batch_create_leaves_the_answer_found_billed_once_and_never_sent_direct(
+    company, fake_anthropic
+):
+    agent = batch_agent(company, session_mode="persistent")
+    run = tick(agent)
+    start = timezone.now()
+    poll_killed_after_its_create(start)
+    (batch,) = fake_anthropic.batches.values()
+    assert HeartbeatRun.objects.get(id=run.id).batch_state == BatchState.SUBMITTING
+    # A create may still be in flight: nothing is looked for yet.
+    assert batches_poll(now=start + timedelta(minutes=20)) == {"submitted": 0, "read": 0, "committed": 0}
+    assert fake_anthropic.batch_lists == []
+    assert batches_poll(now=start + SUBMIT_GRACE + timedelta(minutes=1))["committed"] == 1
+    batches_poll(now=start + timedelta(hours=3))  # and long past its wait: nothing more
+    run.refresh_from_db()
+    assert run.status == RunStatus.SUCCEEDED and run.batch_id == batch["id"]
+    assert fake_anthropic.message_requests == [] and fake_anthropic.batch_creates == 1
+    (row,) = CostEvent.objects.filter(run_id=run.id)
+    assert row.delivery == "batch" and row.cost_usd == batch_bill(fake_anthropic) == run.cost_usd
+    assert [t["content"][0]["text"] for t in history(agent)[1:]] == [run.output]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lost_run_whose_create_never_reached_the_provider_goes_direct_once(company, fake_anthropic):
+    known_agent = batch_agent(company, "known")
+    known = tick(known_agent)
+    batches_poll(now=timezone.now())
+    known.refresh_from_db()
+    theirs = another_clients_batch(fake_anthropic)
+    found_agent, never_agent = batch_agent(company, "found"), batch_agent(company, "never sent")
+    found, never = tick(found_agent), tick(never_agent)
+    start = timezone.now()
+    # Killed twice: once after a create, once after taking its runs and before the create.
+    HeartbeatRun.objects.filter(id=never.id).update(
+        batch_state=BatchState.SUBMITTING, batch_id="submitting-dead", batch_submitted_at=start
+    )
+    poll_killed_after_its_create(start)
+    assert fake_anthropic.batch_creates == 3  # the known, the other client's and the lost one
+
+    batches_poll(now=start + SUBMIT_GRACE + timedelta(minutes=1))
+    never.refresh_from_db()
+    assert never.batch_state == BatchState.DIRECT and "no batch at the provider holds it" in never.warning
+    assert run_dispatched(never_agent).status == RunStatus.SUCCEEDED
+    batches_poll(now=start + timedelta(hours=3))
+
+    assert HeartbeatRun.objects.get(id=found.id).status == RunStatus.SUCCEEDED
+    assert HeartbeatRun.objects.get(id=never.id).status == RunStatus.SUCCEEDED
+    assert len(fake_anthropic.message_requests) == 1  # the one never sent, once
+    assert sorted(CostEvent.objects.values_list("run_id", "delivery")) == sorted(
+        [(known.id, "batch"), (found.id, "batch"), (never.id, "direct")]
+    )
+    # The batch a run names is not read again; another client's is read to its first line.
+    assert results_read(fake_anthropic, known.batch_id) == 1 and results_read(fake_anthropic, theirs) == 1
+    assert not any(b["cancelled"] for b in fake_anthropic.batches.values())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_polls_recovering_one_lost_batch_adopt_bill_and_commit_each_run_once(company, fake_anthropic):
+    from tests.conftest import on_own_connection
+
+    agents = [batch_agent(company, f"agent {n}", session_mode="persistent") for n in range(3)]
+    runs = [tick(agent) for agent in agents]
+    start = timezone.now()
+    poll_killed_after_its_create(start)
+    later = start + SUBMIT_GRACE + timedelta(minutes=1)
+    second = []
+
+    def second_poll():
+        fake_anthropic.batch_results_before = None
+        second.append(batches_poll(now=later))
+
+    # The worst moment: the first poll has listed the batch, found no run naming it, and
+    # asks for its results; the second, on its own connection, recovers it all.
+    fake_anthropic.batch_results_before = on_own_connection(second_poll)
+    first = batches_poll(now=later)
+
+    assert second == [{"submitted": 0, "read": 3, "committed": 3}]
+    assert first == {"submitted": 0, "read": 0, "committed": 0}
+    assert all(HeartbeatRun.objects.get(id=run.id).status == RunStatus.SUCCEEDED for run in runs)
+    assert CostEvent.objects.count() == 3 and set(CostEvent.objects.values_list("delivery", flat=True)) == {"batch"}
+    assert fake_anthropic.message_requests == [] and len(fake_anthropic.batch_answers) == 3
+    assert all(len(history(agent)) == 2 for agent in agents)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lost_batch_still_processing_past_the_wait_is_waited_for_never_cancelled_and_never_answered_twice(
+    company, fake_anthropic
+):
+    fake_anthropic.batch_seconds = 3 * 3600
+    clock = [0.0]
+    fake_anthropic.clock = lambda: clock[0]
+    agent = batch_agent(company, batch_max_wait_minutes=30)
+    run = tick(agent)
+    start = timezone.now()
+    poll_killed_after_its_create(start)
+    (batch,) = fake_anthropic.batches.values()
+    # Past its wait and the grace: its results cannot be read yet, and the batch cannot be
+    # told from another client's, so the run waits for it.
+    for minutes in (31, 61, 120):
+        assert batches_poll(now=start + timedelta(minutes=minutes)) == {"submitted": 0, "read": 0, "committed": 0}
+        assert HeartbeatRun.objects.get(id=run.id).batch_state == BatchState.SUBMITTING
+    assert not batch["cancelled"] and fake_anthropic.message_requests == []
+    clock[0] += 3 * 3600
+    assert batches_poll(now=start + timedelta(hours=3))["committed"] == 1
+    run.refresh_from_db()
+    assert run.status == RunStatus.SUCCEEDED and run.batch_id == batch["id"]
+    assert fake_anthropic.message_requests == [] and not batch["cancelled"]
+    assert list(CostEvent.objects.values_list("delivery", flat=True)) == ["batch"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_search_for_a_lost_batch_reads_a_bounded_number_of_pages_and_stops_at_its_submit_time(
+    company, fake_anthropic, monkeypatch, caplog
+):
+    from sessions_app import batches
+    from sessions_app.adapters import claude_code
+
+    monkeypatch.setattr(claude_code, "BATCH_LIST_PAGE", 2)
+    monkeypatch.setattr(batches, "MAX_LIST_PAGES", 1)
+    agent = batch_agent(company)
+    run = tick(agent)
+    older = [another_clients_batch(fake_anthropic, f"old-{n}") for n in range(4)]
+    for batch_id in older:
+        fake_anthropic.batches[batch_id]["created_at"] = "2020-01-01T00:00:00Z"
+    start = timezone.now()
+    poll_killed_after_its_create(start)
+    for n in range(3):
+        another_clients_batch(fake_anthropic, f"new-{n}")
+    later = start + SUBMIT_GRACE + timedelta(minutes=1)
+
+    batches_poll(now=later)  # one page of two: the lost batch is on the second
+    assert HeartbeatRun.objects.get(id=run.id).batch_state == BatchState.SUBMITTING
+    assert "pages of batches were read" in caplog.text and fake_anthropic.message_requests == []
+    assert len(fake_anthropic.batch_lists) == 1
+
+    monkeypatch.setattr(batches, "MAX_LIST_PAGES", 10)
+    batches_poll(now=later)
+    run.refresh_from_db()
+    assert run.status == RunStatus.SUCCEEDED and fake_anthropic.message_requests == []
+    # Pages of two: the three newer and the lost one, then the first older than its submit time.
+    assert [q.get("after_id") for q in fake_anthropic.batch_lists[1:]] == [None, [ANY], [ANY]]
+    assert not any(results_read(fake_anthropic, batch_id) for batch_id in older)
