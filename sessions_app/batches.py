@@ -60,6 +60,9 @@ CLOCK_MARGIN = timedelta(minutes=10)
 MAX_LIST_PAGES = 5
 # Runs given a batch id in one statement when a lost batch is found.
 ADOPT_CHUNK = 500
+# A create that failed these ways may have made its batch (no answer came back, or the
+# server failed after taking the request); a refusal (4xx, 529 overloaded) made none.
+MAYBE_CREATED = frozenset({"model_timeout", "model_unreachable", "model_server_error"})
 
 
 def custom_id(run) -> str:
@@ -126,8 +129,21 @@ def _send(runs: list, *, adapter_type: str, token: str) -> int:
     try:
         batch_id = adapter.batch_send(config, [(custom_id(run), run.batch_request) for run in runs])
     except AdapterError as exc:
-        # Refused (or unanswered): nothing was created, or nothing we can find; parked
-        # again, they are sent by the next poll, or direct once their wait has passed.
+        if exc.code in MAYBE_CREATED:
+            # Left `submitting`, as by a poll killed after its create: once any create is
+            # over, the batch is looked for at the provider, and the runs go direct only if
+            # no batch holds them (`batches_recover`). Sent again now, they could be
+            # answered twice.
+            logger.warning(
+                "A batch of %s runs may have been created (%s): %s; it is looked for after %s",
+                len(runs),
+                exc.code,
+                exc.message,
+                SUBMIT_GRACE,
+            )
+            return 0
+        # Refused: nothing was created; parked again, they are sent by the next poll, or
+        # direct once their wait has passed.
         logger.warning("A batch of %s runs was not created (%s): %s", len(runs), exc.code, exc.message)
         taken_by(token, ids).update(batch_state=BatchState.PARKED, batch_id="")
         return 0

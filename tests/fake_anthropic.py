@@ -52,7 +52,8 @@ taken per request answered, in order; "succeeded" otherwise). A cancelled batch 
 its unprocessed requests `canceled` and ends. `fake.batch_answers` are the answered
 (succeeded) requests' model and usage, for billing checks; `fake.batch_creates` counts
 create requests and `fake.batch_lists` are the list requests' queries;
-`fake.batch_create_error` (a status) refuses creates; `fake.batch_before` runs when one
+`fake.batch_create_error` (a status) refuses creates, `fake.batch_create_answer_lost` (a
+status) answers one with it after making the batch; `fake.batch_before` runs when one
 arrives, `fake.batch_results_before` when a request for results does.
 
 Any reply may carry `before=callable`: it runs in the fake's thread when the request
@@ -412,6 +413,9 @@ class FakeAnthropic:
         # run in the fake's thread when a create, or a request for results, arrives (as a
         # reply's `before`).
         self.batch_create_error: int | None = None
+        # A status a create is answered with after the batch was made (an answer lost on its
+        # way back: the client cannot know whether it exists).
+        self.batch_create_answer_lost: int | None = None
         self.batch_before: Callable[[], None] | None = None
         self.batch_results_before: Callable[[], None] | None = None
         self.server = QuietServer(("127.0.0.1", 0), self._handler_class())
@@ -644,6 +648,8 @@ class FakeAnthropic:
                 "cancelled": False,
                 "results": None,
             }
+        if self.batch_create_answer_lost is not None:
+            return self.batch_create_answer_lost, api_error(self.batch_create_answer_lost, "internal error")
         return 200, self.batch_view(batch_id)
 
     def _batch_action(self, action: Callable[[], None] | None) -> None:

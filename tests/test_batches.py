@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from decimal import Decimal
 from unittest.mock import ANY
@@ -187,6 +188,40 @@ def test_a_batch_the_api_refuses_to_create_stays_parked_and_is_sent_by_a_later_p
     run.refresh_from_db()
     assert run.status == RunStatus.SUCCEEDED and CostEvent.objects.count() == 1
     assert fake_anthropic.batch_creates == 2 and fake_anthropic.message_requests == []
+
+
+@pytest.mark.parametrize("lost_with", [500, "timeout"])
+def test_a_create_whose_answer_is_lost_is_never_sent_again_and_its_batch_is_found(company, fake_anthropic, lost_with):
+    """The provider made the batch and its answer never came back (a 500 after the create,
+    or no answer before the client's timeout). Sent again by the SDK's retry or the next
+    poll, the request would be answered, and charged, twice: the SDK does not retry the
+    create, the runs wait `submitting`, and once any create is over the batch is found at
+    the provider, its answer billed once at batch price and committed."""
+    agent = batch_agent(company, session_mode="persistent", timeout_seconds=1, max_retries=2)
+    run = tick(agent)
+    start = timezone.now()
+    if lost_with == "timeout":
+        fake_anthropic.batch_before = lambda: time.sleep(2)
+    else:
+        fake_anthropic.batch_create_answer_lost = lost_with
+    assert batches_poll(now=start)["submitted"] == 0
+    fake_anthropic.batch_before, fake_anthropic.batch_create_answer_lost = None, None
+    deadline = time.monotonic() + 10
+    while not fake_anthropic.batches and time.monotonic() < deadline:
+        time.sleep(0.05)  # the create the client gave up on is still being made
+    assert fake_anthropic.batch_creates == 1  # no retry of the create
+    run.refresh_from_db()
+    assert (run.status, run.batch_state) == (RunStatus.SUBMITTED, BatchState.SUBMITTING)
+
+    batches_poll(now=start + timedelta(minutes=5))
+    assert fake_anthropic.batch_creates == 1  # nor a second create by the next poll
+    assert batches_poll(now=start + SUBMIT_GRACE + timedelta(minutes=1))["committed"] == 1
+    run.refresh_from_db()
+    (batch,) = fake_anthropic.batches.values()
+    assert run.status == RunStatus.SUCCEEDED and run.batch_id == batch["id"]
+    assert fake_anthropic.message_requests == [] and fake_anthropic.batch_creates == 1
+    (row,) = CostEvent.objects.filter(run_id=run.id)
+    assert row.delivery == "batch" and row.cost_usd == batch_bill(fake_anthropic)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -343,7 +343,11 @@ class ClaudeCodeAdapter(Adapter):
 
     def batch_send(self, config: dict, entries: list[tuple[str, dict]]) -> str:
         requests = [{"custom_id": custom_id, "params": params} for custom_id, params in entries]
-        return self._batch_call(lambda client: client.messages.batches.create(requests=requests), config).id
+        # Never retried by the SDK: a create whose answer was lost may have made its batch,
+        # and a second create would have every request answered, and charged, twice.
+        return self._batch_call(
+            lambda client: client.with_options(max_retries=0).messages.batches.create(requests=requests), config
+        ).id
 
     def batch_read(self, config: dict, batch_id: str) -> dict[str, BatchResult] | None:
         def read(client):
