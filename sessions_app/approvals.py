@@ -11,8 +11,9 @@ row lock or a worker while the run waits.
   expiry, exactly one wins; the loser is told the run no longer waits.
 - Unanswered past `approval_timeout_minutes` the run fails `approval_expired` and the remote
   turn is interrupted, so the agent spends nothing more on it.
-- A clear of the session's history ends its waiting runs (`approvals_end_with_history`): the
-  remote session they wait on goes with the cleared turns.
+- A clear of the session's history, a delete or an operator's expiry of the session, and the
+  agent's retirement end its waiting runs (`approvals_end`): the remote session they wait on
+  ends with ours. (The TTL never expires a session whose run waits: it is in flight.)
 - A decided run whose hand-off to the task queue failed or was lost keeps its decision; the
   maintenance pass hands it over again (`approvals_dispatch`), as it does lost queued runs.
 """
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 
 from sessions_app.errors import QueueUnavailable, RunFailure
 from sessions_app.managed_sessions import remote_turn_stop
@@ -94,23 +96,53 @@ def approval_decide(run: HeartbeatRun, *, allow: bool, reason: str = "", by: str
     return run
 
 
-def approvals_end_with_history(*, session_id, now: datetime) -> int:
-    """Inside the transaction that clears a session's history, its row locked: its runs still
-    waiting for an approval, decided or not (no worker has taken them), fail
-    `session_conflict`. Their turns are part of the conversation being cleared, on a remote
-    session that is archived after the COMMIT: a confirmation sent later would pay for the
-    rest of a turn whose answer can never be kept. Ended in this transaction, a decision
-    after it is refused as for any run that no longer waits, and a decided run's worker
-    finds nothing to continue. The time each turn ran so far goes to the row, which the
-    clear then bills. Returns how many ended."""
-    waiting = HeartbeatRun.objects.filter(session_id=session_id, status=RunStatus.WAITING_APPROVAL)
+class WaitEnd(NamedTuple):
+    """Why a waiting turn ends with its session, in the code the docs give a turn cut off
+    that way while the model answered, and what its run says."""
+
+    code: str
+    message: str
+
+
+CLEARED = WaitEnd(
+    "session_conflict",
+    "The session's history was cleared while this turn waited for an approval: the turn ended with the "
+    "cleared conversation and its remote session, and nothing more was sent.",
+)
+DELETED = WaitEnd(
+    "session_deleted",
+    "The session was deleted while this turn waited for an approval: the turn ended with it and its remote "
+    "session, and nothing more was sent.",
+)
+AGENT_DELETED = WaitEnd(
+    "agent_deleted",
+    "The agent was deleted while this turn waited for an approval: the turn ended with it and its remote "
+    "session, and nothing more was sent.",
+)
+EXPIRED = WaitEnd(
+    "session_ended",
+    "The session was expired while this turn waited for an approval: the turn ended with it and its remote "
+    "session, and nothing more was sent.",
+)
+
+
+def approvals_end(*, runs: QuerySet[HeartbeatRun], why: WaitEnd, now: datetime) -> int:
+    """Inside the transaction that clears, deletes or expires the runs' sessions (or retires
+    their agent), the session rows locked: those of `runs` still waiting for an approval,
+    decided or not (no worker has taken them), fail `why.code`. The remote session they wait
+    on is ended after the COMMIT: a confirmation sent later would pay for the rest of a turn
+    whose answer can never be kept. Ended in this transaction, a decision after it is refused
+    as for any run that no longer waits, and a decided run's worker finds nothing to
+    continue. The time each turn ran so far goes to its session's row, so the caller must
+    call this before it bills the row (and, for a delete, before the row goes, or the time
+    would be added to a row never billed); a run with no row (stateless) bills it at once.
+    Nothing is sent to the provider here. Returns how many ended."""
     ended = 0
-    for run in waiting.only("id", "managed_turn"):
+    for run in runs.filter(status=RunStatus.WAITING_APPROVAL).only("id", "managed_turn"):
         ended += run_fail(
             run,
-            code="session_conflict",
-            message="The session's history was cleared while this turn waited for an approval: the turn "
-            "ended with the cleared conversation and its remote session, and nothing more was sent.",
+            code=why.code,
+            message=why.message,
             now=now,
             active_seconds=float((run.managed_turn or {}).get("active_seconds") or 0.0),
         )

@@ -16,7 +16,7 @@ from django.utils import timezone
 from costs_app.alerts import budget_alerts_fire
 from costs_app.budgets import budget_uses, budgets_releasable, crossed_scopes
 from memory_app.stores import agent_memory_delete
-from sessions_app.approvals import approvals_end_with_history
+from sessions_app.approvals import AGENT_DELETED, CLEARED, DELETED, EXPIRED, approvals_end
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.managed_outputs import outputs_delete
 from sessions_app.managed_sessions import managed_ends_for_sessions, managed_session_clear
@@ -60,6 +60,9 @@ def sessions_delete(*, sessions: QuerySet[AgentSession], now: datetime) -> int:
         # lines it writes are read (and deleted) only once it has committed.
         locked = AgentSession.objects.select_for_update().filter(id__in=sessions.values("id")).order_by("pk")
         rows = list(locked.values_list("id", "agent_id", "store", "cli_session_id"))
+        # Turns waiting for an approval go with their remote session, before the bill: their
+        # time so far goes to the row, billed below with the rest, while the row still exists.
+        approvals_end(runs=HeartbeatRun.objects.filter(session_id__in=[row[0] for row in rows]), why=DELETED, now=now)
         # Claude Code transcripts: their rows go with this transaction, files after it.
         cli_sessions_delete([(agent_id, cli_id) for _, agent_id, _, cli_id in rows])
         # Managed Agents sessions: deleted at the provider after this commit, retried until done.
@@ -85,6 +88,9 @@ def session_expire(*, session: AgentSession, now: datetime) -> bool:
         )
         if updated:
             managed_ends_for_sessions([session.pk], action=ManagedEndAction.ARCHIVE)
+            # Its turn waiting for an approval ends with it (the TTL skips such a session; an
+            # operator does not), its time so far billed with the row's.
+            approvals_end(runs=HeartbeatRun.objects.filter(session_id=session.pk), why=EXPIRED, now=now)
         session_hours_bill(session_ids=[session.pk], now=now)
     return bool(updated)
 
@@ -109,7 +115,7 @@ def session_clear_history(*, session: AgentSession, now: datetime | None = None)
             locked.cli_session_id, locked.cli_transcript_sizes = "", None
             # A Managed Agents session holds the whole conversation at the provider: it goes too,
             # and so do the turns waiting there for an approval (their time billed with the row's).
-            approvals_end_with_history(session_id=locked.pk, now=now)
+            approvals_end(runs=HeartbeatRun.objects.filter(session_id=locked.pk), why=CLEARED, now=now)
             remote_fields = managed_session_clear(locked, now=now)
             locked.message_count = 0
             locked.last_input_tokens = None
@@ -200,6 +206,10 @@ def agent_delete(*, agent: Agent, now: datetime) -> None:
         HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).update(
             status=RunStatus.FAILED, error_code="agent_deleted", error="The agent was deleted.", finished_at=now
         )
+        # Said as the agent's end, before its sessions go (their rows take the turns' time);
+        # a stateless turn's, with no row, is billed at once, and its remote session archived
+        # by the maintenance pass as any ended run's that no row names.
+        approvals_end(runs=HeartbeatRun.objects.filter(agent=agent), why=AGENT_DELETED, now=now)
         sessions_delete(sessions=AgentSession.objects.filter(agent=agent), now=now)
         agent_memory_delete(agent_ids=[agent.pk])
         outputs_delete(agent_ids=[agent.pk])

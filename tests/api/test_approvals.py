@@ -11,10 +11,11 @@ from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
 from costs_app.pricing import session_hour_rate, session_hours_cost
-from sessions_app.approvals import approvals_dispatch, approvals_expire
+from sessions_app.approvals import ApprovalRefused, approval_decide, approvals_dispatch, approvals_expire
+from sessions_app.maintenance import maintenance_pass, sessions_expire
 from sessions_app.models import AgentSession, HeartbeatRun, RunStatus
 from sessions_app.run_queue import heartbeat_enqueue
-from sessions_app.services import session_clear_history
+from sessions_app.services import session_clear_history, session_expire
 from sessions_app.stores import store_for
 from tests.api.conftest import agent_url, assert_error
 from tests.conftest import beat, managed_agent, run_queued_tasks, task_queue_down
@@ -180,6 +181,105 @@ def test_an_approval_after_the_history_is_cleared_is_refused_and_sends_nothing(a
     assert hours.cost_usd == session_hours_cost(60.0, rate=session_hour_rate())
     session.refresh_from_db()
     assert (session.managed_session_id, session.unbilled_active_seconds) == (None, 0)
+
+
+def _delete_by_api(api, agent, session):
+    assert api.delete(agent_url(agent, f"/sessions/{session.public_id}")).status_code == 204
+
+
+def _expire_by_operator(api, agent, session):
+    # The maintenance pass leaves it: a session whose run waits is in flight, whatever its TTL.
+    AgentSession.objects.filter(pk=session.pk).update(expires_at=timezone.now() - timedelta(hours=1))
+    assert sessions_expire(now=timezone.now()) == 0
+    assert session_expire(session=session, now=timezone.now())
+
+
+def _retire_agent_by_api(api, agent, session):
+    assert api.delete(agent_url(agent)).status_code == 204
+
+
+ENDINGS = {
+    "session deleted": (_delete_by_api, "session_deleted", "session was deleted", (409, "run_not_waiting_approval")),
+    "session expired by the operator": (
+        _expire_by_operator,
+        "session_ended",
+        "session was expired",
+        (409, "run_not_waiting_approval"),
+    ),
+    # A retired agent's runs are no longer the API's (404); the admin's decision is refused below.
+    "agent retired": (_retire_agent_by_api, "agent_deleted", "agent was deleted", (404, "not_found")),
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_an_approval_after_the_session_ends_is_refused_and_sends_nothing(api, company, fake_managed, ending):
+    """A delete, an operator's expiry or the agent's retirement ends the remote session the
+    turn waits on: the waiting run ends with it, in the same transaction, so an operator's
+    approval afterwards is refused and nothing reaches the provider, and the turn's time
+    so far is billed once, with the row's (before: the run kept waiting, an approval sent
+    `user.tool_confirmation` to the remote session being ended and paid for the rest of the
+    turn, whose commit then failed)."""
+    end, code, said, refused = ENDINGS[ending]
+    agent = asking_agent(company)
+    fake_managed.active_seconds_per_turn = 30.0
+    assert beat(agent, "look around").status == RunStatus.SUCCEEDED
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+    session = AgentSession.objects.get(agent=agent)
+    remote_id = session.managed_session_id
+    assert (waiting.status, waiting.managed_session_id) == (RunStatus.WAITING_APPROVAL, remote_id)
+    remote_seconds = fake_managed.sessions[remote_id]["usage"]["active_seconds"]
+    assert remote_seconds == 60.0
+    events = fake_managed.events[remote_id]  # kept after the fake deletes the session
+
+    end(api, agent, session)
+
+    assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/approve")), *refused)
+    assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/deny")), *refused)
+    run = HeartbeatRun.objects.get(pk=waiting.pk)
+    with pytest.raises(ApprovalRefused, match="does not wait"):  # the admin's action
+        approval_decide(run, allow=True, by="admin", now=timezone.now())
+    assert (run.status, run.error_code) == (RunStatus.FAILED, code)
+    assert said in run.error
+    assert approvals_dispatch() == 0
+    run_queued_tasks()
+    maintenance_pass(now=timezone.now())
+    run_queued_tasks()
+
+    assert [e["type"] for e in events].count("user.tool_confirmation") == 0
+    assert HeartbeatRun.objects.get(pk=waiting.pk).status == RunStatus.FAILED
+    billed = CostEvent.objects.filter(run_id=run.id, kind=CostKind.MESSAGE, input_tokens__gt=0)
+    assert list(billed.values_list("input_tokens", flat=True)) == [300]  # only the part before the wait
+    # Both turns' remote time, once: the row's, billed as it ended, the waiting turn's with it.
+    hours = CostEvent.objects.filter(agent=agent, kind=CostKind.SESSION_HOURS)
+    assert [h.cost_usd for h in hours] == [session_hours_cost(remote_seconds, rate=session_hour_rate())]
+    assert not AgentSession.objects.filter(unbilled_active_seconds__gt=0).exists()
+
+
+def test_a_stateless_turn_waiting_when_its_agent_is_retired_ends_billed_and_its_session_is_archived(
+    api, company, fake_managed
+):
+    """No row holds a stateless turn's time: the retirement bills it at once, and the maintenance
+    pass archives its remote session as any ended run's that no row names."""
+    agent = asking_agent(company, session_mode="stateless")
+    fake_managed.active_seconds_per_turn = 30.0
+    fake_managed.script(None, ASKING)
+    waiting = beat(agent, "clean the build")
+    (remote,) = fake_managed.sessions.values()
+
+    assert api.delete(agent_url(agent)).status_code == 204
+
+    run = HeartbeatRun.objects.get(pk=waiting.pk)
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "agent_deleted")
+    with pytest.raises(ApprovalRefused, match="does not wait"):
+        approval_decide(run, allow=True, by="admin", now=timezone.now())
+    maintenance_pass(now=timezone.now())
+    run_queued_tasks()
+    assert [e["type"] for e in fake_managed.events[remote["id"]]].count("user.tool_confirmation") == 0
+    assert fake_managed.sessions[remote["id"]]["archived_at"] is not None
+    (hours,) = CostEvent.objects.filter(agent=agent, kind=CostKind.SESSION_HOURS)
+    assert (hours.session_id, remote["usage"]["active_seconds"]) == (None, 30.0)
+    assert hours.cost_usd == session_hours_cost(30.0, rate=session_hour_rate())
 
 
 def test_a_decision_after_the_deadline_is_refused_even_before_the_expiry_runs(api, company, fake_managed):
