@@ -304,6 +304,14 @@ def call_cost_bound(
     return cost
 
 
+def budgets_lock(*, company_id) -> None:
+    """Inside the caller's transaction: the company row's lock, taken by every decision on
+    the company's budgets that reads its use and then acts on it (a reservation, a pause for
+    budget, a release), so that none acts on a use or a limit another has changed meanwhile.
+    On SQLite the IMMEDIATE transaction already serialises them."""
+    Company.objects.select_for_update().filter(id=company_id).first()
+
+
 def budget_reserve(*, run, agent, estimate: Decimal | None, now: datetime, model: str = "") -> str:
     """Hold `estimate` for this run against every applicable limit, or refuse.
 
@@ -313,7 +321,7 @@ def budget_reserve(*, run, agent, estimate: Decimal | None, now: datetime, model
     with transaction.atomic():
         # One reservation at a time per company: the lock makes check-then-reserve atomic
         # across processes (on SQLite the IMMEDIATE transaction does the same).
-        Company.objects.select_for_update().filter(id=agent.company_id).first()
+        budgets_lock(company_id=agent.company_id)
         uses = budget_uses(company_id=agent.company_id, agent_id=agent.id, now=now, exclude_run_id=run.id)
         refusal = _refusal(uses, estimate, model)
         if refusal is None and estimate is None and _session_limited(company_id=agent.company_id, agent_id=agent.id):

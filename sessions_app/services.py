@@ -14,7 +14,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from costs_app.alerts import budget_alerts_fire
-from costs_app.budgets import budget_uses, budgets_releasable, crossed_scopes
+from costs_app.budgets import budget_uses, budgets_lock, budgets_releasable, crossed_scopes
 from memory_app.stores import agent_memory_delete
 from sessions_app.approvals import AGENT_DELETED, CLEARED, DELETED, EXPIRED, approvals_end
 from sessions_app.cli_transcripts import cli_sessions_delete
@@ -162,32 +162,41 @@ def budgets_enforce(*, agent: Agent, now: datetime) -> bool:
     """Pause the agents a spent monthly or lifetime limit covers: the agent, or every
     active agent of its company for a company limit. True when any limit is spent.
     The thresholds the agent's limits reached fire their alerts (costs_app.alerts)."""
-    uses = budget_uses(company_id=agent.company_id, agent_id=agent.id, now=now)
-    # Thresholds crossed are announced (once per period) whether or not anyone is paused.
+    with transaction.atomic():
+        # The read and the pause under the lock a release takes too: a budget raised before
+        # it is read here, and one raised after waits for the pause to commit and then
+        # releases it (without the lock its release could run between the read and the
+        # pause, find nobody paused, and leave the agent paused until the maintenance pass).
+        budgets_lock(company_id=agent.company_id)
+        uses = budget_uses(company_id=agent.company_id, agent_id=agent.id, now=now)
+        crossed = crossed_scopes(uses)
+        if crossed:
+            targets = Agent.objects.filter(status=AgentStatus.ACTIVE)
+            if "company" in crossed:
+                targets = targets.filter(company_id=agent.company_id)
+            else:
+                targets = targets.filter(id=agent.id)
+            for target in targets:
+                agent_pause(agent=target, reason=PausedReason.BUDGET)
+    # Thresholds crossed are announced (once per period) whether or not anyone is paused,
+    # after the lock: a delivery's hand-off to the task queue holds no reservation back.
     budget_alerts_fire(uses=uses, now=now)
-    crossed = crossed_scopes(uses)
-    if not crossed:
-        return False
-    targets = Agent.objects.filter(status=AgentStatus.ACTIVE)
-    if "company" in crossed:
-        targets = targets.filter(company_id=agent.company_id)
-    else:
-        targets = targets.filter(id=agent.id)
-    for target in targets:
-        agent_pause(agent=target, reason=PausedReason.BUDGET)
-    return True
+    return bool(crossed)
 
 
 def budgets_release(*, company_id, now: datetime) -> int:
     """Resume the company's agents paused by budget that no limit holds back any more
     (a budget raised or removed, a new month). Returns how many were resumed."""
-    paused = list(
-        Agent.objects.filter(company_id=company_id, status=AgentStatus.PAUSED, paused_reason=PausedReason.BUDGET)
-    )
-    released = set(budgets_releasable(company_id=company_id, agent_ids=[agent.id for agent in paused], now=now))
-    for agent in paused:
-        if agent.id in released:
-            agent_resume(agent=agent)
+    with transaction.atomic():
+        # Waits for a pause for budget under way (`budgets_enforce`), so its agents are seen.
+        budgets_lock(company_id=company_id)
+        paused = list(
+            Agent.objects.filter(company_id=company_id, status=AgentStatus.PAUSED, paused_reason=PausedReason.BUDGET)
+        )
+        released = set(budgets_releasable(company_id=company_id, agent_ids=[agent.id for agent in paused], now=now))
+        for agent in paused:
+            if agent.id in released:
+                agent_resume(agent=agent)
     return len(released)
 
 

@@ -14,9 +14,12 @@ from django.db import connection
 from django.db.models import Sum
 from django.utils import timezone
 
+from costs_app.budget_views import budget_set
 from costs_app.budgets import budget_uses
 from costs_app.models import Budget, CostEvent, CostKind, ModelPrice
 from costs_app.pricing import MILLION, price_table
+from costs_app.signals import budget_changed
+from sessions_app import services
 from sessions_app.context import build_request, context_settings, estimate_tokens
 from sessions_app.errors import HeartbeatRefused
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_wait
@@ -371,6 +374,44 @@ def test_hard_limit_pauses_the_agent_and_raising_the_budget_resumes_it(persisten
     persistent_agent.refresh_from_db()
     assert persistent_agent.status == AgentStatus.ACTIVE
     assert beat(persistent_agent, "back").status == RunStatus.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_budget_raised_while_the_pause_for_budget_is_decided_leaves_the_agent_active(persistent_agent, monkeypatch):
+    """The worst moment for the raise: the enforcement has read the spent limit and not yet
+    paused the agent, when an operator raises the budget (its own connection, as the API's
+    PUT does: the write, then `budget_changed`). The raise's release waits for the pause to
+    commit and then resumes the agent, with no maintenance pass (before: the release ran in
+    between, found nobody paused, and the agent stayed paused until the next pass)."""
+    agent = persistent_agent
+    Budget.objects.create(company=agent.company, agent=agent, lifetime_limit_usd=Decimal("0.11"))
+    CostEvent.objects.create(company=agent.company, agent=agent, model="claude-opus-4-5", cost_usd=Decimal("0.12"))
+
+    def raise_budget():
+        budget_set(company=agent.company, agent=agent, values={"lifetime_limit_usd": Decimal("10")})
+        budget_changed.send(sender=Budget, company_id=agent.company_id, now=timezone.now())
+
+    raised = []
+    read_then_pause = services.crossed_scopes
+
+    def between_the_read_and_the_pause(uses):
+        raiser = Actor(raise_budget)
+        raiser.start()
+        raised.append(raiser)
+        try:
+            wait_until_blocked(raiser)  # on the lock the enforcement holds
+        except AssertionError:
+            raiser.result()  # it did not wait: its release has run already
+        return read_then_pause(uses)
+
+    monkeypatch.setattr(services, "crossed_scopes", between_the_read_and_the_pause)
+    assert services.budgets_enforce(agent=agent, now=timezone.now())  # the limit it read was spent
+    (raiser,) = raised
+    raiser.result()
+
+    agent.refresh_from_db()
+    assert (agent.status, agent.paused_reason) == (AgentStatus.ACTIVE, "")
+    assert Budget.objects.get(agent=agent).lifetime_limit_usd == Decimal("10")
 
 
 def test_a_summary_call_is_reserved_too_and_refused_before_any_request(company, fake_anthropic):
