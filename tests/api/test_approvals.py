@@ -144,20 +144,27 @@ def test_an_unanswered_approval_expires_and_the_remote_turn_is_interrupted(api, 
     assert_error(api.post(agent_url(agent, f"/runs/{waiting.id}/approve")), 409, "run_not_waiting_approval")
 
 
-def test_an_approval_after_the_history_is_cleared_is_refused_and_sends_nothing(api, company, fake_managed):
-    """The clear archives the remote session the turn waits on: the waiting run ends with
-    it, in the clear's transaction, so an operator's approval afterwards answers what the
-    run is (409) and nothing reaches the provider (before: the approval was taken, the
-    confirmation sent to the archived session and the rest of the turn paid for, only for
-    its commit to fail `session_conflict`)."""
+def a_turn_waiting_on_its_second_turn(company, fake_managed):
+    """A persistent agent whose second turn (30 remote seconds each) waits for an approval:
+    the agent, the waiting run and its session."""
     agent = asking_agent(company)
     fake_managed.active_seconds_per_turn = 30.0
     assert beat(agent, "look around").status == RunStatus.SUCCEEDED
     fake_managed.script(None, ASKING)
     waiting = beat(agent, "clean the build")
     session = AgentSession.objects.get(agent=agent)
+    assert (waiting.status, waiting.managed_session_id) == (RunStatus.WAITING_APPROVAL, session.managed_session_id)
+    return agent, waiting, session
+
+
+def test_an_approval_after_the_history_is_cleared_is_refused_and_sends_nothing(api, company, fake_managed):
+    """The clear archives the remote session the turn waits on: the waiting run ends with
+    it, in the clear's transaction, so an operator's approval afterwards answers what the
+    run is (409) and nothing reaches the provider (before: the approval was taken, the
+    confirmation sent to the archived session and the rest of the turn paid for, only for
+    its commit to fail `session_conflict`)."""
+    agent, waiting, session = a_turn_waiting_on_its_second_turn(company, fake_managed)
     remote_id = session.managed_session_id
-    assert (waiting.status, waiting.managed_session_id) == (RunStatus.WAITING_APPROVAL, remote_id)
 
     assert session_clear_history(session=session)
 
@@ -220,14 +227,8 @@ def test_an_approval_after_the_session_ends_is_refused_and_sends_nothing(api, co
     `user.tool_confirmation` to the remote session being ended and paid for the rest of the
     turn, whose commit then failed)."""
     end, code, said, refused = ENDINGS[ending]
-    agent = asking_agent(company)
-    fake_managed.active_seconds_per_turn = 30.0
-    assert beat(agent, "look around").status == RunStatus.SUCCEEDED
-    fake_managed.script(None, ASKING)
-    waiting = beat(agent, "clean the build")
-    session = AgentSession.objects.get(agent=agent)
+    agent, waiting, session = a_turn_waiting_on_its_second_turn(company, fake_managed)
     remote_id = session.managed_session_id
-    assert (waiting.status, waiting.managed_session_id) == (RunStatus.WAITING_APPROVAL, remote_id)
     remote_seconds = fake_managed.sessions[remote_id]["usage"]["active_seconds"]
     assert remote_seconds == 60.0
     events = fake_managed.events[remote_id]  # kept after the fake deletes the session
