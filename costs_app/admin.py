@@ -9,6 +9,7 @@ from decimal import Decimal
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
+from django.db import transaction
 from django.db.models import (
     Case,
     Count,
@@ -47,6 +48,7 @@ from costs_app.models import (
 from costs_app.money import amount_text, usd
 from costs_app.pricing import LIBRARY_SOURCE, is_priced, library_table
 from costs_app.reports import daily_costs_by_agent, input_growth, window_start
+from costs_app.signals import budget_changed
 from sessions_app.admin import LargeTableAdmin, ModelNameFilter, admin_link, is_changelist, money_column
 from sessions_app.admin.common import (
     COMPANY_CHOICES_CAP,
@@ -265,6 +267,14 @@ def forecast_text(forecast: Forecast | None) -> str:
     return f"crossed on {forecast.date:%Y-%m-%d} at ${usd(forecast.daily_rate_usd)}/day"
 
 
+def budgets_changed(company_ids) -> None:
+    """After the admin's COMMIT: the budgets of these companies changed (`budget_changed`)."""
+    for company_id in company_ids - {None}:
+        transaction.on_commit(
+            lambda company_id=company_id: budget_changed.send(sender=Budget, company_id=company_id, now=timezone.now())
+        )
+
+
 @admin.register(Budget)
 class BudgetAdmin(CheckedAutocompleteFields, CountedDeletion, admin.ModelAdmin):
     """Limits checked before every model call (costs_app.budgets), the webhooks told when
@@ -288,6 +298,23 @@ class BudgetAdmin(CheckedAutocompleteFields, CountedDeletion, admin.ModelAdmin):
     readonly_fields = ["current_use", "updated_at"]
     daily_limit = money_column("daily_limit_usd", "daily limit (USD)")
     session_limit = money_column("session_limit_usd", "session limit (USD)")
+
+    # A limit raised, removed or moved here resumes the agents it paused for budget at once,
+    # as the API's PUT and DELETE do (`budget_changed`), not at the next maintenance pass.
+
+    def save_model(self, request, obj, form, change):
+        moved_from = form.initial.get("company") if change else None
+        super().save_model(request, obj, form, change)
+        budgets_changed({obj.company_id, moved_from})
+
+    def delete_model(self, request, obj):
+        super().delete_model(request, obj)
+        budgets_changed({obj.company_id})
+
+    def delete_queryset(self, request, queryset):
+        companies = set(queryset.values_list("company_id", flat=True))
+        super().delete_queryset(request, queryset)
+        budgets_changed(companies)
 
     def get_queryset(self, request):
         # Spend of each budget's scope, as two correlated subqueries per period (and the

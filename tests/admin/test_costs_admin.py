@@ -17,7 +17,7 @@ from django.utils import timezone
 from costs_app.admin import GROWTH_MAX_AGENTS
 from costs_app.budgets import budget_uses
 from costs_app.models import Budget, CostEvent, ModelPrice
-from sessions_app.models import Agent, ApiKey
+from sessions_app.models import Agent, AgentStatus, ApiKey, PausedReason
 from tests.admin.conftest import make_cost, make_run
 from tests.conftest import catalogue_stored
 
@@ -235,6 +235,49 @@ def budget_form(budget, **targets) -> dict:
         data.update({f"alert_targets-{i}-{name}": value for name, value in row.items()})
         data[f"alert_targets-{i}-budget"] = str(budget.pk)
     return data
+
+
+def paused_for_budget(agent, budget) -> None:
+    """`agent` has spent past `budget`'s monthly limit and is paused for it."""
+    make_cost(agent, cost_usd=budget.monthly_limit_usd + 1)
+    Agent.objects.filter(pk=agent.pk).update(status=AgentStatus.PAUSED, paused_reason=PausedReason.BUDGET)
+
+
+@pytest.mark.parametrize("change", ["raised", "deleted", "deleted from the list"])
+def test_a_budget_raised_or_deleted_in_the_admin_resumes_the_agents_it_paused_at_once(
+    admin_client, company, persistent_agent, django_capture_on_commit_callbacks, change
+):
+    """As the API's PUT and DELETE do, without waiting for the maintenance pass (before:
+    the agent stayed paused until it ran)."""
+    budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("1"))
+    paused_for_budget(persistent_agent, budget)
+    with django_capture_on_commit_callbacks(execute=True):
+        if change == "raised":
+            budget.monthly_limit_usd = Decimal("100")
+            url = reverse("admin:costs_app_budget_change", args=[budget.pk])
+            assert admin_client.post(url, budget_form(budget)).status_code == 302
+        elif change == "deleted":
+            url = reverse("admin:costs_app_budget_delete", args=[budget.pk])
+            assert admin_client.post(url, {"post": "yes"}).status_code == 302
+        else:
+            url = reverse("admin:costs_app_budget_changelist")
+            action = {"action": "delete_selected", "_selected_action": [budget.pk], "post": "yes"}
+            assert admin_client.post(url, action).status_code == 302
+    persistent_agent.refresh_from_db()
+    assert (persistent_agent.status, persistent_agent.paused_reason) == (AgentStatus.ACTIVE, "")
+
+
+def test_a_budget_saved_in_the_admin_still_spent_keeps_its_agents_paused(
+    admin_client, company, persistent_agent, django_capture_on_commit_callbacks
+):
+    budget = Budget.objects.create(company=company, monthly_limit_usd=Decimal("1"))
+    paused_for_budget(persistent_agent, budget)
+    budget.monthly_limit_usd = Decimal("2")  # still below the spend
+    with django_capture_on_commit_callbacks(execute=True):
+        url = reverse("admin:costs_app_budget_change", args=[budget.pk])
+        assert admin_client.post(url, budget_form(budget)).status_code == 302
+    persistent_agent.refresh_from_db()
+    assert (persistent_agent.status, persistent_agent.paused_reason) == (AgentStatus.PAUSED, PausedReason.BUDGET)
 
 
 def test_budget_alert_targets_are_added_in_the_admin_and_their_secret_never_shown(admin_client, company):
