@@ -32,6 +32,7 @@ from sessions_app.managed_health import lost_session_note, managed_health_state
 from sessions_app.managed_outputs import outputs_extract
 from sessions_app.metering import session_hours_bill, unrecorded_time_bill
 from sessions_app.models import (
+    LIVE_SESSION_STATUSES,
     Agent,
     AgentSession,
     HeartbeatRun,
@@ -140,16 +141,39 @@ class ManagedSessionHandle:
 
 
 def _never_an_ended_session(remote_session_id: str) -> None:
-    """A row is never mapped to a remote session ended here. A turn's session has an end only
-    when the history was cleared while the turn went on (one a worker was already continuing
-    after an approval, a dead worker's turn resumed): the turn then reads the cleared row,
-    and naming its session again would hand every cleared turn back to the next heartbeat."""
-    if ManagedSessionEnd.objects.filter(remote_session_id=remote_session_id).exists():
+    """A row is never mapped to a remote session ended here: naming it again would hand
+    whatever ended it back to the next heartbeat. A turn's session has an end only when its
+    session ended here while the turn went on without a worker holding the session (one
+    resumed after its worker died, an approved one not yet continued) and the turn's
+    worker then found no live session to take, or the row with its history cleared. The
+    failure says which, in the code the docs give a turn cut off that way."""
+    ends = list(
+        ManagedSessionEnd.objects.filter(remote_session_id=remote_session_id).values_list("action", "session_id")
+    )
+    if not ends:
+        return
+    kept = "its remote session ended with it, and the answer is not kept."
+    session_ids = [session_id for _, session_id in ends if session_id is not None]
+    row = AgentSession.objects.filter(pk__in=session_ids).values("status", "managed_session_id").first()
+    if any(action == ManagedEndAction.DELETE for action, _ in ends) or (session_ids and row is None):
+        raise RunAbandoned("session_deleted", f"The session was deleted while this turn went on: {kept}")
+    if (
+        row is not None
+        and row["managed_session_id"] == remote_session_id
+        and row["status"] not in LIVE_SESSION_STATUSES
+    ):
+        # A clear forgets the mapping; a row that still names the remote session ended with it.
+        raise RunAbandoned("session_ended", f"The session was {row['status']} while this turn went on: {kept}")
+    if row is not None and row["managed_session_id"] != remote_session_id:
         raise RunAbandoned(
             "session_conflict",
             "The session's history was cleared while this turn went on: its remote session ended "
             "with the cleared turns, and the answer is not kept.",
         )
+    raise RunAbandoned(
+        "session_conflict",
+        "The remote session this turn went on was ended while it went on, and the answer is not kept.",
+    )
 
 
 def list_cost_disagreement(report: dict, cost: Decimal | None) -> str:

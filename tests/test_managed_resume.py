@@ -8,12 +8,15 @@ import time
 from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from costs_app.models import CostEvent, CostKind
 from sessions_app.adapters.claude_code import client_for
 from sessions_app.heartbeat import heartbeat_execute
-from sessions_app.maintenance import runs_reap
+from sessions_app.maintenance import maintenance_pass, runs_reap
+from sessions_app.metering import session_hours_bill
 from sessions_app.models import AgentSession, HeartbeatRun, ManagedSessionEnd, RunStatus
+from sessions_app.services import session_clear_history, session_delete, session_expire
 from sessions_app.stores import store_for
 from tests.conftest import beat, managed_agent, run_queued_tasks, worker_heartbeat
 
@@ -25,14 +28,16 @@ SECOND = {"input_tokens": 900, "output_tokens": 40}
 
 def killed_after_first_request(agent, settings, task: str) -> HeartbeatRun:
     """Start the heartbeat in a worker process, SIGKILL it once its first request is billed."""
+    billed = CostEvent.objects.filter(agent_id=agent.id, kind=CostKind.MESSAGE)
+    before = billed.count()
     worker = worker_heartbeat(agent, task, settings)
     deadline = time.monotonic() + 60
-    while not CostEvent.objects.filter(agent_id=agent.id, kind=CostKind.MESSAGE).exists():
+    while billed.count() == before:
         assert worker.poll() is None and time.monotonic() < deadline, "the worker ended before it was killed"
         time.sleep(0.02)
     worker.kill()
     worker.wait(timeout=10)
-    return HeartbeatRun.objects.get(agent=agent)
+    return HeartbeatRun.objects.filter(agent=agent).latest("created_at")
 
 
 @pytest.mark.parametrize("mode", ["persistent", "stateless"])
@@ -126,3 +131,66 @@ def _queued(agent, task: str) -> HeartbeatRun:
 
     run, _ = heartbeat_enqueue(agent=agent, task=task, now=timezone.now())
     return run
+
+
+def _expire(session):
+    assert session_expire(session=session, now=timezone.now())
+
+
+def _delete(session):
+    session_delete(session=session, now=timezone.now())
+
+
+def _clear(session):
+    assert session_clear_history(session=session)
+
+
+SESSION_ENDS = {
+    "expired": (_expire, "session_ended", "session was expired"),
+    "deleted": (_delete, "session_deleted", "session was deleted"),
+    "cleared": (_clear, "session_conflict", "history was cleared"),
+}
+
+
+@pytest.mark.parametrize("end", list(SESSION_ENDS))
+def test_a_resumed_turn_whose_session_ended_before_the_next_worker_fails_with_what_ended_it(
+    company, fake_managed, settings, end
+):
+    """The operator ends the session while the turn is `resuming` (no worker holds it, and
+    unlike a turn waiting for an approval it is not ended with the session): the next worker
+    finds no live session to take and continues the turn anyway, and its commit refuses to
+    name the ended remote session. Its failure says what ended it, and the remote time of
+    both turns is billed once (before: every cause failed `session_conflict`, "history was
+    cleared")."""
+    act, code, said = SESSION_ENDS[end]
+    agent = managed_agent(company)
+    fake_managed.active_seconds_per_turn = 30.0
+    assert beat(agent, "look around").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    remote_id = session.managed_session_id
+    fake_managed.script(None, [("message", "part one", FIRST), ("sleep", 1.5), ("message", "part two", SECOND)])
+    run = killed_after_first_request(agent, settings, "the long task")
+    assert runs_reap(now=run.deadline_at + timedelta(seconds=1)) == []
+    assert HeartbeatRun.objects.get(pk=run.pk).status == RunStatus.RESUMING
+
+    remote = fake_managed.sessions[remote_id]  # kept after the fake deletes the session
+
+    act(session)
+    run_queued_tasks()
+
+    run.refresh_from_db()
+    assert (run.status, run.error_code) == (RunStatus.FAILED, code), run.error
+    assert said in run.error
+    assert fake_managed.user_messages[remote_id] == ["look around", "the long task"]  # nothing sent again
+    rows = CostEvent.objects.filter(run_id=run.id, kind=CostKind.MESSAGE).order_by("call_number")
+    assert [(r.input_tokens, r.output_tokens) for r in rows] == [(700, 30), (900, 40)]
+    maintenance_pass(now=timezone.now())
+    run_queued_tasks()
+    # A cleared row is still live: the failed turn's time waits on it for its pause or end.
+    session_hours_bill(session_ids=[session.pk], now=timezone.now())
+    remote_seconds = remote["usage"]["active_seconds"]
+    assert remote_seconds == 60.0
+    hours = CostEvent.objects.filter(agent=agent, kind=CostKind.SESSION_HOURS)
+    assert sum(hours.values_list("session_seconds", flat=True)) == remote_seconds
+    assert not AgentSession.objects.filter(unbilled_active_seconds__gt=0).exists()
+    assert AgentSession.objects.filter(agent=agent, managed_session_id=remote_id).count() == (end == "expired")
