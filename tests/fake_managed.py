@@ -49,7 +49,10 @@ Test controls on a `FakeManaged`:
   at the moment the service is being read).
 - `python -m tests.fake_managed` serves it alone (`serve_forever`).
 - Logs: `fake.requests` [(method, path)], `fake.beta_headers` [anthropic-beta or None],
-  `fake.user_messages[session_id]` [texts sent], `fake.events[session_id]` [event dicts].
+  `fake.user_messages[session_id]` [texts sent], `fake.events[session_id]` [event dicts],
+  `fake.charged_seconds[session_id]` (the active seconds the provider charges, kept after a
+  deletion: a session deleted while a turn runs is charged that turn's
+  `active_seconds_per_turn`, though no one can read it any more).
 """
 
 from __future__ import annotations
@@ -128,6 +131,7 @@ class FakeManaged(EventsMixin):
         self.requests: list[tuple[str, str]] = []
         self.beta_headers: list[str | None] = []
         self.user_messages: defaultdict[str, list[str]] = defaultdict(list)
+        self.charged_seconds: defaultdict[str, float] = defaultdict(float)
         self.latency = 0.0
         self.active_seconds_per_turn = 10.0
         # None: the session reports no list cost (the API's "absent until cost tracking is available").
@@ -366,6 +370,8 @@ class FakeManaged(EventsMixin):
         if len(parts) == 3 and method == "GET":
             return 200, self.live_session(session)
         if len(parts) == 3 and method == "DELETE":
+            if self._runs[parts[2]].active:  # the provider charges the time it ran
+                self.charged_seconds[parts[2]] += self.active_seconds_per_turn
             del self.sessions[parts[2]]
             self._changed.notify_all()
             return 200, {"id": parts[2], "type": "session_deleted"}

@@ -314,6 +314,7 @@ class EventsMixin:
         session = self.sessions[session_id]
         session["usage"]["active_seconds"] += self.active_seconds_per_turn
         session["stats"]["active_seconds"] += self.active_seconds_per_turn
+        self.charged_seconds[session_id] += self.active_seconds_per_turn
 
     def _bill(self, session_id: str, usage: dict) -> None:
         totals = self.sessions[session_id]["usage"]
