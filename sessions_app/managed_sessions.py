@@ -8,9 +8,11 @@ this service's database, and the end of remote sessions.
   death; the session row is mapped to it by the turn's commit.
 - Ending or deleting a session here, or clearing its history, writes a `ManagedSessionEnd`
   in the same transaction; the remote session is archived or deleted after the COMMIT and
-  retried by the maintenance pass until the provider confirms it. Our row and the remote
-  session may disagree for a while, never for good, and never the other way round (a
-  remote session ended while our row still resumes it).
+  retried by the maintenance pass until the provider confirms it; while a turn of ours is
+  still on the remote session the end waits for it (interrupted), so that what the provider
+  measured of the turn is read and billed. Our row and the remote session may disagree for
+  a while, never for good, and never the other way round (a remote session ended while our
+  row still resumes it).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from sessions_app.models import (
     HeartbeatRun,
     ManagedEndAction,
     ManagedSessionEnd,
+    RunStatus,
 )
 from sessions_app.text import storable
 
@@ -48,6 +51,11 @@ BATCH = 100
 CLAIM_LEASE = timedelta(minutes=5)
 MAX_RETRY_WAIT = timedelta(hours=1)
 ORPHAN_WINDOW = timedelta(days=1)
+# An end put off for a turn of ours still on its remote session looks again this soon: the
+# interrupted turn ends within seconds, and the reaper ends a run whose worker is gone.
+RUN_WAIT = timedelta(minutes=1)
+# Runs a worker holds or will continue (waiting for an approval ends with the session).
+TURN_IN_FLIGHT = (RunStatus.RUNNING, RunStatus.RESUMING)
 CENT = Decimal("0.01")
 
 
@@ -309,6 +317,8 @@ def managed_end_carry_out(end: ManagedSessionEnd, *, now: datetime, lease: datet
     only while the claim (`lease`, the attempt time it set) is still this worker's."""
     from sessions_app.adapters.claude_managed import remote_session_end
 
+    if (run_id := _turn_in_flight(end.remote_session_id)) is not None:
+        return _end_put_off(end, run_id=run_id, now=now, lease=lease)
     try:
         outputs_extract(end)
     except (OutputsUnavailable, OSError) as unavailable:  # the provider, or our disk
@@ -325,6 +335,31 @@ def managed_end_carry_out(end: ManagedSessionEnd, *, now: datetime, lease: datet
     wait = min(timedelta(minutes=2**end.attempts), MAX_RETRY_WAIT)
     ours.update(attempts=end.attempts + 1, last_error=problem[:2000], next_attempt_at=now + wait)
     logger.warning("Could not %s Managed Agents session %s: %s", end.action, end.remote_session_id, problem)
+    return 0
+
+
+def _turn_in_flight(remote_session_id: str):
+    """The run of ours whose turn is still on the remote session, if any."""
+    return (
+        HeartbeatRun.objects.filter(managed_session_id=remote_session_id, status__in=TURN_IN_FLIGHT)
+        .values_list("id", flat=True)
+        .first()
+    )
+
+
+def _end_put_off(end: ManagedSessionEnd, *, run_id, now: datetime, lease: datetime) -> int:
+    """Ending the remote session under a turn of ours would lose what the provider measured
+    of that turn (its worker reads the session's usage after the turn, and a deleted session
+    answers 404), so the turn is interrupted, once, to stop its spending, and the end waits
+    for its worker to read the usage and bill it. Waiting is no failure: neither the attempts
+    nor the backoff grow. The wait is bounded by the run's: the reaper ends a run past its
+    deadline, and then the end goes ahead."""
+    waiting = f"Waits for run {run_id}, whose turn is still on this session."
+    if end.last_error != waiting:
+        remote_turn_stop(end.remote_session_id, why=f"its session ended while run {run_id} went on")
+    ManagedSessionEnd.objects.filter(id=end.id, next_attempt_at=lease, done_at__isnull=True).update(
+        last_error=waiting, next_attempt_at=now + RUN_WAIT
+    )
     return 0
 
 

@@ -5,6 +5,7 @@ fake, and retried by the maintenance pass until the provider confirms it."""
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 
 import anthropic
@@ -14,14 +15,14 @@ from django.utils import timezone
 from costs_app.models import CostEvent, CostKind
 from costs_app.pricing import session_hour_rate, session_hours_cost
 from sessions_app.approvals import approval_decide
-from sessions_app.maintenance import maintenance_pass, sessions_expire
+from sessions_app.maintenance import maintenance_pass, runs_reap, sessions_expire
 from sessions_app.managed_health import managed_health_check
 from sessions_app.managed_sessions import managed_ends_process, managed_orphans_end
 from sessions_app.metering import session_hours_bill
 from sessions_app.models import AgentSession, HeartbeatRun, ManagedOutput, ManagedSessionEnd, RunStatus
 from sessions_app.services import session_clear_history, session_delete, session_expire
 from tests.api.conftest import make_run, make_session
-from tests.conftest import FAKE_API_KEY, beat, managed_agent, on_own_connection, run_queued_tasks, user_turns
+from tests.conftest import FAKE_API_KEY, Actor, beat, managed_agent, on_own_connection, run_queued_tasks, user_turns
 
 pytestmark = pytest.mark.django_db
 
@@ -367,3 +368,91 @@ def test_a_turn_approved_but_not_yet_continued_when_the_history_is_cleared_ends_
     session.refresh_from_db()
     assert session.managed_session_id not in (None, old)
     assert fake_managed.user_messages[session.managed_session_id] == ["which word?"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_session_deleted_and_ended_at_once_while_its_turn_runs_waits_for_the_turn_and_bills_it_once(
+    company, fake_managed
+):
+    """The operator deletes the session (the test's connection) while the heartbeat's turn
+    streams on its remote session, and the end is carried out at once. The end interrupts
+    the turn and waits for it: the worker reads the turn's active time and its failed
+    commit bills it; the next pass copies the turn's file and deletes the remote session
+    (before: the remote session was deleted under the turn, whose time nobody could read)."""
+    agent = managed_agent(company)
+    fake_managed.active_seconds_per_turn = 40.0
+    assert beat(agent, "one").status == RunStatus.SUCCEEDED
+    session = AgentSession.objects.get(agent=agent)
+    remote = session.managed_session_id
+    fake_managed.active_seconds_per_turn = 25.5
+    usage = {"input_tokens": 100, "output_tokens": 20}
+    steps = [("file", "report.txt", b"report"), ("message", "two", usage), ("sleep", 30.0), ("message", "late", usage)]
+    fake_managed.script(None, steps)
+    billed_before = CostEvent.objects.filter(kind=CostKind.MESSAGE).count()
+    heartbeat = Actor(lambda: beat(agent, "two"))
+    heartbeat.start()
+    deadline = time.monotonic() + 30
+    while CostEvent.objects.filter(kind=CostKind.MESSAGE).count() == billed_before:
+        assert time.monotonic() < deadline, "the turn's first request was never billed"
+        time.sleep(0.02)
+
+    session_delete(session=session, now=timezone.now())
+    now = timezone.now()
+    carried_out = managed_ends_process(now=now)
+
+    run = heartbeat.result()
+    rate = session_hour_rate()
+    hours = CostEvent.objects.filter(kind=CostKind.SESSION_HOURS)
+    assert dict(fake_managed.charged_seconds) == {remote: 40.0 + 25.5}
+    assert sorted(hours.values_list("cost_usd", flat=True)) == sorted(
+        [session_hours_cost(40.0, rate=rate), session_hours_cost(25.5, rate=rate)]
+    )
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "session_deleted")
+    assert carried_out == 0  # the turn was still on the remote session
+    interrupts = [e for e in fake_managed.events[remote] if e["type"] == "user.interrupt"]
+    assert len(interrupts) == 1
+    assert "late" not in str(fake_managed.events[remote])  # the turn stopped spending
+    assert remote in fake_managed.sessions
+    end = ManagedSessionEnd.objects.get(remote_session_id=remote)
+    assert (end.attempts, end.done_at, end.next_attempt_at) == (0, None, now + timedelta(minutes=1))
+    assert end.last_error == f"Waits for run {run.pk}, whose turn is still on this session."
+
+    assert managed_ends_process(now=end.next_attempt_at) == 1
+    assert remote not in fake_managed.sessions
+    assert list(ManagedOutput.objects.filter(remote_session_id=remote).values_list("filename", flat=True)) == [
+        "report.txt"
+    ]
+    maintenance_pass(now=end.next_attempt_at)
+    assert hours.count() == 2  # billed once
+
+
+def test_an_end_whose_run_was_reaped_goes_ahead(company, fake_managed):
+    """A run still `running` on the remote session holds its end back, its turn
+    interrupted once; once the reaper ends the run (past its deadline, its worker gone),
+    the next attempt deletes the remote session."""
+    agent = managed_agent(company)
+    remote = remote_session(fake_managed)
+    started = timezone.now()
+    run = make_run(
+        agent,
+        status=RunStatus.RUNNING,
+        managed_session_id=remote,
+        started_at=started,
+        deadline_at=started + timedelta(hours=1),
+    )
+    ManagedSessionEnd.objects.create(remote_session_id=remote, action="delete", company=company, agent_id=agent.pk)
+    now = timezone.now()
+
+    assert managed_ends_process(now=now) == 0
+    assert managed_ends_process(now=now + timedelta(minutes=1)) == 0  # interrupted once, not at each look
+    assert fake_managed.requests.count(("POST", f"/v1/sessions/{remote}/events")) == 1
+    assert remote in fake_managed.sessions
+
+    later = now + timedelta(hours=2)
+    assert runs_reap(now=later) == [agent.pk]
+    run.refresh_from_db()
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "run_timeout")
+    assert managed_ends_process(now=later) == 1
+    assert remote not in fake_managed.sessions
+    end = ManagedSessionEnd.objects.get(remote_session_id=remote)
+    assert (end.attempts, end.last_error) == (1, "")
