@@ -34,6 +34,7 @@ from sessions_app.managed_health import lost_session_note, managed_health_state
 from sessions_app.managed_outputs import outputs_extract
 from sessions_app.metering import session_hours_bill, unrecorded_time_bill
 from sessions_app.models import (
+    HOLDS_AGENT_PLACE,
     LIVE_SESSION_STATUSES,
     Agent,
     AgentSession,
@@ -317,7 +318,7 @@ def managed_end_carry_out(end: ManagedSessionEnd, *, now: datetime, lease: datet
     only while the claim (`lease`, the attempt time it set) is still this worker's."""
     from sessions_app.adapters.claude_managed import remote_session_end
 
-    if (run_id := _turn_in_flight(end.remote_session_id)) is not None:
+    if (run_id := _turn_in_flight(end)) is not None:
         return _end_put_off(end, run_id=run_id, now=now, lease=lease)
     try:
         outputs_extract(end)
@@ -338,10 +339,19 @@ def managed_end_carry_out(end: ManagedSessionEnd, *, now: datetime, lease: datet
     return 0
 
 
-def _turn_in_flight(remote_session_id: str):
-    """The run of ours whose turn is still on the remote session, if any."""
+def _turn_in_flight(end: ManagedSessionEnd):
+    """The run of ours whose turn is still on the remote session, if any: its agent's one run
+    in flight, found through an index on the agent (`runs_one_running_per_agent`'s, or the
+    agent's runs), never by reading the whole runs table. An end whose agent is gone has none."""
+    if end.agent_id is None:
+        return None
     return (
-        HeartbeatRun.objects.filter(managed_session_id=remote_session_id, status__in=TURN_IN_FLIGHT)
+        HeartbeatRun.objects.filter(
+            HOLDS_AGENT_PLACE,
+            agent_id=end.agent_id,
+            managed_session_id=end.remote_session_id,
+            status__in=TURN_IN_FLIGHT,
+        )
         .values_list("id", flat=True)
         .first()
     )
