@@ -16,7 +16,7 @@ from django.utils import timezone
 from costs_app.alerts import budget_alerts_fire
 from costs_app.budgets import budget_uses, budgets_lock, budgets_releasable, crossed_scopes
 from memory_app.stores import agent_memory_delete
-from sessions_app.approvals import AGENT_DELETED, CLEARED, DELETED, EXPIRED, approvals_end
+from sessions_app.approvals import AGENT_DELETED, CLEARED, DELETED, EXPIRED, WaitEnd, approvals_end
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.managed_outputs import outputs_delete
 from sessions_app.managed_sessions import managed_ends_for_sessions, managed_session_clear
@@ -60,16 +60,13 @@ def sessions_delete(*, sessions: QuerySet[AgentSession], now: datetime) -> int:
         # lines it writes are read (and deleted) only once it has committed.
         locked = AgentSession.objects.select_for_update().filter(id__in=sessions.values("id")).order_by("pk")
         rows = list(locked.values_list("id", "agent_id", "store", "cli_session_id"))
-        # Turns waiting for an approval go with their remote session, before the bill: their
-        # time so far goes to the row, billed below with the rest, while the row still exists.
-        approvals_end(runs=HeartbeatRun.objects.filter(session_id__in=[row[0] for row in rows]), why=DELETED, now=now)
+        session_ids = [row[0] for row in rows]
         # Claude Code transcripts: their rows go with this transaction, files after it.
         cli_sessions_delete([(agent_id, cli_id) for _, agent_id, _, cli_id in rows])
-        # Managed Agents sessions: deleted at the provider after this commit, retried until done.
-        managed_ends_for_sessions([row[0] for row in rows], action=ManagedEndAction.DELETE)
-        # Active time already spent is billed before the session goes.
-        session_hours_bill(session_ids=[row[0] for row in rows], now=now)
-        count, _ = AgentSession.objects.filter(id__in=[row[0] for row in rows]).delete()
+        # Managed Agents sessions deleted at the provider after this commit; the time already
+        # spent billed while the rows still exist.
+        _sessions_end_here(session_ids, action=ManagedEndAction.DELETE, why=DELETED, now=now)
+        count, _ = AgentSession.objects.filter(id__in=session_ids).delete()
         transaction.on_commit(lambda: _delete_history_files(rows))
     return count
 
@@ -87,12 +84,21 @@ def session_expire(*, session: AgentSession, now: datetime) -> bool:
             status=SessionStatus.EXPIRED, expires_at=now, ended_at=now, end_reason="expired_by_operator"
         )
         if updated:
-            managed_ends_for_sessions([session.pk], action=ManagedEndAction.ARCHIVE)
-            # Its turn waiting for an approval ends with it (the TTL skips such a session; an
-            # operator does not), its time so far billed with the row's.
-            approvals_end(runs=HeartbeatRun.objects.filter(session_id=session.pk), why=EXPIRED, now=now)
-        session_hours_bill(session_ids=[session.pk], now=now)
+            # The TTL skips a session whose turn waits for an approval; an operator does not.
+            _sessions_end_here([session.pk], action=ManagedEndAction.ARCHIVE, why=EXPIRED, now=now)
+        else:
+            session_hours_bill(session_ids=[session.pk], now=now)  # ended by another: what it left
     return bool(updated)
+
+
+def _sessions_end_here(session_ids: list, *, action: str, why: WaitEnd, now: datetime) -> None:
+    """Inside the transaction that ends these sessions here (their rows locked or just
+    updated): their turns waiting for an approval end with them, their remote sessions are
+    recorded to end at the provider after the COMMIT, and their active time is billed. The
+    bill comes last: a waiting turn's time so far goes to its row, which the bill reads."""
+    approvals_end(runs=HeartbeatRun.objects.filter(session_id__in=session_ids), why=why, now=now)
+    managed_ends_for_sessions(session_ids, action=action)
+    session_hours_bill(session_ids=session_ids, now=now)
 
 
 def session_clear_history(*, session: AgentSession, now: datetime | None = None) -> bool:
