@@ -110,19 +110,25 @@ class BatchCall:
         self._taken = True
         run = self._run
         if run.batch_state == BatchState.ANSWERED:
+            if not self._adapter.delivers_batch:
+                return self._not_committed("The agent moved to a runtime without a batch API")
             params = self._adapter.batch_params(request)
             kept = run.batch_answer or {}
             if params is not None and as_stored(params) == run.batch_request and "message" in kept:
                 reply = self._adapter.batch_reply(request, kept["message"])
                 return replace(reply, cost_usd=Decimal(kept["cost_usd"]), cost_event_id=kept.get("cost_event_id"))
-            HeartbeatRun.objects.filter(id=run.id).update(
-                warning="The session changed after the request was batched: the batch's answer (billed) was "
-                "not committed and the request was sent direct."
-            )
-            return None
+            return self._not_committed("The session changed")
         if batch_wanted(run, self._adapter) and (params := self._adapter.batch_params(request)):
             raise BatchParked(params)
         return None
+
+    def _not_committed(self, why: str) -> None:
+        """The batch's answer does not answer the request the run makes now: it stays
+        billed, and the request goes direct."""
+        HeartbeatRun.objects.filter(id=self._run.id).update(
+            warning=f"{why} after the request was batched: the batch's answer (billed) was not committed "
+            "and the request was sent direct."
+        )
 
 
 def batch_park(run: HeartbeatRun, *, agent: Agent, params: dict, calls_numbered: int, cost_usd, now: datetime) -> bool:

@@ -37,10 +37,10 @@ from itertools import groupby
 from django.db.models import Q
 
 from costs_app.models import CostKind, Delivery
-from sessions_app.adapters import AdapterError, get_adapter
+from sessions_app.adapters import BATCH_API, AdapterError, adapter_for
 from sessions_app.adapters.base import Adapter, BatchResult, ListedBatch, usage_error
 from sessions_app.heartbeat import heartbeat_execute
-from sessions_app.models import BatchState, HeartbeatRun, RunStatus
+from sessions_app.models import Agent, BatchState, HeartbeatRun, RunStatus
 from sessions_app.run_calls import RunCalls
 from sessions_app.run_queue import heartbeat_dispatch
 
@@ -73,6 +73,23 @@ def submitted():
     return HeartbeatRun.objects.filter(status=RunStatus.SUBMITTED)
 
 
+def batch_api(agent: Agent) -> tuple[Adapter, dict]:
+    """The adapter and configuration that send, read, list and cancel the batches of this
+    agent's runs: its own; or, once an operator has moved it to a runtime without a batch
+    API, the Messages API's with its defaults (a batch already made is still answered, and
+    billed, at the provider)."""
+    adapter = adapter_for(agent.adapter_type, agent.adapter_config)
+    if adapter is not None and adapter.delivers_batch:
+        return adapter, agent.adapter_config
+    return BATCH_API, {}
+
+
+def still_batched(run: HeartbeatRun) -> bool:
+    """Whether the run's agent still has a runtime with a batch API."""
+    adapter = adapter_for(run.agent.adapter_type, run.agent.adapter_config)
+    return adapter is not None and adapter.delivers_batch
+
+
 def batches_poll(*, now: datetime) -> dict:
     """One pass of the poll: submit, read, commit. Returns what each step did."""
     return {
@@ -103,10 +120,19 @@ def batches_submit(*, now: datetime) -> int:
         .order_by("agent__adapter_type", "created_at")
     )
     sent = 0
-    for adapter_type, runs in groupby(taken, key=lambda run: run.agent.adapter_type):
+    for _, runs in groupby(_still_batched(taken, token=token), key=lambda run: run.agent.adapter_type):
         for chunk in chunks(list(runs)):
-            sent += _send(chunk, adapter_type=adapter_type, token=token)
+            sent += _send(chunk, token=token)
     return sent
+
+
+def _still_batched(runs: list, *, token: str) -> list:
+    """The runs whose agents still have a batch API. The others, moved by an operator to a
+    runtime without one, go direct on that runtime: nothing was spent on them yet."""
+    moved = [run.id for run in runs if not still_batched(run)]
+    if moved:
+        too_late(taken_by(token, moved), "was never sent: its agent moved to a runtime without a batch API")
+    return [run for run in runs if still_batched(run)]
 
 
 def chunks(runs: list) -> list[list]:
@@ -122,9 +148,8 @@ def chunks(runs: list) -> list[list]:
     return found + ([current] if current else [])
 
 
-def _send(runs: list, *, adapter_type: str, token: str) -> int:
-    config = runs[0].agent.adapter_config
-    adapter = get_adapter(adapter_type, config)
+def _send(runs: list, *, token: str) -> int:
+    adapter, config = batch_api(runs[0].agent)
     ids = [run.id for run in runs]
     try:
         batch_id = adapter.batch_send(config, [(custom_id(run), run.batch_request) for run in runs])
@@ -176,18 +201,18 @@ def batches_recover(*, now: datetime) -> int:
         lost_runs(now)
         .select_related("agent")
         .only("id", "created_at", "batch_submitted_at", "agent__adapter_type", "agent__adapter_config")
-        .order_by("agent__adapter_type", "created_at")
+        .order_by("created_at")
     )
-    return sum(
-        _recover(list(runs), adapter_type=adapter_type, now=now)
-        for adapter_type, runs in groupby(lost, key=lambda run: run.agent.adapter_type)
-    )
+    if not lost:
+        return 0
+    # Every batch this service makes is the one batch API's (`BATCH_API`), whatever runtime
+    # the runs' agents have now: their custom ids (run ids) are looked for together.
+    return _recover(lost, now=now)
 
 
-def _recover(runs: list, *, adapter_type: str, now: datetime) -> int:
-    config = runs[0].agent.adapter_config
-    adapter = get_adapter(adapter_type, config)
-    taken = dict(_taken(adapter_type))
+def _recover(runs: list, *, now: datetime) -> int:
+    adapter, config = batch_api(runs[0].agent)
+    taken = dict(_taken())
     # A lost batch was created after its runs were taken and before the grace ended.
     since = min(run.batch_submitted_at or run.created_at for run in runs) - CLOCK_MARGIN
     until = max(run.batch_submitted_at or now for run in runs) + SUBMIT_GRACE + CLOCK_MARGIN
@@ -214,9 +239,9 @@ def _recover(runs: list, *, adapter_type: str, now: datetime) -> int:
     return sum(n or 0 for n in found)
 
 
-def _taken(adapter_type: str):
-    """Custom id -> (run id, token) of every run of this runtime being submitted."""
-    rows = submitted().filter(batch_state=BatchState.SUBMITTING, agent__adapter_type=adapter_type)
+def _taken():
+    """Custom id -> (run id, token) of every run being submitted."""
+    rows = submitted().filter(batch_state=BatchState.SUBMITTING)
     for run_id, token in rows.values_list("id", "batch_id").iterator():
         yield run_id.hex, (run_id, token)
 
@@ -267,8 +292,7 @@ def batch_read(batch_id: str, *, now: datetime) -> int:
     runs = list(submitted().filter(batch_state=BatchState.IN_BATCH, batch_id=batch_id).select_related("agent"))
     if not runs:
         return 0
-    config = runs[0].agent.adapter_config
-    adapter = get_adapter(runs[0].agent.adapter_type, config)
+    adapter, config = batch_api(runs[0].agent)
     try:
         results = adapter.batch_read(config, batch_id)
         if results is None:
@@ -297,7 +321,7 @@ def result_record(run: HeartbeatRun, result: BatchResult | None, *, now: datetim
         return
     agent = run.agent
     calls = RunCalls(
-        get_adapter(agent.adapter_type, agent.adapter_config),
+        batch_api(agent)[0],
         run=run,
         agent=agent,
         clock=lambda: now,

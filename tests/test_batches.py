@@ -20,7 +20,7 @@ from costs_app.models import CostEvent
 from costs_app.pricing import call_price
 from sessions_app import tasks
 from sessions_app.adapters import AgentConfigError, validate_agent_config
-from sessions_app.batches import SUBMIT_GRACE, batches_poll
+from sessions_app.batches import SUBMIT_GRACE, batches_poll, batches_read, batches_submit
 from sessions_app.heartbeat import heartbeat_execute, heartbeat_start
 from sessions_app.models import Agent, AgentSession, BatchState, HeartbeatRun, RunStatus, RunTrigger
 from sessions_app.stores import store_for
@@ -739,3 +739,60 @@ def test_the_search_for_a_lost_batch_reads_a_bounded_number_of_pages_and_stops_a
     # Pages of two: the three newer and the lost one, then the first older than its submit time.
     assert [q.get("after_id") for q in fake_anthropic.batch_lists[1:]] == [None, [ANY], [ANY]]
     assert not any(results_read(fake_anthropic, batch_id) for batch_id in older)
+
+
+# An operator moves a batch agent to a runtime without a batch API while a run is batched.
+
+
+@pytest.mark.parametrize("where", ["parked", "in a batch", "answered"])
+def test_an_agent_moved_off_the_messages_api_while_its_run_is_batched_bills_what_was_answered_and_runs_direct(
+    company, fake_anthropic, tmp_path, where
+):
+    agent = batch_agent(company, session_mode="persistent")
+    run = tick(agent)
+    fake_anthropic.batch_seconds = 0 if where == "answered" else 3600
+    if where != "parked":
+        batches_submit(now=timezone.now())
+        batches_read(now=timezone.now())  # a poll that stops here leaves an answer uncommitted
+    assert (
+        HeartbeatRun.objects.get(id=run.id).batch_state
+        == {
+            "parked": BatchState.PARKED,
+            "in a batch": BatchState.IN_BATCH,
+            "answered": BatchState.ANSWERED,
+        }[where]
+    )
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import json, sys\nsys.stdin.read()\n"
+        "print(json.dumps({'text': 'done here', 'usage': {'input_tokens': 3, 'output_tokens': 1}}))\n"
+    )
+    moved = Api().patch(
+        agent_url(agent),
+        {
+            "adapter_type": "process",
+            "adapter_config": {"command": [sys.executable, str(script)], "session_mode": "persistent"},
+        },
+    )
+    assert moved.status_code == 200, moved.json()
+
+    fake_anthropic.batch_seconds = 0
+    start = timezone.now()
+    batches_poll(now=start)  # the batch ends: read with the API that took it, and billed
+    batches_poll(now=start)  # hands what goes direct to the cluster
+    run.refresh_from_db()
+    if not run.is_finished:
+        run = run_dispatched(agent)  # as the cluster runs what the poll handed it
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    assert run.output == "done here"
+    assert "moved to a runtime without a batch API" in run.warning
+    rows = CostEvent.objects.filter(run_id=run.id).order_by("call_number")
+    if where == "parked":
+        assert fake_anthropic.batch_creates == 0 and [r.delivery for r in rows] == ["direct"]
+    else:
+        # What the provider answered in the batch stays billed, once, at the batch price.
+        assert fake_anthropic.batch_creates == 1 and [r.delivery for r in rows] == ["batch", "direct"]
+        assert rows[0].cost_usd == batch_bill(fake_anthropic)
+    assert fake_anthropic.message_requests == []
+    assert batches_poll(now=timezone.now() + timedelta(hours=3)) == {"submitted": 0, "read": 0, "committed": 0}

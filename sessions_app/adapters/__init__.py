@@ -26,8 +26,13 @@ ADAPTERS: dict[str, Adapter] = {
     ProcessAdapter.type_name: ProcessAdapter(),
 }
 
+# The runtime whose requests go in the provider's Message Batches: a batch is read, listed
+# and cancelled through it even after its runs' agents moved to a runtime without one.
+BATCH_API: Adapter = next(adapter for adapter in ADAPTERS.values() if adapter.delivers_batch)
+
 __all__ = [
     "ADAPTERS",
+    "BATCH_API",
     "AdapterError",
     "AdapterReply",
     "AdapterRequest",
