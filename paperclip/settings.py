@@ -264,12 +264,21 @@ LONGEST_RUN_SECONDS = (32 + 2 * 50) * (LONGEST_CALL_SECONDS + PAPERCLIP_RUN_TIME
 # deployments sharing one Redis database must have different names, or each takes the
 # other's tasks (signed with another secret key, they fail there).
 PAPERCLIP_CLUSTER_NAME = env_str("PAPERCLIP_CLUSTER_NAME", "paperclip")
-if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", PAPERCLIP_CLUSTER_NAME):
-    raise ImproperlyConfigured(
-        f"PAPERCLIP_CLUSTER_NAME must be letters, digits, '.', '_' or '-' (at most 64), got {PAPERCLIP_CLUSTER_NAME!r}"
-    )
+# The deployment's own cluster, the same in every process of the deployment: a host's cluster
+# under a name of its own (an agent pinned to it, docs/deployment.md) reads the tasks the
+# others send it only under that name (django-q2 signs them with it), reports under it to the
+# health probe, and leaves the schedules to the deployment's cluster (django-q2's scheduler
+# fires those only in the cluster the deployment is named after).
+PAPERCLIP_DEPLOYMENT_CLUSTER_NAME = env_str("PAPERCLIP_DEPLOYMENT_CLUSTER_NAME", PAPERCLIP_CLUSTER_NAME)
+for _variable, _name in (
+    ("PAPERCLIP_CLUSTER_NAME", PAPERCLIP_CLUSTER_NAME),
+    ("PAPERCLIP_DEPLOYMENT_CLUSTER_NAME", PAPERCLIP_DEPLOYMENT_CLUSTER_NAME),
+):
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", _name):
+        raise ImproperlyConfigured(f"{_variable} must be letters, digits, '.', '_' or '-' (at most 64), got {_name!r}")
 Q_CLUSTER = {
-    "name": PAPERCLIP_CLUSTER_NAME,
+    "name": PAPERCLIP_DEPLOYMENT_CLUSTER_NAME,
+    "cluster_name": PAPERCLIP_CLUSTER_NAME,
     "workers": env_int("PAPERCLIP_Q_WORKERS", 2, minimum=1),
     # The engine's deadline, not the cluster, decides when a run has failed; the task
     # timeout sits above the longest run any valid agent can make. `retry` must exceed

@@ -53,6 +53,7 @@ def run_check(tmp_path, **env):
         ({"PAPERCLIP_WORK_CHECK_HOSTS": "tracker.example,api:http"}, "PAPERCLIP_WORK_CHECK_HOSTS"),
         ({"PAPERCLIP_WORK_CHECK_HOSTS": "https://tracker.example"}, "PAPERCLIP_WORK_CHECK_HOSTS"),
         ({"PAPERCLIP_CLUSTER_NAME": "two words"}, "PAPERCLIP_CLUSTER_NAME"),
+        ({"PAPERCLIP_DEPLOYMENT_CLUSTER_NAME": "-dash"}, "PAPERCLIP_DEPLOYMENT_CLUSTER_NAME"),
         ({"PAPERCLIP_WEB_WORKERS": "many"}, "PAPERCLIP_WEB_WORKERS"),
         ({"PAPERCLIP_PG_PREPARED_STATEMENTS": "sometimes"}, "PAPERCLIP_PG_PREPARED_STATEMENTS"),
     ],
@@ -255,6 +256,31 @@ def test_the_task_queue_is_named_by_the_setting_so_two_deployments_can_share_a_r
     environment = clean_environment(PAPERCLIP_HOME=str(tmp_path), PAPERCLIP_CLUSTER_NAME="staging")
     script = "from django_q.conf import Conf; print(Conf.PREFIX, Conf.CLUSTER_NAME)"
     assert shell_said(script, environment).split() == ["staging", "staging"]
+
+
+SIGNED = (
+    "from django_q.signing import SignedPackage; print(SignedPackage.dumps({'func': 'sessions_app.tasks.execute_run'}))"
+)
+READ_SIGNED = (
+    "from django_q.conf import Conf; from django_q.signing import SignedPackage; "
+    "print(Conf.PREFIX, Conf.CLUSTER_NAME, SignedPackage.loads({task!r})['func'])"
+)
+
+
+def test_a_hosts_own_cluster_reads_the_tasks_the_deployment_sends_it(tmp_path):
+    # django-q2 signs a task with the name its cluster is configured under. Before, that was
+    # PAPERCLIP_CLUSTER_NAME, so a pinned host's cluster (another name) could read no task
+    # the deployment sent it: each was dropped as a bad signature and its run stayed queued.
+    shared = {"PAPERCLIP_HOME": str(tmp_path), "DJANGO_SECRET_KEY": "one-key-for-the-deployment"}
+    task = shell_said(SIGNED, clean_environment(**shared, PAPERCLIP_CLUSTER_NAME="staging"))
+    pinned_host = clean_environment(
+        **shared, PAPERCLIP_CLUSTER_NAME="worker-b", PAPERCLIP_DEPLOYMENT_CLUSTER_NAME="staging"
+    )
+    assert shell_said(READ_SIGNED.format(task=task), pinned_host).split() == [
+        "staging",
+        "worker-b",
+        "sessions_app.tasks.execute_run",
+    ]
 
 
 # A statement run six times on one connection, then what that connection has prepared.
