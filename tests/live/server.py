@@ -86,6 +86,9 @@ class LiveServer:
     q_workers: int = 2
     redis_url: str = ""
     extra_env: dict = field(default_factory=dict)
+    # PAPERCLIP_CLUSTER_NAME of each qcluster, by index (a host's own cluster beside the
+    # deployment's); a cluster without one takes the environment's, as the web does.
+    cluster_names: list[str] = field(default_factory=list)
     port: int = 0
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -112,10 +115,15 @@ class LiveServer:
             env["REDIS_URL"] = self.redis_url
         return env
 
-    def spawn(self, name: str, command: list[str]) -> subprocess.Popen:
+    def spawn(self, name: str, command: list[str], env: dict | None = None) -> subprocess.Popen:
         log = (self.home / f"{name}.log").open("w")
         proc = subprocess.Popen(
-            command, cwd=ROOT, env=self.env(), start_new_session=True, stdout=log, stderr=subprocess.STDOUT
+            command,
+            cwd=ROOT,
+            env={**self.env(), **(env or {})},
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         self.procs[name] = proc
         return proc
@@ -154,7 +162,9 @@ class LiveServer:
         return self
 
     def start_cluster(self, index: int) -> subprocess.Popen:
-        return self.spawn(f"cluster{index}", [sys.executable, "manage.py", "qcluster"])
+        named = self.cluster_names[index] if index < len(self.cluster_names) else ""
+        env = {"PAPERCLIP_CLUSTER_NAME": named} if named else None
+        return self.spawn(f"cluster{index}", [sys.executable, "manage.py", "qcluster"], env)
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
