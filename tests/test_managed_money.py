@@ -196,7 +196,14 @@ def test_a_budgeted_turn_holds_its_cap_less_what_it_has_billed_and_releases_the_
         assert time.monotonic() < deadline, "the first request was never billed"
         time.sleep(0.02)
     (billed,) = CostEvent.objects.filter(agent=agent, kind=CostKind.MESSAGE)
+    # The row is written before the hold shrinks by it, never after: a budget read between
+    # the two counts the request twice, never not at all.
     during = HeartbeatRun.objects.get(agent=agent)
+    assert during.reserved_usd + billed.cost_usd >= Decimal("7.5")
+    while during.reserved_usd == Decimal("7.5"):
+        assert time.monotonic() < deadline, "the hold never shrank by the request billed"
+        time.sleep(0.02)
+        during.refresh_from_db()
     assert during.reserved_usd == Decimal("7.5") - billed.cost_usd  # the rest of the cap, still held
 
     run = heartbeat.result()
