@@ -37,7 +37,7 @@ FAKE_API_KEY = "sk-ant-test-0000-secret-never-logged"
 
 # The `postgres` marker on postgres_only tests, and PAPERCLIP_REQUIRE_POSTGRES (.ci/run); the
 # `redis` marker on redis_only tests, and PAPERCLIP_REQUIRE_REDIS.
-pytest_plugins = ["tests.postgres_required", "tests.redis_required"]
+pytest_plugins = ["tests.required_services"]
 
 
 @pytest.fixture(autouse=True)
