@@ -81,6 +81,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs
 
+# How often a test server's loop looks whether it was shut down: shutdown() waits for it.
+SHUTDOWN_POLL_SECONDS = 0.05
+
 
 def estimate_tokens(payload: Any) -> int:
     """The fake's tokenizer: four characters of JSON per token (the engine estimates alike)."""
@@ -420,7 +423,11 @@ class FakeAnthropic:
         self.batch_results_before: Callable[[], None] | None = None
         self.server = QuietServer(("127.0.0.1", 0), self._handler_class())
         self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # shutdown() waits for the loop's next look (0.5 s by default), in the teardown of
+        # every test that uses the fake.
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_SECONDS}, daemon=True
+        )
 
     @property
     def base_url(self) -> str:

@@ -67,6 +67,7 @@ from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from tests.fake_anthropic import SHUTDOWN_POLL_SECONDS
 from tests.fake_managed_events import EventsMixin, error_body, first, now_iso, paginate
 
 ERROR_KINDS = {
@@ -153,7 +154,9 @@ class FakeManaged(EventsMixin):
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def start(self) -> FakeManaged:
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_SECONDS}, daemon=True
+        ).start()
         return self
 
     def stop(self) -> None:
@@ -559,7 +562,7 @@ def serve_forever() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        fake._server.serve_forever(poll_interval=0.05)
+        fake._server.serve_forever(poll_interval=SHUTDOWN_POLL_SECONDS)
     except KeyboardInterrupt:
         fake._server.server_close()
 

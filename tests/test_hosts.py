@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 from paperclip.hosts import bounded_request
+from tests.fake_anthropic import SHUTDOWN_POLL_SECONDS
 
 
 class Answers(http.server.BaseHTTPRequestHandler):
@@ -49,7 +50,7 @@ def https_server(tmp_path, monkeypatch):
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     server.socket = context.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_SECONDS}, daemon=True).start()
     yield f"https://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()

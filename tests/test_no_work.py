@@ -20,7 +20,7 @@ from sessions_app.models import Agent, AgentSession, HeartbeatRun, RunStatus
 from sessions_app.schedules import agent_next_wakes, agent_schedule_sync, schedule_name
 from sessions_app.stores import store_for
 from tests.conftest import beat, listed_commands, on_own_connection
-from tests.fake_anthropic import Reply, last_user_text, plain_messages, text_turn
+from tests.fake_anthropic import SHUTDOWN_POLL_SECONDS, Reply, last_user_text, plain_messages, text_turn
 from tests.webhook_receiver import TricklingServer
 
 pytestmark = pytest.mark.django_db
@@ -212,7 +212,9 @@ class WorkServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/work"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_SECONDS}, daemon=True
+        ).start()
 
     def stop(self) -> None:
         self.httpd.shutdown()

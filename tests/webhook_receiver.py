@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.fake_anthropic import SHUTDOWN_POLL_SECONDS
+
 
 @dataclass(frozen=True)
 class Received:
@@ -45,7 +47,9 @@ class WebhookReceiver:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_SECONDS}, daemon=True
+        )
 
     def start(self) -> WebhookReceiver:
         self._thread.start()
