@@ -1042,7 +1042,14 @@ def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_
     # Stopped there: what came after it was sent before the stop (in flight on a loaded host) ...
     sent = [r["at"] for r in fake_anthropic.requests if r["path"] == "/v1/messages"]
     assert all(at < stopped_at[0] for at in sent[reached:])
-    assert len(answered_usages(fake_anthropic)) == len(rows)  # ... and every answered call is billed
+    # ... and every answered call Claude Code relayed is billed. One it had sent when it was
+    # stopped may have been answered and never relayed (its main loop has one request in
+    # flight at a time): the provider may bill it, and docs/runtimes.md says so.
+    answered = answered_usages(fake_anthropic)
+    assert len(rows) <= len(answered) <= len(rows) + 1
+    assert [(row.input_tokens, row.output_tokens) for row in rows] == [
+        (usage["input_tokens"], usage["output_tokens"]) for _, usage in answered[: len(rows)]
+    ]
     # Claude Code's own table prices the same calls at a third: under its --max-budget-usd.
     assert spent[-1] / 3 < cap
     assert run.cost_usd == spent[-1]
