@@ -554,7 +554,9 @@ def terminate_backend_running(statement_like: str) -> None:
     while victim is None and time.monotonic() < deadline:
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT pid FROM pg_stat_activity WHERE query LIKE %s AND state = 'active' AND pid <> pg_backend_pid()",
+                # Only this test database's: other xdist workers run the same statements.
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query LIKE %s "
+                "AND state = 'active' AND pid <> pg_backend_pid()",
                 [statement_like],
             )
             row = cursor.fetchone()

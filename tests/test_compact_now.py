@@ -210,7 +210,8 @@ def backend_running(statement_like: str) -> bool:
     """Whether another connection is running a statement like `statement_like` (PostgreSQL)."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT 1 FROM pg_stat_activity WHERE query LIKE %s AND state = 'active' AND pid <> pg_backend_pid()",
+            "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND query LIKE %s "
+            "AND state = 'active' AND pid <> pg_backend_pid()",
             [statement_like],
         )
         return cursor.fetchone() is not None

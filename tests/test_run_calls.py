@@ -236,7 +236,8 @@ def test_a_worker_killed_while_its_commit_waits_leaves_the_answer_billed(
 def commit_waiting_on_a_lock() -> bool:
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND query LIKE %s",
             ['%FROM "agents"%FOR NO KEY UPDATE%'],
         )
         return cursor.fetchone()[0] > 0

@@ -459,7 +459,8 @@ def wait_for_activity(statement_like: str, *, waiting_on_lock: bool = False) -> 
     while time.monotonic() < deadline:
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE %s AND state = 'active' "
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND query LIKE %s AND state = 'active' "
                 "AND pid <> pg_backend_pid() AND (NOT %s OR wait_event_type = 'Lock')",
                 [statement_like, waiting_on_lock],
             )
