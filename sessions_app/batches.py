@@ -32,7 +32,6 @@ import json
 import logging
 import uuid
 from datetime import datetime, timedelta
-from itertools import groupby
 
 from django.db.models import Q
 
@@ -73,21 +72,24 @@ def submitted():
     return HeartbeatRun.objects.filter(status=RunStatus.SUBMITTED)
 
 
+def _own_batch_api(agent: Agent) -> Adapter | None:
+    """The agent's runtime, if it still has a batch API."""
+    adapter = adapter_for(agent.adapter_type, agent.adapter_config)
+    return adapter if adapter is not None and adapter.delivers_batch else None
+
+
 def batch_api(agent: Agent) -> tuple[Adapter, dict]:
     """The adapter and configuration that send, read, list and cancel the batches of this
     agent's runs: its own; or, once an operator has moved it to a runtime without a batch
     API, the Messages API's with its defaults (a batch already made is still answered, and
     billed, at the provider)."""
-    adapter = adapter_for(agent.adapter_type, agent.adapter_config)
-    if adapter is not None and adapter.delivers_batch:
-        return adapter, agent.adapter_config
-    return BATCH_API, {}
+    own = _own_batch_api(agent)
+    return (own, agent.adapter_config) if own is not None else (BATCH_API, {})
 
 
 def still_batched(run: HeartbeatRun) -> bool:
     """Whether the run's agent still has a runtime with a batch API."""
-    adapter = adapter_for(run.agent.adapter_type, run.agent.adapter_config)
-    return adapter is not None and adapter.delivers_batch
+    return _own_batch_api(run.agent) is not None
 
 
 def batches_poll(*, now: datetime) -> dict:
@@ -117,22 +119,24 @@ def batches_submit(*, now: datetime) -> int:
         .filter(batch_id=token, batch_state=BatchState.SUBMITTING)
         .select_related("agent")
         .only("id", "batch_request", "agent__adapter_type", "agent__adapter_config")
-        .order_by("agent__adapter_type", "created_at")
+        .order_by("created_at")
     )
-    sent = 0
-    for _, runs in groupby(_still_batched(taken, token=token), key=lambda run: run.agent.adapter_type):
-        for chunk in chunks(list(runs)):
-            sent += _send(chunk, token=token)
-    return sent
+    # Every batch goes through the one batch API (`batch_api`), whatever runtime sent it.
+    return sum(_send(chunk, token=token) for chunk in chunks(_still_batched(taken, token=token)))
 
 
 def _still_batched(runs: list, *, token: str) -> list:
     """The runs whose agents still have a batch API. The others, moved by an operator to a
     runtime without one, go direct on that runtime: nothing was spent on them yet."""
-    moved = [run.id for run in runs if not still_batched(run)]
+    kept, moved = [], []
+    for run in runs:
+        (kept if still_batched(run) else moved).append(run)
     if moved:
-        too_late(taken_by(token, moved), "was never sent: its agent moved to a runtime without a batch API")
-    return [run for run in runs if still_batched(run)]
+        too_late(
+            taken_by(token, [run.id for run in moved]),
+            "was never sent: its agent moved to a runtime without a batch API",
+        )
+    return kept
 
 
 def chunks(runs: list) -> list[list]:
