@@ -50,6 +50,15 @@ def plain_static_files(settings):
 
 
 @pytest.fixture(autouse=True)
+def fast_password_hashing(settings):
+    # Django's PBKDF2 takes about 0.6 s of CPU a password on a CI runner, and every test
+    # through the admin makes one (pytest-django's `admin_user`): minutes of a suite. What
+    # the tests prove never depends on the hash's strength. Servers the tests start in
+    # processes of their own keep the real hashers.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture(autouse=True)
 def paperclip_home(settings, tmp_path):
     """Each test gets its own sandbox folder for history files."""
     home = tmp_path / "paperclip-home"
