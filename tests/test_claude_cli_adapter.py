@@ -23,6 +23,7 @@ from costs_app.pricing import call_price, library_table
 from sessions_app.adapters import AgentConfigError, get_adapter
 from sessions_app.adapters.claude_cli import (
     MAX_THINKING_BUDGET,
+    StreamedCalls,
     cli_binary,
     cli_environment,
     config_dir,
@@ -894,7 +895,7 @@ def test_each_streamed_request_is_billed_once_as_it_ends_and_made_up_ones_not_at
     `modelUsage` beyond what was streamed (a request it did not stream) is billed then."""
     from claude_agent_sdk import StreamEvent
 
-    from sessions_app.adapters.claude_cli import StreamedCalls, model_usage_as_api
+    from sessions_app.adapters.claude_cli import model_usage_as_api
     from sessions_app.run_calls import RunCalls, RunMeter
     from sessions_app.run_queue import claim_run, heartbeat_enqueue
 
@@ -1006,14 +1007,28 @@ def process_described(pid: int) -> str:
     return f"{pid} state {stat[0]} parent {stat[1]}: {command[:200]}"
 
 
+def test_a_last_answer_billed_after_claude_code_ended_stops_the_run_at_its_cap(company, fake_anthropic, monkeypatch):
+    """The one call of a run reaches the cap, and its bill comes after Claude Code has
+    ended (a loaded engine): the run still ends at the cap with that call billed, never as
+    an internal error."""
+    agent = cli_agent(company, max_budget_usd=0.01)
+    bill = StreamedCalls.bill
+    monkeypatch.setattr(StreamedCalls, "bill", lambda self, *args, **kw: (time.sleep(0.5), bill(self, *args, **kw))[1])
+
+    run = beat(agent, "say hi")
+
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_budget_cap"), run.error
+    assert_ledger_holds_exactly(run, answered_usages(fake_anthropic))
+    assert len(answered_usages(fake_anthropic)) == 1
+
+
 def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_by_our_ledger(
     company, fake_anthropic, monkeypatch
 ):
     """An operator's price three times what Claude Code assumes: Claude Code's own
     --max-budget-usd would let about three times the cap through; the ledger stops the run
-    at the call that reaches the cap."""
-    from sessions_app.adapters import cli_processes
-
+    at the call that reaches the cap, and nothing is sent after it, even when the engine
+    bills each call late: Claude Code's tools wait for their call's bill (`ToolUseGate`)."""
     listed = library_table(model="claude-sonnet-4-5", at=timezone.now()).rates()
     ModelPrice.objects.create(
         model="claude-sonnet-4-5",
@@ -1027,11 +1042,10 @@ def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_
     cap = Decimal("0.2")
     agent = cli_agent(company, max_budget_usd=float(cap), max_turns=20)
     fake_anthropic.push(*[Reply.tool_use("Bash", {"command": f"echo {n}", "description": "step"}) for n in range(12)])
-    stopped_at = []
-    kill = cli_processes.RunProcesses.kill
-    monkeypatch.setattr(
-        cli_processes.RunProcesses, "kill", lambda self: (stopped_at.append(time.monotonic()), kill(self))
-    )
+    # Each bill 0.3 s late: time for Claude Code to run the call's tool and send its next
+    # request before the stop, were the tool not held until the bill.
+    bill = StreamedCalls.bill
+    monkeypatch.setattr(StreamedCalls, "bill", lambda self, *args, **kw: (time.sleep(0.3), bill(self, *args, **kw))[1])
 
     run = beat(agent, "keep going")
 
@@ -1039,16 +1053,13 @@ def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_
     rows = list(CostEvent.objects.filter(run=run).order_by("call_number"))
     spent = [sum((row.cost_usd for row in rows[:n]), Decimal(0)) for n in range(len(rows) + 1)]
     reached = next(n for n in range(1, len(spent)) if spent[n] >= cap)  # the call that reached the cap
-    # Stopped there: what came after it was sent before the stop (in flight on a loaded host) ...
-    sent = [r["at"] for r in fake_anthropic.requests if r["path"] == "/v1/messages"]
-    assert all(at < stopped_at[0] for at in sent[reached:])
-    # ... and every answered call Claude Code relayed is billed. One it had sent when it was
-    # stopped may have been answered and never relayed (its main loop has one request in
-    # flight at a time): the provider may bill it, and docs/runtimes.md says so.
+    # Stopped there, with nothing sent after it: every call the provider answered is billed.
+    assert len(rows) == reached
+    sent = [r for r in fake_anthropic.requests if r["path"] == "/v1/messages"]
     answered = answered_usages(fake_anthropic)
-    assert len(rows) <= len(answered) <= len(rows) + 1
+    assert len(sent) == len(answered) == len(rows) > 1
     assert [(row.input_tokens, row.output_tokens) for row in rows] == [
-        (usage["input_tokens"], usage["output_tokens"]) for _, usage in answered[: len(rows)]
+        (usage["input_tokens"], usage["output_tokens"]) for _, usage in answered
     ]
     # Claude Code's own table prices the same calls at a third: under its --max-budget-usd.
     assert spent[-1] / 3 < cap

@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
@@ -335,15 +336,18 @@ class StreamedCalls:
     by the tool use that started them. What the result reports beyond these (requests
     Claude Code made without streaming them: a sub-agent's, this version of Claude Code
     streams only the main loop's) is billed when the result arrives (`bill_unstreamed`).
-    The run is stopped once the ledger reaches `cap`."""
+    The run is stopped once the ledger reaches `cap`; the tool uses a billed request asked
+    for pass `tool_uses` only then (`ToolUseGate`)."""
 
     def __init__(self, meter: CallMeter, *, default_model: str, cap: Decimal) -> None:
         self.meter = meter
         self.default_model = default_model
         self.cap = cap
         self.open: dict[str | None, tuple[str, str, dict]] = {}
+        self.open_tool_uses: dict[str | None, list[str]] = defaultdict(list)
         self.billed: dict[str, list[dict]] = defaultdict(list)
         self.billed_ids: set[str] = set()
+        self.tool_uses = ToolUseGate()
 
     def see(self, message) -> None:
         event = message.event if isinstance(message.event, dict) else {}
@@ -352,11 +356,18 @@ class StreamedCalls:
             started = event.get("message") if isinstance(event.get("message"), dict) else {}
             usage = started.get("usage") if isinstance(started.get("usage"), dict) else {}
             self.open[stream] = (str(started.get("id") or ""), storable(started.get("model") or ""), dict(usage))
+            self.open_tool_uses[stream] = []
+        elif event.get("type") == "content_block_start" and stream in self.open:
+            block = event.get("content_block") if isinstance(event.get("content_block"), dict) else {}
+            if block.get("type") == "tool_use":
+                self.open_tool_uses[stream].append(str(block.get("id") or ""))
         elif event.get("type") == "message_delta" and stream in self.open:
             message_id, model, usage = self.open.pop(stream)
             if isinstance(event.get("usage"), dict):
                 usage.update({key: value for key, value in event["usage"].items() if value is not None})
             self.bill(model or self.default_model, usage, message_id=message_id)
+            # Not when the bill reached the cap (it raised): those tools wait for the stop.
+            self.tool_uses.release(self.open_tool_uses.pop(stream, []))
 
     def bill(self, model: str, reported: dict, *, message_id: str = "") -> None:
         if message_id in self.billed_ids:
@@ -390,6 +401,56 @@ class StreamedCalls:
 
     def usage_by_model(self) -> dict[str, dict]:
         return {model: usage_total(usages) for model, usages in self.billed.items()}
+
+
+class ToolUseGate:
+    """Where Claude Code's tool uses wait for the engine to bill the request that asked for
+    them (a PreToolUse hook, `CliRun.options`).
+
+    Claude Code sends its next request as soon as a turn's tools are done, and the engine
+    bills each request from the stream a moment after its end. Unheld, a run stopped at its
+    cap could have a next request in flight, answered and billed by the provider, and never
+    relayed to the ledger. Held here, the request that reaches the cap is billed before any
+    tool it asked for runs, and the stop comes before anything is sent after it.
+    Keyed by tool use id: the SDK can call a hook before it yields the stream events that
+    came before it. The hook runs on the conversation's loop, the billing in the engine's
+    thread: a set's add and membership test are atomic under the GIL."""
+
+    POLL_SECONDS = 0.005
+    # Far beyond a bill's time; past it a tool goes on unheld (as before the gate) rather
+    # than a run waiting out its timeout on a tool use the stream never showed.
+    WAIT_SECONDS = 30.0
+
+    def __init__(self) -> None:
+        self.billed: set[str] = set()
+        self.stopped = False
+
+    def release(self, tool_use_ids: Iterable[str]) -> None:
+        self.billed.update(tool_use_ids)
+
+    def stop(self) -> None:
+        """The run was stopped: nothing waiting may go on (its CLI is killed already)."""
+        self.stopped = True
+
+    async def passes(self, tool_use_id: str) -> bool:
+        """True once the request that asked for this tool use is billed; False when the run
+        was stopped first."""
+        deadline = time.monotonic() + self.WAIT_SECONDS
+        while not self.stopped:
+            if tool_use_id in self.billed:
+                return True
+            if time.monotonic() >= deadline:
+                logger.warning("Claude Code's tool use %s went on before its request was billed", tool_use_id)
+                return True
+            await asyncio.sleep(self.POLL_SECONDS)
+        return False
+
+
+def _cancel(task: asyncio.Task, loop: asyncio.AbstractEventLoop) -> None:
+    try:
+        loop.call_soon_threadsafe(task.cancel)
+    except RuntimeError:
+        pass  # the loop is closed: the conversation ended while its last bills were made
 
 
 class LedgerCapReached(Exception):
@@ -596,6 +657,16 @@ class CliRun:
             processes.take_stock()
             return {}
 
+        async def before_tool(hook_input, tool_use_id, _context) -> dict:
+            # A sub-agent's requests are not streamed (billed from the result): not held.
+            if "agent_id" in hook_input or not tool_use_id or await self.calls.tool_uses.passes(tool_use_id):
+                return {}
+            return {"continue_": False, "stopReason": "The heartbeat's calls reached max_budget_usd."}
+
+        hooks = {"PreToolUse": [HookMatcher(hooks=[before_tool])]}
+        if processes.cgroup is None:  # without a cgroup, the run's processes are found after each tool too
+            hooks |= {event: [HookMatcher(hooks=[after_tool])] for event in ("PostToolUse", "PostToolUseFailure")}
+
         options = ClaudeAgentOptions(
             model=self.request.model,
             cwd=str(self.workspace),
@@ -617,10 +688,7 @@ class CliRun:
             session_store=self.transcript,
             # The API's own stream events: each model request's usage as it ends, billed then.
             include_partial_messages=True,
-            # Without a cgroup, the run's processes are found after each tool too.
-            hooks={event: [HookMatcher(hooks=[after_tool])] for event in ("PostToolUse", "PostToolUseFailure")}
-            if processes.cgroup is None
-            else None,
+            hooks=hooks,
         )
         if self.resume_id:
             options.resume = self.resume_id
@@ -666,7 +734,9 @@ class CliRun:
                 if stopped is None:
                     stopped = exc
                     processes.kill()
-                    loop.call_soon_threadsafe(conversing.cancel)
+                    self.calls.tool_uses.stop()  # after the kill: a held tool never runs
+                    _cancel(conversing, loop)
+        self.calls.tool_uses.stop()
         thread.join()
         return stopped or ended
 
