@@ -1,5 +1,7 @@
 from django.apps import AppConfig
 
+from paperclip.process_privacy import environment_hide
+
 
 class SessionsAppConfig(AppConfig):
     name = "sessions_app"
@@ -12,6 +14,8 @@ class SessionsAppConfig(AppConfig):
         from sessions_app.services import budget_changed_release
 
         budget_changed.connect(budget_changed_release, dispatch_uid="sessions_app.budget_changed_release")
+        # Before any agent runs a command: this process's secrets stay out of its reach.
+        environment_hide()
         telemetry_start_from_environment()
 
 
