@@ -14,6 +14,8 @@ Scripted reply kinds:
 - Reply.message(text=..., usage=..., content=..., message_id=...): a chosen answer;
 - Reply.no_usage(): an answer without a `usage` object;
 - Reply.during(action): the default answer, with `action` as its `before`;
+- `mid_stream=action` on a reply: a streamed answer calls `action` after its first event,
+  before the rest (an answer still streaming when something happens to the client);
 - Reply.tool_use(name, input, text=None): an answer that calls one tool; Reply.tool_calls(*inputs,
   name="memory"): an answer asking for calls of one tool (stop_reason
   tool_use), one tool_use block per input.
@@ -169,6 +171,9 @@ class Reply:
     message_id: str | None = None
     extra: dict = field(default_factory=dict)
     before: Callable[[], None] | None = None
+    # Streamed: called after the first event is sent, before the rest (an answer still
+    # streaming when something happens client-side).
+    mid_stream: Callable[[], None] | None = None
     headers: dict = field(default_factory=dict)  # sent with the answer (an error's retry-after, rate limits)
 
     @classmethod
@@ -905,20 +910,25 @@ class FakeAnthropic:
                 message = fake.answer(body, reply)
                 record["usage"] = message.get("usage")  # what this answer reported, for ledger checks
                 if body.get("stream"):
-                    self._send_stream(message)
+                    self._send_stream(message, mid_stream=reply.mid_stream)
                 else:
                     self._send_json(200, message, {**fake.answer_headers, **reply.headers})
 
-            def _send_stream(self, message: dict) -> None:
-                data = b"".join(
+            def _send_stream(self, message: dict, *, mid_stream: Callable[[], None] | None = None) -> None:
+                events = [
                     f"event: {name}\ndata: {json.dumps(event)}\n\n".encode() for name, event in stream_events(message)
-                )
+                ]
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", str(sum(len(event) for event in events)))
                 self.send_header("request-id", f"req_fake_{time.monotonic_ns()}")
                 self.end_headers()
-                self.wfile.write(data)
+                if mid_stream is not None:
+                    self.wfile.write(events[0])
+                    self.wfile.flush()
+                    mid_stream()
+                    events = events[1:]
+                self.wfile.write(b"".join(events))
 
         return Handler
 

@@ -372,6 +372,36 @@ def test_git_in_the_workspace_never_reaches_a_repository_around_it(company, fake
     assert fenced.returncode != 0 and str(outer) not in fenced.stdout  # not a repository, never the outer one
 
 
+def test_an_answer_streaming_at_the_timeout_is_read_to_its_end_billed_and_its_tool_never_run(
+    company, fake_anthropic, monkeypatch
+):
+    """The timeout comes while the answer to Claude Code's request streams (the fake holds
+    its end until the watchdog has fired): the provider bills that answer, and so does the
+    ledger, since the answer is read to its end before the kill; the tool it asks for never
+    runs. Before, the CLI was killed mid-stream and the answer never billed."""
+    agent = cli_agent(company, timeout_seconds=12)
+    fired = threading.Event()
+    finish = StreamedCalls.streaming_finish
+    monkeypatch.setattr(
+        StreamedCalls, "streaming_finish", lambda self, seconds: (fired.set(), finish(self, seconds))[1]
+    )
+    marker = workspace(agent) / "ran.txt"
+    command = f"touch {marker}"
+    fake_anthropic.push(
+        Reply.tool_use("Bash", {"command": command, "description": "mark"}, mid_stream=lambda: fired.wait(60))
+    )
+
+    run = beat(agent, "mark it")
+
+    assert fired.is_set()
+    assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_timeout"), run.error
+    answered = answered_usages(fake_anthropic)
+    assert len(answered) == 1
+    assert_ledger_holds_exactly(run, answered)
+    assert run.cost_usd > 0
+    assert not marker.exists()
+
+
 def test_a_cli_that_does_not_answer_is_killed_at_its_timeout_with_its_children(company, fake_anthropic):
     agent = cli_agent(company, session_mode="persistent")
     beat(agent, "one")

@@ -30,10 +30,11 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,9 @@ MAX_BUDGET_USD = 1000
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 # Seconds a killed CLI gets to be reaped and its SDK to wind down, on top of its timeout.
 KILL_GRACE_SECONDS = 15
+# At the timeout, what an answer streaming then gets to end before the kill (within the
+# grace above): the provider bills it whether or not it is read.
+STREAMING_GRACE_SECONDS = 8
 TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*(\(.*\))?", re.DOTALL)
 # A tool result kept in the session's history (the store keeps it whole).
 RESULT_CHARS = 2000
@@ -263,11 +267,12 @@ def launcher_environment(env: dict[str, str], *, processes: RunProcesses) -> dic
 
 class Watchdog:
     """Kills the CLI at its deadline, whatever the event loop is doing, and with it every
-    process of the run (`RunProcesses`: its cgroup, or its process tree as recorded); after
-    the run, whatever it left behind."""
+    process of the run (`RunProcesses`: its cgroup, or its process tree as recorded), once
+    `finish` has returned; after the run, whatever it left behind."""
 
-    def __init__(self, processes: RunProcesses, seconds: float) -> None:
+    def __init__(self, processes: RunProcesses, seconds: float, *, finish: Callable[[], None]) -> None:
         self.processes = processes
+        self.finish = finish
         self.fired = False
         self.timer = threading.Timer(seconds, self.fire)
         self.timer.daemon = True
@@ -284,6 +289,7 @@ class Watchdog:
 
     def fire(self) -> None:
         self.fired = True
+        self.finish()
         self.processes.kill()
 
 
@@ -384,6 +390,15 @@ class StreamedCalls:
             self.billed_ids.add(message_id)
         if self.meter.billed_usd >= self.cap:
             raise LedgerCapReached(self.meter.billed_usd)
+
+    def streaming_finish(self, seconds: float) -> None:
+        """At the run's deadline: no tool starts any more, and an answer streaming now gets
+        `seconds` to end and be billed before the CLI is killed. Called from the watchdog's
+        thread; `open` is the engine thread's, read only."""
+        self.tool_uses.stop()
+        deadline = time.monotonic() + seconds
+        while self.open and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def bill_unstreamed(self, totals: dict[str, dict]) -> None:
         """Bill, per model, what the result's `modelUsage` reports beyond the requests
@@ -623,7 +638,8 @@ class CliRun:
             )
         except OSError as exc:
             raise AdapterError("cli_start_failed", f"Could not record the run's processes: {exc}") from None
-        with Watchdog(processes, timeout) as watchdog:
+        finish = partial(self.calls.streaming_finish, STREAMING_GRACE_SECONDS)
+        with Watchdog(processes, timeout, finish=finish) as watchdog:
             # Classified below, once the run's processes are gone.
             error = self.converse_and_bill(conversation, processes, seconds=timeout + KILL_GRACE_SECONDS)
         try:
