@@ -444,7 +444,7 @@ class ToolUseGate:
         self.billed.update(tool_use_ids)
 
     def stop(self) -> None:
-        """The run was stopped: nothing waiting may go on (its CLI is killed already)."""
+        """The run is stopped (at its cap, or at its timeout): no tool starts any more."""
         self.stopped = True
 
     async def passes(self, tool_use_id: str) -> bool:
@@ -677,7 +677,7 @@ class CliRun:
             # A sub-agent's requests are not streamed (billed from the result): not held.
             if "agent_id" in hook_input or not tool_use_id or await self.calls.tool_uses.passes(tool_use_id):
                 return {}
-            return {"continue_": False, "stopReason": "The heartbeat's calls reached max_budget_usd."}
+            return {"continue_": False, "stopReason": "The heartbeat was stopped at its cap or its timeout."}
 
         hooks = {"PreToolUse": [HookMatcher(hooks=[before_tool])]}
         if processes.cgroup is None:  # without a cgroup, the run's processes are found after each tool too
