@@ -24,6 +24,7 @@ from sessions_app.adapters import AgentConfigError, get_adapter
 from sessions_app.adapters.claude_cli import (
     MAX_THINKING_BUDGET,
     StreamedCalls,
+    ToolUseGate,
     cli_binary,
     cli_environment,
     config_dir,
@@ -823,6 +824,28 @@ def test_a_second_model_claude_code_calls_gets_a_ledger_row_of_its_own(company, 
     theirs = Decimal(run.runtime_report["cli_total_cost_usd"])
     assert abs(theirs - run.cost_usd) > run.cost_usd / 100
     assert f"the ledger priced it at ${run.cost_usd}" in caplog.text
+
+
+def test_a_sub_agents_tools_are_not_held_for_bills_of_requests_never_streamed(company, fake_anthropic, caplog):
+    """Claude Code does not stream a sub-agent's requests (they are billed from the result),
+    so its tools do not wait for their bills: only the main loop's are held."""
+    agent = cli_agent(company, allowed_tools=["Glob", "Agent"])
+    delegate = {"description": "look", "prompt": "List the files.", "subagent_type": "general-purpose"}
+    fake_anthropic.push(
+        Reply.tool_use("Agent", {**delegate, "model": "haiku", "run_in_background": False}),
+        Reply.tool_use("Glob", {"pattern": "*"}),  # the sub-agent's tool
+        Reply.message("nothing here"),
+        Reply.message("done"),
+    )
+    started = time.monotonic()
+
+    run = beat(agent, "explore")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    models = [r["body"]["model"] for r in fake_anthropic.requests if r.get("usage")]
+    assert models == ["claude-sonnet-4-5", "claude-haiku-5-5", "claude-haiku-5-5", "claude-sonnet-4-5"]
+    assert "went on before its request was billed" not in caplog.text
+    assert time.monotonic() - started < ToolUseGate.WAIT_SECONDS
 
 
 def test_the_history_shows_claude_codes_compaction_boundaries_and_trims_tool_results():
