@@ -1060,13 +1060,23 @@ def process_described(pid: int) -> str:
     return f"{pid} state {stat[0]} parent {stat[1]}: {command[:200]}"
 
 
+def bills_late(monkeypatch, *, seconds: float) -> None:
+    """The engine bills each request `seconds` after Claude Code streamed its end (a loaded worker)."""
+    bill = StreamedCalls.bill
+
+    def late(self, *args, **kwargs):
+        time.sleep(seconds)
+        return bill(self, *args, **kwargs)
+
+    monkeypatch.setattr(StreamedCalls, "bill", late)
+
+
 def test_a_last_answer_billed_after_claude_code_ended_stops_the_run_at_its_cap(company, fake_anthropic, monkeypatch):
     """The one call of a run reaches the cap, and its bill comes after Claude Code has
     ended (a loaded engine): the run still ends at the cap with that call billed, never as
     an internal error."""
     agent = cli_agent(company, max_budget_usd=0.01)
-    bill = StreamedCalls.bill
-    monkeypatch.setattr(StreamedCalls, "bill", lambda self, *args, **kw: (time.sleep(0.5), bill(self, *args, **kw))[1])
+    bills_late(monkeypatch, seconds=0.5)
 
     run = beat(agent, "say hi")
 
@@ -1097,8 +1107,7 @@ def test_a_claude_code_run_priced_above_claude_codes_own_table_stops_at_its_cap_
     fake_anthropic.push(*[Reply.tool_use("Bash", {"command": f"echo {n}", "description": "step"}) for n in range(12)])
     # Each bill 0.3 s late: time for Claude Code to run the call's tool and send its next
     # request before the stop, were the tool not held until the bill.
-    bill = StreamedCalls.bill
-    monkeypatch.setattr(StreamedCalls, "bill", lambda self, *args, **kw: (time.sleep(0.3), bill(self, *args, **kw))[1])
+    bills_late(monkeypatch, seconds=0.3)
 
     run = beat(agent, "keep going")
 

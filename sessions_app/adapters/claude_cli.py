@@ -752,7 +752,6 @@ class CliRun:
                     processes.kill()
                     self.calls.tool_uses.stop()  # after the kill: a held tool never runs
                     _cancel(conversing, loop)
-        self.calls.tool_uses.stop()
         thread.join()
         return stopped or ended
 
