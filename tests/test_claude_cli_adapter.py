@@ -32,6 +32,7 @@ from sessions_app.adapters.claude_cli import (
     workspace_listing,
 )
 from sessions_app.adapters.cli_home import agent_home
+from sessions_app.adapters.cli_processes import RunProcesses
 from sessions_app.maintenance import runs_reap
 from sessions_app.models import Agent, AgentSession, CliTranscriptEntry, HeartbeatRun, RunStatus
 from sessions_app.services import session_delete
@@ -382,10 +383,16 @@ def test_an_answer_streaming_at_the_timeout_is_read_to_its_end_billed_and_its_to
     runs. Before, the CLI was killed mid-stream and the answer never billed."""
     agent = cli_agent(company, timeout_seconds=12)
     fired = threading.Event()
-    finish = StreamedCalls.streaming_finish
-    monkeypatch.setattr(
-        StreamedCalls, "streaming_finish", lambda self, seconds: (fired.set(), finish(self, seconds))[1]
-    )
+    stop = ToolUseGate.stop
+
+    def stopped(self):  # the watchdog's first step: its tools stopped, then the answer goes on
+        stop(self)
+        fired.set()
+
+    monkeypatch.setattr(ToolUseGate, "stop", stopped)
+    # A late kill: the tool must be refused by the gate, not outrun by the kill.
+    kill = RunProcesses.kill
+    monkeypatch.setattr(RunProcesses, "kill", lambda self: (time.sleep(3), kill(self))[1])
     marker = workspace(agent) / "ran.txt"
     command = f"touch {marker}"
     fake_anthropic.push(

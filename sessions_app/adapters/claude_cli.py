@@ -677,7 +677,17 @@ class CliRun:
             # A sub-agent's requests are not streamed (billed from the result): not held.
             if "agent_id" in hook_input or not tool_use_id or await self.calls.tool_uses.passes(tool_use_id):
                 return {}
-            return {"continue_": False, "stopReason": "The heartbeat was stopped at its cap or its timeout."}
+            # Denied, not only stopped: `continue` false alone can let the tool run first.
+            stopped = "The heartbeat was stopped at its cap or its timeout."
+            return {
+                "continue_": False,
+                "stopReason": stopped,
+                "hookSpecificOutput": {
+                    "hookEventName": "PreToolUse",
+                    "permissionDecision": "deny",
+                    "permissionDecisionReason": stopped,
+                },
+            }
 
         hooks = {"PreToolUse": [HookMatcher(hooks=[before_tool])]}
         if processes.cgroup is None:  # without a cgroup, the run's processes are found after each tool too
