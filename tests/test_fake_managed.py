@@ -231,14 +231,6 @@ def test_the_default_reply_counts_the_messages_so_the_context_is_kept(client, ma
     assert (usage.input_tokens, usage.output_tokens) == (300, 40)
 
 
-def test_the_session_is_running_during_a_turn_and_idle_after(client, managed, session):
-    managed.script(session.id, [("sleep", 0.2), ("message", "done")])
-    client.beta.sessions.events.send(session.id, events=[user_message("go")])
-    strict(BetaManagedAgentsSession, managed.sessions[session.id])
-    wait_status(client, session.id, "running")
-    wait_status(client, session.id, "idle")
-
-
 def test_active_seconds_and_list_cost_grow_per_turn(client, managed, session):
     assert client.beta.sessions.retrieve(session.id).usage.list_cost is None  # until a list price is set
     managed.active_seconds_per_turn = 7.5
@@ -400,9 +392,12 @@ def test_a_terminated_session_refuses_later_messages(client, managed, session):
 
 
 def test_an_interrupt_cuts_a_sleeping_turn_short(client, managed, session):
+    """Also: the session is `running` during a turn and `idle` after it. A turn that lasts
+    until it is interrupted, so that a loaded host's polls never miss it (a 0.2 s turn did)."""
     managed.script(session.id, [("sleep", 30), ("message", "never")])
     client.beta.sessions.events.send(session.id, events=[user_message("go")])
-    wait_status(client, session.id, "running")
+    strict(BetaManagedAgentsSession, managed.sessions[session.id])
+    wait_status(client, session.id, "running", timeout=10)
     started = time.monotonic()
     client.beta.sessions.events.send(session.id, events=[{"type": "user.interrupt"}])
     wait_status(client, session.id, "idle")
