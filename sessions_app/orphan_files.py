@@ -50,6 +50,7 @@ from urllib.parse import unquote
 
 from django.conf import settings
 
+from sessions_app.agent_files import retired_agents_folders_remove
 from sessions_app.durable import file_name
 from sessions_app.models import SESSION_ID_PREFIX, Agent, AgentSession, AgentStatus, HistoryStore, ManagedOutput
 
@@ -140,7 +141,7 @@ def orphan_files_remove(*, now: datetime) -> int:
         named = _named(batch)
         removed += sum(_remove(found, home) for found in batch if found not in named)
     _retired_folders_remove(home, retired)
-    return removed
+    return removed + retired_agents_folders_remove(now=now, grace=grace())
 
 
 def _batches(items: Iterable[T]) -> Iterator[list[T]]:

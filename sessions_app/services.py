@@ -16,6 +16,7 @@ from django.utils import timezone
 from costs_app.alerts import budget_alerts_fire
 from costs_app.budgets import budget_uses, budgets_lock, budgets_releasable, crossed_scopes
 from memory_app.stores import agent_memory_delete
+from sessions_app.agent_files import agents_folders_remove_after_commit
 from sessions_app.approvals import AGENT_DELETED, CLEARED, DELETED, EXPIRED, WaitEnd, approvals_end
 from sessions_app.cli_transcripts import cli_sessions_delete
 from sessions_app.managed_outputs import outputs_delete
@@ -213,8 +214,8 @@ def budget_changed_release(sender, *, company_id, now: datetime, **kwargs) -> No
 
 def agent_delete(*, agent: Agent, now: datetime) -> None:
     """Retire an agent: it disappears from the API, its sessions and their histories are
-    deleted, so is its memory (memory_app), queued runs are failed, and its schedule is
-    removed. The agent row, its runs and its cost events stay: they are the record of what
+    deleted, so is its memory (memory_app), queued runs are failed, its schedule is removed,
+    and its folders (its workspace among them) go after the COMMIT (`agent_files`). The agent row, its runs and its cost events stay: they are the record of what
     was done and spent."""
     with transaction.atomic():
         Agent.objects.filter(pk=agent.pk).update(status=AgentStatus.DELETED, deleted_at=now, paused_reason="")
@@ -228,17 +229,20 @@ def agent_delete(*, agent: Agent, now: datetime) -> None:
         sessions_delete(sessions=AgentSession.objects.filter(agent=agent), now=now)
         agent_memory_delete(agent_ids=[agent.pk])
         outputs_delete(agent_ids=[agent.pk])
+        agents_folders_remove_after_commit([agent.pk])
     agent.refresh_from_db(fields=["status", "deleted_at", "paused_reason"])
     agent_schedule_sync(agent=agent)
 
 
 def agents_hard_delete(*, agents: QuerySet[Agent], now: datetime) -> int:
-    """Remove agents entirely (admin): their sessions' files go too. The ledger stays."""
+    """Remove agents entirely (admin): their sessions' files and their folders go too
+    (`agent_files`). The ledger stays."""
     with transaction.atomic():
         agent_ids = list(agents.values_list("id", flat=True))
         sessions_delete(sessions=AgentSession.objects.filter(agent_id__in=agent_ids), now=now)
         outputs_delete(agent_ids=agent_ids)
         count, _ = Agent.objects.filter(id__in=agent_ids).delete()
+        agents_folders_remove_after_commit(agent_ids)
     for agent_id in agent_ids:
         agent_schedule_sync(agent=Agent(id=agent_id, status=AgentStatus.DELETED))
     return count

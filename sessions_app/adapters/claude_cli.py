@@ -631,11 +631,7 @@ class CliRun:
         timeout = float(self.config.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
         conversation = Conversation()
         try:
-            processes = RunProcesses.start(
-                mark=self.mark,
-                run_id=str(self.request.metadata.get("run_id") or ""),
-                pidfile=agent_home(self.agent_id) / f"run-{self.mark}.pid",
-            )
+            processes = RunProcesses.start(mark=self.mark, run_id=str(self.request.metadata.get("run_id") or ""))
         except OSError as exc:
             raise AdapterError("cli_start_failed", f"Could not record the run's processes: {exc}") from None
         finish = partial(self.calls.streaming_finish, STREAMING_GRACE_SECONDS)

@@ -191,8 +191,11 @@ class RunProcesses:
         self._tracker: threading.Thread | None = None
 
     @classmethod
-    def start(cls, *, mark: str, run_id: str, pidfile: Path) -> RunProcesses:
-        """A run's processes, in a new cgroup where this host offers one; recorded."""
+    def start(cls, *, mark: str, run_id: str) -> RunProcesses:
+        """A run's processes, in a new cgroup where this host offers one; recorded. The
+        launcher's pid is written beside the record, out of the agent's folders (which go
+        when an agent is removed entirely, even under a run in flight: `agent_files`)."""
+        pidfile = records_dir() / f"{mark}.pid"
         cgroup = None
         if (base := cgroup_base()) is not None:
             try:
