@@ -52,10 +52,12 @@ def agent_folders(agent_id) -> list[Path]:
 
 def agents_folders_remove_after_commit(agent_ids: list) -> None:
     """Inside the transaction that retires or removes the agents: their folders go once it
-    has committed (a rollback keeps them, with the rows that name their files)."""
+    has committed (a rollback keeps them, with the rows that name their files). A failure
+    there is logged, never raised to the deletion's caller, whose deletion stands: the
+    maintenance pass removes a retired agent's folders later."""
     ids = list(agent_ids)
     if ids:
-        transaction.on_commit(lambda: agents_folders_remove(ids))
+        transaction.on_commit(lambda: agents_folders_remove(ids), robust=True)
 
 
 def agents_folders_remove(agent_ids: list) -> int:
