@@ -74,6 +74,9 @@ PAPERCLIP_CLAUDE_CLI = env_str("PAPERCLIP_CLAUDE_CLI", "")
 # The Claude Code tools API keys may give an agent in authenticated mode (README, "Claude
 # Code agents"): none unless the operator lists them, as for process commands.
 PAPERCLIP_CLI_TOOLS = env_list("PAPERCLIP_CLI_TOOLS", "")
+# Each Claude Code run in a bubblewrap sandbox (sessions_app/adapters/cli_sandbox.py): `auto`
+# where bubblewrap works on this host, `bwrap` always (a run fails without it), or `off`.
+PAPERCLIP_CLI_SANDBOX = env_choice("PAPERCLIP_CLI_SANDBOX", "auto", ("auto", "bwrap", "off"))
 # The same for Managed Agents agents (README, "Managed Agents"): the agent toolset's tools,
 # and the hosts their containers may reach (`*`: any, unrestricted networking).
 PAPERCLIP_MANAGED_TOOLS = env_list("PAPERCLIP_MANAGED_TOOLS", "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -639,13 +640,18 @@ def test_a_command_that_clears_its_environment_does_not_outlive_its_run(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_maintenance_pass_kills_the_cli_of_a_worker_that_died(company, fake_anthropic, settings):
+@pytest.mark.parametrize("sandbox", ["off", "bwrap"])
+def test_the_maintenance_pass_kills_the_cli_of_a_worker_that_died(company, fake_anthropic, settings, sandbox):
     """The worker (a `manage.py heartbeat` process) is SIGKILLed while Claude Code runs a
-    long command: the CLI and its command outlive it. The next maintenance pass finds them
-    (their worker is gone) and kills them, long before the run's deadline."""
+    long command. Without the sandbox the CLI and its command outlive it, and the next
+    maintenance pass finds them (their worker is gone) and kills them, long before the run's
+    deadline. In the sandbox they die with the worker (bubblewrap's `--die-with-parent`, and
+    the end of its pid namespace), and the pass only removes the run's record."""
     from sessions_app.adapters import cli_processes
     from sessions_app.maintenance import maintenance_pass
 
+    if sandbox == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("needs bubblewrap (apt-get install bubblewrap)")
     agent = cli_agent(company)
     marker = unique_marker()
     command = f"python3 -c 'import time; time.sleep({marker})'"
@@ -653,7 +659,7 @@ def test_the_maintenance_pass_kills_the_cli_of_a_worker_that_died(company, fake_
     worker = subprocess.Popen(
         [sys.executable, "manage.py", "heartbeat", str(agent.id), "--task", "long job"],
         cwd=ROOT,
-        env={**os.environ, **database_environment(settings)},
+        env={**os.environ, **database_environment(settings), "PAPERCLIP_CLI_SANDBOX": sandbox},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -667,7 +673,10 @@ def test_the_maintenance_pass_kills_the_cli_of_a_worker_that_died(company, fake_
     finally:
         if worker.poll() is None:
             worker.kill()
-    assert not processes_gone(marker, within=1)  # the dead worker's command lives on
+    if sandbox == "bwrap":
+        assert processes_gone(marker, within=5)  # gone with its worker
+    else:
+        assert not processes_gone(marker, within=1)  # the dead worker's command lives on
     run = HeartbeatRun.objects.get(agent=agent)
     assert run.status == RunStatus.RUNNING and run.deadline_at > timezone.now()
 

@@ -20,6 +20,7 @@ runtime itself reads and writes no model.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import queue
@@ -63,6 +64,7 @@ from sessions_app.adapters.cli_home import (
     workspace_prepare,
 )
 from sessions_app.adapters.cli_processes import RUN_MARK, RunProcesses
+from sessions_app.adapters.cli_sandbox import sandbox_arguments
 from sessions_app.adapters.rate_limits import USAGE_LIMIT, api_credential, cli_refusal
 from sessions_app.text import storable
 
@@ -252,9 +254,9 @@ def cli_environment(*, agent_id, workspace: Path, mark: str, traceparent: str | 
     return env
 
 
-def launcher_environment(env: dict[str, str], *, processes: RunProcesses) -> dict[str, str]:
-    """What the SDK passes to the launcher: the CLI's variables, which of them it keeps, and
-    how the run holds its processes (the pidfile, the cgroup to enter)."""
+def launcher_environment(env: dict[str, str], *, processes: RunProcesses, sandbox: list[str]) -> dict[str, str]:
+    """What the SDK passes to the launcher: the CLI's variables, which of them it keeps, how
+    the run holds its processes (the pidfile, the cgroup to enter) and the sandbox it runs in."""
     names = sorted({*env, *SDK_VARIABLES})
     return {
         **env,
@@ -262,6 +264,7 @@ def launcher_environment(env: dict[str, str], *, processes: RunProcesses) -> dic
         "PAPERCLIP_CLI_ENV": " ".join(names),
         "PAPERCLIP_CLI_BIN": str(cli_binary()),
         "PAPERCLIP_CLI_PYTHON": sys.executable,
+        "PAPERCLIP_CLI_SANDBOX": json.dumps(sandbox) if sandbox else "",
     }
 
 
@@ -597,6 +600,7 @@ class CliRun:
         self.config = request.config
         self.agent_id = agent_id
         self.workspace = workspace_for(agent_id, self.config)
+        self.sandbox: list[str] = []  # bubblewrap's command line, once the run starts (`cli_sandbox`)
         self.persistent = self.config.get("session_mode") == "persistent"
         # The engine's handle on the session this run resumes, or starts (`OwnSession`).
         self.own = request.own_session
@@ -616,6 +620,7 @@ class CliRun:
             raise AdapterError(
                 "cli_start_failed", f"Could not create the workspace or config directory: {exc}"
             ) from None
+        self.sandbox = sandbox_arguments(home=agent_home(self.agent_id), workspace=self.workspace, cli=cli_binary())
         if self.persistent:
             self.transcript = self.own.run_transcript()
             if self.resume_id and not self.transcript.loaded.get(""):
@@ -693,7 +698,7 @@ class CliRun:
             model=self.request.model,
             cwd=str(self.workspace),
             cli_path=str(LAUNCHER),
-            env=launcher_environment(env, processes=processes),
+            env=launcher_environment(env, processes=processes, sandbox=self.sandbox),
             # The tools the model is offered at all: those allowed, by name.
             tools=sorted({name.split("(", 1)[0] for name in allowed}),
             allowed_tools=allowed,

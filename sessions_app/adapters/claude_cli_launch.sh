@@ -6,7 +6,8 @@
 # environment or session), and writes its pid to PAPERCLIP_CLI_PIDFILE. The CLI runs in a
 # session (so a process group) of its own and adopts the orphans of what it starts (a child
 # subreaper), so that without a cgroup they are still found under it
-# (sessions_app/adapters/cli_processes.py).
+# (sessions_app/adapters/cli_processes.py). With PAPERCLIP_CLI_SANDBOX (bubblewrap's command
+# line, as JSON), the CLI runs in that sandbox (sessions_app/adapters/cli_sandbox.py).
 set -f
 if [ -n "$PAPERCLIP_CLI_CGROUP" ]; then
     if ! echo $$ > "$PAPERCLIP_CLI_CGROUP/cgroup.procs"; then
@@ -40,7 +41,15 @@ try:
 except (OSError, AttributeError):
     pass
 os.setsid()
+import json
 kept = {name: os.environ[name] for name in os.environ["PAPERCLIP_CLI_ENV"].split() if name in os.environ}
 cli = os.environ["PAPERCLIP_CLI_BIN"]
+sandbox = json.loads(os.environ.get("PAPERCLIP_CLI_SANDBOX") or "[]")
+if sandbox:
+    # The config directory the SDK made to resume a session, writable in the sandbox too.
+    config = kept.get("CLAUDE_CONFIG_DIR")
+    if config and os.path.isdir(config):
+        sandbox += ["--bind", config, config]
+    os.execve(sandbox[0], [*sandbox, "--chdir", os.getcwd(), "--", cli, *sys.argv[1:]], kept)
 os.execve(cli, [cli, *sys.argv[1:]], kept)
 ' "$@"
