@@ -120,6 +120,36 @@ def check_cli_tools(app_configs, **kwargs):
 
 
 @register("paperclip")
+def check_cli_sandbox(app_configs, **kwargs):
+    """Claude Code agents on a host where their sandbox cannot be made: with `auto` they run
+    without it, with `bwrap` not at all (cli_sandbox_unavailable)."""
+    from sessions_app.adapters.claude_cli import RUNTIME
+    from sessions_app.adapters.cli_sandbox import sandbox_unavailable
+    from sessions_app.models import Agent, AgentStatus
+
+    mode = settings.PAPERCLIP_CLI_SANDBOX
+    if mode == "off":
+        return []
+    try:
+        agents = Agent.objects.filter(adapter_type="claude-code", adapter_config__runtime=RUNTIME)
+        if not agents.exclude(status=AgentStatus.DELETED).exists():
+            return []
+    except DatabaseError:
+        return []  # before migrate, or database down: other checks and commands report that
+    if (why := sandbox_unavailable()) is None:
+        return []
+    outcome = "without their sandbox" if mode == "auto" else "not at all (cli_sandbox_unavailable)"
+    return [
+        Warning(
+            f"Claude Code agents run {outcome} on this host: bubblewrap {why}.",
+            hint="Install bubblewrap (apt-get install bubblewrap) and allow unprivileged user namespaces; "
+            "PAPERCLIP_CLI_SANDBOX=off runs them unsandboxed without this warning.",
+            id="paperclip.W008",
+        )
+    ]
+
+
+@register("paperclip")
 def check_managed_rules(app_configs, **kwargs):
     """Managed Agents agents whose tools, hosts, package registries or mounted files
     authenticated mode no longer allows (PAPERCLIP_MANAGED_TOOLS, _HOSTS, _FILES or the mode

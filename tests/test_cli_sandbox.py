@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
+from sessions_app.checks import check_cli_sandbox
 from sessions_app.models import RunStatus
 from tests.conftest import beat
 from tests.fake_anthropic import Reply
@@ -111,3 +112,25 @@ def test_a_required_sandbox_that_cannot_be_made_fails_the_run_before_anything_is
     assert (run.status, run.error_code) == (RunStatus.FAILED, "cli_sandbox_unavailable")
     assert "apt-get install bubblewrap" in run.error
     assert fake_anthropic.message_requests == []
+
+
+@pytest.mark.parametrize("mode", ["auto", "bwrap"])
+def test_the_system_check_names_a_host_where_claude_code_agents_cannot_be_sandboxed(
+    company, settings, monkeypatch, mode
+):
+    settings.PAPERCLIP_CLI_SANDBOX = mode
+    assert check_cli_sandbox(None) == []  # no Claude Code agent
+    cli_agent(company)
+    assert check_cli_sandbox(None) == []  # bubblewrap works here
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    (warning,) = check_cli_sandbox(None)
+
+    assert warning.id == "paperclip.W008"
+    outcome = "without their sandbox" if mode == "auto" else "not at all (cli_sandbox_unavailable)"
+    assert warning.msg == (
+        f"Claude Code agents run {outcome} on this host: bubblewrap is not installed on this host "
+        "(Debian: apt-get install bubblewrap)."
+    )
+    settings.PAPERCLIP_CLI_SANDBOX = "off"
+    assert check_cli_sandbox(None) == []

@@ -50,24 +50,28 @@ def sandbox_arguments(*, home: Path, workspace: Path, cli: Path) -> list[str]:
     mode = settings.PAPERCLIP_CLI_SANDBOX
     if mode == "off":
         return []
-    bwrap = shutil.which("bwrap")
-    if bwrap is None or not _works(bwrap):
+    if (why := sandbox_unavailable()) is not None:
         if mode == "bwrap":
-            why = (
-                "is not installed on this host (Debian: apt-get install bubblewrap)"
-                if bwrap is None
-                else "cannot make a sandbox on this host (are unprivileged user namespaces allowed?)"
-            )
             raise AdapterError("cli_sandbox_unavailable", f"PAPERCLIP_CLI_SANDBOX is bwrap, and bubblewrap {why}")
-        _warn_unsandboxed(bwrap)
+        _warn_unsandboxed(why)
         return []
-    arguments = [bwrap, *BASE, "--tmpfs", str(settings.PAPERCLIP_HOME)]
+    arguments = [str(shutil.which("bwrap")), *BASE, "--tmpfs", str(settings.PAPERCLIP_HOME)]
     for hidden in _sqlite_files_outside(Path(settings.PAPERCLIP_HOME)):
         arguments += ["--ro-bind", "/dev/null", str(hidden)]
     arguments += ["--ro-bind", str(cli), str(cli)]
     for writable in (home, workspace):
         arguments += ["--bind", str(writable), str(writable)]
     return arguments
+
+
+def sandbox_unavailable() -> str | None:
+    """Why bubblewrap cannot sandbox a run on this host, or None when it can."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return "is not installed on this host (Debian: apt-get install bubblewrap)"
+    if not _works(bwrap):
+        return "cannot make a sandbox on this host (are unprivileged user namespaces allowed?)"
+    return None
 
 
 @functools.cache
@@ -83,11 +87,11 @@ def _works(bwrap: str) -> bool:
 
 
 @functools.cache
-def _warn_unsandboxed(bwrap: str | None) -> None:
+def _warn_unsandboxed(why: str) -> None:
     logger.warning(
-        "Claude Code runs without a sandbox on this host: bubblewrap %s. Its agents' commands can read "
-        "what the worker's user can; install bubblewrap, or set PAPERCLIP_CLI_SANDBOX=bwrap to refuse such runs.",
-        "is not installed" if bwrap is None else "does not work here",
+        "Claude Code runs without a sandbox on this host: bubblewrap %s. Its agents' commands can read what the "
+        "worker's user can; install bubblewrap, or set PAPERCLIP_CLI_SANDBOX=bwrap to refuse such runs.",
+        why,
     )
 
 
