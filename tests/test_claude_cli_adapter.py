@@ -613,7 +613,10 @@ def test_a_command_that_clears_its_environment_does_not_outlive_its_run(
         monkeypatch.setattr(cli_processes, "TRACK_EVERY_SECONDS", 3600)
     agent = cli_agent(company)
     marker = unique_marker()
-    command = f"env -i {sys.executable} -c 'import time; time.sleep({marker})' > /dev/null 2>&1 &"
+    # A Python outside /tmp: the sandbox gives the run a /tmp of its own, and CI's checkout
+    # (so its virtual environment's Python) is under the host's.
+    python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+    command = f"env -i {python} -c 'import time; time.sleep({marker})' > /dev/null 2>&1 &"
     seen = []
     fake_anthropic.push(
         Reply.tool_use("Bash", {"command": command, "description": "start a job"}),
