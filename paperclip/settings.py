@@ -75,8 +75,13 @@ PAPERCLIP_CLAUDE_CLI = env_str("PAPERCLIP_CLAUDE_CLI", "")
 # Code agents"): none unless the operator lists them, as for process commands.
 PAPERCLIP_CLI_TOOLS = env_list("PAPERCLIP_CLI_TOOLS", "")
 # Each Claude Code run in a bubblewrap sandbox (sessions_app/adapters/cli_sandbox.py): `auto`
-# where bubblewrap works on this host, `bwrap` always (a run fails without it), or `off`.
-PAPERCLIP_CLI_SANDBOX = env_choice("PAPERCLIP_CLI_SANDBOX", "auto", ("auto", "bwrap", "off"))
+# where bubblewrap works on this host, `bwrap` always (a run fails without it), or `off`. In
+# `authenticated` mode, where API keys configure agents, nothing runs unsandboxed by default.
+PAPERCLIP_CLI_SANDBOX = env_choice(
+    "PAPERCLIP_CLI_SANDBOX",
+    "bwrap" if PAPERCLIP_DEPLOYMENT_MODE == "authenticated" else "auto",
+    ("auto", "bwrap", "off"),
+)
 # The same for Managed Agents agents (README, "Managed Agents"): the agent toolset's tools,
 # and the hosts their containers may reach (`*`: any, unrestricted networking).
 PAPERCLIP_MANAGED_TOOLS = env_list("PAPERCLIP_MANAGED_TOOLS", "")

@@ -301,3 +301,32 @@ def test_prepared_statements_only_when_asked_for(postgres_only, settings, asked,
 
     environment = clean_environment(**database_environment(settings), PAPERCLIP_PG_PREPARED_STATEMENTS=asked)
     assert shell_said(PREPARED_COUNT, environment) == f"prepared {prepared}"
+
+
+SANDBOX_PROBE = """
+import django, os
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "paperclip.settings")
+django.setup()
+from django.conf import settings
+print(settings.PAPERCLIP_CLI_SANDBOX)
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "set_to", "sandbox"),
+    [("local_trusted", None, "auto"), ("authenticated", None, "bwrap"), ("authenticated", "auto", "auto")],
+)
+def test_claude_code_never_runs_unsandboxed_in_authenticated_mode_unless_the_operator_says_so(
+    tmp_path, mode, set_to, sandbox
+):
+    environment = clean_environment(
+        PAPERCLIP_HOME=str(tmp_path),
+        PAPERCLIP_DEPLOYMENT_MODE=mode,
+        DJANGO_SECRET_KEY="a-test-secret-key-that-is-long-enough-0123456789-abcdefghij",
+        **({"PAPERCLIP_CLI_SANDBOX": set_to} if set_to else {}),
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", SANDBOX_PROBE], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == sandbox
