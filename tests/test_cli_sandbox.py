@@ -68,6 +68,25 @@ def test_an_agents_commands_see_none_of_the_services_files_and_write_their_works
     assert process_count < 10, output
 
 
+def test_a_workspace_that_holds_paperclip_home_still_shows_none_of_it(
+    company, fake_anthropic, settings, paperclip_home
+):
+    """An operator's workspace around PAPERCLIP_HOME (a checkout whose `.paperclip` it is):
+    mounted writable, it would show PAPERCLIP_HOME again, so that is hidden after it."""
+    settings.PAPERCLIP_CLI_SANDBOX = "bwrap"
+    (paperclip_home / "secret-probe.txt").write_text("top secret\n")
+    around = paperclip_home.parent
+    command = f"cat {paperclip_home}/secret-probe.txt; echo mine > {around}/ours.txt && cat {around}/ours.txt"
+    fake_anthropic.push(Reply.tool_use("Bash", {"command": command, "description": "probe"}), Reply.message("probed"))
+
+    run = beat(cli_agent(company, workspace=str(around)), "look around")
+
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    output = tool_output(fake_anthropic)
+    assert "mine" in output and (around / "ours.txt").read_text() == "mine\n"
+    assert "top secret" not in output
+
+
 def test_without_the_sandbox_the_same_commands_read_them(company, fake_anthropic, settings, paperclip_home):
     """The probe can fail: unsandboxed, it reads all of it."""
     settings.PAPERCLIP_CLI_SANDBOX = "off"

@@ -55,13 +55,25 @@ def sandbox_arguments(*, home: Path, workspace: Path, cli: Path) -> list[str]:
             raise AdapterError("cli_sandbox_unavailable", f"PAPERCLIP_CLI_SANDBOX is bwrap, and bubblewrap {why}")
         _warn_unsandboxed(why)
         return []
-    arguments = [str(shutil.which("bwrap")), *BASE, "--tmpfs", str(settings.PAPERCLIP_HOME)]
-    for hidden in _sqlite_files_outside(Path(settings.PAPERCLIP_HOME)):
-        arguments += ["--ro-bind", "/dev/null", str(hidden)]
+    paperclip_home = Path(settings.PAPERCLIP_HOME)
+    arguments = [str(shutil.which("bwrap")), *BASE]
+    # Each mount covers what an earlier one showed at its place: PAPERCLIP_HOME is hidden after
+    # the workspace is mounted (an operator's workspace may hold it: a checkout whose
+    # `.paperclip` it is), then what the run needs inside it is mounted back, and the
+    # database's files are hidden last, wherever they are.
+    arguments += ["--bind", str(workspace), str(workspace), "--tmpfs", str(paperclip_home)]
     arguments += ["--ro-bind", str(cli), str(cli)]
     for writable in (home, workspace):
-        arguments += ["--bind", str(writable), str(writable)]
+        if _inside(writable, paperclip_home):
+            arguments += ["--bind", str(writable), str(writable)]
+    for hidden in _sqlite_files_outside(paperclip_home):
+        arguments += ["--ro-bind", "/dev/null", str(hidden)]
     return arguments
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
 
 
 def sandbox_unavailable() -> str | None:
@@ -104,7 +116,7 @@ def _sqlite_files_outside(home: Path) -> list[Path]:
         if database["ENGINE"] != "django.db.backends.sqlite3":
             continue
         name = Path(str(database["NAME"])).resolve()
-        if home.resolve() in name.parents:
+        if _inside(name, home):
             continue
         found += [path for suffix in SQLITE_SUFFIXES if (path := name.with_name(name.name + suffix)).exists()]
     return found
