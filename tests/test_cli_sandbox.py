@@ -4,6 +4,7 @@ against the fake Messages API, its agent's `Bash` probing what the worker's user
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,16 @@ from tests.fake_anthropic import Reply
 from tests.test_claude_cli_adapter import cli_agent, workspace
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (apt-get install bubblewrap)")
+
+
+@pytest.fixture(autouse=True)
+def worker_home(monkeypatch):
+    """The worker's user's home directory, where credentials live (`Path.home()` reads HOME):
+    in /var/tmp, since the sandbox hides all of the host's /tmp anyway."""
+    home = Path(tempfile.mkdtemp(prefix="paperclip-worker-home-", dir="/var/tmp"))
+    monkeypatch.setenv("HOME", str(home))
+    yield home
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def tool_output(fake, request: int = 1) -> str:
@@ -32,15 +43,17 @@ def tool_output(fake, request: int = 1) -> str:
 
 def probe(company, fake, paperclip_home: Path):
     """Files the worker's user can read, and the command that looks for them: a file in
-    PAPERCLIP_HOME (the secret key's place), another agent's workspace, this database's file
-    (SQLite), the worker's processes; and a file the agent writes in its own workspace."""
+    PAPERCLIP_HOME (the secret key's place), one in the user's home directory (`~/.pgpass`'s),
+    another agent's workspace, this database's file (SQLite), the worker's processes; and a
+    file the agent writes in its own workspace."""
     (paperclip_home / "secret-probe.txt").write_text("top secret\n")
+    (Path.home() / ".pgpass").write_text("db:5432:*:paperclip:the-database-password\n")
     other = cli_agent(company)
     workspace(other).mkdir(parents=True)
     (workspace(other) / "theirs.txt").write_text("another agent's work\n")
     database = connection.settings_dict["NAME"] if connection.vendor == "sqlite" else "/dev/null"
     command = (
-        f"cat {paperclip_home}/secret-probe.txt; cat {workspace(other)}/theirs.txt; "
+        f"cat {paperclip_home}/secret-probe.txt; cat {Path.home()}/.pgpass; cat {workspace(other)}/theirs.txt; "
         f"head -c 15 {database}; echo; ls /proc | grep -c '^[0-9]'; "
         "echo mine > ours.txt && cat ours.txt"
     )
@@ -61,7 +74,7 @@ def test_an_agents_commands_see_none_of_the_services_files_and_write_their_works
     output = tool_output(fake_anthropic)
     assert "mine" in output  # the probe ran, and wrote its own workspace
     assert (workspace(agent) / "ours.txt").read_text() == "mine\n"
-    for secret in ("top secret", "another agent's work", "SQLite format"):
+    for secret in ("top secret", "the-database-password", "another agent's work", "SQLite format"):
         assert secret not in output
     # Only the run's own processes are in /proc: bubblewrap's, the CLI and the command's shell.
     process_count = int([line for line in output.splitlines() if line.strip().isdigit()][0])
@@ -96,7 +109,7 @@ def test_without_the_sandbox_the_same_commands_read_them(company, fake_anthropic
 
     assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
     output = tool_output(fake_anthropic)
-    assert "top secret" in output and "another agent's work" in output
+    assert "top secret" in output and "another agent's work" in output and "the-database-password" in output
     if connection.vendor == "sqlite":
         assert "SQLite format" in output
 

@@ -5,9 +5,9 @@ An agent allowed `Bash` runs commands as the worker's user, who can read the dat
 embedded default, the secret key, every agent's histories, transcripts, homes and workspaces
 under PAPERCLIP_HOME. In the sandbox (`bwrap`, Debian's `bubblewrap`, unprivileged):
 
-- the host's filesystem is mounted read-only, PAPERCLIP_HOME is an empty tmpfs, and an
-  SQLite database kept outside it is hidden (each of its files that exists, behind
-  /dev/null);
+- the host's filesystem is mounted read-only; PAPERCLIP_HOME and the worker's user's home
+  directory (its credentials: `~/.pgpass`, `~/.ssh`) are empty tmpfs, and an SQLite
+  database kept outside them is hidden (each of its files that exists, behind /dev/null);
 - in it, only the agent's own home (Claude Code's config directory) and workspace are
   mounted back, writable, and the session's config directory the SDK makes to resume one
   (`claude_cli_launch.sh` adds it: only the SDK knows its path);
@@ -56,19 +56,35 @@ def sandbox_arguments(*, home: Path, workspace: Path, cli: Path) -> list[str]:
         _warn_unsandboxed(why)
         return []
     paperclip_home = Path(settings.PAPERCLIP_HOME)
+    hidden = _hidden_folders(paperclip_home)
     arguments = [str(shutil.which("bwrap")), *BASE]
-    # Each mount covers what an earlier one showed at its place: PAPERCLIP_HOME is hidden after
-    # the workspace is mounted (an operator's workspace may hold it: a checkout whose
-    # `.paperclip` it is), then what the run needs inside it is mounted back, and the
-    # database's files are hidden last, wherever they are.
-    arguments += ["--bind", str(workspace), str(workspace), "--tmpfs", str(paperclip_home)]
+    # Each mount covers what an earlier one showed at its place: the hidden folders are
+    # emptied after the workspace is mounted (an operator's workspace may hold one: a
+    # checkout whose `.paperclip` it is), then what the run needs inside them is mounted
+    # back, and the database's files are hidden last, wherever they are.
+    arguments += ["--bind", str(workspace), str(workspace)]
+    for folder in hidden:
+        arguments += ["--tmpfs", str(folder)]
     arguments += ["--ro-bind", str(cli), str(cli)]
     for writable in (home, workspace):
-        if _inside(writable, paperclip_home):
+        if any(_inside(writable, folder) for folder in hidden):
             arguments += ["--bind", str(writable), str(writable)]
-    for hidden in _sqlite_files_outside(paperclip_home):
-        arguments += ["--ro-bind", "/dev/null", str(hidden)]
+    for database_file in _sqlite_files_outside(paperclip_home):
+        arguments += ["--ro-bind", "/dev/null", str(database_file)]
     return arguments
+
+
+def _hidden_folders(paperclip_home: Path) -> list[Path]:
+    """PAPERCLIP_HOME, and the worker's user's home directory (credentials: `~/.pgpass`,
+    `~/.ssh`, a cloud CLI's), shallowest first so that neither covers the other's tmpfs."""
+    folders = [paperclip_home.resolve()]
+    try:
+        user_home = Path.home().resolve()
+    except (KeyError, RuntimeError):
+        user_home = None  # a user without a home: nothing of it to hide
+    if user_home is not None and user_home != Path("/") and user_home.is_dir():
+        folders.append(user_home)
+    return sorted(set(folders), key=lambda folder: len(folder.parts))
 
 
 def _inside(path: Path, folder: Path) -> bool:
