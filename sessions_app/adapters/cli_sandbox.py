@@ -15,10 +15,11 @@ under PAPERCLIP_HOME. In the sandbox (`bwrap`, Debian's `bubblewrap`, unprivileg
   run's processes (a pid namespace), never the worker's or another agent's;
 - the network is the host's (Claude Code calls the API from inside).
 
-`PAPERCLIP_CLI_SANDBOX`: `auto` (the default) runs each CLI in the sandbox where bubblewrap
-works on this host, and without it, with a warning once per process, where it does not;
-`bwrap` requires it (a run fails `cli_sandbox_unavailable` rather than run unsandboxed);
-`off` never uses it. The check runs bubblewrap once per worker process.
+`PAPERCLIP_CLI_SANDBOX`: `auto` (the default in `local_trusted` mode) runs each CLI in the
+sandbox where bubblewrap works on this host, and without it, with a warning once per
+process, where it does not; `bwrap` (the default in `authenticated` mode) requires it (a run
+fails `cli_sandbox_unavailable` rather than run unsandboxed); `off` never uses it. The check
+runs bubblewrap once per worker process.
 """
 
 from __future__ import annotations
