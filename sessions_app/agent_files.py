@@ -37,6 +37,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import transaction
 
+from sessions_app.durable import agent_folders_in
 from sessions_app.models import IN_FLIGHT_RUN_STATUSES, Agent, AgentStatus, HeartbeatRun
 
 logger = logging.getLogger(__name__)
@@ -102,25 +103,10 @@ def _folder_agent_ids() -> Iterator[uuid.UUID]:
     seen: set[uuid.UUID] = set()
     home = Path(settings.PAPERCLIP_HOME)
     for root in ROOTS:
-        for name in _folder_names(home / root):
-            try:
-                agent_id = uuid.UUID(name)
-            except ValueError:
-                continue
-            if str(agent_id) == name and agent_id not in seen:
+        for agent_id, _ in agent_folders_in(home / root):
+            if agent_id not in seen:
                 seen.add(agent_id)
                 yield agent_id
-
-
-def _folder_names(root: Path) -> list[str]:
-    if root.is_symlink() or not root.is_dir():
-        return []
-    try:
-        with os.scandir(root) as entries:
-            return [entry.name for entry in entries if entry.is_dir(follow_symlinks=False)]
-    except OSError as exc:
-        logger.warning("Could not look for retired agents' folders in %s: %s", root, exc)
-        return []
 
 
 def _batches(items: Iterable) -> Iterator[list]:

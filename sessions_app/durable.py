@@ -3,9 +3,14 @@ crash once a database row names them."""
 
 from __future__ import annotations
 
+import logging
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
+
+logger = logging.getLogger(__name__)
 
 
 def file_name(key: str) -> str:
@@ -36,3 +41,30 @@ def folders_make(folder: Path) -> None:
     for made in reversed(missing):
         made.mkdir(exist_ok=True)
         fsync_directory(made.parent)
+
+
+def folder_entries(folder: Path, *, folders: bool) -> Iterator[os.DirEntry]:
+    """The folders (or regular files) in `folder`, as they are read, never through a
+    symbolic link: one in the stores' folders is none of ours, and may point anywhere."""
+    if folder.is_symlink() or not folder.is_dir():
+        return
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False) if folders else entry.is_file(follow_symlinks=False):
+                    yield entry
+    except FileNotFoundError:
+        return  # removed meanwhile (a deletion after its COMMIT)
+    except OSError as exc:
+        logger.warning("Could not list %s: %s", folder, exc)
+
+
+def agent_folders_in(root: Path) -> Iterator[tuple[uuid.UUID, Path]]:
+    """The folders of `root` named by an agent's id, as the stores name them (`{agent_id}`)."""
+    for entry in folder_entries(root, folders=True):
+        try:
+            agent_id = uuid.UUID(entry.name)
+        except ValueError:
+            continue  # not a folder the stores make
+        if str(agent_id) == entry.name:
+            yield agent_id, Path(entry.path)

@@ -51,7 +51,7 @@ from urllib.parse import unquote
 from django.conf import settings
 
 from sessions_app.agent_files import retired_agents_folders_remove
-from sessions_app.durable import file_name
+from sessions_app.durable import agent_folders_in, file_name, folder_entries
 from sessions_app.models import SESSION_ID_PREFIX, Agent, AgentSession, AgentStatus, HistoryStore, ManagedOutput
 
 logger = logging.getLogger(__name__)
@@ -165,39 +165,13 @@ def _known_agents_folders(root: Path, retired: set) -> Iterator[tuple[uuid.UUID,
     another database's: a deployment sharing PAPERCLIP_HOME, or a DATABASE_URL naming the
     wrong database, where no row names anything and every file would go. An agent removed
     entirely (the admin's delete) leaves its folders to the operator."""
-    for chunk in _batches(_agent_folders(root)):
+    for chunk in _batches(agent_folders_in(root)):
         statuses = dict(Agent.objects.filter(pk__in=[agent_id for agent_id, _ in chunk]).values_list("pk", "status"))
         for agent_id, folder in chunk:
             if agent_id in statuses:
                 if statuses[agent_id] == AgentStatus.DELETED:
                     retired.add(agent_id)
                 yield agent_id, folder
-
-
-def _agent_folders(root: Path) -> Iterator[tuple[uuid.UUID, Path]]:
-    for entry in _entries(root, folders=True):
-        try:
-            agent_id = uuid.UUID(entry.name)
-        except ValueError:
-            continue  # not a folder the stores make
-        if str(agent_id) == entry.name:
-            yield agent_id, Path(entry.path)
-
-
-def _entries(folder: Path, *, folders: bool) -> Iterator[os.DirEntry]:
-    """The folders (or regular files) in `folder`, as they are read, never through a
-    symbolic link: one in the stores' folders is none of ours, and may point anywhere."""
-    if folder.is_symlink() or not folder.is_dir():
-        return
-    try:
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False) if folders else entry.is_file(follow_symlinks=False):
-                    yield entry
-    except FileNotFoundError:
-        return  # removed meanwhile (a deletion after its COMMIT)
-    except OSError as exc:
-        logger.warning("Could not look for files no row names in %s: %s", folder, exc)
 
 
 def _found(entry: os.DirEntry, kind: str, agent_id: uuid.UUID, key: tuple, folder: Path | None = None) -> Found | None:
@@ -209,11 +183,11 @@ def _found(entry: os.DirEntry, kind: str, agent_id: uuid.UUID, key: tuple, folde
 
 
 def _session_files(folder: Path, agent_id: uuid.UUID) -> Iterator[Found]:
-    for entry in _entries(folder, folders=False):
+    for entry in folder_entries(folder, folders=False):
         if found := _history_file(entry, agent_id):
             yield found
-    for project in _entries(folder / "cli", folders=True):
-        for session in _entries(Path(project.path), folders=True):
+    for project in folder_entries(folder / "cli", folders=True):
+        for session in folder_entries(Path(project.path), folders=True):
             yield from _transcript_files(Path(session.path), agent_id)
 
 
@@ -232,10 +206,10 @@ def _transcript_files(session: Path, agent_id: uuid.UUID) -> Iterator[Found]:
     cli_session_id = _id_named(session.name)
     if cli_session_id is None:
         return
-    main = (entry for entry in _entries(session, folders=False) if entry.name == "main.jsonl")
+    main = (entry for entry in folder_entries(session, folders=False) if entry.name == "main.jsonl")
     subagents = (
         entry
-        for entry in _entries(session / "sub", folders=False)
+        for entry in folder_entries(session / "sub", folders=False)
         if entry.name.endswith(".jsonl") and _id_named(entry.name[: -len(".jsonl")]) is not None
     )
     for entry in chain(main, subagents):
@@ -244,11 +218,11 @@ def _transcript_files(session: Path, agent_id: uuid.UUID) -> Iterator[Found]:
 
 
 def _output_files(folder: Path, agent_id: uuid.UUID) -> Iterator[Found]:
-    for session in _entries(folder, folders=True):
+    for session in folder_entries(folder, folders=True):
         remote_session_id = _id_named(session.name)
         if remote_session_id is None:
             continue
-        for entry in _entries(Path(session.path), folders=False):
+        for entry in folder_entries(Path(session.path), folders=False):
             # A copy's temporary file (`.{name}.{hex}.partial`) is such a name too, one no
             # row has: the rows' ids are the provider's.
             file_id = _id_named(entry.name)
