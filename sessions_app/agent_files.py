@@ -37,7 +37,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import transaction
 
-from sessions_app.durable import agent_folders_in
+from sessions_app.durable import agent_folders_in, path_within
 from sessions_app.models import IN_FLIGHT_RUN_STATUSES, Agent, AgentStatus, HeartbeatRun
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def agents_folders_remove(agent_ids: list) -> int:
         if agent_id in busy:
             continue
         for folder in agent_folders(agent_id):
-            if _names_inside(folder, named):
+            if any(path_within(path, folder) for path in named):
                 logger.info("Kept %s: a live agent's workspace is in it", folder)
                 continue
             removed += _folder_remove(folder)
@@ -116,19 +116,14 @@ def _batches(items: Iterable) -> Iterator[list]:
 
 
 def _workspaces_named_by_live_agents(*, exclude: list) -> list[Path]:
-    """The `workspace` paths of the other agents that are not retired, as absolute paths."""
+    """The `workspace` paths of the other agents that are not retired."""
     paths = (
         Agent.objects.exclude(pk__in=exclude)
         .exclude(status=AgentStatus.DELETED)
         .filter(adapter_config__has_key="workspace")
         .values_list("adapter_config__workspace", flat=True)
     )
-    return [Path(os.path.abspath(path)) for path in paths if isinstance(path, str) and path]
-
-
-def _names_inside(folder: Path, paths: list[Path]) -> bool:
-    folder = Path(os.path.abspath(folder))
-    return any(path == folder or folder in path.parents for path in paths)
+    return [Path(path) for path in paths if isinstance(path, str) and path]
 
 
 def _folder_remove(folder: Path) -> int:

@@ -68,3 +68,9 @@ def agent_folders_in(root: Path) -> Iterator[tuple[uuid.UUID, Path]]:
             continue  # not a folder the stores make
         if str(agent_id) == entry.name:
             yield agent_id, Path(entry.path)
+
+
+def path_within(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies in it, symbolic links resolved on both sides."""
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents

@@ -215,8 +215,9 @@ def budget_changed_release(sender, *, company_id, now: datetime, **kwargs) -> No
 def agent_delete(*, agent: Agent, now: datetime) -> None:
     """Retire an agent: it disappears from the API, its sessions and their histories are
     deleted, so is its memory (memory_app), queued runs are failed, its schedule is removed,
-    and its folders (its workspace among them) go after the COMMIT (`agent_files`). The agent row, its runs and its cost events stay: they are the record of what
-    was done and spent."""
+    and its folders (its workspace among them) go after the COMMIT (`agent_files`). The
+    agent row, its runs and its cost events stay: they are the record of what was done and
+    spent."""
     with transaction.atomic():
         Agent.objects.filter(pk=agent.pk).update(status=AgentStatus.DELETED, deleted_at=now, paused_reason="")
         HeartbeatRun.objects.filter(agent=agent, status=RunStatus.QUEUED).update(

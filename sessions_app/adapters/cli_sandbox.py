@@ -34,6 +34,7 @@ from django.conf import settings
 from django.db import connections
 
 from sessions_app.adapters.base import AdapterError
+from sessions_app.durable import path_within
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def sandbox_arguments(*, home: Path, workspace: Path, cli: Path) -> list[str]:
         arguments += ["--tmpfs", str(folder)]
     arguments += ["--ro-bind", str(cli), str(cli)]
     for writable in (home, workspace):
-        if any(_inside(writable, folder) for folder in hidden):
+        if any(path_within(writable, folder) for folder in hidden):
             arguments += ["--bind", str(writable), str(writable)]
     for database_file in _sqlite_files_outside(paperclip_home):
         arguments += ["--ro-bind", "/dev/null", str(database_file)]
@@ -86,11 +87,6 @@ def _hidden_folders(paperclip_home: Path) -> list[Path]:
     if user_home is not None and user_home != Path("/") and user_home.is_dir():
         folders.append(user_home)
     return sorted(set(folders), key=lambda folder: len(folder.parts))
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
 
 
 def sandbox_unavailable() -> str | None:
@@ -133,7 +129,7 @@ def _sqlite_files_outside(home: Path) -> list[Path]:
         if database["ENGINE"] != "django.db.backends.sqlite3":
             continue
         name = Path(str(database["NAME"])).resolve()
-        if _inside(name, home):
+        if path_within(name, home):
             continue
         found += [path for suffix in SQLITE_SUFFIXES if (path := name.with_name(name.name + suffix)).exists()]
     return found
