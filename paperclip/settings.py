@@ -52,6 +52,8 @@ if env_bool("PAPERCLIP_PG_PREPARED_STATEMENTS", False) and DATABASE_VENDOR == "p
 PAPERCLIP_SESSION_STORE = env_choice(
     "PAPERCLIP_SESSION_STORE", "file" if DATABASE_VENDOR == "sqlite" else "database", ("file", "database")
 )
+# Sessions whose history each process keeps between heartbeats (`sessions_app.history_cache`).
+PAPERCLIP_HISTORY_CACHE_SESSIONS = env_int("PAPERCLIP_HISTORY_CACHE_SESSIONS", 16, minimum=0, maximum=10_000)
 PAPERCLIP_RETENTION_DAYS = env_int("PAPERCLIP_RETENTION_DAYS", 30, minimum=1)
 PAPERCLIP_RUN_TIMEOUT_SECONDS = env_int("PAPERCLIP_RUN_TIMEOUT_SECONDS", 600, minimum=1)
 PAPERCLIP_MAX_TASK_CHARS = env_int("PAPERCLIP_MAX_TASK_CHARS", 100_000, minimum=1)

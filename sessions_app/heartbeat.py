@@ -37,6 +37,7 @@ from costs_app.money import usd
 from costs_app.pricing import token_counts
 from paperclip.long_lived import long_lived_objects_freeze
 from paperclip.telemetry import step, traced_heartbeat
+from sessions_app import history_cache
 from sessions_app.adapters import AdapterError, AdapterReply, AdapterRequest, get_adapter
 from sessions_app.adapters.base import ApprovalNeeded, QuotaRefused
 from sessions_app.approvals import approval_park
@@ -83,6 +84,7 @@ from sessions_app.models import (
     AgentStatus,
     BesideState,
     HeartbeatRun,
+    HistoryStore,
     ManagedEndAction,
     ReadAhead,
     RunStatus,
@@ -691,7 +693,7 @@ def _commit_appended(
         outcome = _run_outcome(session, reply, counts, beat.calls.cost_usd, finished=finished, replayed=replayed)
         assigned, added, values = _session_append_values(beat.agent, session, plan, staged, turn)
         statement = TURN_AND_OUTCOME.statement(**values, **outcome_values(run_id=run.id, outcome=outcome))
-        written, next_queued = turn_and_outcome_run(statement, read_after=_next_queued_read_after(run))
+        written, next_queued, history_rev = turn_and_outcome_run(statement, read_after=_next_queued_read_after(run))
         if next_queued is not None:
             run.next_queued_read = ReadAhead(NEXT_QUEUED.first_of(next_queued))
         if written is None:
@@ -706,9 +708,24 @@ def _commit_appended(
         return False
     staged.publish()
     _session_turn_set(session, assigned, added)
+    _history_keep(beat.agent, session, plan, staged, turns=turns, history_rev=history_rev)
     for name, value in outcome.items():
         setattr(run, name, value)
     return True
+
+
+def _history_keep(
+    agent: Agent, session: AgentSession, plan: Plan, staged: StagedHistory, *, turns: list, history_rev: int
+) -> None:
+    """Keep the history this commit wrote for the agent's next heartbeat
+    (`sessions_app.history_cache`), when the revision the commit left is the one the plan's
+    history had, moved by the commit's own append: then that history is what the row
+    held when the turns were appended to it (anything else moved the revision too)."""
+    appended = "history" in staged.fields
+    if session.store == HistoryStore.DATABASE and history_rev == session.history_rev + appended:
+        written = plan.history + history_cache.as_stored(turns[len(plan.history) :])
+        history_cache.keep(agent.pk, session_id=session.pk, history_rev=history_rev, history=written)
+    session.history_rev = history_rev
 
 
 def _commit_stateless(beat: ClaimedRun, outcome: dict) -> bool:

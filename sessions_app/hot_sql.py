@@ -54,6 +54,7 @@ class _Compiled:
     sql: str
     params: tuple
     slot: int  # the position of the looked-up value among `params`
+    text_slots: dict  # the position of each named text value among `params`
     compiler: SQLCompiler  # its select list, converters and related populators
     pk: Field  # the looked-up key's field, which prepares each key as the ORM would
 
@@ -68,23 +69,27 @@ class CompiledLookup:
     compiles a query's SQL on every evaluation; the claim's (its annotations: budgets,
     holds, the price revision, six wake subqueries) took about 5 ms to compile and well
     under 1 ms to run (bench/RESULTS.md). Only for queries whose other parameters are
-    constants: `build` is called once, with a placeholder key."""
+    constants or the text values `texts` names: `build` is called once, with a
+    placeholder key and a placeholder for each of those, by name."""
 
-    def __init__(self, build: Callable[[object], QuerySet]) -> None:
+    def __init__(self, build: Callable[..., QuerySet], *, texts: tuple[str, ...] = ()) -> None:
         self.build = build
+        self.texts = texts
         self._local = threading.local()
 
-    def first(self, pk) -> Model | None:
+    def first(self, pk, **texts: str) -> Model | None:
         with connection.cursor() as cursor:
-            cursor.execute(*self.statement(pk))
+            cursor.execute(*self.statement(pk, **texts))
             return self.first_of(cursor.fetchall())
 
-    def statement(self, pk) -> tuple[str, list]:
-        """The query's SQL and parameters for `pk`, to run alongside others
+    def statement(self, pk, **texts: str) -> tuple[str, list]:
+        """The query's SQL and parameters for `pk` and `texts`, to run alongside others
         (`write_then_read`); `first_of` makes its rows into the instance."""
         compiled = self._compiled()
         params = list(compiled.params)
         params[compiled.slot] = compiled.pk.get_db_prep_value(pk, connection)
+        for name, slot in compiled.text_slots.items():
+            params[slot] = texts[name]
         return compiled.sql, params
 
     def first_of(self, rows: list) -> Model | None:
@@ -97,15 +102,14 @@ class CompiledLookup:
         compiled = cache.get(connection.alias)
         if compiled is None:
             placeholder = uuid.uuid4()
-            queryset = self.build(placeholder)
+            text_placeholders = {name: f"placeholder {name} {uuid.uuid4()}" for name in self.texts}
+            queryset = self.build(placeholder, **text_placeholders)
             pk = queryset.model._meta.pk
             compiler = queryset.query.get_compiler(connection=connection)
             sql, params = compiler.as_sql()
-            prepared = pk.get_db_prep_value(placeholder, connection)
-            slots = [i for i, value in enumerate(params) if value == prepared]
-            if len(slots) != 1:
-                raise ValueError(f"the query names its key {len(slots)} times; it must name it once")
-            compiled = cache[connection.alias] = _Compiled(sql, tuple(params), slots[0], compiler, pk)
+            slot = _only_slot(params, pk.get_db_prep_value(placeholder, connection), "its key")
+            text_slots = {name: _only_slot(params, value, name) for name, value in text_placeholders.items()}
+            compiled = cache[connection.alias] = _Compiled(sql, tuple(params), slot, text_slots, compiler, pk)
         return compiled
 
     @staticmethod
@@ -125,6 +129,14 @@ class CompiledLookup:
                 setattr(instance, name, row[position])
             instances.append(instance)
         return instances
+
+
+def _only_slot(params, value, name: str) -> int:
+    """The one position of `value` among a compiled query's `params`."""
+    slots = [i for i, param in enumerate(params) if param == value]
+    if len(slots) != 1:
+        raise ValueError(f"the query names {name} {len(slots)} times; it must name it once")
+    return slots[0]
 
 
 class CompiledStatement:
@@ -466,13 +478,15 @@ def turn_and_outcome_statement(session: tuple[QuerySet, dict], run: tuple[QueryS
 
 def turn_and_outcome_run(
     statement: tuple[str, list], *, read_after: tuple[str, list] | None = None
-) -> tuple[bool | None, list | None]:
+) -> tuple[bool | None, list | None, int | None]:
     """PostgreSQL: run the statement `turn_and_outcome_statement` wrote, its own transaction: True
     when both matched, False when the session's matched nothing (and so nothing was
     written), None when the session's matched but the run's did not (nor was anything). With
     `read_after`, outside any transaction, that query runs after the statement's COMMIT in
     the same round trip (`write_then_read`), and its rows come second (None when it did not
     run, under a caller's transaction or when nothing was written, or when it failed).
+    Third comes the session's `history_rev` as the statement left it (None when it wrote
+    nothing: `sessions_app.history_cache`).
 
     Guarantee: both or neither, as in a transaction. The run's UPDATE reads the session's
     RETURNING, so it runs after the session's (the agent's row locked, then the session's,
@@ -502,32 +516,33 @@ def session_take_run(statement: tuple[str, list]) -> bool | None:
     waits, then re-reads it) leaves nothing to take, and nothing is linked. Locks are taken
     session, then run, as every other writer of both takes them. One round trip where the
     link and the take were two."""
-    written, _ = _session_then_run_execute(statement)
+    written, _, _ = _session_then_run_execute(statement)
     return written
 
 
 def _session_then_run_execute(
     statement: tuple[str, list], *, read_after: tuple[str, list] | None = None
-) -> tuple[bool | None, list | None]:
+) -> tuple[bool | None, list | None, int | None]:
     """Run a statement `_session_then_run_statement` wrote, and `read_after` after it when
-    it can (see `turn_and_outcome_run`): the statement's outcome and the read's rows."""
+    it can (see `turn_and_outcome_run`): the statement's outcome, the read's rows and the
+    session's `history_rev` as it left it."""
     try:
         if read_after is not None and pipelines():
             (ran,), read_rows = _pipelined_transaction([statement], read_after=read_after)
-            ((sessions_matched, _),) = ran.rows
+            ((sessions_matched, _, history_rev),) = ran.rows
             # Read while the run was still running, the rows say nothing of its end.
-            return bool(sessions_matched), read_rows if sessions_matched else None
+            return bool(sessions_matched), read_rows if sessions_matched else None, history_rev
         # Outside a transaction the statement is its own, durable at its end; under a
         # caller's (a test's) a savepoint keeps the refused case from aborting it.
         with transaction.atomic(durable=True) if connection.in_atomic_block else nullcontext():
             with connection.cursor() as cursor:
                 cursor.execute(*statement)
-                sessions_matched, _ = cursor.fetchone()
+                sessions_matched, _, history_rev = cursor.fetchone()
     except DataError as exc:
         if not isinstance(exc.__cause__, DivisionByZero):
             raise
-        return None, None
-    return bool(sessions_matched), None
+        return None, None, None
+    return bool(sessions_matched), None, history_rev
 
 
 def _session_then_run_statement(
@@ -542,8 +557,10 @@ def _session_then_run_statement(
     run_queryset = run_queryset.filter(RawSQL(first_matched, [], output_field=BooleanField()))  # noqa: S611
     run_sql, run_params = _update_sql(run_queryset, run_values)
     statement = (
-        f"WITH {first} AS ({session_sql} RETURNING 1), {second} AS ({run_sql} RETURNING 1) "  # noqa: S608 (the ORM's SQL)
+        f'WITH {first} AS ({session_sql} RETURNING "history_rev"), '  # noqa: S608 (the ORM's SQL)
+        f"{second} AS ({run_sql} RETURNING 1) "
         f"SELECT (SELECT COUNT(*) FROM {first}), (SELECT COUNT(*) FROM {second}) / "
-        f"CASE WHEN (SELECT COUNT(*) FROM {first}) = (SELECT COUNT(*) FROM {second}) THEN 1 ELSE 0 END"
+        f"CASE WHEN (SELECT COUNT(*) FROM {first}) = (SELECT COUNT(*) FROM {second}) THEN 1 ELSE 0 END, "
+        f"(SELECT history_rev FROM {first})"
     )
     return statement, [*session_params, *run_params]

@@ -274,6 +274,9 @@ class AgentSession(models.Model):
     # same): a read that finds the file and the row disagreeing picks the file that names the
     # row's version. Empty for the database store and for files written before it existed.
     history_version = models.CharField(max_length=32, blank=True, default="", db_default="")
+    # PostgreSQL moves it by one in every UPDATE that sets `history` (a trigger: migration
+    # 0037), so a session's id and revision name one history (`sessions_app.history_cache`).
+    history_rev = models.BigIntegerField(default=0, db_default=0, editable=False)
     adapter_type = models.TextField(blank=True, default="", db_default="")
     model = models.TextField(blank=True, default="", db_default="")
     last_input_tokens = models.PositiveIntegerField(null=True, blank=True)

@@ -12,11 +12,14 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, connection
-from django.db.models import Exists, Field
+from django.db.models import Exists, Field, QuerySet
+from django.db.models.expressions import RawSQL
 
 from costs_app.budgets import session_limit_reached
+from sessions_app import history_cache
 from sessions_app.adapters import AdapterReply
 from sessions_app.context import SUMMARY_KINDS, ContextSettings, read_as_turns, rotation_due
+from sessions_app.history_cache import HISTORY_KEY_SQL
 from sessions_app.hot_sql import (
     CompiledLookup,
     CompiledStatement,
@@ -28,6 +31,7 @@ from sessions_app.models import (
     Agent,
     AgentSession,
     HeartbeatRun,
+    HistoryField,
     HistoryStore,
     SessionStatus,
 )
@@ -134,18 +138,65 @@ def retire_reason(
     return ""
 
 
+def _live_sessions(agent_id) -> QuerySet:
+    return AgentSession.objects.filter(agent_id=agent_id, status__in=LIVE_SESSION_STATUSES).order_by("pk")
+
+
+def _live_sessions_unless_kept(agent_id, *, kept_key: str) -> QuerySet:
+    """PostgreSQL: the same, the history left out of a row whose key is `kept_key`."""
+    history = RawSQL(  # noqa: S611 (our own SQL, the key a parameter)
+        f'CASE WHEN {HISTORY_KEY_SQL} = %s THEN NULL ELSE "agent_sessions"."history" END',
+        [kept_key],
+        output_field=HistoryField(),
+    )
+    return _live_sessions(agent_id).defer("history").annotate(history_unless_kept=history)
+
+
 # The agent's live session (at most one: sessions_one_live_per_agent), its query compiled
 # once per connection: every persistent heartbeat reads it.
-LIVE_SESSION = CompiledLookup(
-    lambda agent_id: AgentSession.objects.filter(agent_id=agent_id, status__in=LIVE_SESSION_STATUSES).order_by("pk")
-)
+LIVE_SESSION = CompiledLookup(_live_sessions)
+LIVE_SESSION_UNLESS_KEPT = CompiledLookup(_live_sessions_unless_kept, texts=("kept_key",))
+
+
+class LiveSessionRead:
+    """One read of the agent's live session. On PostgreSQL, when this process keeps the
+    history its last heartbeat wrote (`sessions_app.history_cache`), the server sends the
+    row's history only if the row no longer holds that one; the instance has its history
+    either way."""
+
+    def __init__(self, agent_id) -> None:
+        self.agent_id = agent_id
+        self.kept = history_cache.kept(agent_id) if connection.vendor == "postgresql" else None
+
+    def statement(self) -> tuple[str, list]:
+        """The read's SQL and parameters, to run alongside others (`hot_sql.write_then_read`)."""
+        if self.kept is None:
+            return LIVE_SESSION.statement(self.agent_id)
+        return LIVE_SESSION_UNLESS_KEPT.statement(self.agent_id, kept_key=self.kept.key)
+
+    def session(self, rows: list) -> AgentSession | None:
+        """The live session in `rows` (the statement's), None when there was none."""
+        if self.kept is None:
+            return LIVE_SESSION.first_of(rows)
+        live = LIVE_SESSION_UNLESS_KEPT.first_of(rows)
+        if live is not None:
+            from_row = live.__dict__.pop("history_unless_kept")
+            # The key the server compared, compared again on the row it sent.
+            unchanged = history_cache.key_of(live.pk, live.history_rev) == self.kept.key
+            live.history = list(self.kept.history) if unchanged else from_row
+        return live
+
+    def first(self) -> AgentSession | None:
+        with connection.cursor() as cursor:
+            cursor.execute(*self.statement())
+            return self.session(cursor.fetchall())
 
 
 def live_session_of(run: HeartbeatRun, *, agent: Agent) -> AgentSession | None:
     """The agent's live session: as the run's claim read it, once (`run_queue.claim_run`),
     or read now."""
     read, run.live_session_read = run.live_session_read, None
-    return read.row if read is not None else LIVE_SESSION.first(agent.pk)
+    return read.row if read is not None else LiveSessionRead(agent.pk).first()
 
 
 def idle_pause(agent: Agent) -> timedelta:
@@ -243,7 +294,10 @@ def _repairs(live: AgentSession, *, agent: Agent, history: list) -> dict:
         repairs["adapter_type"] = agent.adapter_type
     if live.store == HistoryStore.DATABASE and live.message_count != len(history):
         repairs["message_count"] = len(history)
-    numbered = live.archived_message_count + sum(1 for m in history if m.get("kind") not in SUMMARY_KINDS)
-    if live.next_seq < numbered:
-        repairs["next_seq"] = numbered
+    # Nothing numbered outnumbers the archive and the history together: a row at least that
+    # far on needs no count, and its history is not scanned again for it on every heartbeat.
+    if live.next_seq < live.archived_message_count + len(history):
+        numbered = live.archived_message_count + sum(1 for m in history if m.get("kind") not in SUMMARY_KINDS)
+        if live.next_seq < numbered:
+            repairs["next_seq"] = numbered
     return repairs

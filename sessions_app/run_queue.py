@@ -59,7 +59,7 @@ from sessions_app.models import (
     RunStatus,
     RunTrigger,
 )
-from sessions_app.plan import LIVE_SESSION
+from sessions_app.plan import LiveSessionRead
 from sessions_app.text import is_storable, storable
 from sessions_app.work_checks import check_seconds
 
@@ -517,9 +517,10 @@ def claim_run(*, run_id, now: datetime) -> tuple[HeartbeatRun, bool]:
     }
     try:
         if not capped and _plan_reads_at_once(agent):
-            claimed, live_rows = write_then_read(claim.statement(**values), LIVE_SESSION.statement(agent.pk))
+            live = LiveSessionRead(agent.pk)
+            claimed, live_rows = write_then_read(claim.statement(**values), live.statement())
             if claimed and live_rows is not None:
-                run.live_session_read = ReadAhead(LIVE_SESSION.first_of(live_rows))
+                run.live_session_read = ReadAhead(live.session(live_rows))
         else:
             # One statement is its own transaction; only inside a caller's transaction does
             # the refusal need a savepoint to leave that transaction usable.

@@ -138,11 +138,13 @@ def test_the_compiled_turn_writes_the_turn_and_the_outcome_it_was_given(
         **outcome_values(run_id=run.id, outcome=outcome_of(session, cost=Decimal("0.0000123456"), report=None, at=at)),
     }
 
-    written, _ = turn_and_outcome_run(TURN_AND_OUTCOME.statement(**values))
+    written, _, history_rev = turn_and_outcome_run(TURN_AND_OUTCOME.statement(**values))
 
     assert written is True
     after = AgentSession.objects.get(pk=session.pk)
     assert after.history == session.history + new
+    # Appending moved the history's revision (the database's trigger), and the statement says to what.
+    assert after.history_rev == session.history_rev + 1 == history_rev
     assert (after.message_count, after.next_seq, after.turn_count) == (
         session.message_count + 2,
         session.next_seq + 2,
@@ -152,4 +154,4 @@ def test_the_compiled_turn_writes_the_turn_and_the_outcome_it_was_given(
     run.refresh_from_db()
     assert (run.status, run.session_id, run.cost_usd) == (RunStatus.SUCCEEDED, session.pk, Decimal("0.0000123456"))
     # The same values again: the session no longer holds what they were read from.
-    assert turn_and_outcome_run(TURN_AND_OUTCOME.statement(**values)) == (False, None)
+    assert turn_and_outcome_run(TURN_AND_OUTCOME.statement(**values)) == (False, None, None)
