@@ -68,9 +68,7 @@ def test_a_persistent_heartbeat_keeps_the_history_it_wrote_and_the_next_one_is_n
     assert len(stored.history) == 6
 
 
-def test_a_history_edited_between_two_heartbeats_is_read_from_the_row(
-    postgres_only, persistent_agent, fake_anthropic
-):
+def test_a_history_edited_between_two_heartbeats_is_read_from_the_row(postgres_only, persistent_agent, fake_anthropic):
     beat(persistent_agent, "one")
     beat(persistent_agent, "two")
     session = AgentSession.objects.get(agent=persistent_agent)
@@ -90,9 +88,7 @@ def test_a_history_edited_while_the_model_answers_is_not_kept_as_the_commit_saw_
     beat(persistent_agent, "one")
     beat(persistent_agent, "two")
     session = AgentSession.objects.get(agent=persistent_agent)
-    edit = on_own_connection(
-        lambda: AgentSession.objects.filter(pk=session.pk).update(history=edited(session.history))
-    )
+    edit = on_own_connection(lambda: AgentSession.objects.filter(pk=session.pk).update(history=edited(session.history)))
     fake_anthropic.push(Reply.during(edit))
 
     assert beat(persistent_agent, "three").status == RunStatus.SUCCEEDED
