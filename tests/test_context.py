@@ -18,6 +18,7 @@ from sessions_app.context import (
     estimate_tokens,
     input_tokens_bound,
     model_window,
+    replayed_messages,
     request_tokens_bound,
     summary_input_chars,
 )
@@ -212,3 +213,25 @@ def test_the_input_bound_holds_what_the_api_adds_for_the_tools_offered():
         request_tokens_bound(replace(plain, tools=[memory]))
         == sent([memory]) + TOOL_USE_SYSTEM_PROMPT_TOKENS + ANTHROPIC_TOOL_TOKENS
     )
+
+
+def test_a_history_replayed_again_with_turns_added_has_only_its_new_turns_made_again():
+    history = [
+        {"role": "user", "content": "first", "seq": 0},
+        {"role": "assistant", "content": [{"type": "text", "text": " "}], "seq": 1},  # replayed as "(no content)"
+    ]
+    first = replayed_messages(history)
+    longer = [*history, {"role": "user", "content": "second", "seq": 2}]
+
+    again = replayed_messages(longer)
+
+    assert again[0] is first[0] and again[1] is first[1]
+    assert again == [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "(no content)"},
+        {"role": "user", "content": "second"},
+    ]
+    # The same first message, then another: the rest is made from the history given.
+    other = [history[0], {"role": "assistant", "content": "another", "seq": 1}]
+    assert replayed_messages(other)[1] == {"role": "assistant", "content": "another"}
+    assert replayed_messages(history)[1] == {"role": "assistant", "content": "(no content)"}
