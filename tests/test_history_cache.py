@@ -120,3 +120,17 @@ def test_a_value_is_kept_as_a_jsonb_column_gives_it_back(postgres_only):
         (returned,) = cursor.fetchone()
 
     assert json.dumps(history_cache.as_stored(value)) == json.dumps(json.loads(returned))
+
+
+def test_a_history_kept_longer_than_its_age_is_dropped(postgres_only, monkeypatch, persistent_agent, fake_anthropic):
+    beat(persistent_agent, "one")
+    beat(persistent_agent, "two")
+    assert history_cache.kept(persistent_agent.pk) is not None
+
+    with monkeypatch.context() as patched:
+        patched.setattr(history_cache, "MAX_AGE_SECONDS", -1)  # every entry is older than that
+        assert history_cache.kept(persistent_agent.pk) is None
+    assert history_cache.kept(persistent_agent.pk) is None  # dropped, not hidden
+    run = beat(persistent_agent, "three")
+    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error)
+    assert len(sent_history(fake_anthropic)) == 4  # read from the row
