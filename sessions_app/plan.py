@@ -16,6 +16,7 @@ from django.db.models import Exists, Field, QuerySet
 from django.db.models.expressions import RawSQL
 
 from costs_app.budgets import session_limit_reached
+from paperclip.telemetry import annotate
 from sessions_app import history_cache
 from sessions_app.adapters import AdapterReply
 from sessions_app.context import SUMMARY_KINDS, ContextSettings, read_as_turns, rotation_due
@@ -184,6 +185,7 @@ class LiveSessionRead:
             # The key the server compared, compared again on the row it sent.
             unchanged = history_cache.key_of(live.pk, live.history_rev) == self.kept.key
             live.history = list(self.kept.history) if unchanged else from_row
+            annotate(history_kept=unchanged)  # on the step's span: how often a kept history serves
         return live
 
     def first(self) -> AgentSession | None:

@@ -171,3 +171,27 @@ def test_django_requests_and_their_queries_are_traced_by_the_official_instrument
     assert any(span.attributes.get("db.system") or span.attributes.get("db.system.name") for span in queries), [
         (span.name, dict(span.attributes)) for span in spans
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_step_that_read_a_session_says_whether_a_kept_history_served(
+    postgres_only, traced, fake_anthropic, persistent_agent
+):
+    from sessions_app import history_cache
+    from sessions_app.models import AgentSession
+
+    exporter, _ = traced
+    history_cache.forget_all()
+    beat(persistent_agent, "one")
+    beat(persistent_agent, "two")  # keeps the history it wrote
+
+    def kept_on_the_claim() -> object:
+        exporter.clear()
+        beat(persistent_agent, "next")
+        _, spans = heartbeat_trace(exporter)
+        claim = next(span for span in spans if span.name == "claim")
+        return claim.attributes.get("paperclip.history_kept")
+
+    assert kept_on_the_claim() is True
+    AgentSession.objects.filter(agent=persistent_agent).update(history=[])  # an operator's clear
+    assert kept_on_the_claim() is False
