@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from datetime import datetime, timedelta
 from django.utils import timezone
 
 from costs_app.catalogue import catalogue
+from paperclip.recently_used import RecentlyUsed
 from sessions_app.adapters import AdapterError, AdapterRequest
 from sessions_app.errors import HistoryUnavailable
 from sessions_app.history_json import json_length, json_size
@@ -217,41 +216,30 @@ def is_blank_text(block) -> bool:
     return isinstance(block, dict) and block.get("type") == "text" and not str(block.get("text") or "").strip()
 
 
-class _ReplayedHistories:
-    """The request's form of the histories this process replayed last, so that a history
-    replayed again with turns added (a persistent session's next heartbeat: the same
-    message objects, `sessions_app.history_cache`) has only its new turns made again.
-
-    Keyed by the identity of each history's first message and checked message by message
-    by identity: the messages kept here are referenced, so no other object can have their
-    identity, and neither a history nor a request's message is ever changed in place."""
-
-    KEPT = 16
-
-    def __init__(self) -> None:
-        self._entries: OrderedDict[int, tuple[list, list]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __call__(self, history: list) -> list:
-        if not history:
-            return []
-        with self._lock:
-            sources, replayed = self._entries.get(id(history[0]), ((), ()))
-        same = len(sources) <= len(history) and all(a is b for a, b in zip(sources, history, strict=False))
-        done = len(sources) if same else 0
-        messages = [
-            *replayed[:done],
-            *({"role": m["role"], "content": replayable(m["content"])} for m in history[done:]),
-        ]
-        with self._lock:
-            self._entries[id(history[0])] = (list(history), messages)
-            self._entries.move_to_end(id(history[0]))
-            while len(self._entries) > self.KEPT:
-                self._entries.popitem(last=False)
-        return list(messages)
+# The id of a history's first message -> that history and its messages as a request sends them.
+_replayed = RecentlyUsed(lambda: 16)
 
 
-replayed_messages = _ReplayedHistories()
+def replayed_messages(history: list) -> list:
+    """`history`'s messages as a request replays them. A history replayed again with turns
+    added (a persistent session's next heartbeat: the same message objects,
+    `sessions_app.history_cache`) has only its new turns made again.
+
+    What was made is kept by the identity of each history's first message and checked
+    message by message by identity: the messages kept are referenced, so no other object
+    can have their identity, and neither a history nor a request's message is ever changed
+    in place."""
+    if not history:
+        return []
+    sources, replayed = _replayed.get(id(history[0])) or ((), ())
+    same = len(sources) <= len(history) and all(a is b for a, b in zip(sources, history, strict=False))
+    done = len(sources) if same else 0
+    messages = [
+        *replayed[:done],
+        *({"role": m["role"], "content": replayable(m["content"])} for m in history[done:]),
+    ]
+    _replayed.put(id(history[0]), (list(history), messages))
+    return list(messages)
 
 
 def build_request(

@@ -27,13 +27,13 @@ history under a key a worker kept: restore with the workers stopped (docs/operat
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from decimal import Decimal
 
 from django.conf import settings
+
+from paperclip.recently_used import RecentlyUsed
 
 # A row's key, as `key_of` writes it.
 HISTORY_KEY_SQL = '"agent_sessions"."id"::text || \':\' || "agent_sessions"."history_rev"::text'
@@ -49,8 +49,8 @@ class Kept:
     kept_at: float
 
 
-_entries: OrderedDict = OrderedDict()  # agent id -> Kept, least recently used first
-_lock = threading.Lock()
+# Agent id -> Kept.
+_kept = RecentlyUsed(lambda: settings.PAPERCLIP_HISTORY_CACHE_SESSIONS)
 
 
 def key_of(session_id, history_rev: int) -> str:
@@ -59,32 +59,20 @@ def key_of(session_id, history_rev: int) -> str:
 
 def kept(agent_id) -> Kept | None:
     """The history kept for the agent's live session, if any."""
-    with _lock:
-        entry = _entries.get(agent_id)
-        if entry is None:
-            return None
-        if time.monotonic() - entry.kept_at > MAX_AGE_SECONDS:
-            del _entries[agent_id]
-            return None
-        _entries.move_to_end(agent_id)
-        return entry
+    entry = _kept.get(agent_id)
+    if entry is not None and time.monotonic() - entry.kept_at > MAX_AGE_SECONDS:
+        _kept.pop(agent_id)
+        return None
+    return entry
 
 
 def keep(agent_id, *, session_id, history_rev: int, history: list) -> None:
     """Keep `history` (already `as_stored`) as the agent's session holds it at `history_rev`."""
-    limit = settings.PAPERCLIP_HISTORY_CACHE_SESSIONS
-    if not limit:
-        return
-    with _lock:
-        _entries[agent_id] = Kept(key_of(session_id, history_rev), history, time.monotonic())
-        _entries.move_to_end(agent_id)
-        while len(_entries) > limit:
-            _entries.popitem(last=False)
+    _kept.put(agent_id, Kept(key_of(session_id, history_rev), history, time.monotonic()))
 
 
 def forget_all() -> None:
-    with _lock:
-        _entries.clear()
+    _kept.clear()
 
 
 def as_stored(value):

@@ -14,8 +14,9 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from paperclip import telemetry
+from sessions_app import history_cache
 from sessions_app.adapters.claude_cli import cli_environment
-from sessions_app.models import RunStatus
+from sessions_app.models import AgentSession, RunStatus
 from tests.conftest import REPORTER, beat, process_agent
 from tests.test_claude_cli_adapter import cli_agent, workspace
 
@@ -177,9 +178,6 @@ def test_django_requests_and_their_queries_are_traced_by_the_official_instrument
 def test_the_step_that_read_a_session_says_whether_a_kept_history_served(
     postgres_only, traced, fake_anthropic, persistent_agent
 ):
-    from sessions_app import history_cache
-    from sessions_app.models import AgentSession
-
     exporter, _ = traced
     history_cache.forget_all()
     beat(persistent_agent, "one")
